@@ -1,0 +1,1 @@
+"""The mlxspec terminal chat (Textual). Started by ``mlxspec chat``."""
