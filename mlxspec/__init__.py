@@ -1,0 +1,34 @@
+"""mlxspec: lossless speculative decoding for LLMs with MLX.
+
+    from mlxspec import load, generate, SamplingParams
+    model, tokenizer = load("default")
+    result = generate(model, tokenizer, "Hello", drafter="ngram", sampling=SamplingParams(temp=0.7))
+"""
+
+from __future__ import annotations
+
+from .drafters import Draft, Drafter, make_drafter
+from .generate import GenerationResult, generate, stream_generate
+from .metrics import CycleStats, GenerationStats, TokenEvent
+from .sampling import SamplingParams
+
+__all__ = [
+    "CycleStats",
+    "Draft",
+    "Drafter",
+    "GenerationResult",
+    "GenerationStats",
+    "SamplingParams",
+    "TokenEvent",
+    "generate",
+    "load",
+    "make_drafter",
+    "stream_generate",
+]
+
+
+def load(spec: str, *, dtype: str | None = None):
+    """Load a model and tokenizer; see ``mlxspec.loading.load``."""
+    from .loading import load as _load
+
+    return _load(spec, dtype=dtype)

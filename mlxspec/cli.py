@@ -1,0 +1,36 @@
+"""The ``mlxspec`` command: dispatches to one subcommand module, imported only when named."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+SUBCOMMANDS = {
+    "generate": ("mlxspec.commands.generate", "generate text with speculative decoding"),
+    "chat": ("mlxspec.commands.chat", "terminal chat that shows speculation as it happens"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: mlxspec <command> [options]", "", "commands:"]
+    lines += [f"  {name:<10} {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
+    lines += ["", "Run 'mlxspec <command> --help' for a command's options."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``mlxspec`` console script and ``python -m mlxspec``.
+
+    Returns:
+        int: The process exit status.
+    """
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name not in SUBCOMMANDS:
+        print(f"mlxspec: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(SUBCOMMANDS[name][0])
+    return module.main(rest)

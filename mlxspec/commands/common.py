@@ -1,0 +1,110 @@
+"""Flags and set-up shared by ``mlxspec generate`` and ``mlxspec chat``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+
+from ..drafters import DRAFTERS, Drafter, make_drafter
+from ..drafters.ngram import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM
+from ..generate import DEFAULT_MAX_TOKENS, DEFAULT_NUM_DRAFT_TOKENS
+from ..sampling import SamplingParams
+
+DTYPES = ("float32", "float16", "bfloat16")
+#: Errors a user can cause (bad files, bad flags); printed as one line, never a traceback.
+USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, PermissionError)
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    """``--model``, ``--draft-model``, ``--drafter``, γ, n-gram sizes and dtypes."""
+    parser.add_argument("--model", default="default",
+                        help="target: an mlx-lm folder, a Hugging Face repo id, a .gguf file, or "
+                             "'default' (SmolLM2-135M-Instruct). Default: default")
+    parser.add_argument("--draft-model", default=None,
+                        help="draft model (same kinds of spec as --model); must share the target's tokenizer")
+    parser.add_argument("--drafter", choices=DRAFTERS, default=None,
+                        help="how tokens are proposed. Default: draft with --draft-model, else ngram")
+    parser.add_argument("--num-draft-tokens", type=int, default=DEFAULT_NUM_DRAFT_TOKENS,
+                        help=f"γ, tokens drafted per round; 0 = plain decoding. Default: {DEFAULT_NUM_DRAFT_TOKENS}")
+    parser.add_argument("--ngram-min", type=int, default=DEFAULT_MIN_NGRAM,
+                        help=f"shortest suffix the n-gram drafter matches. Default: {DEFAULT_MIN_NGRAM}")
+    parser.add_argument("--ngram-max", type=int, default=DEFAULT_MAX_NGRAM,
+                        help=f"longest suffix the n-gram drafter matches. Default: {DEFAULT_MAX_NGRAM}")
+    parser.add_argument("--dtype", choices=DTYPES, default=None,
+                        help="load the target in this float dtype (dequantizes a quantized model). "
+                             "Default: as stored")
+    parser.add_argument("--draft-dtype", choices=DTYPES, default=None,
+                        help="the same for the draft model. Default: as stored")
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    """Sampling flags, named as in ``mlx_lm.generate``."""
+    parser.add_argument("--max-tokens", "-m", type=int, default=DEFAULT_MAX_TOKENS,
+                        help=f"most tokens to generate. Default: {DEFAULT_MAX_TOKENS}")
+    parser.add_argument("--temp", type=float, default=0.0, help="sampling temperature; 0 = greedy. Default: 0")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]. Default: 1")
+    parser.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 = off. Default: 0")
+    parser.add_argument("--min-p", type=float, default=0.0, help="min-p filter in [0, 1); 0 = off. Default: 0")
+    parser.add_argument("--repetition-penalty", type=float, default=None,
+                        help="mlx-lm's repetition penalty (> 0; 1 = off). Default: off")
+    parser.add_argument("--seed", type=int, default=None, help="random seed. Default: none")
+
+
+def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
+    """Validated ``SamplingParams`` from the parsed flags (raises ``ValueError``)."""
+    return SamplingParams(temp=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                          repetition_penalty=args.repetition_penalty)
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Reject absurd numbers before any model is loaded.
+
+    Raises:
+        ValueError: naming the flag and the allowed range.
+    """
+    if args.num_draft_tokens < 0:
+        raise ValueError(f"--num-draft-tokens must be >= 0, got {args.num_draft_tokens}")
+    if args.max_tokens < 1:
+        raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    sampling_from_args(args)
+    make_drafter("ngram", min_ngram=args.ngram_min, max_ngram=args.ngram_max)
+    if args.drafter == "draft" and args.draft_model is None:
+        raise ValueError("--drafter draft needs a draft model: pass --draft-model PATH_OR_REPO")
+
+
+@dataclass
+class LoadedModels:
+    """The target, its tokenizer, the drafter, and display names."""
+
+    model: object
+    tokenizer: object
+    drafter: Drafter
+    model_name: str
+    draft_name: str | None
+
+
+def load_models(args: argparse.Namespace) -> LoadedModels:
+    """Load the target (and draft model) named by the flags and build the drafter.
+
+    Raises:
+        ValueError, FileNotFoundError: for bad specs or mismatched tokenizers.
+    """
+    from ..loading import describe, load
+
+    model, tokenizer = load(args.model, dtype=args.dtype)
+    kind = args.drafter or ("draft" if args.draft_model else "ngram")
+    draft_model = draft_tokenizer = draft_name = None
+    if kind == "draft":
+        draft_model, draft_tokenizer = load(args.draft_model, dtype=args.draft_dtype)
+        draft_name = describe(args.draft_model, draft_model)
+    drafter = make_drafter(kind, target=model, tokenizer=tokenizer,
+                           draft_model=draft_model, draft_tokenizer=draft_tokenizer,
+                           min_ngram=args.ngram_min, max_ngram=args.ngram_max)
+    return LoadedModels(model, tokenizer, drafter, describe(args.model, model), draft_name)
+
+
+def fail(message: str) -> int:
+    """Print a one-line error and return the exit status for user errors."""
+    print(f"mlxspec: error: {message}", file=sys.stderr)
+    return 2

@@ -1,0 +1,109 @@
+"""``mlxspec generate``: stream one answer with speculative decoding, then its stats."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ..generate import stream_generate
+from ..metrics import GenerationStats, TokenEvent
+from .common import (
+    USER_ERRORS,
+    add_model_args,
+    add_sampling_args,
+    check_args,
+    fail,
+    load_models,
+    sampling_from_args,
+)
+
+
+def setup_arg_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mlxspec generate",
+        description="Generate text with lossless speculative decoding (output distributed exactly as the target's).",
+    )
+    add_model_args(parser)
+    parser.add_argument("--prompt", "-p", default=None,
+                        help="the prompt; '-' or omitted reads it from standard input")
+    parser.add_argument("--system", default=None, help="system prompt for the chat template")
+    parser.add_argument("--no-chat-template", action="store_true",
+                        help="feed the prompt as raw text instead of through the chat template")
+    add_sampling_args(parser)
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON record (text and every stat) instead of streaming")
+    return parser
+
+
+def build_prompt(tokenizer, prompt: str, system: str | None, use_chat_template: bool) -> str | list[int]:
+    """The chat-templated prompt ids, or the raw text when there is no template or it is turned off."""
+    if not use_chat_template or not tokenizer.has_chat_template:
+        return prompt
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+
+
+def format_stats(stats: GenerationStats) -> str:
+    """The human-readable stats block printed after the answer."""
+    per_position = " ".join(f"{rate:.2f}" for rate in stats.acceptance_per_position) or "-"
+    lines = [
+        "=" * 10,
+        f"Prompt: {stats.prompt_tokens} tokens, {stats.prompt_tps:.1f} tokens/s",
+        f"Generation: {stats.generation_tokens} tokens, {stats.generation_tps:.1f} tokens/s "
+        f"(finish: {stats.finish_reason})",
+        f"Drafter: {stats.drafter}, γ = {stats.num_draft_tokens}; cycles: {stats.cycles}",
+        f"Acceptance: α = {stats.alpha:.3f}, τ = {stats.tau:.2f} tokens/cycle",
+        f"Acceptance per draft position: {per_position}",
+        f"Time: draft {stats.draft_s:.2f} s, verify {stats.verify_s:.2f} s",
+        f"Peak memory: {stats.peak_memory_gb:.3f} GB",
+    ]
+    return "\n".join(lines)
+
+
+def _read_prompt(args) -> str:
+    if args.prompt is not None and args.prompt != "-":
+        return args.prompt
+    if args.prompt is None and sys.stdin.isatty():
+        raise ValueError("no prompt: pass --prompt TEXT or pipe it on standard input")
+    return sys.stdin.read()
+
+
+def run(args: argparse.Namespace) -> int:
+    check_args(args)
+    prompt_text = _read_prompt(args)
+    loaded = load_models(args)
+    prompt = build_prompt(loaded.tokenizer, prompt_text, args.system, not args.no_chat_template)
+    events = stream_generate(
+        loaded.model, loaded.tokenizer, prompt, drafter=loaded.drafter,
+        num_draft_tokens=args.num_draft_tokens, max_tokens=args.max_tokens,
+        sampling=sampling_from_args(args), seed=args.seed,
+    )
+    text = []
+    for event in events:
+        if isinstance(event, TokenEvent):
+            text.append(event.text)
+            if not args.json:
+                print(event.text, end="", flush=True)
+        elif isinstance(event, GenerationStats):
+            stats = event
+    if args.json:
+        record = {"model": loaded.model_name, "draft_model": loaded.draft_name, "text": "".join(text),
+                  "temp": args.temp, "seed": args.seed, **stats.to_dict()}
+        print(json.dumps(record))
+    else:
+        print()
+        print(format_stats(stats), file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``mlxspec generate``; returns the exit status (2 on a user error)."""
+    args = setup_arg_parser().parse_args(argv)
+    try:
+        return run(args)
+    except USER_ERRORS as e:
+        return fail(str(e))
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130

@@ -1,0 +1,82 @@
+"""The drafter interface: anything that proposes tokens for the target to verify."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from ..sampling import SamplingParams
+
+
+@dataclass
+class Draft:
+    """Proposed tokens as a tree over the root (the last committed token).
+
+    A chain is the tree whose node ``i`` has parent ``i - 1``; the tree drafters
+    (Medusa, EAGLE) use the same record with branching ``parents``.
+
+    Attributes:
+        tokens (mx.array): Drafted ids, shape [N], int32; may be lazy (the round's
+            one sync evaluates it with the verification result).
+        parents (tuple[int, ...]): Parent node of each node, ``-1`` for the root. Shape [N].
+        logprobs (mx.array | None): log q that each node's token was drawn from,
+            shape [N, V], float32 over the target's vocabulary. ``None`` means the
+            proposal is deterministic (q one-hot on the drafted token).
+    """
+
+    tokens: mx.array
+    parents: tuple[int, ...]
+    logprobs: mx.array | None = None
+
+    @classmethod
+    def chain(cls, tokens: mx.array | list[int], logprobs: mx.array | None = None) -> "Draft":
+        """A chain draft: each token follows the previous one."""
+        tokens = mx.array(tokens, dtype=mx.int32) if isinstance(tokens, list) else tokens
+        return cls(tokens, tuple(range(-1, tokens.shape[0] - 1)), logprobs)
+
+    @classmethod
+    def empty(cls) -> "Draft":
+        return cls.chain([])
+
+    @property
+    def size(self) -> int:
+        return len(self.parents)
+
+    @property
+    def is_chain(self) -> bool:
+        return all(parent == i - 1 for i, parent in enumerate(self.parents))
+
+
+class Drafter(ABC):
+    """Proposes tokens each round; told afterwards what the target kept.
+
+    The engine calls ``prefill`` once per prompt, then per round ``propose`` and
+    ``commit``. ``history`` is always the committed sequence (prompt + output);
+    its last token is the root the draft grows from.
+    """
+
+    name: str = "drafter"
+    #: Whether ``propose`` returns lazy arrays whose work happens on the device.
+    lazy: bool = False
+
+    def prefill(self, prompt: list[int]) -> None:
+        """Take in the prompt before the first round. Default: nothing."""
+
+    @abstractmethod
+    def propose(self, history: list[int], num_draft_tokens: int, sampling: SamplingParams) -> Draft:
+        """Propose up to ``num_draft_tokens`` tokens after ``history``."""
+
+    def commit(self, num_committed: int, num_accepted: int) -> None:
+        """After verification: ``history`` now has ``num_committed`` tokens, of which
+        the first ``num_accepted`` of this round's draft were kept. Default: nothing."""
+
+
+class NoDrafter(Drafter):
+    """Plain decoding through the speculative loop: nothing is ever drafted."""
+
+    name = "none"
+
+    def propose(self, history, num_draft_tokens, sampling):
+        return Draft.empty()

@@ -1,0 +1,118 @@
+"""An independent draft model: a small LM with the target's tokenizer.
+
+Leviathan et al. 2023 (arXiv 2211.17192), section 2.3: the draft model samples
+γ tokens autoregressively from q (the same warp as the target's p), keeping
+q for the rejection sampler. At temperature 0 it drafts greedily (q one-hot).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import make_prompt_cache
+
+from ..cache import check_rewindable, prefill, trim
+from ..sampling import SamplingParams, process_logits, sample
+from .base import Draft, Drafter
+
+
+def check_same_tokenizer(target_tokenizer, draft_tokenizer) -> None:
+    """Refuse a draft model whose tokenizer differs from the target's.
+
+    Vocabularies must map the same strings to the same ids; sizes may differ
+    only by padding rows of the embedding, which is checked separately.
+
+    Raises:
+        ValueError: naming the first token that differs.
+    """
+    target_vocab, draft_vocab = target_tokenizer.get_vocab(), draft_tokenizer.get_vocab()
+    if target_vocab == draft_vocab:
+        return
+    differing = sorted(
+        (set(target_vocab.items()) ^ set(draft_vocab.items())), key=lambda item: item[1]
+    )
+    token, token_id = differing[0]
+    raise ValueError(
+        f"draft model tokenizer differs from the target's ({len(draft_vocab)} vs {len(target_vocab)} "
+        f"tokens; first difference: {token!r} -> id {token_id}); use a draft model from the "
+        "same family as the target, or --drafter ngram"
+    )
+
+
+def logits_width(model: nn.Module) -> int:
+    """V, the width of a model's logits (its config's vocab size, or one probe forward)."""
+    size = getattr(getattr(model, "args", None), "vocab_size", None)
+    return size if size else model(mx.array([[0]]))[0].shape[-1]
+
+
+class DraftModelDrafter(Drafter):
+    """Drafts with a small mlx-lm model that shares the target's tokenizer.
+
+    Its KV cache holds a prefix of the committed tokens; each round feeds the
+    committed tokens it has not seen (the root, plus the last draft when every
+    draft was accepted), then drafts one token per forward.
+
+    Args:
+        model: The draft model (any mlx-lm model with a trimmable KV cache).
+        vocab_size: Target logits width V; draft logits are cut or ``-inf``-padded to it.
+        num_real_tokens: Size of the tokenizer's vocabulary; ids at or above it are
+            embedding padding and are never drafted.
+
+    Raises:
+        ValueError: if the draft model's cache cannot be rewound.
+    """
+
+    name = "draft"
+    lazy = True
+
+    def __init__(self, model: nn.Module, vocab_size: int, num_real_tokens: int):
+        self.model = model
+        self.vocab_size = vocab_size
+        self.num_real_tokens = min(num_real_tokens, vocab_size)
+        self.cache = make_prompt_cache(model)
+        check_rewindable(self.cache, role="draft")
+        self._num_cached = 0  # committed tokens in the cache
+        self._round_start = 0  # committed tokens when the last round was proposed
+
+    def prefill(self, prompt):
+        self.cache = make_prompt_cache(self.model)
+        prefill(self.model, self.cache, prompt[:-1])
+        self._num_cached = len(prompt) - 1
+
+    def _fit_vocab(self, logits: mx.array) -> mx.array:
+        """[T, V_draft] → [T, V_target], padding ids masked."""
+        V = self.vocab_size
+        logits = logits[:, :V]
+        if logits.shape[1] < V:
+            pad = mx.full((logits.shape[0], V - logits.shape[1]), -mx.inf, dtype=logits.dtype)
+            logits = mx.concatenate([logits, pad], axis=1)
+        if self.num_real_tokens < V:
+            logits = mx.where(mx.arange(V) < self.num_real_tokens, logits, -mx.inf)
+        return logits
+
+    def propose(self, history, num_draft_tokens, sampling: SamplingParams):
+        processors = sampling.processors()
+        context = mx.array(history, dtype=mx.int32)
+        inputs = context[self._num_cached :]
+        tokens, logprobs = [], []
+        for _ in range(num_draft_tokens):
+            logits = self._fit_vocab(self.model(inputs[None], cache=self.cache)[0, -1:])
+            if processors:
+                logits = process_logits(logits, mx.concatenate([context, *tokens]), None, processors)
+            token, token_logprobs = sample(logits, sampling)
+            mx.async_eval(token)
+            tokens.append(token)
+            logprobs.append(token_logprobs)
+            inputs = token
+        self._round_start = len(history)
+        if not tokens:
+            return Draft.empty()
+        q = None if sampling.greedy else mx.concatenate(logprobs, axis=0)
+        return Draft.chain(mx.concatenate(tokens), q)
+
+    def commit(self, num_committed, num_accepted):
+        # The cache holds history + drafts[:K - 1]; what the target kept of it stays.
+        offset = self.cache[0].offset
+        valid = min(offset, self._round_start + num_accepted, num_committed)
+        trim(self.cache, offset - valid)
+        self._num_cached = valid

@@ -1,0 +1,65 @@
+"""N-gram prompt lookup: draft what followed the last n tokens earlier on.
+
+Saxena 2023, "Prompt Lookup Decoding"; the same idea as vLLM's ``ngram``
+speculator. No model; proposals are deterministic (q is one-hot).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+from .base import Draft, Drafter
+
+DEFAULT_MIN_NGRAM = 1
+DEFAULT_MAX_NGRAM = 4
+
+
+def lookup_continuation(
+    history: np.ndarray, max_tokens: int, min_ngram: int = DEFAULT_MIN_NGRAM, max_ngram: int = DEFAULT_MAX_NGRAM
+) -> np.ndarray:
+    """Find the longest suffix n-gram seen before and return what followed it.
+
+    Tries ``n = max_ngram .. min_ngram``; for the first n whose last-n tokens occur
+    earlier in ``history``, takes the most recent earlier occurrence and returns
+    up to ``max_tokens`` tokens that followed it.
+
+    Args:
+        history (np.ndarray): Committed tokens, shape [L], integer.
+        max_tokens: Most tokens to return.
+        min_ngram, max_ngram: Range of suffix lengths to match.
+
+    Returns:
+        np.ndarray: The continuation, shape [<= max_tokens]; empty when nothing matches.
+    """
+    L = history.shape[0]
+    for n in range(min(max_ngram, L - 1), min_ngram - 1, -1):
+        windows = sliding_window_view(history[:-1], n)  # [L - n, n]: excludes the suffix itself
+        hits = np.flatnonzero((windows == history[-n:]).all(axis=1))
+        if hits.size:
+            start = hits[-1] + n
+            return history[start : start + max_tokens]
+    return history[:0]
+
+
+class NgramDrafter(Drafter):
+    """Prompt-lookup drafter over prompt + output.
+
+    Args:
+        min_ngram: Shortest suffix to match. Default: ``1``.
+        max_ngram: Longest suffix to match (tried first). Default: ``4``.
+
+    Raises:
+        ValueError: if ``1 <= min_ngram <= max_ngram`` does not hold.
+    """
+
+    name = "ngram"
+
+    def __init__(self, min_ngram: int = DEFAULT_MIN_NGRAM, max_ngram: int = DEFAULT_MAX_NGRAM):
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"n-gram sizes need 1 <= min <= max, got min={min_ngram}, max={max_ngram}")
+        self.min_ngram, self.max_ngram = min_ngram, max_ngram
+
+    def propose(self, history, num_draft_tokens, sampling):
+        found = lookup_continuation(np.asarray(history), num_draft_tokens, self.min_ngram, self.max_ngram)
+        return Draft.chain(found.tolist())

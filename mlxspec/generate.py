@@ -1,0 +1,256 @@
+"""The speculative decoding loop: propose → verify → accept → commit → emit.
+
+Leviathan et al. 2023 (arXiv 2211.17192) and Chen et al. 2023 (arXiv 2302.01318).
+Each round the drafter proposes up to γ tokens after the root (the last committed
+token); the target scores ``[root, *draft]`` in one forward; the acceptance rule
+keeps a prefix of the draft and adds one token (resampled on a rejection, bonus
+when every draft survived); the target cache is rewound to the committed tokens.
+A round makes one blocking host sync. With nothing drafted a round is a plain
+decoding step, so ``--drafter none`` runs through the same loop.
+
+Cache invariant: the target cache holds every committed token except the last,
+which is the next round's root (as in ``mlx_lm.generate_step``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Iterator
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import make_prompt_cache
+
+from .cache import DEFAULT_PREFILL_STEP_SIZE, check_rewindable, prefill, trim
+from .drafters import Draft, Drafter, NoDrafter, make_drafter
+from .metrics import CycleStats, GenerationStats, TokenEvent
+from .sampling import SamplingParams, process_logits, warp
+from .verify import verify_greedy, verify_rejection
+
+DEFAULT_NUM_DRAFT_TOKENS = 4
+DEFAULT_MAX_TOKENS = 256
+#: A lazy drafter is timed exactly (one extra sync) on every this-many rounds.
+TIMING_EVERY = 8
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    """What ``generate`` returns.
+
+    Attributes:
+        text: The generated text (stop token excluded).
+        tokens: Committed token ids, including a final stop token.
+        stats: Run totals.
+    """
+
+    text: str
+    tokens: list[int]
+    stats: GenerationStats
+
+
+@dataclass
+class _Round:
+    tokens: list[int]
+    kinds: list[str]
+    stats: CycleStats
+    finish_reason: str | None
+
+
+def encode_prompt(tokenizer, prompt: str | list[int]) -> list[int]:
+    """Token ids for a prompt: ids pass through; text is encoded as ``mlx_lm.generate`` does.
+
+    Raises:
+        ValueError: if the prompt is empty.
+    """
+    if isinstance(prompt, str):
+        bos = getattr(tokenizer, "bos_token", None)
+        add_special = bos is None or not prompt.startswith(bos)
+        prompt = tokenizer.encode(prompt, add_special_tokens=add_special)
+    if len(prompt) == 0:
+        raise ValueError("the prompt is empty; give at least one token of text")
+    return list(prompt)
+
+
+def check_context(model: nn.Module, num_prompt_tokens: int) -> None:
+    """Refuse a prompt that does not fit the model's context window.
+
+    Raises:
+        ValueError: naming both lengths.
+    """
+    limit = getattr(getattr(model, "args", None), "max_position_embeddings", None)
+    if limit and num_prompt_tokens >= limit:
+        raise ValueError(
+            f"the prompt has {num_prompt_tokens} tokens but the model's context is {limit}; "
+            "shorten the prompt"
+        )
+
+
+def _verify(model, cache, history_array, root: int, draft: Draft, sampling: SamplingParams):
+    """One target forward over [root, *draft] and the acceptance rule; all lazy."""
+    inputs = mx.concatenate([mx.array([root], dtype=mx.int32), draft.tokens])
+    logits = model(inputs[None], cache=cache)[0]  # [K + 1, V]
+    logits = process_logits(logits, history_array, draft.tokens, sampling.processors())
+    if sampling.greedy:
+        return verify_greedy(draft.tokens, logits)
+    return verify_rejection(draft.tokens, draft.logprobs, warp(logits, sampling))
+
+
+def _cut_at_stop(tokens: list[int], stop_tokens: set[int], room: int) -> tuple[int, str | None]:
+    """How many of a round's tokens to keep, and why generation ends (if it does)."""
+    for i, token in enumerate(tokens[:room]):
+        if token in stop_tokens:
+            return i + 1, "stop"
+    if len(tokens) >= room:
+        return room, "length"
+    return len(tokens), None
+
+
+def speculative_rounds(
+    model: nn.Module,
+    prompt: list[int],
+    drafter: Drafter,
+    *,
+    num_draft_tokens: int,
+    max_tokens: int,
+    sampling: SamplingParams,
+    stop_tokens: set[int],
+    stats: GenerationStats,
+    prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE,
+) -> Iterator[_Round]:
+    """Run rounds until a stop token or ``max_tokens``; yields each round's committed tokens.
+
+    Updates ``stats`` in place (prefill time, then per round).
+    """
+    cache = make_prompt_cache(model)
+    if num_draft_tokens > 0 and not isinstance(drafter, NoDrafter):
+        check_rewindable(cache)
+    start = time.perf_counter()
+    prefill(model, cache, prompt[:-1], prefill_step_size)
+    drafter.prefill(prompt)
+    stats.prompt_s = time.perf_counter() - start
+    start = time.perf_counter()
+    history = list(prompt)
+    draft_share = None  # measured draft time / round time, for lazy drafters
+    for cycle in range(max_tokens):
+        room = max_tokens - stats.generation_tokens
+        t0 = time.perf_counter()
+        draft = drafter.propose(history, min(num_draft_tokens, room - 1), sampling)
+        timed = drafter.lazy and cycle % TIMING_EVERY == 0
+        if timed:
+            mx.eval(draft.tokens)
+        t1 = time.perf_counter()
+        K = draft.size
+        num_accepted, next_tokens = _verify(model, cache, mx.array(history, dtype=mx.int32), history[-1], draft, sampling)
+        mx.eval(num_accepted, next_tokens, draft.tokens)  # the round's one blocking sync
+        n, drafted = num_accepted.item(), draft.tokens.tolist()
+        tokens = drafted[:n] + [next_tokens.tolist()[n]]
+        kinds = ["accepted"] * n + ["target" if K == 0 else "bonus" if n == K else "resampled"]
+        keep, finish_reason = _cut_at_stop(tokens, stop_tokens, room)
+        trim(cache, K + 1 - keep)
+        history += tokens[:keep]
+        drafter.commit(len(history), min(n, keep))
+        t2 = time.perf_counter()
+        draft_s, verify_s = t1 - t0, t2 - t1
+        if drafter.lazy:
+            if timed:
+                draft_share = draft_s / (t2 - t0)
+            draft_s, verify_s = draft_share * (t2 - t0), (1 - draft_share) * (t2 - t0)
+        round_stats = CycleStats(cycle, K, n, keep, draft_s, verify_s)
+        stats.add_cycle(round_stats)
+        stats.generation_s = time.perf_counter() - start
+        if cycle % 64 == 63:
+            mx.clear_cache()
+        yield _Round(tokens[:keep], kinds[:keep], round_stats, finish_reason)
+        if finish_reason:
+            stats.finish_reason = finish_reason
+            return
+
+
+def stream_generate(
+    model: nn.Module,
+    tokenizer,
+    prompt: str | list[int],
+    *,
+    drafter: Drafter | str = "none",
+    num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS,
+    max_tokens: int = DEFAULT_MAX_TOKENS,
+    sampling: SamplingParams | None = None,
+    seed: int | None = None,
+    stop_tokens: set[int] | None = None,
+    prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE,
+) -> Iterator[TokenEvent | CycleStats | GenerationStats]:
+    """Generate with speculative decoding, streaming what each round commits.
+
+    The output is distributed exactly as plain sampling from the target with the
+    same ``sampling`` (and equals plain greedy decoding at ``temp == 0``).
+
+    Args:
+        model: The target, an mlx-lm model.
+        tokenizer: Its ``mlx_lm`` ``TokenizerWrapper``.
+        prompt: Text (encoded as-is; apply a chat template first if wanted) or ids.
+        drafter: A ``Drafter`` or ``"ngram"`` / ``"none"``. Default: ``"none"``.
+        num_draft_tokens: γ, tokens drafted per round; ``0`` = plain decoding. Default: ``4``.
+        max_tokens: Most tokens to generate. Default: ``256``.
+        sampling: Temperature, filters and logits processors. Default: greedy.
+        seed: Seed for ``mx.random`` (drafting and acceptance draws), or ``None``.
+        stop_tokens: Ids that end generation. Default: the tokenizer's EOS ids.
+        prefill_step_size: Prompt tokens per prefill forward. Default: ``2048``.
+
+    Yields:
+        ``TokenEvent`` per committed token (text deltas never split a multi-byte
+        character), a ``CycleStats`` after each round's tokens, and finally the
+        ``GenerationStats``.
+
+    Raises:
+        ValueError: on an empty or too-long prompt, ``num_draft_tokens < 0``,
+            ``max_tokens < 1``, an unknown drafter name, or a target cache that
+            cannot be rewound while drafting.
+    """
+    if num_draft_tokens < 0:
+        raise ValueError(f"num_draft_tokens must be >= 0, got {num_draft_tokens}")
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    sampling = sampling or SamplingParams()
+    if isinstance(drafter, str):
+        drafter = make_drafter(drafter)
+    if isinstance(drafter, NoDrafter):
+        num_draft_tokens = 0
+    ids = encode_prompt(tokenizer, prompt)
+    check_context(model, len(ids))
+    stop_tokens = set(tokenizer.eos_token_ids) if stop_tokens is None else set(stop_tokens)
+    if seed is not None:
+        mx.random.seed(seed)
+    mx.reset_peak_memory()
+    stats = GenerationStats(drafter=drafter.name, num_draft_tokens=num_draft_tokens, prompt_tokens=len(ids))
+    detokenizer = tokenizer.detokenizer
+    rounds = speculative_rounds(
+        model, ids, drafter, num_draft_tokens=num_draft_tokens, max_tokens=max_tokens,
+        sampling=sampling, stop_tokens=stop_tokens, stats=stats, prefill_step_size=prefill_step_size,
+    )
+    for round_ in rounds:
+        last = len(round_.tokens) - 1
+        for i, (token, kind) in enumerate(zip(round_.tokens, round_.kinds)):
+            if token not in stop_tokens:
+                detokenizer.add_token(token)
+            if round_.finish_reason and i == last:
+                detokenizer.finalize()
+            yield TokenEvent(token, detokenizer.last_segment, kind, round_.stats.cycle)
+        yield round_.stats
+    stats.peak_memory_gb = mx.get_peak_memory() / 1e9
+    yield stats
+
+
+def generate(model: nn.Module, tokenizer, prompt: str | list[int], **kwargs) -> GenerationResult:
+    """Run ``stream_generate`` to the end and collect its text, tokens and stats.
+
+    Takes the same keyword arguments as ``stream_generate`` and raises the same errors.
+    """
+    text, tokens, stats = [], [], None
+    for event in stream_generate(model, tokenizer, prompt, **kwargs):
+        if isinstance(event, TokenEvent):
+            text.append(event.text)
+            tokens.append(event.token)
+        elif isinstance(event, GenerationStats):
+            stats = event
+    return GenerationResult("".join(text), tokens, stats)

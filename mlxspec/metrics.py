@@ -1,0 +1,146 @@
+"""Records the engine yields: per-token events, per-round stats, run totals.
+
+Acceptance rate α = accepted drafts / drafted tokens. Acceptance length τ =
+tokens produced per verify round = accepted + 1 (the resampled or bonus token
+counts), averaged over rounds. Both are counted before a stop token or
+``max_tokens`` cuts the last round short.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+#: Where a committed token came from.
+TOKEN_KINDS = ("accepted", "resampled", "bonus", "target")
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One committed token.
+
+    Attributes:
+        token: Token id.
+        text: Text this token completes; ``""`` when it only starts a multi-byte
+            character (the next token's event carries it) or is a stop token.
+        kind: ``"accepted"`` (a draft the target kept), ``"resampled"`` (drawn from
+            the residual after a rejection), ``"bonus"`` (drawn from p after every
+            draft survived) or ``"target"`` (a plain decoding step, nothing drafted).
+        cycle: Index of the verify round that committed it, from 0.
+    """
+
+    token: int
+    text: str
+    kind: str
+    cycle: int
+
+
+@dataclass(frozen=True)
+class CycleStats:
+    """One verify round.
+
+    Attributes:
+        cycle: Round index, from 0.
+        num_drafted: Tokens proposed (γ for a full chain; fewer when the drafter
+            found nothing or ``max_tokens`` is near).
+        num_accepted: Drafts the target kept.
+        num_emitted: Tokens committed this round after stops (<= num_accepted + 1).
+        draft_s: Seconds spent drafting (estimated for lazy drafters, see ``GenerationStats``).
+        verify_s: Seconds spent in the target forward, acceptance and commit.
+    """
+
+    cycle: int
+    num_drafted: int
+    num_accepted: int
+    num_emitted: int
+    draft_s: float
+    verify_s: float
+
+
+@dataclass
+class GenerationStats:
+    """Totals for one generation.
+
+    Attributes:
+        drafter: Name of the drafter used.
+        num_draft_tokens: γ requested per round.
+        prompt_tokens: Prompt length in tokens.
+        prompt_s: Prefill wall time, seconds.
+        generation_tokens: Tokens committed (including a final stop token).
+        generation_s: Wall time from the end of prefill to the last token, seconds.
+        cycles: Verify rounds run.
+        drafted: Draft tokens proposed, all rounds.
+        accepted: Draft tokens kept, all rounds.
+        drafted_per_position: ``[i]`` = rounds that drafted a token at depth i.
+        accepted_per_position: ``[i]`` = rounds whose draft at depth i was kept.
+        draft_s, verify_s: Time drafting and verifying, seconds. A drafter that runs
+            on the device (a draft model) is timed exactly on every 8th round (an
+            extra sync there) and its share is extrapolated to the others, so the
+            other rounds keep one host sync.
+        finish_reason: ``"stop"`` (a stop token), ``"length"`` (``max_tokens``) or
+            ``None`` while running.
+        peak_memory_gb: Peak device memory, GB.
+    """
+
+    drafter: str = "none"
+    num_draft_tokens: int = 0
+    prompt_tokens: int = 0
+    prompt_s: float = 0.0
+    generation_tokens: int = 0
+    generation_s: float = 0.0
+    cycles: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    drafted_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    finish_reason: str | None = None
+    peak_memory_gb: float = 0.0
+
+    def add_cycle(self, stats: CycleStats) -> None:
+        """Fold one round into the totals."""
+        self.cycles += 1
+        self.drafted += stats.num_drafted
+        self.accepted += stats.num_accepted
+        self.generation_tokens += stats.num_emitted
+        self.draft_s += stats.draft_s
+        self.verify_s += stats.verify_s
+        grow = stats.num_drafted - len(self.drafted_per_position)
+        if grow > 0:
+            self.drafted_per_position += [0] * grow
+            self.accepted_per_position += [0] * grow
+        for i in range(stats.num_drafted):
+            self.drafted_per_position[i] += 1
+            self.accepted_per_position[i] += i < stats.num_accepted
+
+    @property
+    def alpha(self) -> float:
+        """Acceptance rate α = accepted / drafted (0 when nothing was drafted)."""
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tau(self) -> float:
+        """Acceptance length τ = mean tokens per verify round (accepted + 1)."""
+        return (self.accepted + self.cycles) / self.cycles if self.cycles else 0.0
+
+    @property
+    def acceptance_per_position(self) -> list[float]:
+        """``[i]`` = fraction of drafts at depth i that were kept."""
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
+
+    @property
+    def prompt_tps(self) -> float:
+        """Prefill speed, tokens/s."""
+        return self.prompt_tokens / self.prompt_s if self.prompt_s > 0 else 0.0
+
+    @property
+    def generation_tps(self) -> float:
+        """Generation speed, tokens/s."""
+        return self.generation_tokens / self.generation_s if self.generation_s > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        """Every field and derived metric as plain JSON-ready values."""
+        out = dict(self.__dict__)
+        for name in ("alpha", "tau", "acceptance_per_position", "prompt_tps", "generation_tps"):
+            out[name] = getattr(self, name)
+        return out

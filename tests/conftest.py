@@ -1,0 +1,67 @@
+"""Tiny random models and a byte-level tokenizer, seeded per test. Tests never download."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from mlx_lm.models import llama
+from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, TokenizerWrapper
+
+
+def tiny_llama(seed: int = 0, vocab_size: int = 264, hidden_size: int = 64, num_layers: int = 2,
+               dtype=mx.float32, sharpen: float = 1.0) -> nn.Module:
+    """A random llama (2 layers, hidden 64) with float32 weights.
+
+    ``sharpen`` scales the LM head so distributions are peakier (more realistic
+    acceptance) without changing the architecture.
+    """
+    mx.random.seed(seed)
+    args = llama.ModelArgs(
+        model_type="llama", hidden_size=hidden_size, num_hidden_layers=num_layers,
+        intermediate_size=2 * hidden_size, num_attention_heads=4, num_key_value_heads=2,
+        rms_norm_eps=1e-5, vocab_size=vocab_size, max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    )
+    model = llama.Model(args)
+    model.set_dtype(dtype)
+    if sharpen != 1.0:
+        model.lm_head.weight = model.lm_head.weight * sharpen
+    mx.eval(model.parameters())
+    model.eval()
+    return model
+
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def byte_tokenizer() -> TokenizerWrapper:
+    """A byte-level BPE tokenizer (256 byte tokens, no merges) + 3 special tokens.
+
+    Ids 0..255 are the byte-level alphabet; 256 is ``<|im_end|>`` (EOS), then the other specials.
+    Pair it with a model of vocab 259 or more (extra rows act as embedding padding).
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {ch: i for i, ch in enumerate(pre_tokenizers.ByteLevel.alphabet())}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>", chat_template=CHAT_TEMPLATE)
+    tok.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS})
+    return TokenizerWrapper(tok, BPEStreamingDetokenizer)
+
+
+@pytest.fixture
+def target():
+    return tiny_llama(seed=0)
+
+
+@pytest.fixture
+def tokenizer():
+    return byte_tokenizer()
