@@ -111,6 +111,8 @@ def verify_rejection(
     """
     _check_shapes(draft_tokens, target_logprobs, draft_logprobs)
     K = draft_tokens.shape[0]
+    if K == 0:  # a plain decoding step
+        return mx.array(0, dtype=mx.int32), mx.random.categorical(target_logprobs, axis=-1).astype(mx.int32)
     p_logprobs = target_logprobs[:K]
     log_ratio = mx.take_along_axis(p_logprobs, draft_tokens[:, None], axis=-1)[:, 0]
     if draft_logprobs is not None:
