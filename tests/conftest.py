@@ -42,13 +42,13 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 def byte_tokenizer() -> TokenizerWrapper:
     """A byte-level BPE tokenizer (256 byte tokens, no merges) + 3 special tokens.
 
-    Ids 0..255 are the byte-level alphabet; 256 is ``<|im_end|>`` (EOS), then the other specials.
+    Ids 0..255 are the byte-level alphabet (sorted); 256 is ``<|im_end|>`` (EOS), then the other specials.
     Pair it with a model of vocab 259 or more (extra rows act as embedding padding).
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {ch: i for i, ch in enumerate(pre_tokenizers.ByteLevel.alphabet())}
+    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
@@ -65,3 +65,27 @@ def target():
 @pytest.fixture
 def tokenizer():
     return byte_tokenizer()
+
+
+def save_tiny_model(path, model: nn.Module, tokenizer: TokenizerWrapper):
+    """Write ``model`` and ``tokenizer`` as an mlx-lm model folder that ``mlx_lm.load`` opens."""
+    import dataclasses
+
+    from mlx_lm.utils import save_config, save_model
+
+    save_model(path, model)
+    save_config(dataclasses.asdict(model.args), path / "config.json")
+    tokenizer._tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """An mlx-lm folder holding ``tiny_llama(seed=0, sharpen=4)`` and the byte tokenizer."""
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-target"), tiny_llama(seed=0, sharpen=4.0), byte_tokenizer())
+
+
+@pytest.fixture(scope="session")
+def tiny_draft_dir(tmp_path_factory):
+    """An mlx-lm folder holding a different random model with the same tokenizer."""
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-draft"), tiny_llama(seed=3), byte_tokenizer())

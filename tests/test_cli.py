@@ -1,0 +1,87 @@
+"""``mlxspec generate`` in-process: streamed text, stats block, JSON record, one-line errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import save_tiny_model, tiny_llama
+from mlxspec.cli import main
+
+
+def run(capsys, *argv):
+    code = main(["generate", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_streams_text_then_stats(capsys, tiny_model_dir, tiny_draft_dir):
+    code, out, err = run(capsys, "--model", str(tiny_model_dir), "--draft-model", str(tiny_draft_dir),
+                         "--prompt", "hello", "--max-tokens", "24", "--num-draft-tokens", "3")
+    assert code == 0
+    assert out.strip()
+    for label in ("Prompt:", "Generation: 24 tokens", "Drafter: draft, γ = 3", "α =", "τ =",
+                  "Acceptance per draft position:", "Time: draft"):
+        assert label in err
+
+
+def test_json_record_has_every_stat(capsys, tiny_model_dir):
+    code, out, err = run(capsys, "--model", str(tiny_model_dir), "--drafter", "ngram", "--prompt", "abcabcabc",
+                         "--max-tokens", "16", "--json", "--temp", "0.8", "--seed", "3")
+    assert code == 0 and err == ""
+    record = json.loads(out)
+    for key in ("text", "model", "alpha", "tau", "acceptance_per_position", "prompt_tps", "generation_tps",
+                "cycles", "draft_s", "verify_s", "finish_reason"):
+        assert key in record
+    assert record["generation_tokens"] == 16 and record["drafter"] == "ngram"
+
+
+def test_same_seed_same_text(capsys, tiny_model_dir, tiny_draft_dir):
+    args = ["--model", str(tiny_model_dir), "--draft-model", str(tiny_draft_dir), "--prompt", "x",
+            "--max-tokens", "20", "--temp", "1.0", "--seed", "11", "--json"]
+    first = json.loads(run(capsys, *args)[1])["text"]
+    assert json.loads(run(capsys, *args)[1])["text"] == first
+
+
+def test_prompt_from_stdin(tiny_model_dir):
+    proc = subprocess.run([sys.executable, "-m", "mlxspec", "generate", "--model", str(tiny_model_dir),
+                           "--max-tokens", "5", "--json"], input="hello from stdin", capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["prompt_tokens"] > len("hello from stdin")  # chat template applied
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--num-draft-tokens", "-1"], "--num-draft-tokens must be >= 0"),
+    (["--temp", "-1"], "temp must be >= 0"),
+    (["--top-p", "0"], r"top_p must be in (0, 1]"),
+    (["--top-p", "1.5"], r"top_p must be in (0, 1]"),
+    (["--max-tokens", "0"], "--max-tokens must be >= 1"),
+    (["--drafter", "draft"], "needs a draft model"),
+    (["--model", "/nonexistent/model"], "/nonexistent/model"),
+])
+def test_bad_input_is_one_clear_line(capsys, tiny_model_dir, flags, message):
+    argv = ["--model", str(tiny_model_dir), "--prompt", "hi", *flags]
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and out == ""
+    assert err.startswith("mlxspec: error: ") and err.count("\n") == 1
+    assert message in err
+
+
+def test_mismatched_draft_tokenizer_is_refused(capsys, tmp_path, tiny_model_dir):
+    from conftest import byte_tokenizer
+
+    other = byte_tokenizer()
+    other._tokenizer.add_special_tokens({"additional_special_tokens": ["<|tool|>"]})
+    draft_dir = save_tiny_model(tmp_path / "other", tiny_llama(seed=5), other)
+    code, _, err = run(capsys, "--model", str(tiny_model_dir), "--draft-model", str(draft_dir), "--prompt", "hi")
+    assert code == 2 and "tokenizer differs" in err and err.count("\n") == 1
+
+
+def test_help_lists_commands(capsys):
+    assert main([]) == 2
+    assert main(["--help"]) == 0
+    assert "generate" in capsys.readouterr().out
+    assert main(["nope"]) == 2
