@@ -1,0 +1,246 @@
+"""The chat app: a conversation, coloured speculative tokens and live stats over one engine thread."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from textual import on
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.reactive import reactive
+from textual.widgets import Button, Footer, Header, Input
+
+from .messages import (
+    EngineInfo,
+    EngineReady,
+    GenerationDone,
+    GenerationFailed,
+    LoadFailed,
+    LoadProgress,
+    StatsSnapshot,
+    StatsUpdated,
+    TokensCommitted,
+)
+from .screens import DrafterChoice, DrafterScreen, HelpScreen
+from .widgets import ChatLog, ChatMessage, Legend, LoadBar, StatsPanel
+
+
+class SpecChatApp(App):
+    """Chat with a target model through speculative decoding.
+
+    Args:
+        engine: ``app.engine.Engine`` or anything with its methods (``start``, ``generate``,
+            ``cancel``, ``configure``, ``close``); the tests pass a scripted fake.
+        system: System prompt put before the conversation, or ``None``.
+    """
+
+    CSS_PATH = "app.tcss"
+    TITLE = "mlxspec chat"
+    BINDINGS = [
+        Binding("escape", "stop", "Stop"),
+        Binding("f1", "help", "Keys"),
+        Binding("question_mark", "help", "Keys", show=False),
+        Binding("f2", "drafter", "Drafter"),
+        Binding("f3", "toggle_plain", "Plain text"),
+        Binding("ctrl+l", "clear", "Clear"),
+        Binding("f9", "save_svg", "Screenshot", show=False),
+    ]
+
+    generating: reactive[bool] = reactive(False)
+    """An answer is running: locks Enter (one answer at a time) and enables Stop."""
+    plain: reactive[bool] = reactive(False)
+    """Every message drawn without token colours (each message can still be toggled by a click)."""
+
+    def __init__(self, engine, system: str | None = None):
+        super().__init__()
+        self.engine = engine
+        self.system = system
+        self.history: list[dict] = []
+        """Finished turns as ``role``/``content`` dicts (the system prompt is added when sending)."""
+        self.info: EngineInfo | None = None
+        self._request_id = 0
+        self._answer: ChatMessage | None = None
+
+    def compose(self) -> ComposeResult:
+        yield Header()
+        with Horizontal(id="main"):
+            with Vertical(id="chat-column"):
+                yield LoadBar()
+                yield ChatLog()
+                yield Legend()
+                with Horizontal(id="input-row"):
+                    yield Input(placeholder="Message (Enter sends, Esc stops, F1 keys)", id="prompt")
+                    yield Button("Stop", id="stop", variant="error", disabled=True)
+            yield StatsPanel()
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self._stats_panel = self.query_one(StatsPanel)
+        self._add_system()
+        self.query_one("#prompt", Input).focus()
+        self.engine.start(self._post_from_engine)
+
+    def on_unmount(self) -> None:
+        self.engine.close()
+
+    def _post_from_engine(self, message) -> None:
+        """The engine's sink (called in the engine thread). Stats go straight to the panel so
+        a newer ``StatsUpdated`` can replace a queued one."""
+        target = self._stats_panel if isinstance(message, StatsUpdated) else self
+        target.post_message(message)
+
+    @property
+    def chat_log(self) -> ChatLog:
+        return self.query_one(ChatLog)
+
+    def conversation(self) -> list[dict]:
+        """What the model sees: the system prompt (if any) and every turn."""
+        system = [{"role": "system", "content": self.system}] if self.system else []
+        return system + self.history
+
+    # Sending and stopping
+
+    @on(Input.Submitted, "#prompt")
+    def _on_submit(self, event: Input.Submitted) -> None:
+        text = event.value.strip()
+        if not text:
+            return
+        if self.generating:
+            self.notify("An answer is still running: Esc stops it.", severity="warning")
+            return
+        event.input.clear()
+        self.chat_log.add("user", text)
+        self.history.append({"role": "user", "content": text})
+        self._request_id += 1
+        self._answer = self.chat_log.add("assistant")
+        self._answer.plain = self.plain
+        self._answer.add_class("-streaming")
+        self.generating = True
+        self.engine.generate(self._request_id, self.conversation())
+
+    @on(Button.Pressed, "#stop")
+    def action_stop(self) -> None:
+        if self.generating:
+            self.engine.cancel(self._request_id)
+            self.query_one("#stop", Button).label = "Stopping…"
+        self.query_one("#prompt", Input).focus()
+
+    def watch_generating(self, generating: bool) -> None:
+        stop = self.query_one("#stop", Button)
+        stop.disabled, stop.label = not generating, "Stop"
+
+    # Engine messages
+
+    @on(TokensCommitted)
+    def _on_tokens(self, message: TokensCommitted) -> None:
+        if message.request_id == self._request_id and self._answer is not None:
+            self._answer.append(message.spans)
+
+    @on(GenerationDone)
+    def _on_done(self, message: GenerationDone) -> None:
+        if message.request_id != self._request_id:
+            return
+        self._stats_panel.finish(message.request_id, message.stats)
+        if self._answer is not None:
+            self._answer.border_subtitle = summary(message.stats, message.cancelled, message.finish_reason)
+            self._finish_answer()
+        self.generating = False
+
+    @on(GenerationFailed)
+    def _on_failed(self, message: GenerationFailed) -> None:
+        if message.request_id != self._request_id:
+            return
+        kept = self._answer is not None and self._answer.text
+        self._finish_answer(failed=True)
+        if not kept and self.history and self.history[-1]["role"] == "user":
+            self.history.pop()  # the model never answered it: do not send it twice
+            message.error += " (your message was not added to the conversation)"
+        self.chat_log.add("error", f"Generation failed: {message.error}")
+        self.generating = False
+
+    def _finish_answer(self, failed: bool = False) -> None:
+        """Keep the answer (complete or partial) in the history; a failed empty one is dropped."""
+        answer, self._answer = self._answer, None
+        if answer is None:
+            return
+        answer.remove_class("-streaming")
+        if answer.text or not failed:
+            self.history.append({"role": "assistant", "content": answer.text})
+        else:
+            answer.remove()
+
+    @on(LoadProgress)
+    def _on_load_progress(self, message: LoadProgress) -> None:
+        self.query_one(LoadBar).step(message.what, message.step, message.total)
+
+    @on(LoadFailed)
+    def _on_load_failed(self, message: LoadFailed) -> None:
+        self.query_one(LoadBar).done()
+        self.chat_log.add("error", message.error)
+
+    @on(EngineReady)
+    def _on_ready(self, message: EngineReady) -> None:
+        self.query_one(LoadBar).done()
+        self.info = message.info
+        self._stats_panel.show_info(message.info)
+        self.sub_title = message.info.model_name
+        gamma = message.info.num_draft_tokens if message.info.drafter != "none" else 0
+        self.chat_log.add("info", f"Ready: {message.info.model_name}; drafter {message.info.drafter}, γ = {gamma}")
+
+    # Other actions
+
+    def action_help(self) -> None:
+        self.push_screen(HelpScreen())
+
+    def action_drafter(self) -> None:
+        if self.info is None:
+            info = EngineInfo("no model", False, None, "ngram", 4, ("draft", "ngram", "none"))
+        else:
+            info = self.info
+        self.push_screen(DrafterScreen(info), self._switch)
+
+    def _switch(self, choice: DrafterChoice | None) -> None:
+        if choice is None:
+            return
+        self.engine.configure(choice.drafter, choice.num_draft_tokens, model=choice.model,
+                              draft_model=choice.draft_model)
+        if self.generating:
+            self.notify("The switch applies from the next answer.")
+
+    def action_toggle_plain(self) -> None:
+        self.plain = not self.plain
+
+    def watch_plain(self, plain: bool) -> None:
+        for message in self.chat_log.messages:
+            message.plain = plain
+
+    def action_clear(self) -> None:
+        """Forget the conversation (a running answer is stopped)."""
+        if self.generating:
+            self.engine.cancel(self._request_id)
+            self._request_id += 1  # ignore what the stopped answer still sends
+            self.generating = False
+        self._answer = None
+        self.history.clear()
+        self.chat_log.clear()
+        self._add_system()
+
+    def action_save_svg(self) -> None:
+        path = self.save_screenshot(path=str(Path.cwd()))
+        self.notify(f"Saved {path}")
+
+    def _add_system(self) -> None:
+        if self.system:
+            self.chat_log.add("system", self.system)
+
+
+def summary(stats: StatsSnapshot, cancelled: bool, finish_reason: str | None) -> str:
+    """One line under a finished answer: τ, α, speed, drafter and how it ended."""
+    parts = [f"τ {stats.tau:.2f}", f"α {stats.alpha:.2f}", f"{stats.tokens_per_s:.1f} tok/s",
+             f"{stats.drafter} γ={stats.num_draft_tokens}"]
+    if cancelled:
+        parts.append("stopped")
+    elif finish_reason == "length":
+        parts.append("max tokens")
+    return " · ".join(parts)

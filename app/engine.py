@@ -1,0 +1,320 @@
+"""The one long-lived MLX thread behind the chat: loads models, runs generation, posts results.
+
+Shaped like ``ResponseGenerator`` in ``mlx_lm/server.py``: the UI puts requests on a queue and
+the engine thread does every MLX call (loading included, so no array or stream crosses threads).
+Results go back with ``post`` (the app's thread-safe ``post_message``): plain values, batched, and
+the engine never waits for the UI. An answer is cancelled by setting its ``threading.Event``; the
+engine checks it between rounds and closes the generator, whose ``finally`` leaves the caches at
+the committed length.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field, replace
+from typing import Callable, Iterator
+
+from mlxspec.drafters import DRAFTERS
+from mlxspec.metrics import CycleStats, GenerationStats, TokenEvent
+from mlxspec.sampling import SamplingParams
+
+from .messages import (
+    EngineInfo,
+    EngineReady,
+    GenerationDone,
+    GenerationFailed,
+    LoadFailed,
+    LoadProgress,
+    StatsSnapshot,
+    StatsUpdated,
+    TokensCommitted,
+)
+
+#: Shortest time between two token batches, seconds (the UI needs no more than ~30 frames/s).
+FLUSH_S = 1 / 30
+#: Rounds kept for the τ sparkline.
+SPARKLINE_ROUNDS = 120
+
+Post = Callable[[object], object]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What to load and how to generate; the ``mlxspec chat`` flags.
+
+    Attributes:
+        model: Target model spec (see ``mlxspec.loading.load``).
+        draft_model: Draft model spec, or ``None``.
+        drafter: Drafter name; ``None`` = ``"draft"`` with a draft model, else ``"ngram"``.
+        num_draft_tokens: γ, tokens drafted per round.
+        dtype, draft_dtype: Float dtype to load the target / draft model in, or ``None``.
+        min_ngram, max_ngram: Suffix lengths of the n-gram drafter.
+        sampling: Temperature and filters.
+        max_tokens: Most tokens per answer.
+        seed: Seed for ``mx.random`` before each answer, or ``None``.
+    """
+
+    model: str = "default"
+    draft_model: str | None = None
+    drafter: str | None = None
+    num_draft_tokens: int = 4
+    dtype: str | None = None
+    draft_dtype: str | None = None
+    min_ngram: int = 1
+    max_ngram: int = 4
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    max_tokens: int = 256
+    seed: int | None = None
+
+    @property
+    def drafter_kind(self) -> str:
+        return self.drafter or ("draft" if self.draft_model else "ngram")
+
+
+def relay(events: Iterator, request_id: int, post: Post, cancelled: threading.Event, *,
+          drafter: str, num_draft_tokens: int, flush_s: float = FLUSH_S) -> None:
+    """Turn ``stream_generate`` events into batched UI messages; stop between rounds on cancel.
+
+    Token texts are buffered and posted at most every ``flush_s`` (always after the last round);
+    each flush also posts the running stats. Empty texts (a token that only starts a multi-byte
+    character, or a stop token) make no span: the completing token's span carries the text.
+
+    Args:
+        events: A ``stream_generate`` iterator (``TokenEvent``, ``CycleStats``, ``GenerationStats``).
+        request_id: The answer these events belong to.
+        post: Thread-safe sink for messages (``App.post_message``).
+        cancelled: Set by the UI to stop; checked after each round.
+        drafter, num_draft_tokens: Shown in the stats until the final totals arrive.
+        flush_s: Shortest time between two batches, seconds. Default: ``1/30``.
+
+    Raises:
+        Whatever ``events`` raises, after posting the tokens committed before it.
+    """
+    totals = GenerationStats(drafter=drafter, num_draft_tokens=num_draft_tokens)
+    taus: deque[int] = deque(maxlen=SPARKLINE_ROUNDS)
+    spans: list[tuple[str, str]] = []
+    last_flush = 0.0
+
+    def flush() -> None:
+        if spans:
+            post(TokensCommitted(request_id, tuple(spans)))
+            spans.clear()
+        post(StatsUpdated(request_id, snapshot(totals, taus)))
+
+    try:
+        for event in events:
+            if isinstance(event, TokenEvent):
+                if event.text:
+                    spans.append((event.text, event.kind))
+            elif isinstance(event, CycleStats):
+                totals.add_cycle(event)
+                taus.append(event.num_accepted + 1)
+                if cancelled.is_set() or time.monotonic() - last_flush >= flush_s:
+                    flush()
+                    last_flush = time.monotonic()
+                if cancelled.is_set():
+                    break
+            elif isinstance(event, GenerationStats):
+                totals = event
+    finally:
+        close = getattr(events, "close", None)
+        if close is not None:
+            close()  # runs the generator's finally: caches end at the committed length
+        if spans:
+            post(TokensCommitted(request_id, tuple(spans)))
+    final = snapshot(totals, taus)
+    post(GenerationDone(request_id, cancelled.is_set() and totals.finish_reason is None,
+                        totals.finish_reason, final))
+
+
+def snapshot(stats: GenerationStats, taus: deque[int] | tuple[int, ...]) -> StatsSnapshot:
+    """The panel's view of running totals; timing-based speed counts rounds only (no prefill)."""
+    busy_s = stats.draft_s + stats.verify_s
+    return StatsSnapshot(
+        drafter=stats.drafter,
+        num_draft_tokens=stats.num_draft_tokens,
+        cycles=stats.cycles,
+        tokens=stats.generation_tokens,
+        tau=stats.tau,
+        tau_cycle=taus[-1] if taus else 0,
+        alpha=stats.alpha,
+        tokens_per_s=stats.generation_tps or (stats.generation_tokens / busy_s if busy_s > 0 else 0.0),
+        draft_s=stats.draft_s,
+        verify_s=stats.verify_s,
+        taus=tuple(taus),
+    )
+
+
+def chat_prompt(tokenizer, messages: list[dict]) -> str | list[int]:
+    """The whole conversation through the tokenizer's chat template (plain text without one)."""
+    if getattr(tokenizer, "has_chat_template", False):
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    return "\n\n".join(m["content"] for m in messages) + "\n\n"
+
+
+def one_line(error: BaseException) -> str:
+    """An exception as one line for the chat; the type is named unless it is a user error."""
+    text = " ".join(str(error).split()) or type(error).__name__
+    if isinstance(error, (ValueError, FileNotFoundError, NotADirectoryError, PermissionError)):
+        return text
+    return f"{type(error).__name__}: {text}"
+
+
+@dataclass
+class _Loaded:
+    model: object = None
+    tokenizer: object = None
+    model_name: str = ""
+    quantized: bool = False
+    draft_model: object = None
+    draft_tokenizer: object = None
+    draft_name: str | None = None
+    drafter: object = None
+    num_draft_tokens: int = 4
+
+
+@dataclass(frozen=True)
+class _Generate:
+    request_id: int
+    messages: list[dict]
+    cancelled: threading.Event
+
+
+@dataclass(frozen=True)
+class _Configure:
+    drafter: str | None
+    num_draft_tokens: int | None
+    model: str | None
+    draft_model: str | None
+
+
+class Engine:
+    """Owns the MLX thread. The UI calls ``start``, ``generate``, ``cancel``, ``configure`` and
+    ``close``; all of them return at once.
+
+    Args:
+        config: Models and generation settings.
+    """
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self._requests: queue.Queue = queue.Queue()
+        self._cancels: dict[int, threading.Event] = {}
+        self._thread: threading.Thread | None = None
+        self._state = _Loaded()
+
+    def start(self, post: Post) -> None:
+        """Start the engine thread; it loads the configured models first."""
+        self._requests.put(_Configure(self.config.drafter_kind, self.config.num_draft_tokens,
+                                      self.config.model, self.config.draft_model))
+        self._thread = threading.Thread(target=self._run, args=(post,), name="mlxspec-engine", daemon=True)
+        self._thread.start()
+
+    def generate(self, request_id: int, messages: list[dict]) -> None:
+        """Queue an answer to ``messages`` (``role``/``content`` dicts, system prompt included)."""
+        self._cancels[request_id] = event = threading.Event()
+        self._requests.put(_Generate(request_id, list(messages), event))
+
+    def cancel(self, request_id: int) -> None:
+        """Stop answer ``request_id`` after its current round (or before it starts)."""
+        event = self._cancels.get(request_id)
+        if event is not None:
+            event.set()
+
+    def configure(self, drafter: str | None = None, num_draft_tokens: int | None = None,
+                  model: str | None = None, draft_model: str | None = None) -> None:
+        """Queue a switch of drafter, γ, target or draft model (``None`` keeps the current one)."""
+        self._requests.put(_Configure(drafter, num_draft_tokens, model, draft_model))
+
+    def close(self, timeout_s: float = 2.0) -> None:
+        """Cancel everything, stop the thread and wait up to ``timeout_s`` for it."""
+        for event in list(self._cancels.values()):
+            event.set()
+        self._requests.put(None)
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    # Everything below runs in the engine thread.
+
+    def _run(self, post: Post) -> None:
+        import mlx.core as mx
+
+        with mx.stream(mx.new_thread_local_stream(mx.default_device())):
+            while (request := self._requests.get()) is not None:
+                if isinstance(request, _Generate):
+                    self._generate(post, request)
+                else:
+                    self._configure(post, request)
+
+    def _generate(self, post: Post, request: _Generate) -> None:
+        from mlxspec.generate import stream_generate
+
+        state, config, rid = self._state, self.config, request.request_id
+        try:
+            if state.model is None:
+                raise ValueError("no target model is loaded; press F2 and give one to load")
+            gamma = 0 if state.drafter.name == "none" else state.num_draft_tokens
+            if request.cancelled.is_set():  # stopped while queued: skip the prefill
+                return post(GenerationDone(rid, True, None, StatsSnapshot(state.drafter.name, gamma)))
+            events = stream_generate(
+                state.model, state.tokenizer, chat_prompt(state.tokenizer, request.messages),
+                drafter=state.drafter, num_draft_tokens=gamma, max_tokens=config.max_tokens,
+                sampling=config.sampling, seed=config.seed,
+            )
+            relay(events, rid, post, request.cancelled, drafter=state.drafter.name, num_draft_tokens=gamma)
+        except Exception as e:  # the thread must survive any failure; the UI shows it
+            post(GenerationFailed(rid, one_line(e)))
+        finally:
+            self._cancels.pop(rid, None)
+
+    def _configure(self, post: Post, request: _Configure) -> None:
+        state = replace(self._state)
+        if request.num_draft_tokens is not None:
+            state.num_draft_tokens = request.num_draft_tokens
+        loads = [(role, spec) for role, spec in (("target model", request.model),
+                                                 ("draft model", request.draft_model)) if spec]
+        total = len(loads) + 1
+        for step, (role, spec) in enumerate(loads, 1):
+            post(LoadProgress(f"Loading the {role} {spec}", step, total))
+            try:
+                self._load_into(state, role, spec)
+            except Exception as e:  # keep what was loaded before; the UI shows the error
+                post(LoadFailed(f"Could not load the {role} {spec}: {one_line(e)}"))
+                if role == "target model":
+                    return
+        if state.model is None:
+            return
+        kind = request.drafter or (state.drafter.name if state.drafter else "ngram")
+        post(LoadProgress(f"Building the {kind} drafter", total, total))
+        try:
+            state.drafter = self._make_drafter(kind, state)
+        except Exception as e:
+            post(LoadFailed(f"Cannot use the {kind} drafter: {one_line(e)}; using the ngram drafter"))
+            state.drafter = self._make_drafter("ngram", state)
+        self._state = state
+        post(EngineReady(self._info()))
+
+    def _load_into(self, state: _Loaded, role: str, spec: str) -> None:
+        from mlxspec.loading import describe, is_quantized, load
+
+        if role == "target model":
+            state.model, state.tokenizer = load(spec, dtype=self.config.dtype)
+            state.model_name, state.quantized = describe(spec, state.model), is_quantized(state.model)
+        else:
+            state.draft_model, state.draft_tokenizer = load(spec, dtype=self.config.draft_dtype)
+            state.draft_name = describe(spec, state.draft_model)
+
+    def _make_drafter(self, kind: str, state: _Loaded):
+        from mlxspec.drafters import make_drafter
+
+        return make_drafter(kind, target=state.model, tokenizer=state.tokenizer,
+                            draft_model=state.draft_model, draft_tokenizer=state.draft_tokenizer,
+                            min_ngram=self.config.min_ngram, max_ngram=self.config.max_ngram)
+
+    def _info(self) -> EngineInfo:
+        s = self._state
+        return EngineInfo(s.model_name, s.quantized, s.draft_name, s.drafter.name,
+                          s.num_draft_tokens, DRAFTERS)

@@ -1,0 +1,34 @@
+"""The list of keys (F1 or ``?``)."""
+
+from __future__ import annotations
+
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Vertical
+from textual.screen import ModalScreen
+from textual.widgets import Label, Static
+
+KEYS = (
+    ("Enter", "send the message"),
+    ("Esc", "stop the running answer (keeps what it wrote)"),
+    ("F2", "switch drafter, γ, draft or target model"),
+    ("F3", "plain text on/off (click a message to toggle it alone)"),
+    ("Ctrl+L", "clear the conversation"),
+    ("F9", "save an SVG screenshot in the current folder"),
+    ("F1 / ?", "this list"),
+    ("Ctrl+Q", "quit"),
+)
+
+
+class HelpScreen(ModalScreen[None]):
+    """Lists the keys; any of Esc, F1, ``?`` or q closes it."""
+
+    BINDINGS = [Binding("escape,f1,question_mark,q", "dismiss", "Close")]
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="help-box"):
+            yield Label("Keys", classes="heading")
+            yield Static("\n".join(f"{key:<8} {what}" for key, what in KEYS), id="help-keys")
+            yield Static("Colours: green = accepted draft token, red = resampled after a "
+                         "rejected draft, plain = bonus or target token.", id="help-colours")
+            yield Label("Esc closes this list.", classes="caption")

@@ -1,0 +1,24 @@
+"""Model loading progress, shown above the chat while the engine loads."""
+
+from __future__ import annotations
+
+from textual.app import ComposeResult
+from textual.containers import Horizontal
+from textual.widgets import Label, ProgressBar
+
+
+class LoadBar(Horizontal):
+    """A label and a step progress bar; hidden (CSS class ``-idle``) when nothing loads."""
+
+    def compose(self) -> ComposeResult:
+        yield Label("Starting the engine…", id="load-label")
+        yield ProgressBar(total=None, show_eta=False, id="load-progress")
+
+    def step(self, what: str, step: int, total: int) -> None:
+        """Show loading step ``step`` of ``total`` (from 1)."""
+        self.remove_class("-idle")
+        self.query_one(Label).update(f"{what}  ({step}/{total})")
+        self.query_one(ProgressBar).update(total=total, progress=step - 1)
+
+    def done(self) -> None:
+        self.add_class("-idle")

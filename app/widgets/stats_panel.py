@@ -1,0 +1,67 @@
+"""Live speculation stats: τ, α, a τ sparkline, speed, time split, drafter and models."""
+
+from __future__ import annotations
+
+from textual import on
+from textual.app import ComposeResult
+from textual.containers import Vertical
+from textual.widgets import Label, Static
+
+from ..messages import EngineInfo, StatsSnapshot, StatsUpdated
+from .sparkline import TauSparkline
+
+
+class StatsPanel(Vertical):
+    """Updated in place every round (labels change, nothing is remounted, so nothing flickers).
+
+    The engine posts ``StatsUpdated`` straight to this widget, so a newer one replaces a queued one.
+    """
+
+    _finished = -1  # id of the last answer whose final totals are shown; later running stats are stale
+
+    def compose(self) -> ComposeResult:
+        yield Label("Speculation", classes="heading")
+        yield Static("τ  –", id="tau")
+        yield Static("α  –", id="alpha")
+        yield Label("τ per round", classes="caption")
+        yield TauSparkline(id="sparkline")
+        yield Static("", id="speed")
+        yield Static("", id="timing")
+        yield Label("Drafter", classes="heading")
+        yield Static("–", id="drafter")
+        yield Label("Target model", classes="heading")
+        yield Static("loading…", id="target")
+        yield Label("Draft model", classes="heading")
+        yield Static("none loaded", id="draft")
+
+    @on(StatsUpdated)
+    def _stats_updated(self, message: StatsUpdated) -> None:
+        message.stop()
+        if message.request_id > self._finished:
+            self.show_stats(message.stats)
+
+    def finish(self, request_id: int, stats: StatsSnapshot) -> None:
+        """Show an answer's final totals; its running stats still queued are then ignored."""
+        self._finished = request_id
+        self.show_stats(stats)
+
+    def show_stats(self, stats: StatsSnapshot) -> None:
+        """Show one answer's running totals."""
+        last = f"   this round {stats.tau_cycle}" if stats.cycles else ""
+        self._set("#tau", f"τ  {stats.tau:.2f}{last}")
+        self._set("#alpha", f"α  {stats.alpha:.2f}" if stats.num_draft_tokens else "α  – (nothing drafted)")
+        spark = self.query_one(TauSparkline)
+        spark.top, spark.values = stats.num_draft_tokens + 1, stats.taus
+        self._set("#speed", f"{stats.tokens_per_s:.1f} tokens/s\n{stats.tokens} tokens in {stats.cycles} rounds")
+        self._set("#timing", f"draft  {stats.draft_s:.2f} s\nverify {stats.verify_s:.2f} s")
+        self._set("#drafter", f"{stats.drafter}   γ = {stats.num_draft_tokens}")
+
+    def show_info(self, info: EngineInfo) -> None:
+        """Show what is loaded and the drafter that the next answer will use."""
+        self._set("#drafter", f"{info.drafter}   γ = {info.num_draft_tokens}")
+        quantized = "quantized" if info.quantized else "not quantized"
+        self._set("#target", f"{info.model_name}\n{quantized}")
+        self._set("#draft", info.draft_name or "none loaded")
+
+    def _set(self, selector: str, text: str) -> None:
+        self.query_one(selector, Static).update(text)

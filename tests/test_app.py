@@ -1,0 +1,317 @@
+"""The chat app under Textual's Pilot, against a fake engine that replays scripted events.
+
+The fake runs the real ``relay`` (event stream → batched messages, cancel between rounds) in its
+own thread, so only model loading and MLX are faked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+
+from app.app import SpecChatApp
+from app.engine import one_line, relay
+from app.messages import EngineInfo, EngineReady, GenerationFailed, LoadFailed, LoadProgress
+from app.screens import DrafterScreen, HelpScreen
+from app.widgets import ChatMessage, StatsPanel, TauSparkline
+from mlxspec.metrics import CycleStats, GenerationStats, TokenEvent
+
+INFO = EngineInfo("Tiny (MLX, float32)", False, None, "ngram", 4, ("draft", "ngram", "none"))
+WAIT = object()  # in a script: block until the answer is cancelled
+
+
+def script(rounds, *, finish="stop", gamma=4, end=True):
+    """Events as ``stream_generate`` yields them; ``rounds`` lists ``[(text, kind), ...]`` per round."""
+    events, totals = [], GenerationStats(drafter="ngram", num_draft_tokens=gamma)
+    for cycle, tokens in enumerate(rounds):
+        if tokens is WAIT or isinstance(tokens, Exception):
+            events.append(tokens)
+            continue
+        events += [TokenEvent(100 + i, text, kind, cycle) for i, (text, kind) in enumerate(tokens)]
+        accepted = sum(kind == "accepted" for _, kind in tokens)
+        stats = CycleStats(cycle, gamma, accepted, len(tokens), 0.01, 0.09)
+        totals.add_cycle(stats)
+        events.append(stats)
+    totals.finish_reason, totals.generation_s = finish, 0.5
+    return events + [totals] if end else events
+
+
+# τ = (2 + 4 + 0 + 1 accepted + 4 rounds) / 4 rounds = 2.75; α = 7 / 16 drafted.
+ROUNDS = [
+    [("Hel", "accepted"), ("lo", "accepted"), (" wor", "resampled")],
+    [("ld", "accepted"), (",", "accepted"), (" caf", "accepted"), ("", "accepted"), ("é", "bonus")],
+    [("!", "resampled")],
+    [(" Bye", "accepted"), ("", "resampled")],  # the stop token has no text
+]
+SPANS = [("Hel", "accepted"), ("lo", "accepted"), (" wor", "resampled"), ("ld", "accepted"),
+         (",", "accepted"), (" caf", "accepted"), ("é", "bonus"), ("!", "resampled"), (" Bye", "accepted")]
+
+
+class FakeEngine:
+    """The engine's interface over scripted answers, in one thread like the real one."""
+
+    def __init__(self, answers, *, load_error=None, configure_error=None):
+        self.answers = list(answers)
+        self.load_error, self.configure_error = load_error, configure_error
+        self.requests, self.configured = [], []
+        self.cancels: dict[int, threading.Event] = {}
+        self.jobs: queue.Queue = queue.Queue()
+
+    def start(self, post):
+        self.post = post
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def generate(self, request_id, messages):
+        self.requests.append(messages)
+        self.cancels[request_id] = threading.Event()
+        self.jobs.put((request_id, self.answers.pop(0)))
+
+    def cancel(self, request_id):
+        self.cancels[request_id].set()
+
+    def configure(self, drafter=None, num_draft_tokens=None, model=None, draft_model=None):
+        self.configured.append((drafter, num_draft_tokens, model, draft_model))
+        self.jobs.put(("configure", None))
+
+    def close(self):
+        for event in self.cancels.values():
+            event.set()
+        self.jobs.put(None)
+
+    def _run(self):
+        self.post(LoadProgress("Loading the target model tiny", 1, 1))
+        self.post(LoadFailed(self.load_error) if self.load_error else EngineReady(INFO))
+        while (job := self.jobs.get()) is not None:
+            request_id, events = job
+            if request_id == "configure":
+                self.post(LoadFailed(self.configure_error) if self.configure_error else EngineReady(INFO))
+                continue
+            cancelled = self.cancels[request_id]
+            try:
+                relay(self._replay(events, cancelled), request_id, self.post, cancelled,
+                      drafter="ngram", num_draft_tokens=4, flush_s=0)
+            except Exception as e:
+                self.post(GenerationFailed(request_id, one_line(e)))
+
+    @staticmethod
+    def _replay(events, cancelled):
+        for event in events:
+            if event is WAIT:
+                cancelled.wait(5)
+            elif isinstance(event, Exception):
+                raise event
+            else:
+                yield event
+
+
+async def wait_for(pilot, condition, timeout_s=5.0):
+    """Let the app run until ``condition()`` holds (the fake engine answers from another thread)."""
+    for _ in range(int(timeout_s / 0.02)):
+        if condition():
+            return
+        await pilot.pause(0.02)
+    raise AssertionError("timed out waiting for the app")
+
+
+async def send(pilot, app, text):
+    await wait_for(pilot, lambda: not app.generating)
+    await pilot.click("#prompt")
+    app.query_one("#prompt").value = text
+    await pilot.press("enter")
+    await pilot.pause()
+
+
+def messages(app, role=None):
+    return [m for m in app.chat_log.messages if role is None or m.role == role]
+
+
+def colour(style):
+    """``"green"``, ``"red"`` or ``"plain"`` for a Rich style."""
+    if style is None or style.color is None:
+        return "plain"
+    r, g, b = style.color.get_truecolor()
+    return "green" if g > max(r, b) else "red" if r > max(g, b) else f"other {r, g, b}"
+
+
+def span_colours(message: ChatMessage):
+    """The colour of each token span as drawn."""
+    text, out, offset = message.styled_text(), [], 0
+    for chunk, _ in message.spans:
+        styles = [s.style for s in text.spans if s.start <= offset < s.end]
+        assert all(s.start == offset and s.end == offset + len(chunk) for s in text.spans
+                   if s.start <= offset < s.end), "a style crosses a token boundary"
+        out.append(colour(styles[0] if styles else None))
+        offset += len(chunk)
+    return out
+
+
+def run(coro):
+    asyncio.run(coro)
+
+
+EXPECTED_COLOURS = {"accepted": "green", "resampled": "red", "bonus": "plain", "target": "plain"}
+
+
+def test_answer_shows_coloured_tokens_and_tau():
+    async def body():
+        engine = FakeEngine([script(ROUNDS)])
+        app = SpecChatApp(engine, system="Be brief.")
+        async with app.run_test(size=(110, 36)) as pilot:
+            await wait_for(pilot, lambda: app.info is not None)
+            await send(pilot, app, "Say hello")
+            await wait_for(pilot, lambda: not app.generating)
+            answer = messages(app, "assistant")[0]
+            assert answer.text == "Hello world, café! Bye"
+            assert answer.spans == SPANS
+            assert span_colours(answer) == [EXPECTED_COLOURS[kind] for _, kind in SPANS]
+            panel = app.query_one(StatsPanel)
+            assert str(panel.query_one("#tau").render()).startswith("τ  2.75")
+            assert str(panel.query_one("#alpha").render()) == "α  0.44"
+            await pilot.pause()  # running stats still queued must not overwrite the final ones
+            assert str(panel.query_one("#speed").render()).startswith("22.0 tokens/s")  # 11 tokens / 0.5 s
+            assert app.query_one(TauSparkline).values == (3, 5, 1, 2)
+            assert "τ 2.75" in answer.border_subtitle
+            assert engine.requests[0] == [{"role": "system", "content": "Be brief."},
+                                          {"role": "user", "content": "Say hello"}]
+            assert app.history[-1] == {"role": "assistant", "content": "Hello world, café! Bye"}
+
+    run(body())
+
+
+def test_plain_text_toggle_keeps_colours_on_each_message():
+    async def body():
+        app = SpecChatApp(FakeEngine([script(ROUNDS)]))
+        async with app.run_test(size=(110, 36)) as pilot:
+            await send(pilot, app, "hi")
+            await wait_for(pilot, lambda: not app.generating and messages(app, "assistant"))
+            answer = messages(app, "assistant")[0]
+            await pilot.press("f3")
+            assert set(span_colours(answer)) == {"plain"}
+            await pilot.press("f3")
+            assert "green" in span_colours(answer) and "red" in span_colours(answer)
+            await pilot.click(answer)
+            assert answer.plain and set(span_colours(answer)) == {"plain"}
+            assert answer.spans == SPANS  # the kinds are kept for colouring again
+
+    run(body())
+
+
+def test_cancel_keeps_partial_answer_and_accepts_a_new_message():
+    async def body():
+        stopped = script([ROUNDS[0], WAIT, ROUNDS[1], ROUNDS[2], ROUNDS[3]])
+        engine = FakeEngine([stopped, script([[("Next", "target")]])])
+        app = SpecChatApp(engine)
+        async with app.run_test(size=(110, 36)) as pilot:
+            await send(pilot, app, "Tell me a long story")
+            answer = messages(app, "assistant")[0]
+            await wait_for(pilot, lambda: answer.text == "Hello wor")
+            assert app.generating and not app.query_one("#stop").disabled
+            await pilot.press("escape")
+            await wait_for(pilot, lambda: not app.generating)
+            # Stopped within one round: the round in flight lands, nothing after it.
+            assert answer.text == "Hello world, café"
+            assert "stopped" in answer.border_subtitle
+            assert app.history[-1] == {"role": "assistant", "content": "Hello world, café"}
+            await send(pilot, app, "And then?")
+            await wait_for(pilot, lambda: not app.generating)
+            assert messages(app, "assistant")[-1].text == "Next"
+            assert engine.requests[1][-2:] == [{"role": "assistant", "content": "Hello world, café"},
+                                               {"role": "user", "content": "And then?"}]
+
+    run(body())
+
+
+def test_generation_and_load_errors_show_in_chat_and_keep_history():
+    async def body():
+        answers = [
+            script(ROUNDS),
+            script([ROUNDS[0], RuntimeError("device lost")], end=False),
+            script([ValueError("the prompt has 9000 tokens but the model's context is 8192")], end=False),
+            script([[("Fine", "target")]]),
+        ]
+        engine = FakeEngine(answers, configure_error="Could not load the draft model /nope: No such file")
+        app = SpecChatApp(engine)
+        async with app.run_test(size=(110, 36)) as pilot:
+            await send(pilot, app, "one")
+            await send(pilot, app, "two")
+            await wait_for(pilot, lambda: not app.generating and messages(app, "error"))
+            assert "RuntimeError: device lost" in messages(app, "error")[0].text
+            assert messages(app, "assistant")[1].text == "Hello wor"  # partial answer kept
+            await send(pilot, app, "three")
+            await wait_for(pilot, lambda: len(messages(app, "error")) == 2)
+            assert "context is 8192" in messages(app, "error")[1].text
+            assert "not added" in messages(app, "error")[1].text
+            # The failed "three" is not in the history; the rest is intact.
+            assert [m["content"] for m in app.history] == ["one", "Hello world, café! Bye", "two", "Hello wor"]
+            await pilot.press("f2")
+            await pilot.click("#drafter-draft")
+            app.screen.query_one("#draft-spec").value = "/nope"
+            await pilot.click("#apply")
+            assert engine.configured == [("draft", 4, None, "/nope")]
+            await wait_for(pilot, lambda: len(messages(app, "error")) == 3)
+            assert "/nope" in messages(app, "error")[2].text
+            await send(pilot, app, "four")
+            await wait_for(pilot, lambda: not app.generating)
+            assert messages(app, "assistant")[-1].text == "Fine"
+            assert [m["content"] for m in engine.requests[-1]][-2:] == ["Hello wor", "four"]
+            assert [m.role for m in messages(app, "user")] == ["user"] * 4
+
+    run(body())
+
+
+def test_failed_start_up_load_is_reported_and_the_app_keeps_working():
+    async def body():
+        app = SpecChatApp(FakeEngine([script([[("ok", "target")]])],
+                                     load_error="Could not load the target model /bad: No such file"))
+        async with app.run_test(size=(110, 36)) as pilot:
+            await wait_for(pilot, lambda: messages(app, "error"))
+            assert "/bad" in messages(app, "error")[0].text
+            assert app.query_one("LoadBar").has_class("-idle")
+            await send(pilot, app, "still there?")
+            await wait_for(pilot, lambda: not app.generating)
+            assert messages(app, "assistant")[0].text == "ok"
+
+    run(body())
+
+
+def test_drafter_dialog_switches_drafter_and_gamma():
+    async def body():
+        engine = FakeEngine([])
+        app = SpecChatApp(engine)
+        async with app.run_test(size=(110, 40)) as pilot:
+            await wait_for(pilot, lambda: app.info is not None)
+            await pilot.press("f2")
+            assert isinstance(app.screen, DrafterScreen)
+            await pilot.click("#drafter-draft")
+            await pilot.click("#apply")
+            assert "needs a draft model" in str(app.screen.query_one("#drafter-error").render())
+            await pilot.click("#drafter-none")
+            app.screen.query_one("#gamma").value = "6"
+            await pilot.click("#apply")
+            assert not isinstance(app.screen, DrafterScreen)
+            await wait_for(pilot, lambda: engine.configured)
+            assert engine.configured == [("none", 6, None, None)]
+            await pilot.press("f1")
+            assert isinstance(app.screen, HelpScreen)
+            await pilot.press("escape")
+            assert not isinstance(app.screen, HelpScreen)
+
+    run(body())
+
+
+def test_clear_forgets_the_conversation():
+    async def body():
+        engine = FakeEngine([script(ROUNDS), script([[("again", "target")]])])
+        app = SpecChatApp(engine, system="sys")
+        async with app.run_test(size=(110, 36)) as pilot:
+            await send(pilot, app, "hi")
+            await wait_for(pilot, lambda: not app.generating)
+            await pilot.press("ctrl+l")
+            await pilot.pause()
+            assert app.history == [] and [m.role for m in messages(app)] == ["system"]
+            await send(pilot, app, "fresh")
+            await wait_for(pilot, lambda: not app.generating)
+            assert engine.requests[-1] == [{"role": "system", "content": "sys"}, {"role": "user", "content": "fresh"}]
+
+    run(body())

@@ -1,0 +1,115 @@
+"""The chat engine: ``relay`` on scripted events, and the real engine thread on a tiny MLX model."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+from mlx_lm.utils import save_config, save_model
+
+from app.app import SpecChatApp
+from app.engine import Engine, EngineConfig, chat_prompt, relay
+from app.messages import GenerationDone, StatsUpdated, TokensCommitted
+from conftest import byte_tokenizer, tiny_llama
+from mlxspec import generate
+from mlxspec.commands import chat
+from mlxspec.loading import load
+from mlxspec.metrics import CycleStats, GenerationStats, TokenEvent
+from test_app import messages, wait_for
+
+
+def rounds(n, closed):
+    """``n`` rounds of two tokens (one with empty text); sets ``closed`` when the generator closes."""
+    try:
+        for cycle in range(n):
+            yield TokenEvent(1, "", "accepted", cycle)
+            yield TokenEvent(2, f"t{cycle}", "resampled", cycle)
+            yield CycleStats(cycle, 2, 1, 2, 0.0, 0.1)
+        yield GenerationStats(drafter="ngram", cycles=n, finish_reason="stop")
+    finally:
+        closed.set()
+
+
+def collect(n, *, cancel_after=None, flush_s=0.0):
+    posted, closed, cancelled = [], threading.Event(), threading.Event()
+
+    def post(message):
+        posted.append(message)
+        if cancel_after is not None and isinstance(message, StatsUpdated) and message.stats.cycles == cancel_after:
+            cancelled.set()
+
+    relay(rounds(n, closed), 7, post, cancelled, drafter="ngram", num_draft_tokens=2, flush_s=flush_s)
+    return posted, closed
+
+
+def test_relay_batches_tokens_and_drops_empty_texts():
+    posted, closed = collect(5, flush_s=60.0)
+    tokens = [m for m in posted if isinstance(m, TokensCommitted)]
+    # The first round flushes at once; the rest arrive as one batch at the end.
+    assert [len(m.spans) for m in tokens] == [1, 4]
+    assert [s for m in tokens for s in m.spans] == [(f"t{i}", "resampled") for i in range(5)]
+    assert isinstance(posted[-1], GenerationDone) and not posted[-1].cancelled
+    assert posted[-1].stats.cycles == 5 and closed.is_set()
+
+
+def test_relay_stops_between_rounds_on_cancel_and_closes_the_generator():
+    posted, closed = collect(10, cancel_after=3)
+    done = posted[-1]
+    assert isinstance(done, GenerationDone) and done.cancelled and done.finish_reason is None
+    assert done.stats.cycles == 3  # set while round 3 was being posted: no round after it
+    assert "".join(s for m in posted if isinstance(m, TokensCommitted) for s, _ in m.spans) == "t0t1t2"
+    assert done.stats.tau == 2.0 and done.stats.taus == (2, 2, 2)
+    assert closed.is_set()
+
+
+def test_real_engine_thread_answers_like_plain_greedy_decoding(tmp_path):
+    """The whole path: the real engine thread loads a saved tiny model with ``load``, the app sends
+    the templated conversation, and the coloured answer equals plain greedy decoding."""
+    model, tokenizer = tiny_llama(seed=3, sharpen=4.0), byte_tokenizer()
+    save_model(tmp_path, model)
+    save_config(dict(model.args.__dict__, eos_token_id=256), tmp_path / "config.json")
+    tokenizer._tokenizer.save_pretrained(tmp_path)
+    config = EngineConfig(model=str(tmp_path), drafter="ngram", num_draft_tokens=3, max_tokens=40)
+
+    async def body():
+        app = SpecChatApp(Engine(config), system="Be brief.")
+        async with app.run_test(size=(110, 36)) as pilot:
+            await wait_for(pilot, lambda: app.info is not None, timeout_s=30)
+            assert app.info.drafter == "ngram" and not app.info.quantized
+            for text in ("abcabcabc", "again"):
+                app.query_one("#prompt").value = text
+                await pilot.press("enter")
+                await wait_for(pilot, lambda: not app.generating, timeout_s=30)
+            app.engine.configure(draft_model=str(tmp_path / "missing"))
+            await wait_for(pilot, lambda: messages(app, "error"), timeout_s=30)
+            return app.history, [m.spans for m in messages(app, "assistant")], messages(app, "error")[0].text
+
+    history, spans, error = asyncio.run(body())
+    assert [m["role"] for m in history] == ["user", "assistant"] * 2
+    assert "missing" in error
+    reference, reference_tokenizer = load(str(tmp_path))
+    conversation = [{"role": "system", "content": "Be brief."}]
+    for turn, turn_spans in zip(history[1::2], spans):
+        conversation.append(history[len(conversation) - 1])
+        plain = generate(reference, reference_tokenizer, chat_prompt(reference_tokenizer, conversation),
+                         drafter="none", max_tokens=40)
+        assert turn["content"] == plain.text and plain.text
+        assert {"accepted", "resampled"} <= {kind for _, kind in turn_spans}  # drafts were verified
+        conversation.append(turn)
+
+
+def test_chat_command_rejects_bad_flags_before_starting_the_app(capsys):
+    assert chat.main(["--num-draft-tokens", "-1"]) == 2
+    assert "--num-draft-tokens must be >= 0" in capsys.readouterr().err
+    assert chat.main(["--drafter", "draft"]) == 2
+    assert "needs a draft model" in capsys.readouterr().err
+
+
+def test_chat_flags_become_the_engine_config():
+    args = chat.setup_arg_parser().parse_args(
+        ["--model", "m", "--draft-model", "d", "--num-draft-tokens", "6", "--temp", "0.7", "--seed", "1",
+         "--dtype", "float32", "--system", "hi", "-m", "99"])
+    config = chat.engine_config(args)
+    assert (config.model, config.draft_model, config.drafter_kind, config.num_draft_tokens) == ("m", "d", "draft", 6)
+    assert (config.sampling.temp, config.seed, config.dtype, config.max_tokens) == (0.7, 1, "float32", 99)
+    assert args.system == "hi"
