@@ -8,7 +8,7 @@ window) are refused before generation starts.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn

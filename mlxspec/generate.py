@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Iterator
+from collections.abc import Iterator
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -88,6 +88,8 @@ def check_context(model: nn.Module, num_prompt_tokens: int) -> None:
 
 def _verify(model, cache, history_array, root: int, draft: Draft, sampling: SamplingParams):
     """One target forward over [root, *draft] and the acceptance rule; all lazy."""
+    if not draft.is_chain:
+        raise ValueError("this drafter proposed a branching tree; tree verification is not available yet")
     inputs = mx.concatenate([mx.array([root], dtype=mx.int32), draft.tokens])
     logits = model(inputs[None], cache=cache)[0]  # [K + 1, V]
     logits = process_logits(logits, history_array, draft.tokens, sampling.processors())

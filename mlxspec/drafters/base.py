@@ -31,13 +31,13 @@ class Draft:
     logprobs: mx.array | None = None
 
     @classmethod
-    def chain(cls, tokens: mx.array | list[int], logprobs: mx.array | None = None) -> "Draft":
+    def chain(cls, tokens: mx.array | list[int], logprobs: mx.array | None = None) -> Draft:
         """A chain draft: each token follows the previous one."""
         tokens = mx.array(tokens, dtype=mx.int32) if isinstance(tokens, list) else tokens
         return cls(tokens, tuple(range(-1, tokens.shape[0] - 1)), logprobs)
 
     @classmethod
-    def empty(cls) -> "Draft":
+    def empty(cls) -> Draft:
         return cls.chain([])
 
     @property
