@@ -22,11 +22,11 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
-from .cache import DEFAULT_PREFILL_STEP_SIZE, check_rewindable, prefill, trim
+from .cache import DEFAULT_PREFILL_STEP_SIZE, check_compactable, check_rewindable, commit_path, prefill, tree_attention
 from .drafters import Draft, Drafter, NoDrafter, make_drafter
 from .metrics import CycleStats, GenerationStats, TokenEvent
 from .sampling import SamplingParams, process_logits, warp
-from .verify import verify_greedy, verify_rejection
+from .verify import verify_deterministic, verify_greedy, verify_sampled
 
 DEFAULT_NUM_DRAFT_TOKENS = 4
 DEFAULT_MAX_TOKENS = 256
@@ -87,15 +87,22 @@ def check_context(model: nn.Module, num_prompt_tokens: int) -> None:
 
 
 def _verify(model, cache, history_array, root: int, draft: Draft, sampling: SamplingParams):
-    """One target forward over [root, *draft] and the acceptance rule; all lazy."""
-    if not draft.is_chain:
-        raise ValueError("this drafter proposed a branching tree; tree verification is not available yet")
-    inputs = mx.concatenate([mx.array([root], dtype=mx.int32), draft.tokens])
-    logits = model(inputs[None], cache=cache)[0]  # [K + 1, V]
-    logits = process_logits(logits, history_array, draft.tokens, sampling.processors())
+    """One target forward over [root, *draft] (tree mask, per-node positions) and the
+    acceptance rule; returns lazy ``(choice, next_tokens)`` over root-first nodes."""
+    tree = draft.tree
+    tokens = mx.concatenate([mx.array([root], dtype=mx.int32), draft.tokens])  # [N + 1]
+    with tree_attention(model, cache, tree):
+        logits = model(tokens[None], cache=cache)[0]  # [N + 1, V]
+    processors = sampling.processors()
+    if processors:
+        paths = [tree.path_to(node) for node in range(tree.size + 1)]
+        logits = process_logits(logits, history_array, processors, draft.tokens, paths)
     if sampling.greedy:
-        return verify_greedy(draft.tokens, logits)
-    return verify_rejection(draft.tokens, draft.logprobs, warp(logits, sampling))
+        return verify_greedy(tokens, tree, logits)
+    target_logprobs = warp(logits, sampling)
+    if draft.logprobs is None:
+        return verify_deterministic(tokens, tree, target_logprobs)
+    return verify_sampled(tokens, tree, draft.logprobs, target_logprobs)
 
 
 def _cut_at_stop(tokens: list[int], stop_tokens: set[int], room: int) -> tuple[int, str | None]:
@@ -127,7 +134,7 @@ def speculative_rounds(
     """
     cache = make_prompt_cache(model) if prompt_cache is None else prompt_cache
     if num_draft_tokens > 0 and not isinstance(drafter, NoDrafter):
-        check_rewindable(cache)
+        (check_compactable if drafter.makes_trees else check_rewindable)(cache)
     start = time.perf_counter()
     prefill(model, cache, prompt[:-1], prefill_step_size)
     drafter.prefill(prompt)
@@ -143,23 +150,26 @@ def speculative_rounds(
         if timed:
             mx.eval(draft.tokens)
         t1 = time.perf_counter()
-        K = draft.size
-        num_accepted, next_tokens = _verify(model, cache, mx.array(history, dtype=mx.int32), history[-1], draft, sampling)
-        mx.eval(num_accepted, next_tokens, draft.tokens)  # the round's one blocking sync
-        n, drafted = num_accepted.item(), draft.tokens.tolist()
-        tokens = drafted[:n] + [next_tokens.tolist()[n]]
-        kinds = ["accepted"] * n + ["target" if K == 0 else "bonus" if n == K else "resampled"]
+        tree = draft.tree
+        choice, next_tokens = _verify(model, cache, mx.array(history, dtype=mx.int32), history[-1], draft, sampling)
+        mx.eval(choice, next_tokens, draft.tokens)  # the round's one blocking sync
+        path = tree.walk(choice.tolist())  # accepted nodes, root-first numbering
+        last = path[-1] if path else 0
+        drafted = draft.tokens.tolist()
+        tokens = [drafted[node - 1] for node in path] + [next_tokens.tolist()[last]]
+        kind = "target" if tree.size == 0 else "bonus" if tree.is_leaf(last) else "resampled"
+        kinds = ["accepted"] * len(path) + [kind]
         keep, finish_reason = _cut_at_stop(tokens, stop_tokens, room)
-        trim(cache, K + 1 - keep)
+        commit_path(cache, len(history) - 1, ([0] + path)[:keep])
         history += tokens[:keep]
-        drafter.commit(len(history), min(n, keep))
+        drafter.commit(len(history), [node - 1 for node in path[:keep]])
         t2 = time.perf_counter()
         draft_s, verify_s = t1 - t0, t2 - t1
         if drafter.lazy:
             if timed:
                 draft_share = draft_s / (t2 - t0)
             draft_s, verify_s = draft_share * (t2 - t0), (1 - draft_share) * (t2 - t0)
-        round_stats = CycleStats(cycle, K, n, keep, draft_s, verify_s)
+        round_stats = CycleStats(cycle, tree.size, len(path), keep, draft_s, verify_s, int(tree.depths.max()))
         stats.add_cycle(round_stats)
         stats.generation_s = time.perf_counter() - start
         if cycle % 64 == 63:

@@ -46,6 +46,7 @@ class CycleStats:
         num_emitted: Tokens committed this round after stops (<= num_accepted + 1).
         draft_s: Seconds spent drafting (estimated for lazy drafters, see ``GenerationStats``).
         verify_s: Seconds spent in the target forward, acceptance and commit.
+        depth: Deepest draft node (γ for a full chain; 0 when nothing was drafted).
     """
 
     cycle: int
@@ -54,6 +55,7 @@ class CycleStats:
     num_emitted: int
     draft_s: float
     verify_s: float
+    depth: int = 0
 
 
 @dataclass
@@ -70,8 +72,8 @@ class GenerationStats:
         cycles: Verify rounds run.
         drafted: Draft tokens proposed, all rounds.
         accepted: Draft tokens kept, all rounds.
-        drafted_per_position: ``[i]`` = rounds that drafted a token at depth i.
-        accepted_per_position: ``[i]`` = rounds whose draft at depth i was kept.
+        drafted_per_position: ``[i]`` = rounds that drafted a token at depth i + 1.
+        accepted_per_position: ``[i]`` = rounds that accepted a token at depth i + 1.
         draft_s, verify_s: Time drafting and verifying, seconds. A drafter that runs
             on the device (a draft model) is timed exactly on every 8th round (an
             extra sync there) and its share is extrapolated to the others, so the
@@ -105,11 +107,11 @@ class GenerationStats:
         self.generation_tokens += stats.num_emitted
         self.draft_s += stats.draft_s
         self.verify_s += stats.verify_s
-        grow = stats.num_drafted - len(self.drafted_per_position)
+        grow = stats.depth - len(self.drafted_per_position)
         if grow > 0:
             self.drafted_per_position += [0] * grow
             self.accepted_per_position += [0] * grow
-        for i in range(stats.num_drafted):
+        for i in range(stats.depth):
             self.drafted_per_position[i] += 1
             self.accepted_per_position[i] += i < stats.num_accepted
 

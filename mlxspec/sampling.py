@@ -84,29 +84,33 @@ class SamplingParams:
 def process_logits(
     logits: mx.array,
     history: mx.array,
-    new_tokens: mx.array | None,
     processors: Sequence[LogitsProcessor],
+    draft_tokens: mx.array | None = None,
+    paths: Sequence[Sequence[int]] | None = None,
 ) -> mx.array:
     """Apply logits processors row by row, each row seeing its own prefix.
 
-    Row ``i`` scores the position after ``history + new_tokens[:i]``: exactly the
-    prefix plain decoding would have had there.
+    Row ``i`` scores the position after ``history`` followed by the draft tokens on
+    ``paths[i]``: exactly the prefix plain decoding would have had there.
 
     Args:
         logits (mx.array): Scores, shape [T, V].
         history (mx.array): Committed tokens (prompt + output), shape [L], int32.
-        new_tokens (mx.array | None): Tokens after ``history`` that rows 1.. see,
-            shape [>= T - 1], int32; may be lazy.
         processors: mlx-lm logits processors ``(tokens [L], logits [1, V]) -> [1, V]``.
+        draft_tokens (mx.array | None): Draft tokens, shape [N], int32; may be lazy.
+        paths: For each row, the draft-token indices between ``history`` and that row's
+            position. Default: a chain, ``paths[i] = range(i)``.
 
     Returns:
         mx.array: Processed scores, shape [T, V]; ``logits`` itself when there are no processors.
     """
     if not processors:
         return logits
+    paths = paths if paths is not None else [range(i) for i in range(logits.shape[0])]
     rows = []
-    for i in range(logits.shape[0]):
-        prefix = history if i == 0 else mx.concatenate([history, new_tokens[:i]])
+    for i, path in enumerate(paths):
+        path = list(path)
+        prefix = mx.concatenate([history, draft_tokens[mx.array(path)]]) if path else history
         row = logits[i : i + 1]
         for processor in processors:
             row = processor(prefix, row)

@@ -21,7 +21,6 @@ from mlxspec.drafters import Draft, make_drafter
 from mlxspec.generate import speculative_rounds
 from mlxspec.metrics import GenerationStats
 from mlxspec.sampling import SamplingParams, warp
-from mlxspec.verify import verify_rejection
 from stats import chi_square
 
 V = 8
@@ -100,14 +99,20 @@ def test_first_two_tokens_follow_the_target(models, kind, setting):
     assert stat < critical, f"chi-square {stat:.1f} >= {critical:.1f}"
 
 
-def _verify_without_residual(draft_tokens, draft_logprobs, target_logprobs):
-    n, _ = verify_rejection(draft_tokens, draft_logprobs, target_logprobs)
-    return n, mx.random.categorical(target_logprobs, axis=-1).astype(mx.int32)
+def _without_residual(rule):
+    """The classic mistake: after a rejection, draw from p instead of the residual."""
+
+    def broken(*args):
+        choice, _ = rule(*args)
+        return choice, mx.random.categorical(args[-1], axis=-1).astype(mx.int32)
+
+    return broken
 
 
-@pytest.mark.parametrize("kind", ["draft", "ngram"])
-def test_the_same_test_rejects_a_verifier_without_residual(models, kind, monkeypatch):
-    monkeypatch.setattr(sys.modules["mlxspec.generate"], "verify_rejection", _verify_without_residual)
+@pytest.mark.parametrize("kind,rule", [("draft", "verify_sampled"), ("ngram", "verify_deterministic")])
+def test_the_same_test_rejects_a_verifier_without_residual(models, kind, rule, monkeypatch):
+    engine = sys.modules["mlxspec.generate"]
+    monkeypatch.setattr(engine, rule, _without_residual(getattr(engine, rule)))
     params = SETTINGS["temp1"]
     stat, critical = chi_square(sample_joint(models[0], _drafter(kind, models), params), exact_joint(models[0], params))
     assert stat > critical

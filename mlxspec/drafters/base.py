@@ -8,33 +8,35 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from ..sampling import SamplingParams
+from ..tree import Tree, chain
 
 
 @dataclass
 class Draft:
     """Proposed tokens as a tree over the root (the last committed token).
 
-    A chain is the tree whose node ``i`` has parent ``i - 1``; the tree drafters
-    (Medusa, EAGLE) use the same record with branching ``parents``.
+    A chain is the tree whose node ``i`` has parent ``i - 1``; tree drafters (Medusa,
+    EAGLE) use the same record with branching parents.
 
     Attributes:
         tokens (mx.array): Drafted ids, shape [N], int32; may be lazy (the round's
             one sync evaluates it with the verification result).
-        parents (tuple[int, ...]): Parent node of each node, ``-1`` for the root. Shape [N].
+        tree (Tree): Parent of each node (``-1`` for the root), topological.
         logprobs (mx.array | None): log q that each node's token was drawn from,
-            shape [N, V], float32 over the target's vocabulary. ``None`` means the
-            proposal is deterministic (q one-hot on the drafted token).
+            shape [N, V], float32 over the target's vocabulary (for siblings drawn
+            without replacement, the adjusted q). ``None`` means the proposal is
+            deterministic (q one-hot on the drafted token).
     """
 
     tokens: mx.array
-    parents: tuple[int, ...]
+    tree: Tree
     logprobs: mx.array | None = None
 
     @classmethod
     def chain(cls, tokens: mx.array | list[int], logprobs: mx.array | None = None) -> Draft:
         """A chain draft: each token follows the previous one."""
         tokens = mx.array(tokens, dtype=mx.int32) if isinstance(tokens, list) else tokens
-        return cls(tokens, tuple(range(-1, tokens.shape[0] - 1)), logprobs)
+        return cls(tokens, chain(tokens.shape[0]), logprobs)
 
     @classmethod
     def empty(cls) -> Draft:
@@ -42,11 +44,7 @@ class Draft:
 
     @property
     def size(self) -> int:
-        return len(self.parents)
-
-    @property
-    def is_chain(self) -> bool:
-        return all(parent == i - 1 for i, parent in enumerate(self.parents))
+        return self.tree.size
 
 
 class Drafter(ABC):
@@ -60,6 +58,8 @@ class Drafter(ABC):
     name: str = "drafter"
     #: Whether ``propose`` returns lazy arrays whose work happens on the device.
     lazy: bool = False
+    #: Whether drafts may branch (the target cache must then support compaction).
+    makes_trees: bool = False
 
     def prefill(self, prompt: list[int]) -> None:
         """Take in the prompt before the first round. Default: nothing."""
@@ -68,9 +68,9 @@ class Drafter(ABC):
     def propose(self, history: list[int], num_draft_tokens: int, sampling: SamplingParams) -> Draft:
         """Propose up to ``num_draft_tokens`` tokens after ``history``."""
 
-    def commit(self, num_committed: int, num_accepted: int) -> None:
-        """After verification: ``history`` now has ``num_committed`` tokens, of which
-        the first ``num_accepted`` of this round's draft were kept. Default: nothing."""
+    def commit(self, num_committed: int, accepted: list[int]) -> None:
+        """After verification: ``history`` now has ``num_committed`` tokens; ``accepted``
+        lists the draft nodes (0-based, root to leaf) that were kept. Default: nothing."""
 
 
 class NoDrafter(Drafter):

@@ -98,7 +98,7 @@ class DraftModelDrafter(Drafter):
         for _ in range(num_draft_tokens):
             logits = self._fit_vocab(self.model(inputs[None], cache=self.cache)[0, -1:])
             if processors:
-                logits = process_logits(logits, mx.concatenate([context, *tokens]), None, processors)
+                logits = process_logits(logits, mx.concatenate([context, *tokens]), processors)
             token, token_logprobs = sample(logits, sampling)
             mx.async_eval(token)
             tokens.append(token)
@@ -110,10 +110,10 @@ class DraftModelDrafter(Drafter):
         q = None if sampling.greedy else mx.concatenate(logprobs, axis=0)
         return Draft.chain(mx.concatenate(tokens), q)
 
-    def commit(self, num_committed, num_accepted):
+    def commit(self, num_committed, accepted):
         # The cache holds history + drafts[:K - 1]; what the target kept of it stays,
         # except the newest committed token (the next root).
         offset = self.cache[0].offset
-        valid = min(offset, self._round_start + num_accepted, num_committed - 1)
+        valid = min(offset, self._round_start + len(accepted), num_committed - 1)
         trim(self.cache, offset - valid)
         self._num_cached = valid
