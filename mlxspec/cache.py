@@ -53,7 +53,8 @@ def prefill(
     tokens: list[int],
     step_size: int = DEFAULT_PREFILL_STEP_SIZE,
     progress: Callable[[int, int], None] | None = None,
-) -> None:
+    hidden_tap=None,
+) -> mx.array | None:
     """Run ``tokens`` into ``cache`` in chunks, evaluating only the cache state.
 
     Args:
@@ -62,15 +63,24 @@ def prefill(
         tokens: Token ids, length [L]; may be empty.
         step_size: Tokens per forward. Default: ``2048``.
         progress: Called as ``progress(done, total)`` after each chunk.
+        hidden_tap: A ``taps.HiddenTap`` on ``model``: then the final hidden states of
+            ``tokens`` are returned, shape [L, H].
+
+    Returns:
+        mx.array | None: The hidden states when ``hidden_tap`` is given.
     """
-    total = len(tokens)
+    total, hidden = len(tokens), []
     for start in range(0, total, step_size):
         chunk = mx.array(tokens[start : start + step_size], dtype=mx.int32)
         model(chunk[None], cache=cache)
-        mx.eval([c.state for c in cache])
+        if hidden_tap is not None:
+            hidden.append(hidden_tap.final[0])
+        mx.eval([c.state for c in cache], hidden)
         mx.clear_cache()
         if progress is not None:
             progress(min(start + step_size, total), total)
+    if hidden_tap is not None:
+        return mx.concatenate(hidden) if hidden else mx.zeros((0, 0))
 
 
 def check_compactable(cache: Sequence) -> None:

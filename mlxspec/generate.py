@@ -22,13 +22,17 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
+from .costmodel import AutoGamma, load_or_calibrate
 from .cache import DEFAULT_PREFILL_STEP_SIZE, check_compactable, check_rewindable, commit_path, prefill, tree_attention
 from .drafters import Draft, Drafter, NoDrafter, make_drafter
 from .metrics import CycleStats, GenerationStats, TokenEvent
 from .sampling import SamplingParams, process_logits, warp
+from .taps import HiddenTap
 from .verify import verify_deterministic, verify_greedy, verify_sampled
 
 DEFAULT_NUM_DRAFT_TOKENS = 4
+#: ``num_draft_tokens`` value that picks γ per round from measured costs (``costmodel.AutoGamma``).
+AUTO = "auto"
 DEFAULT_MAX_TOKENS = 256
 #: A lazy drafter is timed exactly (one extra sync) on every this-many rounds.
 TIMING_EVERY = 8
@@ -127,17 +131,21 @@ def speculative_rounds(
     stats: GenerationStats,
     prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE,
     prompt_cache: list | None = None,
+    auto_gamma: AutoGamma | None = None,
 ) -> Iterator[_Round]:
     """Run rounds until a stop token or ``max_tokens``; yields each round's committed tokens.
 
-    Updates ``stats`` in place (prefill time, then per round).
+    Updates ``stats`` in place (prefill time, then per round). With ``auto_gamma``, γ
+    is its choice before each round (at most ``num_draft_tokens``) and it learns from
+    each round's stats.
     """
     cache = make_prompt_cache(model) if prompt_cache is None else prompt_cache
     if num_draft_tokens > 0 and not isinstance(drafter, NoDrafter):
         (check_compactable if drafter.makes_trees else check_rewindable)(cache)
+    tap = HiddenTap(model) if drafter.needs_hidden else None
     start = time.perf_counter()
-    prefill(model, cache, prompt[:-1], prefill_step_size)
-    drafter.prefill(prompt)
+    hidden = prefill(model, cache, prompt[:-1], prefill_step_size, hidden_tap=tap)
+    drafter.prefill(prompt, hidden)
     stats.prompt_s = time.perf_counter() - start
     start = time.perf_counter()
     history = list(prompt)
@@ -145,14 +153,16 @@ def speculative_rounds(
     for cycle in range(max_tokens):
         room = max_tokens - stats.generation_tokens
         t0 = time.perf_counter()
-        draft = drafter.propose(history, min(num_draft_tokens, room - 1), sampling)
-        timed = drafter.lazy and cycle % TIMING_EVERY == 0
+        gamma = num_draft_tokens if auto_gamma is None else auto_gamma.choose_gamma()
+        draft = drafter.propose(history, min(gamma, room - 1), sampling)
+        timed = drafter.lazy and draft.size > 0 and (cycle % TIMING_EVERY == 0 or draft_share is None)
         if timed:
             mx.eval(draft.tokens)
         t1 = time.perf_counter()
         tree = draft.tree
         choice, next_tokens = _verify(model, cache, mx.array(history, dtype=mx.int32), history[-1], draft, sampling)
-        mx.eval(choice, next_tokens, draft.tokens)  # the round's one blocking sync
+        hidden = tap.final[0] if tap is not None else None  # [N + 1, H]
+        mx.eval(choice, next_tokens, draft.tokens, hidden)  # the round's one blocking sync
         path = tree.walk(choice.tolist())  # accepted nodes, root-first numbering
         last = path[-1] if path else 0
         drafted = draft.tokens.tolist()
@@ -162,15 +172,18 @@ def speculative_rounds(
         keep, finish_reason = _cut_at_stop(tokens, stop_tokens, room)
         commit_path(cache, len(history) - 1, ([0] + path)[:keep])
         history += tokens[:keep]
-        drafter.commit(len(history), [node - 1 for node in path[:keep]])
+        drafter.commit(len(history), [node - 1 for node in path[:keep]], hidden)
         t2 = time.perf_counter()
         draft_s, verify_s = t1 - t0, t2 - t1
-        if drafter.lazy:
+        if drafter.lazy and draft.size > 0:
             if timed:
                 draft_share = draft_s / (t2 - t0)
             draft_s, verify_s = draft_share * (t2 - t0), (1 - draft_share) * (t2 - t0)
         round_stats = CycleStats(cycle, tree.size, len(path), keep, draft_s, verify_s, int(tree.depths.max()))
         stats.add_cycle(round_stats)
+        if auto_gamma is not None:
+            auto_gamma.update(round_stats)
+            stats.add_gamma(gamma)
         stats.generation_s = time.perf_counter() - start
         if cycle % 64 == 63:
             mx.clear_cache()
@@ -186,7 +199,7 @@ def stream_generate(
     prompt: str | list[int],
     *,
     drafter: Drafter | str = "none",
-    num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS,
+    num_draft_tokens: int | str | AutoGamma = DEFAULT_NUM_DRAFT_TOKENS,
     max_tokens: int = DEFAULT_MAX_TOKENS,
     sampling: SamplingParams | None = None,
     seed: int | None = None,
@@ -204,7 +217,11 @@ def stream_generate(
         tokenizer: Its ``mlx_lm`` ``TokenizerWrapper``.
         prompt: Text (encoded as-is; apply a chat template first if wanted) or ids.
         drafter: A ``Drafter`` or ``"ngram"`` / ``"none"``. Default: ``"none"``.
-        num_draft_tokens: γ, tokens drafted per round; ``0`` = plain decoding. Default: ``4``.
+        num_draft_tokens: γ, tokens drafted per round; ``0`` = plain decoding; ``"auto"``
+            picks γ before every round from this machine's measured costs and the running
+            acceptance, falling back to plain decoding when speculation is predicted to
+            lose (``costmodel.AutoGamma``; costs are measured once, in seconds, and cached);
+            or an ``AutoGamma`` to reuse (it keeps its acceptance estimate). Default: ``4``.
         max_tokens: Most tokens to generate. Default: ``256``.
         sampling: Temperature, filters and logits processors. Default: greedy.
         seed: Seed for ``mx.random`` (drafting and acceptance draws), or ``None``.
@@ -219,19 +236,26 @@ def stream_generate(
         ``GenerationStats``.
 
     Raises:
-        ValueError: on an empty or too-long prompt, ``num_draft_tokens < 0``,
+        ValueError: on an empty or too-long prompt, ``num_draft_tokens < 0`` or a string other than ``"auto"``,
             ``max_tokens < 1``, an unknown drafter name, or a target cache that
             cannot be rewound while drafting.
     """
-    if num_draft_tokens < 0:
+    if isinstance(num_draft_tokens, str) and num_draft_tokens != AUTO:
+        raise ValueError(f"num_draft_tokens must be an integer >= 0 or 'auto', got {num_draft_tokens!r}")
+    if isinstance(num_draft_tokens, int) and num_draft_tokens < 0:
         raise ValueError(f"num_draft_tokens must be >= 0, got {num_draft_tokens}")
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
     sampling = sampling or SamplingParams()
     if isinstance(drafter, str):
         drafter = make_drafter(drafter)
+    auto_gamma = num_draft_tokens if isinstance(num_draft_tokens, AutoGamma) else None
     if isinstance(drafter, NoDrafter):
-        num_draft_tokens = 0
+        num_draft_tokens, auto_gamma = 0, None
+    elif num_draft_tokens == AUTO:
+        auto_gamma = AutoGamma(load_or_calibrate(model, drafter))
+    if auto_gamma is not None:
+        num_draft_tokens = auto_gamma.max_gamma
     ids = encode_prompt(tokenizer, prompt)
     check_context(model, len(ids))
     stop_tokens = set(tokenizer.eos_token_ids) if stop_tokens is None else set(stop_tokens)
@@ -243,7 +267,7 @@ def stream_generate(
     rounds = speculative_rounds(
         model, ids, drafter, num_draft_tokens=num_draft_tokens, max_tokens=max_tokens,
         sampling=sampling, stop_tokens=stop_tokens, stats=stats, prefill_step_size=prefill_step_size,
-        prompt_cache=prompt_cache,
+        prompt_cache=prompt_cache, auto_gamma=auto_gamma,
     )
     for round_ in rounds:
         last = len(round_.tokens) - 1

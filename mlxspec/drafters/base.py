@@ -60,17 +60,22 @@ class Drafter(ABC):
     lazy: bool = False
     #: Whether drafts may branch (the target cache must then support compaction).
     makes_trees: bool = False
+    #: Whether the drafter reads the target's final hidden states (head drafters).
+    needs_hidden: bool = False
 
-    def prefill(self, prompt: list[int]) -> None:
-        """Take in the prompt before the first round. Default: nothing."""
+    def prefill(self, prompt: list[int], hidden: mx.array | None = None) -> None:
+        """Take in the prompt before the first round. ``hidden``: the target's final hidden
+        states for ``prompt[:-1]``, [L - 1, H], when ``needs_hidden``. Default: nothing."""
 
     @abstractmethod
     def propose(self, history: list[int], num_draft_tokens: int, sampling: SamplingParams) -> Draft:
         """Propose up to ``num_draft_tokens`` tokens after ``history``."""
 
-    def commit(self, num_committed: int, accepted: list[int]) -> None:
+    def commit(self, num_committed: int, accepted: list[int], hidden: mx.array | None = None) -> None:
         """After verification: ``history`` now has ``num_committed`` tokens; ``accepted``
-        lists the draft nodes (0-based, root to leaf) that were kept. Default: nothing."""
+        lists the draft nodes (0-based, root to leaf) that were kept. ``hidden``: the
+        target's final hidden states at the verified nodes, root first, [N + 1, H], when
+        ``needs_hidden``. Default: nothing."""
 
 
 class NoDrafter(Drafter):

@@ -74,7 +74,7 @@ class DraftModelDrafter(Drafter):
         self._num_cached = 0  # committed tokens in the cache
         self._round_start = 0  # committed tokens when the last round was proposed
 
-    def prefill(self, prompt):
+    def prefill(self, prompt, hidden=None):
         self.cache = make_prompt_cache(self.model)
         prefill(self.model, self.cache, prompt[:-1])
         self._num_cached = len(prompt) - 1
@@ -110,7 +110,7 @@ class DraftModelDrafter(Drafter):
         q = None if sampling.greedy else mx.concatenate(logprobs, axis=0)
         return Draft.chain(mx.concatenate(tokens), q)
 
-    def commit(self, num_committed, accepted):
+    def commit(self, num_committed, accepted, hidden=None):
         # The cache holds history + drafts[:K - 1]; what the target kept of it stays,
         # except the newest committed token (the next root).
         offset = self.cache[0].offset

@@ -1,0 +1,88 @@
+"""Read a target's hidden states during its ordinary forward, for any mlx-lm model.
+
+Head drafters need the final normalised hidden state (the input of the LM head:
+Medusa, EAGLE-1/2) or the residual stream entering chosen layers (EAGLE-3). Instead
+of copying model code, a tap wraps a module of the loaded model — the final norm, or
+entries of ``model.model.layers`` — and records what passes through, so the one
+forward that verifies a draft also yields the features.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+
+class _Recorder(nn.Module):
+    """Calls the wrapped module and keeps its output (or input) for the tap to read."""
+
+    def __init__(self, inner: nn.Module, sink: dict, key, record_input: bool):
+        super().__init__()
+        self.inner = inner
+        object.__setattr__(self, "_sink", sink)  # plain attribute: not a parameter
+        object.__setattr__(self, "_key", key)
+        object.__setattr__(self, "_record_input", record_input)
+
+    def __call__(self, x, *args, **kwargs):
+        out = self.inner(x, *args, **kwargs)
+        self._sink[self._key] = x if self._record_input else out
+        return out
+
+    def __getattr__(self, name):
+        if name != "inner" and "inner" in self:  # e.g. a tied embedding's as_linear
+            try:
+                return super().__getattr__(name)
+            except AttributeError:
+                return getattr(self["inner"], name)
+        return super().__getattr__(name)
+
+
+def _body(model: nn.Module) -> nn.Module:
+    body = getattr(model, "model", None)
+    if body is None or not hasattr(body, "norm") or not hasattr(body, "layers"):
+        raise ValueError(
+            f"{type(model).__name__} has no model.norm / model.layers to read hidden states from; "
+            "head drafters support mlx-lm decoder models (llama, mistral, qwen2/3, gemma, ...)"
+        )
+    return body
+
+
+class HiddenTap:
+    """Records the final normalised hidden state of every forward of ``model``.
+
+    Installing is idempotent and leaves the model's outputs unchanged.
+
+    Args:
+        model: An mlx-lm model with ``model.model.norm``.
+        layers: Also record the inputs of these decoder layers (0-based), for EAGLE-3.
+
+    Raises:
+        ValueError: if the model has no ``model.norm`` / ``model.layers``.
+    """
+
+    def __init__(self, model: nn.Module, layers: tuple[int, ...] = ()):
+        body = _body(model)
+        self.sink: dict = {}
+        if isinstance(body.norm, _Recorder):
+            self.sink = body.norm._sink
+        else:
+            body.norm = _Recorder(body.norm, self.sink, "final", record_input=False)
+        for i in layers:
+            if not isinstance(body.layers[i], _Recorder):
+                body.layers[i] = _Recorder(body.layers[i], self.sink, i, record_input=True)
+
+    @property
+    def final(self) -> mx.array:
+        """Final normalised hidden state of the last forward, shape [B, T, H]."""
+        return self.sink["final"]
+
+    def layer_input(self, i: int) -> mx.array:
+        """Residual stream entering layer ``i`` in the last forward, shape [B, T, H]."""
+        return self.sink[i]
+
+
+def output_head(model: nn.Module):
+    """The target's LM head as a function hidden [..., H] -> logits [..., V] (tied or not)."""
+    if getattr(model, "lm_head", None) is not None:
+        return model.lm_head
+    return _body(model).embed_tokens.as_linear
