@@ -66,12 +66,14 @@ class MedusaConfig:
 
 
 class ResBlock(nn.Module):
-    """x + SiLU(W x + b), the Medusa block; zero-initialised so it starts as identity."""
+    """x + SiLU(W x + b), the Medusa block. W and b start at zero (Medusa zeroes W only),
+    so an untrained head is exactly its LM head: SiLU(0) = 0."""
 
     def __init__(self, hidden_size: int):
         super().__init__()
         self.linear = nn.Linear(hidden_size, hidden_size)
         self.linear.weight = mx.zeros_like(self.linear.weight)
+        self.linear.bias = mx.zeros_like(self.linear.bias)
 
     def __call__(self, x):
         return x + nn.silu(self.linear(x))

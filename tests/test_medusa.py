@@ -1,0 +1,143 @@
+"""Medusa heads: trees of rank paths, checkpoint layouts, and lossless generation."""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import pytest
+
+from conftest import byte_tokenizer, tiny_llama
+from mlxspec import SamplingParams, generate
+from mlxspec.drafters.medusa import (
+    MC_SIM_7B_63,
+    MedusaConfig,
+    MedusaDrafter,
+    MedusaHeads,
+    load_medusa,
+    read_tree,
+    save_medusa,
+    tree_from_choices,
+)
+from mlxspec.taps import output_head
+from stats import chi_square
+
+PROMPT = [10, 20, 30, 40, 10, 20, 30, 41, 50, 60]
+
+
+def random_heads(num_heads=4, hidden=64, vocab=264, shared=False, seed=0, scale=0.3) -> MedusaHeads:
+    heads = MedusaHeads(MedusaConfig(num_heads, hidden, vocab, shared_lm_head=shared))
+    mx.random.seed(seed)
+    heads.update({"heads": [[{"linear": {"weight": scale * mx.random.normal((hidden, hidden)),
+                                         "bias": scale * mx.random.normal((hidden,))}}]
+                            + ([] if shared else [{"weight": mx.random.normal((vocab, hidden))}])
+                            for _ in range(num_heads)]})
+    mx.eval(heads.parameters())
+    return heads
+
+
+def test_mc_sim_tree_shape():
+    tree, heads, ranks = tree_from_choices(MC_SIM_7B_63, max_depth=4)
+    assert tree.size == 63 and int(tree.depths.max()) == 4
+    assert (tree.children[0] > 0).sum() == 10  # ten top-k guesses of head 0 at the root
+    assert heads.tolist() == [len(p) - 1 for p in sorted(map(tuple, MC_SIM_7B_63), key=lambda p: (len(p), p))]
+    assert tree_from_choices(MC_SIM_7B_63, max_depth=2)[0].size == sum(len(p) <= 2 for p in MC_SIM_7B_63)
+    with pytest.raises(ValueError, match="no parent"):
+        tree_from_choices([[0], [1, 0]], max_depth=4)
+
+
+def test_read_tree_presets_and_files(tmp_path):
+    assert read_tree("small_15") == MC_SIM_7B_63[:15]
+    (tmp_path / "t.json").write_text(json.dumps([[0], [0, 0], [1]]))
+    assert read_tree(str(tmp_path / "t.json")) == [[0], [0, 0], [1]]
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(ValueError, match="rank paths"):
+        read_tree(str(tmp_path / "bad.json"))
+    with pytest.raises(ValueError, match="unknown Medusa tree"):
+        read_tree("no-such-tree")
+
+
+@pytest.mark.parametrize("tree", ["mc_sim_7b_63", "small_15", "chain_4"])
+def test_greedy_medusa_equals_plain_greedy_over_300_tokens(tree):
+    target, tokenizer = tiny_llama(seed=0, sharpen=4.0), byte_tokenizer()
+    plain = generate(target, tokenizer, PROMPT, drafter="none", max_tokens=300, stop_tokens=set())
+    drafter = MedusaDrafter(random_heads(shared=True), output_head(target), read_tree(tree))
+    spec = generate(target, tokenizer, PROMPT, drafter=drafter, num_draft_tokens=4, max_tokens=300, stop_tokens=set())
+    assert spec.tokens == plain.tokens
+    assert spec.stats.drafted > 0
+
+
+def test_untrained_heads_predict_the_next_token_exactly_like_the_lm_head():
+    """A zero-initialised block is the identity, so every head starts as the base LM head."""
+    target = tiny_llama(seed=0)
+    heads = MedusaHeads(MedusaConfig(3, 64, 264, shared_lm_head=True))
+    hidden = mx.random.normal((5, 64))
+    logits = heads(hidden, output_head(target))
+    assert logits.shape == (3, 5, 264)
+    assert mx.allclose(logits[2], output_head(target)(hidden)).item()
+
+
+def test_medusa_sampling_follows_the_target():
+    from test_lossless import exact_joint, sample_joint
+
+    target = tiny_llama(seed=0, vocab_size=8, sharpen=3.0)
+    drafter = MedusaDrafter(random_heads(num_heads=2, vocab=8, seed=2, scale=1.0), output_head(target),
+                            [[0], [1], [2], [0, 0], [0, 1], [1, 0]])
+    params = SamplingParams(temp=1.0, top_p=0.9)
+    stat, critical = chi_square(sample_joint(target, drafter, params), exact_joint(target, params))
+    assert stat < critical
+
+
+# --- checkpoint layouts ------------------------------------------------------------------------
+
+
+def _weights(heads: MedusaHeads) -> dict:
+    from mlx.utils import tree_flatten
+
+    return {k.removeprefix("heads."): v for k, v in tree_flatten(heads.parameters())}
+
+
+def _same(a: MedusaHeads, b: MedusaHeads) -> bool:
+    wa, wb = _weights(a), _weights(b)
+    return wa.keys() == wb.keys() and all(mx.array_equal(wa[k], wb[k]).item() for k in wa)
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["original", "shared-head"])
+def test_save_and_load_published_layout(tmp_path, shared):
+    heads = random_heads(num_heads=5, shared=shared)
+    save_medusa(tmp_path, heads)
+    keys = mx.load(str(tmp_path / "medusa_lm_head.safetensors")).keys()
+    assert "4.0.linear.weight" in keys and ("4.1.weight" in keys) != shared
+    # published configs under-count heads: the tensors decide
+    (tmp_path / "config.json").write_text(json.dumps({"medusa_num_heads": 2}))
+    loaded = load_medusa(tmp_path, hidden_size=64, vocab_size=264)
+    assert loaded.config.medusa_num_heads == 5 and loaded.config.shared_lm_head == shared
+    assert _same(heads, loaded)
+
+
+def test_load_vllm_layout(tmp_path):
+    heads = random_heads(num_heads=3)
+    w = _weights(heads)
+    vllm = {}
+    for k in range(3):
+        vllm[f"blocks.{k}.layers.0.weight"] = w[f"{k}.0.linear.weight"]
+        vllm[f"blocks.{k}.layers.0.bias"] = w[f"{k}.0.linear.bias"]
+        vllm[f"lm_heads.{k}.weight"] = w[f"{k}.1.weight"]
+    mx.save_safetensors(str(tmp_path / "model.safetensors"), vllm)
+    assert _same(heads, load_medusa(tmp_path, hidden_size=64, vocab_size=264))
+
+
+@pytest.mark.parametrize("hidden,vocab,message", [(32, 264, "hidden size 64 but the target has 32"),
+                                                   (64, 300, "vocabulary 264 but the target has 300")])
+def test_heads_that_do_not_fit_the_target_are_refused(tmp_path, hidden, vocab, message):
+    save_medusa(tmp_path, random_heads())
+    with pytest.raises(ValueError, match=message):
+        load_medusa(tmp_path, hidden_size=hidden, vocab_size=vocab)
+
+
+def test_missing_checkpoint_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="medusa_lm_head.safetensors"):
+        load_medusa(tmp_path, hidden_size=64, vocab_size=264)
+    with pytest.raises(ValueError, match="no Medusa head tensors"):
+        mx.save_safetensors(str(tmp_path / "medusa_lm_head.safetensors"), {"x": mx.zeros(3)})
+        load_medusa(tmp_path, hidden_size=64, vocab_size=264)
