@@ -28,7 +28,7 @@ from .drafters import Draft, Drafter, NoDrafter, make_drafter
 from .metrics import CycleStats, GenerationStats, TokenEvent
 from .sampling import SamplingParams, process_logits, warp
 from .taps import HiddenTap
-from .verify import verify_deterministic, verify_greedy, verify_sampled
+from .verify import verify_deterministic, verify_greedy, verify_sampled, verify_typical
 
 DEFAULT_NUM_DRAFT_TOKENS = 4
 #: ``num_draft_tokens`` value that picks γ per round from measured costs (``costmodel.AutoGamma``).
@@ -90,7 +90,7 @@ def check_context(model: nn.Module, num_prompt_tokens: int) -> None:
         )
 
 
-def _verify(model, cache, history_array, root: int, draft: Draft, sampling: SamplingParams):
+def _verify(model, cache, history_array, root: int, draft: Draft, sampling: SamplingParams, typical=None):
     """One target forward over [root, *draft] (tree mask, per-node positions) and the
     acceptance rule; returns lazy ``(choice, next_tokens)`` over root-first nodes."""
     tree = draft.tree
@@ -103,6 +103,8 @@ def _verify(model, cache, history_array, root: int, draft: Draft, sampling: Samp
         logits = process_logits(logits, history_array, processors, draft.tokens, paths)
     if sampling.greedy:
         return verify_greedy(tokens, tree, logits)
+    if typical is not None:
+        return verify_typical(tokens, tree, logits, sampling.temp, *typical)
     target_logprobs = warp(logits, sampling)
     if draft.logprobs is None:
         return verify_deterministic(tokens, tree, target_logprobs)
@@ -132,6 +134,7 @@ def speculative_rounds(
     prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE,
     prompt_cache: list | None = None,
     auto_gamma: AutoGamma | None = None,
+    typical: tuple[float, float] | None = None,
 ) -> Iterator[_Round]:
     """Run rounds until a stop token or ``max_tokens``; yields each round's committed tokens.
 
@@ -160,7 +163,9 @@ def speculative_rounds(
             mx.eval(draft.tokens)
         t1 = time.perf_counter()
         tree = draft.tree
-        choice, next_tokens = _verify(model, cache, mx.array(history, dtype=mx.int32), history[-1], draft, sampling)
+        choice, next_tokens = _verify(
+            model, cache, mx.array(history, dtype=mx.int32), history[-1], draft, sampling, typical
+        )
         hidden = tap.final[0] if tap is not None else None  # [N + 1, H]
         mx.eval(choice, next_tokens, draft.tokens, hidden)  # the round's one blocking sync
         path = tree.walk(choice.tolist())  # accepted nodes, root-first numbering
@@ -206,6 +211,7 @@ def stream_generate(
     stop_tokens: set[int] | None = None,
     prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE,
     prompt_cache: list | None = None,
+    typical: tuple[float, float] | None = None,
 ) -> Iterator[TokenEvent | CycleStats | GenerationStats]:
     """Generate with speculative decoding, streaming what each round commits.
 
@@ -229,6 +235,9 @@ def stream_generate(
         prefill_step_size: Prompt tokens per prefill forward. Default: ``2048``.
         prompt_cache: An empty cache from ``make_prompt_cache(model)`` to fill in place
             (afterwards it holds prompt + output except the last token), or ``None``.
+        typical: ``(threshold, alpha)`` turns on Medusa's typical acceptance at
+            ``temp > 0`` — LOSSY, the output is no longer distributed as the target's
+            (``verify.verify_typical``). Default: ``None`` (exact).
 
     Yields:
         ``TokenEvent`` per committed token (text deltas never split a multi-byte
@@ -246,6 +255,8 @@ def stream_generate(
         raise ValueError(f"num_draft_tokens must be >= 0, got {num_draft_tokens}")
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    if typical is not None and not (0 < typical[0] <= 1 and typical[1] > 0):
+        raise ValueError(f"typical acceptance needs 0 < threshold <= 1 and alpha > 0, got {typical}")
     sampling = sampling or SamplingParams()
     if isinstance(drafter, str):
         drafter = make_drafter(drafter)
@@ -267,7 +278,7 @@ def stream_generate(
     rounds = speculative_rounds(
         model, ids, drafter, num_draft_tokens=num_draft_tokens, max_tokens=max_tokens,
         sampling=sampling, stop_tokens=stop_tokens, stats=stats, prefill_step_size=prefill_step_size,
-        prompt_cache=prompt_cache, auto_gamma=auto_gamma,
+        prompt_cache=prompt_cache, auto_gamma=auto_gamma, typical=typical,
     )
     for round_ in rounds:
         last = len(round_.tokens) - 1

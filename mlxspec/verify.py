@@ -154,3 +154,46 @@ def verify_sampled(
         r = mx.where(update, residual / mx.where(mass > 0, mass, 1.0), r)
     next_tokens = mx.random.categorical(mx.log(r), axis=-1).astype(mx.int32)
     return choice, next_tokens
+
+
+def verify_typical(
+    tokens: mx.array, tree: Tree, target_logits: mx.array, temp: float, threshold: float, alpha: float
+) -> tuple[mx.array, mx.array]:
+    """Medusa's typical acceptance — LOSSY: the output is not distributed as p.
+
+    Cai et al. 2024 (arXiv 2401.10774), section 2.3.1; heads.md rule 2.7. With
+    p = softmax(logits / temp) at the parent, node x is accepted iff
+    p(x) > min(threshold, alpha · exp(-H(p))), H(p) = -Σ p log(p + 1e-5), and all its
+    ancestors are; the deepest accepted node wins, ties broken by the larger Σ log p
+    along the path. The next token is sampled from p at that node (never the argmax,
+    unlike Medusa's ``fast`` mode). Medusa's defaults are threshold 0.09, alpha 0.3.
+
+    Args:
+        tokens (mx.array): Root-first node tokens, shape [N + 1], int32.
+        tree: The draft's structure.
+        target_logits (mx.array): Processed target scores, shape [N + 1, V].
+        temp: Temperature (> 0).
+        threshold: ε, the hard probability threshold.
+        alpha: δ, the entropy-scaled threshold factor.
+
+    Returns:
+        tuple[mx.array, mx.array]: ``choice`` and ``next_tokens``, both [N + 1] int32, lazy.
+    """
+    _check_shapes(tree, tokens, target_logits)
+    scaled = target_logits.astype(mx.float32) / temp
+    logprobs = scaled - mx.logsumexp(scaled, axis=-1, keepdims=True)
+    probs = mx.exp(logprobs)
+    entropy = -(probs * mx.log(probs + 1e-5)).sum(axis=-1)  # [N + 1]
+    parents = mx.array(np.maximum(tree.node_parents, 0))
+    node_logprob = mx.take_along_axis(logprobs[parents], tokens[:, None], axis=1)[:, 0]
+    cutoff = mx.minimum(threshold, alpha * mx.exp(-entropy))[parents]
+    ok = (mx.exp(node_logprob) > cutoff) | (mx.arange(tree.size + 1) == 0)  # the root needs no test
+    ancestors = mx.array(tree.ancestor_mask)
+    on_path = mx.all(mx.where(ancestors, ok[None, :], True), axis=1)  # the whole path is accepted
+    path_logprob = mx.where(ancestors, mx.where(mx.arange(tree.size + 1) == 0, 0.0, node_logprob)[None, :], 0.0).sum(1)
+    score = mx.where(on_path, mx.array(tree.depths) * 1e4 + path_logprob, -mx.inf)
+    best = mx.argmax(score)
+    kept = ancestors[best]  # [N + 1]: nodes on the winning path
+    children = tree.children
+    sib_kept = kept[mx.array(np.maximum(children, 0))] & mx.array(children >= 0)
+    return _first_true(sib_kept, children), mx.random.categorical(logprobs, axis=-1).astype(mx.int32)

@@ -141,3 +141,28 @@ def test_missing_checkpoint_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="no Medusa head tensors"):
         mx.save_safetensors(str(tmp_path / "medusa_lm_head.safetensors"), {"x": mx.zeros(3)})
         load_medusa(tmp_path, hidden_size=64, vocab_size=264)
+
+
+def test_typical_acceptance_picks_the_deepest_typical_path():
+    from mlxspec.tree import Tree
+    from mlxspec.verify import verify_typical
+
+    tree = Tree((-1, -1, 0, 0, 1))  # root -> {1, 2}; 1 -> {3, 4}; 2 -> {5}
+    probs = [[.1, .6, .3, 1e-4], [.05, .05, .1, .8], [.4, .4, .1, .1], [.25] * 4, [.9, .05, .03, .02], [.25] * 4]
+    logits = mx.log(mx.array(probs))
+    tokens = mx.array([9, 1, 2, 3, 0, 1], dtype=mx.int32)
+    # node 4 (p = .05 < min(.09, .3 e^-H)) fails; paths 1-3 and 2-5 are both depth 2; 1-3 has more log p
+    choice, _ = verify_typical(tokens, tree, logits, 1.0, 0.09, 0.3)
+    assert tree.walk(choice.tolist()) == [1, 3]
+    choice, _ = verify_typical(tokens, tree, logits, 1.0, 0.7, 2.0)  # cutoff 0.7 at the root: 0.6 fails
+    assert tree.walk(choice.tolist()) == []
+
+
+def test_typical_mode_runs_end_to_end_and_is_refused_with_bad_values():
+    target, tokenizer = tiny_llama(seed=0, sharpen=4.0), byte_tokenizer()
+    drafter = MedusaDrafter(random_heads(shared=True), output_head(target), read_tree("small_15"))
+    result = generate(target, tokenizer, PROMPT, drafter=drafter, max_tokens=40, stop_tokens=set(),
+                      sampling=SamplingParams(temp=0.7), seed=0, typical=(0.09, 0.3))
+    assert len(result.tokens) == 40 and result.stats.cycles <= 40
+    with pytest.raises(ValueError, match="typical acceptance"):
+        generate(target, tokenizer, PROMPT, drafter=drafter, typical=(0.0, 0.3))
