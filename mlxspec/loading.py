@@ -96,8 +96,8 @@ def load(spec: str, *, dtype: str | None = None) -> tuple[nn.Module, TokenizerWr
                 "folder, a Hugging Face repo id or 'default'."
             )
         return _load_gguf(path, dtype)
-    if _looks_like_repo_id(spec):
-        return load_folder(_hub_folder(spec), dtype=dtype, name=spec)
+    if looks_like_repo_id(spec):
+        return load_folder(hub_folder(spec), dtype=dtype, name=spec)
     raise FileNotFoundError(
         f"No such file or folder: {spec}; pass an mlx-lm model folder, a .gguf file, "
         "a Hugging Face repo id (owner/name) or 'default'."
@@ -274,12 +274,18 @@ def _load_gguf(path: Path, dtype: str | None) -> tuple[nn.Module, TokenizerWrapp
     return load_gguf(path, dtype=dtype)
 
 
-def _looks_like_repo_id(spec: str) -> bool:
+def looks_like_repo_id(spec: str) -> bool:
+    """Whether ``spec`` reads as a Hugging Face repo id (``owner/name``)."""
     return bool(_REPO_ID.match(spec)) and not spec.lower().endswith(".gguf")
 
 
-def _hub_folder(repo_id: str) -> Path:
-    """Snapshot folder of a Hugging Face repo: downloaded, or from the local HF cache offline."""
+def hub_folder(repo_id: str, allow_patterns: list[str] = HUB_ALLOW_PATTERNS) -> Path:
+    """Snapshot folder of a Hugging Face repo: downloaded (with progress), or from the local
+    HF cache offline. Fetches only ``allow_patterns`` (default: model files, no ``*.py``).
+
+    Raises:
+        ValueError: the Hub cannot be reached and the repo is not cached.
+    """
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (
         HFValidationError,
@@ -288,7 +294,7 @@ def _hub_folder(repo_id: str) -> Path:
     )
 
     try:
-        return Path(snapshot_download(repo_id, allow_patterns=HUB_ALLOW_PATTERNS))
+        return Path(snapshot_download(repo_id, allow_patterns=allow_patterns))
     except (
         HfHubHTTPError,
         HFValidationError,

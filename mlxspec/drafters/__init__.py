@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from .base import Draft, Drafter, NoDrafter
 from .draft_model import DraftModelDrafter, check_same_tokenizer, logits_width
+from .medusa import DEFAULT_TREE, MedusaDrafter
 from .ngram import NgramDrafter
 
-DRAFTERS = ("draft", "ngram", "none")
+DRAFTERS = ("draft", "ngram", "medusa", "none")
 
-__all__ = ["DRAFTERS", "Draft", "Drafter", "DraftModelDrafter", "NgramDrafter", "NoDrafter", "make_drafter"]
+__all__ = ["DRAFTERS", "Draft", "Drafter", "DraftModelDrafter", "MedusaDrafter", "NgramDrafter", "NoDrafter", "make_drafter"]
 
 
 def make_drafter(
@@ -20,6 +21,8 @@ def make_drafter(
     draft_tokenizer=None,
     min_ngram: int = 1,
     max_ngram: int = 4,
+    medusa_heads=None,
+    medusa_tree: str = DEFAULT_TREE,
 ) -> Drafter:
     """Build a drafter by name.
 
@@ -29,10 +32,12 @@ def make_drafter(
         tokenizer: The target's tokenizer (``"draft"`` only).
         draft_model, draft_tokenizer: The draft model and its tokenizer (``"draft"`` only).
         min_ngram, max_ngram: Suffix lengths for ``"ngram"``.
+        medusa_heads: Loaded ``MedusaHeads`` (``"medusa"`` only; needs ``target``).
+        medusa_tree: A tree preset name or a JSON file of rank paths (``"medusa"``).
 
     Raises:
-        ValueError: on an unknown kind, a missing draft model, or a draft model whose
-            tokenizer differs from the target's.
+        ValueError: on an unknown kind, a missing draft model or heads, a draft model whose
+            tokenizer differs from the target's, or a bad Medusa tree.
     """
     if kind == "none":
         return NoDrafter()
@@ -44,4 +49,11 @@ def make_drafter(
         if draft_tokenizer is not None:
             check_same_tokenizer(tokenizer, draft_tokenizer)
         return DraftModelDrafter(draft_model, logits_width(target), len(tokenizer))
+    if kind == "medusa":
+        if medusa_heads is None:
+            raise ValueError("--drafter medusa needs Medusa heads: pass --medusa-heads PATH_OR_REPO")
+        from ..taps import output_head
+        from .medusa import read_tree
+
+        return MedusaDrafter(medusa_heads, output_head(target), read_tree(medusa_tree))
     raise ValueError(f"unknown drafter {kind!r}; choose one of {', '.join(DRAFTERS)}")

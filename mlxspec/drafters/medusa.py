@@ -192,6 +192,38 @@ def save_medusa(path: str | Path, heads: MedusaHeads) -> None:
     (path / "config.json").write_text(json.dumps(asdict(heads.config), indent=2) + "\n")
 
 
+def medusa_folder(spec: str) -> Path:
+    """A local folder or file, or a Hugging Face repo id fetched with ``huggingface_hub``
+    (safetensors, JSON and, for the weights-only reader, ``.pt``/``.bin`` files).
+
+    Raises:
+        FileNotFoundError: a path that does not exist and does not look like a repo id.
+        ValueError: a repo that cannot be fetched.
+    """
+    path = Path(spec).expanduser()
+    if path.exists():
+        return path
+    from ..loading import hub_folder, looks_like_repo_id
+
+    if looks_like_repo_id(spec):
+        return hub_folder(spec, allow_patterns=["*.json", "*.safetensors", "medusa_lm_head.pt", "*.bin"])
+    raise FileNotFoundError(f"no such Medusa heads folder or file: {spec}; pass a path or a Hugging Face repo id")
+
+
+def default_heads(model_name: str) -> Path | None:
+    """Heads shipped in the repository's ``models/medusa/<model_name>/`` (``$MLXSPEC_MODELS``
+    overrides the ``models`` folder), or ``None``."""
+    folder = models_dir() / "medusa" / model_name
+    return folder if (folder / "medusa_lm_head.safetensors").is_file() else None
+
+
+def models_dir() -> Path:
+    """The ``models/`` assets folder: ``$MLXSPEC_MODELS``, else the one beside the package."""
+    import os
+
+    return Path(os.environ.get("MLXSPEC_MODELS") or Path(__file__).resolve().parents[2] / "models")
+
+
 def _read_weights(path: Path) -> dict:
     if path.is_dir():
         for name in ("medusa_lm_head.safetensors", "model.safetensors", "medusa_lm_head.pt", "pytorch_model.bin"):
