@@ -166,3 +166,15 @@ def test_typical_mode_runs_end_to_end_and_is_refused_with_bad_values():
     assert len(result.tokens) == 40 and result.stats.cycles <= 40
     with pytest.raises(ValueError, match="typical acceptance"):
         generate(target, tokenizer, PROMPT, drafter=drafter, typical=(0.0, 0.3))
+
+
+def test_torch_pickle_heads_load_through_the_weights_only_reader():
+    from pathlib import Path
+
+    fixture = Path(__file__).parent / "fixtures" / "medusa_lm_head.pt"
+    heads = load_medusa(fixture, hidden_size=8, vocab_size=16)
+    assert heads.config.medusa_num_heads == 3 and not heads.config.shared_lm_head
+    expected = mx.load(str(fixture.with_suffix(".npz")))
+    assert mx.allclose(heads.heads[1][0].linear.weight, expected["1.0.linear.weight"]).item()
+    with pytest.raises(ValueError, match="refusing to load"):
+        load_medusa(fixture.with_name("evil.pt"), hidden_size=8, vocab_size=16)

@@ -165,7 +165,8 @@ def load_medusa(path: str | Path, *, hidden_size: int, vocab_size: int) -> Medus
         ValueError: the heads' hidden size or vocabulary does not fit the target.
     """
     path = Path(path).expanduser()
-    weights = _from_vllm(_read_weights(path))
+    # keep the head tensors only: training checkpoints may carry other entries
+    weights = {k: v for k, v in _from_vllm(_read_weights(path)).items() if re.match(r"^\d+\.\d+\.", k)}
     config = config_from_weights(weights, hidden_size=hidden_size, vocab_size=vocab_size)
     found_h = weights["0.0.linear.weight"].shape[1]
     if found_h != hidden_size:
