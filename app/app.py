@@ -45,7 +45,12 @@ class SpecChatApp(App):
         Binding("f3", "toggle_plain", "Plain text"),
         Binding("ctrl+l", "clear", "Clear"),
         Binding("f9", "save_svg", "Screenshot", show=False),
+        Binding("pageup", "scroll_chat(-1)", "Scroll up", show=False),
+        Binding("pagedown", "scroll_chat(1)", "Scroll down", show=False),
     ]
+
+    #: Screen classes by terminal width; app.tcss narrows and then hides the stats panel.
+    HORIZONTAL_BREAKPOINTS = [(0, "-tiny"), (72, "-narrow"), (110, "-wide")]
 
     generating: reactive[bool] = reactive(False)
     """An answer is running: locks Enter (one answer at a time) and enables Stop."""
@@ -116,6 +121,7 @@ class SpecChatApp(App):
         self._answer = self.chat_log.add("assistant")
         self._answer.plain = self.plain
         self._answer.add_class("-streaming")
+        self._answer.border_subtitle = "working… (Esc stops)"
         self.generating = True
         self.engine.generate(self._request_id, self.conversation())
 
@@ -124,6 +130,8 @@ class SpecChatApp(App):
         if self.generating:
             self.engine.cancel(self._request_id)
             self.query_one("#stop", Button).label = "Stopping…"
+            if self._answer is not None:
+                self._answer.border_subtitle = "stopping after this round…"
         self.query_one("#prompt", Input).focus()
 
     def watch_generating(self, generating: bool) -> None:
@@ -208,6 +216,11 @@ class SpecChatApp(App):
         if self.generating:
             self.notify("The switch applies from the next answer.")
 
+    def action_scroll_chat(self, pages: int) -> None:
+        """Page through the history while typing (scrolling up stops following the answer)."""
+        log = self.chat_log
+        log.scroll_page_up() if pages < 0 else log.scroll_page_down()
+
     def action_toggle_plain(self) -> None:
         self.plain = not self.plain
 
@@ -228,7 +241,7 @@ class SpecChatApp(App):
 
     def action_save_svg(self) -> None:
         path = self.save_screenshot(path=str(Path.cwd()))
-        self.notify(f"Saved {path}")
+        self.notify(f"Saved {path}", markup=False)
 
     def _add_system(self) -> None:
         if self.system:

@@ -245,9 +245,12 @@ class Engine:
         with mx.stream(mx.new_thread_local_stream(mx.default_device())):
             while (request := self._requests.get()) is not None:
                 if isinstance(request, _Generate):
-                    self._generate(post, request)
-                else:
+                    self._generate(post, request)  # reports its own errors
+                    continue
+                try:
                     self._configure(post, request)
+                except Exception as e:  # a bug must not kill the thread: the UI would wait forever
+                    post(LoadFailed(f"Engine error: {one_line(e)}"))
 
     def _generate(self, post: Post, request: _Generate) -> None:
         from mlxspec.generate import stream_generate

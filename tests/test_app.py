@@ -17,7 +17,7 @@ from app.screens import DrafterScreen, HelpScreen
 from app.widgets import ChatMessage, StatsPanel, TauSparkline
 from mlxspec.metrics import CycleStats, GenerationStats, TokenEvent
 
-INFO = EngineInfo("Tiny (MLX, float32)", False, None, "ngram", 4, ("draft", "ngram", "none"))
+INFO = EngineInfo("tiny[b] (MLX, float32)", False, None, "ngram", 4, ("draft", "ngram", "none"))
 WAIT = object()  # in a script: block until the answer is cancelled
 
 
@@ -80,7 +80,7 @@ class FakeEngine:
         self.jobs.put(None)
 
     def _run(self):
-        self.post(LoadProgress("Loading the target model tiny", 1, 1))
+        self.post(LoadProgress("Loading the target model /m/[bold]tiny", 1, 1))  # not markup
         self.post(LoadFailed(self.load_error) if self.load_error else EngineReady(INFO))
         while (job := self.jobs.get()) is not None:
             request_id, events = job
@@ -175,6 +175,7 @@ def test_answer_shows_coloured_tokens_and_tau():
             assert engine.requests[0] == [{"role": "system", "content": "Be brief."},
                                           {"role": "user", "content": "Say hello"}]
             assert app.history[-1] == {"role": "assistant", "content": "Hello world, café! Bye"}
+            assert str(panel.query_one("#target").render()) == "tiny[b] (MLX, float32)\nquantized: no"
 
     run(body())
 

@@ -49,11 +49,11 @@ class DrafterScreen(ModalScreen[DrafterChoice | None]):
                     yield RadioButton(label, value=kind == info.drafter, name=kind, id=f"drafter-{kind}")
             yield Label("γ, tokens drafted per round (0 = plain decoding)", classes="caption")
             yield Input(str(info.num_draft_tokens), type="integer", id="gamma")
-            yield Label("Load a draft model (empty keeps " + (info.draft_name or "none") + ")", classes="caption")
+            yield Label(f"Load a draft model (empty keeps {info.draft_name or 'none'})", classes="caption", markup=False)
             yield Input(placeholder="path, .gguf, Hugging Face repo or 'default'", id="draft-spec")
             yield Label("Load another target model (empty keeps the current one)", classes="caption")
             yield Input(placeholder="path, .gguf, Hugging Face repo or 'default'", id="model-spec")
-            yield Label("", id="drafter-error")
+            yield Label("", id="drafter-error", markup=False)
             with Horizontal(id="drafter-buttons"):
                 yield Button("Apply", variant="primary", id="apply")
                 yield Button("Cancel", id="cancel")

@@ -13,6 +13,7 @@ KEYS = (
     ("Esc", "stop the running answer (keeps what it wrote)"),
     ("F2", "switch drafter, γ, draft or target model"),
     ("F3", "plain text on/off (click a message to toggle it alone)"),
+    ("PgUp/PgDn", "scroll the conversation (the end follows the answer again)"),
     ("Ctrl+L", "clear the conversation"),
     ("F9", "save an SVG screenshot in the current folder"),
     ("F1 / ?", "this list"),
@@ -28,7 +29,7 @@ class HelpScreen(ModalScreen[None]):
     def compose(self) -> ComposeResult:
         with Vertical(id="help-box"):
             yield Label("Keys", classes="heading")
-            yield Static("\n".join(f"{key:<8} {what}" for key, what in KEYS), id="help-keys")
+            yield Static("\n".join(f"{key:<10} {what}" for key, what in KEYS), id="help-keys")
             yield Static("Colours: green = accepted draft token, red = resampled after a "
                          "rejected draft, plain = bonus or target token.", id="help-colours")
             yield Label("Esc closes this list.", classes="caption")

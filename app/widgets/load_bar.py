@@ -11,7 +11,7 @@ class LoadBar(Horizontal):
     """A label and a step progress bar; hidden (CSS class ``-idle``) when nothing loads."""
 
     def compose(self) -> ComposeResult:
-        yield Label("Starting the engine…", id="load-label")
+        yield Label("Starting the engine…", id="load-label", markup=False)
         yield ProgressBar(total=None, show_eta=False, id="load-progress")
 
     def step(self, what: str, step: int, total: int) -> None:

@@ -21,18 +21,18 @@ class StatsPanel(Vertical):
 
     def compose(self) -> ComposeResult:
         yield Label("Speculation", classes="heading")
-        yield Static("τ  –", id="tau")
-        yield Static("α  –", id="alpha")
+        yield Static("τ  –", id="tau", markup=False)
+        yield Static("α  –", id="alpha", markup=False)
         yield Label("τ per round", classes="caption")
         yield TauSparkline(id="sparkline")
-        yield Static("", id="speed")
-        yield Static("", id="timing")
+        yield Static("", id="speed", markup=False)
+        yield Static("", id="timing", markup=False)
         yield Label("Drafter", classes="heading")
-        yield Static("–", id="drafter")
+        yield Static("–", id="drafter", markup=False)
         yield Label("Target model", classes="heading")
-        yield Static("loading…", id="target")
+        yield Static("loading…", id="target", markup=False)
         yield Label("Draft model", classes="heading")
-        yield Static("none loaded", id="draft")
+        yield Static("none loaded", id="draft", markup=False)
 
     @on(StatsUpdated)
     def _stats_updated(self, message: StatsUpdated) -> None:
@@ -59,8 +59,7 @@ class StatsPanel(Vertical):
     def show_info(self, info: EngineInfo) -> None:
         """Show what is loaded and the drafter that the next answer will use."""
         self._set("#drafter", f"{info.drafter}   γ = {info.num_draft_tokens}")
-        quantized = "quantized" if info.quantized else "not quantized"
-        self._set("#target", f"{info.model_name}\n{quantized}")
+        self._set("#target", f"{info.model_name}\nquantized: {'yes' if info.quantized else 'no'}")
         self._set("#draft", info.draft_name or "none loaded")
 
     def _set(self, selector: str, text: str) -> None:
