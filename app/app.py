@@ -186,6 +186,8 @@ class SpecChatApp(App):
     def _on_load_failed(self, message: LoadFailed) -> None:
         self.query_one(LoadBar).done()
         self.chat_log.add("error", message.error)
+        if self.info is None:
+            self._stats_panel.show_no_model()
 
     @on(EngineReady)
     def _on_ready(self, message: EngineReady) -> None:

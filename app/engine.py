@@ -295,8 +295,9 @@ class Engine:
         try:
             state.drafter = self._make_drafter(kind, state)
         except Exception as e:
-            post(LoadFailed(f"Cannot use the {kind} drafter: {one_line(e)}; using the ngram drafter"))
-            state.drafter = self._make_drafter("ngram", state)
+            keep = state.drafter if state.drafter is not None and not request.model else None
+            state.drafter = keep or self._make_drafter("ngram", state)  # an old drafter may not fit a new target
+            post(LoadFailed(f"Cannot use the {kind} drafter: {one_line(e)}; keeping the {state.drafter.name} drafter"))
         self._state = state
         post(EngineReady(self._info()))
 

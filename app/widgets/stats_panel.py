@@ -62,5 +62,9 @@ class StatsPanel(Vertical):
         self._set("#target", f"{info.model_name}\nquantized: {'yes' if info.quantized else 'no'}")
         self._set("#draft", info.draft_name or "none loaded")
 
+    def show_no_model(self) -> None:
+        """No target is loaded (a failed start-up load): say how to load one."""
+        self._set("#target", "none loaded (F2 loads one)")
+
     def _set(self, selector: str, text: str) -> None:
         self.query_one(selector, Static).update(text)
