@@ -81,6 +81,10 @@ class GenerationStats:
         finish_reason: ``"stop"`` (a stop token), ``"length"`` (``max_tokens``) or
             ``None`` while running.
         peak_memory_gb: Peak device memory, GB.
+        gamma_rounds: With ``--num-draft-tokens auto``, ``[γ]`` = rounds run with draft
+            length γ (``[0]``: rounds that fell back to plain decoding because speculation
+            was predicted to lose); empty with a fixed γ. ``num_draft_tokens`` is then
+            the largest γ auto may pick.
     """
 
     drafter: str = "none"
@@ -98,6 +102,7 @@ class GenerationStats:
     verify_s: float = 0.0
     finish_reason: str | None = None
     peak_memory_gb: float = 0.0
+    gamma_rounds: list[int] = field(default_factory=list)
 
     def add_cycle(self, stats: CycleStats) -> None:
         """Fold one round into the totals."""
@@ -114,6 +119,17 @@ class GenerationStats:
         for i in range(stats.depth):
             self.drafted_per_position[i] += 1
             self.accepted_per_position[i] += i < stats.num_accepted
+
+    def add_gamma(self, gamma: int) -> None:
+        """Count one round run with draft length ``gamma`` chosen by auto-γ."""
+        if gamma >= len(self.gamma_rounds):
+            self.gamma_rounds += [0] * (gamma + 1 - len(self.gamma_rounds))
+        self.gamma_rounds[gamma] += 1
+
+    @property
+    def plain_fallback_rounds(self) -> int:
+        """Rounds in which auto-γ fell back to plain decoding (γ = 0)."""
+        return self.gamma_rounds[0] if self.gamma_rounds else 0
 
     @property
     def alpha(self) -> float:
@@ -143,6 +159,7 @@ class GenerationStats:
     def to_dict(self) -> dict:
         """Every field and derived metric as plain JSON-ready values."""
         out = dict(self.__dict__)
-        for name in ("alpha", "tau", "acceptance_per_position", "prompt_tps", "generation_tps"):
+        for name in ("alpha", "tau", "acceptance_per_position", "prompt_tps", "generation_tps",
+                     "plain_fallback_rounds"):
             out[name] = getattr(self, name)
         return out

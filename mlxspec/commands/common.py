@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from ..drafters import DRAFTERS, Drafter, make_drafter
 from ..drafters.ngram import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM
-from ..generate import DEFAULT_MAX_TOKENS, DEFAULT_NUM_DRAFT_TOKENS
+from ..generate import AUTO, DEFAULT_MAX_TOKENS, DEFAULT_NUM_DRAFT_TOKENS
 from ..sampling import SamplingParams
 
 DTYPES = ("float32", "float16", "bfloat16")
@@ -16,8 +16,21 @@ DTYPES = ("float32", "float16", "bfloat16")
 USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, PermissionError)
 
 
-def add_model_args(parser: argparse.ArgumentParser) -> None:
-    """``--model``, ``--draft-model``, ``--drafter``, γ, n-gram sizes and dtypes."""
+def num_draft_tokens_arg(value: str) -> int | str:
+    """``--num-draft-tokens``: an integer or ``auto``."""
+    if value == AUTO:
+        return AUTO
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {value!r}") from None
+
+
+def add_model_args(parser: argparse.ArgumentParser, allow_auto: bool = False) -> None:
+    """``--model``, ``--draft-model``, ``--drafter``, γ, n-gram sizes and dtypes.
+
+    With ``allow_auto``, ``--num-draft-tokens`` also takes ``auto``, its default.
+    """
     parser.add_argument("--model", default="default",
                         help="target: an mlx-lm folder, a Hugging Face repo id, a .gguf file, or "
                              "'default' (SmolLM2-135M-Instruct). Default: default")
@@ -25,8 +38,15 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                         help="draft model (same kinds of spec as --model); must share the target's tokenizer")
     parser.add_argument("--drafter", choices=DRAFTERS, default=None,
                         help="how tokens are proposed. Default: draft with --draft-model, else ngram")
-    parser.add_argument("--num-draft-tokens", type=int, default=DEFAULT_NUM_DRAFT_TOKENS,
-                        help=f"γ, tokens drafted per round; 0 = plain decoding. Default: {DEFAULT_NUM_DRAFT_TOKENS}")
+    if allow_auto:
+        parser.add_argument("--num-draft-tokens", type=num_draft_tokens_arg, default=AUTO,
+                            help="γ, tokens drafted per round; 0 = plain decoding; 'auto' picks γ each round "
+                                 "from costs measured on this machine (once, cached) and the running "
+                                 "acceptance, falling back to plain decoding when speculation would lose. "
+                                 "Default: auto")
+    else:
+        parser.add_argument("--num-draft-tokens", type=int, default=DEFAULT_NUM_DRAFT_TOKENS,
+                            help=f"γ, tokens drafted per round; 0 = plain decoding. Default: {DEFAULT_NUM_DRAFT_TOKENS}")
     parser.add_argument("--ngram-min", type=int, default=DEFAULT_MIN_NGRAM,
                         help=f"shortest suffix the n-gram drafter matches. Default: {DEFAULT_MIN_NGRAM}")
     parser.add_argument("--ngram-max", type=int, default=DEFAULT_MAX_NGRAM,
@@ -63,7 +83,7 @@ def check_args(args: argparse.Namespace) -> None:
     Raises:
         ValueError: naming the flag and the allowed range.
     """
-    if args.num_draft_tokens < 0:
+    if args.num_draft_tokens != AUTO and args.num_draft_tokens < 0:
         raise ValueError(f"--num-draft-tokens must be >= 0, got {args.num_draft_tokens}")
     if args.max_tokens < 1:
         raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")

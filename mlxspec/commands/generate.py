@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from ..generate import stream_generate
+from ..generate import AUTO, stream_generate
 from ..metrics import GenerationStats, TokenEvent
 from .common import (
     USER_ERRORS,
@@ -24,7 +24,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         prog="mlxspec generate",
         description="Generate text with lossless speculative decoding (output distributed exactly as the target's).",
     )
-    add_model_args(parser)
+    add_model_args(parser, allow_auto=True)
     parser.add_argument("--prompt", "-p", default=None,
                         help="the prompt; '-' or omitted reads it from standard input")
     parser.add_argument("--system", default=None, help="system prompt for the chat template")
@@ -52,13 +52,36 @@ def format_stats(stats: GenerationStats) -> str:
         f"Prompt: {stats.prompt_tokens} tokens, {stats.prompt_tps:.1f} tokens/s",
         f"Generation: {stats.generation_tokens} tokens, {stats.generation_tps:.1f} tokens/s "
         f"(finish: {stats.finish_reason})",
-        f"Drafter: {stats.drafter}, γ = {stats.num_draft_tokens}; cycles: {stats.cycles}",
+        f"Drafter: {stats.drafter}, γ = {_gamma_summary(stats)}; cycles: {stats.cycles}",
         f"Acceptance: α = {stats.alpha:.3f}, τ = {stats.tau:.2f} tokens/cycle",
         f"Acceptance per draft position: {per_position}",
         f"Time: draft {stats.draft_s:.2f} s, verify {stats.verify_s:.2f} s",
         f"Peak memory: {stats.peak_memory_gb:.3f} GB",
     ]
     return "\n".join(lines)
+
+
+def _gamma_summary(stats: GenerationStats) -> str:
+    """``4``, or for auto-γ the mean choice and how often it fell back to plain decoding."""
+    if not stats.gamma_rounds:
+        return str(stats.num_draft_tokens)
+    rounds = sum(stats.gamma_rounds)
+    mean = sum(g * n for g, n in enumerate(stats.gamma_rounds)) / rounds if rounds else 0.0
+    text = f"auto (mean {mean:.1f}, at most {stats.num_draft_tokens})"
+    if stats.plain_fallback_rounds:
+        text += f"; fell back to plain decoding in {stats.plain_fallback_rounds} of {rounds} rounds"
+    return text
+
+
+def _auto_gamma(loaded, quiet: bool):
+    """An ``AutoGamma`` from cached or freshly measured costs (saying so unless ``quiet``)."""
+    from ..costmodel import AutoGamma, load_or_calibrate
+
+    def note(what: str) -> None:
+        print(f"mlxspec: measuring {what} on this machine for --num-draft-tokens auto (once; cached)",
+              file=sys.stderr, flush=True)
+
+    return AutoGamma(load_or_calibrate(loaded.model, loaded.drafter, on_measure=None if quiet else note))
 
 
 def _read_prompt(args) -> str:
@@ -74,9 +97,12 @@ def run(args: argparse.Namespace) -> int:
     prompt_text = _read_prompt(args)
     loaded = load_models(args)
     prompt = build_prompt(loaded.tokenizer, prompt_text, args.system, not args.no_chat_template)
+    gamma = args.num_draft_tokens
+    if gamma == AUTO and loaded.drafter.name != "none":
+        gamma = _auto_gamma(loaded, quiet=args.json)
     events = stream_generate(
         loaded.model, loaded.tokenizer, prompt, drafter=loaded.drafter,
-        num_draft_tokens=args.num_draft_tokens, max_tokens=args.max_tokens,
+        num_draft_tokens=gamma, max_tokens=args.max_tokens,
         sampling=sampling_from_args(args), seed=args.seed,
     )
     text = []

@@ -1,0 +1,535 @@
+"""Measured costs, predicted speedup, and the automatic draft length γ.
+
+Leviathan et al. 2023 (arXiv 2211.17192), section 3: with acceptance rate α a round
+of γ drafts yields τ(α, γ) = (1 − α^(γ+1)) / (1 − α) tokens on average, so
+
+    speedup(γ) = τ(α, γ) · T_target(1) / (γ · T_draft + T_verify(γ + 1)).
+
+Both costs are *measured* on this machine (``calibrate_verify``, ``calibrate_draft``)
+and cached per model and machine under ``$MLXSPEC_CACHE/costs`` (default
+``~/.cache/mlxspec/costs``): the same model verifies 8 tokens for 1.8x one step on
+one machine and 7x on another, so no constant is right everywhere.
+
+``AutoGamma`` is what ``--num-draft-tokens auto`` runs: before each round it picks
+the γ with the best predicted speedup from a running, per-depth estimate of
+acceptance, and γ = 0 (plain decoding) when speculation is predicted to lose.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import hashlib
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten
+
+#: Largest verify width calibrated (γ + 1 ≤ this, so γ ≤ 15).
+MAX_VERIFY_TOKENS = 16
+#: Widths measured; the others in 1..16 are interpolated.
+VERIFY_GRID = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
+#: Context the costs are measured at (attention cost grows with it).
+DEFAULT_CONTEXT_TOKENS = 256
+#: Calibration repeats the grid while it stays within this many seconds (at least once, at most 5 times).
+DEFAULT_BUDGET_S = 6.0
+#: Paths where distributions put a multithreaded OpenBLAS (``{arch}`` = ``platform.machine()``).
+FAST_BLAS_CANDIDATES = (
+    "/usr/lib/{arch}-linux-gnu/openblas-pthread/libblas.so.3",
+    "/usr/lib/{arch}-linux-gnu/libopenblas.so.0",
+    "/usr/lib64/libopenblas.so.0",
+    "/usr/lib/libopenblas.so.0",
+)
+
+
+# ---------------------------------------------------------------- prediction
+
+
+def expected_tau(alpha: float, gamma: int) -> float:
+    """τ = (1 − α^(γ+1)) / (1 − α): expected tokens per round (Leviathan et al. 2023, eq. 1)."""
+    if gamma <= 0:
+        return 1.0
+    if alpha >= 1.0:
+        return gamma + 1.0
+    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
+
+
+def tau_from_reach(reach: list[float], gamma: int) -> float:
+    """Expected tokens per round from per-depth reach probabilities: τ = 1 + Σ_{i<γ} reach[i].
+
+    ``reach[i]`` = P(the draft at depth i + 1 is kept | a draft was proposed there), which
+    makes τ exact without assuming independent positions; beyond the list, reach decays
+    geometrically by its last ratio. With ``reach[i] = α^(i+1)`` this is ``expected_tau(α, γ)``.
+    """
+    if gamma <= 0 or not reach:
+        return 1.0
+    ratio = reach[-1] / reach[-2] if len(reach) > 1 and reach[-2] > 0 else reach[0]
+    values = list(reach[:gamma])
+    while len(values) < gamma:
+        values.append(values[-1] * ratio)
+    return 1.0 + sum(values)
+
+
+@dataclass
+class Costs:
+    """Measured costs of one target (+ one drafter) on one machine.
+
+    Attributes:
+        verify_s: ``[k - 1]`` = seconds for one target forward over k tokens with the
+            host read that ends a round, k = 1..16 (interpolated between ``VERIFY_GRID``
+            points, non-decreasing). ``verify_s[0]`` is T_target(1), a plain step.
+        draft_s: Seconds per drafted token (0 for a drafter that costs nothing measurable).
+        context_tokens: Cache length the costs were measured at.
+    """
+
+    verify_s: list[float]
+    draft_s: float = 0.0
+    context_tokens: int = DEFAULT_CONTEXT_TOKENS
+
+    def verify(self, num_tokens: int) -> float:
+        """T_verify(k) in seconds; beyond the measured range, extrapolated linearly."""
+        n = len(self.verify_s)
+        if num_tokens <= n:
+            return self.verify_s[max(num_tokens, 1) - 1]
+        slope = (self.verify_s[-1] - self.verify_s[0]) / max(n - 1, 1)
+        return self.verify_s[-1] + slope * (num_tokens - n)
+
+    def round_s(self, gamma: int) -> float:
+        """Predicted seconds for one round: γ · T_draft + T_verify(γ + 1)."""
+        return gamma * self.draft_s + self.verify(gamma + 1)
+
+    def speedup(self, gamma: int, alpha: float | list[float]) -> float:
+        """Predicted speedup over plain decoding at draft length γ.
+
+        Args:
+            gamma: Draft length γ; 0 gives exactly 1.
+            alpha: Acceptance rate α, or per-depth reach probabilities (see ``tau_from_reach``).
+        """
+        tau = expected_tau(alpha, gamma) if isinstance(alpha, (int, float)) else tau_from_reach(alpha, gamma)
+        return tau * self.verify(1) / self.round_s(gamma)
+
+    def best_gamma(self, alpha: float | list[float], max_gamma: int, margin: float = 0.0) -> tuple[int, float]:
+        """The γ in 0..max_gamma with the best predicted speedup, and that speedup.
+
+        γ = 0 (plain decoding, speedup 1) wins unless some γ beats it by more than ``margin``.
+        """
+        best = max(range(1, max_gamma + 1), key=lambda g: self.speedup(g, alpha), default=0)
+        speedup = self.speedup(best, alpha) if best else 1.0
+        return (best, speedup) if speedup > 1.0 + margin else (0, 1.0)
+
+
+# ---------------------------------------------------------------- running acceptance
+
+
+@dataclass
+class AcceptanceEstimate:
+    """Running per-depth acceptance with exponential forgetting.
+
+    A round that drafted K tokens and kept n adds, at each depth i < K, one draft and
+    (if i < n) one keep. Counts decay by ``1 − 1/window`` per drafting round, so the
+    estimate follows α as it moves. ``reach(m)`` turns them into P(depth i kept), each
+    shrunk toward a geometric continuation of the one above and never above it (a draft
+    can only be kept if its parent was), so stale evidence about deep positions cannot
+    outlive fresh rejections near the root.
+
+    Attributes:
+        prior_alpha: α assumed before any round. Default: ``0.5``.
+        prior_weight: Pseudo-rounds behind the prior. Default: ``2``.
+        window: Rounds the memory spans (decay time constant). Default: ``32``.
+        drafted, kept: Decayed counts per depth.
+    """
+
+    prior_alpha: float = 0.5
+    prior_weight: float = 2.0
+    window: float = 32.0
+    drafted: list[float] = field(default_factory=list)
+    kept: list[float] = field(default_factory=list)
+
+    def update(self, num_drafted: int, num_accepted: int) -> None:
+        """Fold in one round (nothing happens for a round without drafts)."""
+        if num_drafted <= 0:
+            return
+        decay = 1.0 - 1.0 / self.window
+        self.drafted = [c * decay for c in self.drafted]
+        self.kept = [c * decay for c in self.kept]
+        if num_drafted > len(self.drafted):
+            self.drafted += [0.0] * (num_drafted - len(self.drafted))
+            self.kept += [0.0] * (num_drafted - len(self.kept))
+        for i in range(num_drafted):
+            self.drafted[i] += 1.0
+            self.kept[i] += i < num_accepted
+
+    @property
+    def alpha(self) -> float:
+        """Acceptance at the first depth, shrunk to the prior: the α of the geometric continuation."""
+        drafted, kept = (self.drafted[0], self.kept[0]) if self.drafted else (0.0, 0.0)
+        return (kept + self.prior_weight * self.prior_alpha) / (drafted + self.prior_weight)
+
+    def reach(self, num_depths: int) -> list[float]:
+        """``[i]`` = estimated P(the draft at depth i + 1 is kept), non-increasing in i."""
+        alpha, w = self.alpha, self.prior_weight
+        out, above = [], 1.0
+        for i in range(num_depths):
+            drafted = self.drafted[i] if i < len(self.drafted) else 0.0
+            kept = self.kept[i] if i < len(self.kept) else 0.0
+            above = min(above, (kept + w * above * alpha) / (drafted + w))
+            out.append(above)
+        return out
+
+
+def alpha_mle(rounds: list[tuple[int, int]]) -> float:
+    """α from rounds of (drafted K, kept n): Σn / Σ min(n + 1, K), the truncated-geometric MLE.
+
+    Unlike ``GenerationStats.alpha`` (kept / drafted) it does not count drafts behind the
+    first rejection, which were never judged; it is the α of ``expected_tau``.
+    """
+    judged = sum(min(n + 1, k) for k, n in rounds if k > 0)
+    return sum(n for k, n in rounds if k > 0) / judged if judged else 0.0
+
+
+# ---------------------------------------------------------------- automatic γ
+
+
+class AutoGamma:
+    """Picks γ before every round from measured costs and running acceptance.
+
+    The loop calls ``choose_gamma()`` before each propose and ``update(cycle_stats)``
+    after each round. γ = 0 means the round is plain decoding because speculation is
+    predicted to lose. While at 0 nothing is learned, so every ``probe_every`` rounds a
+    short draft of ``probe_gamma`` tokens re-measures α, unless costs alone rule
+    speculation out (it would lose even if every draft were accepted).
+
+    Args:
+        costs: This machine's ``Costs`` for the target and drafter.
+        max_gamma: Largest γ considered. Default: ``15`` (verify width 16, the calibrated range).
+        margin: Predicted gain a γ > 0 needs over plain decoding. Default: ``0.03``.
+        probe_every: Rounds between probes while falling back. Default: ``16``.
+        probe_gamma: γ of a probe. Default: ``2``.
+        estimate: Acceptance estimate to start from. Default: a fresh one (prior α = 0.5).
+
+    Attributes:
+        gamma: γ chosen for the current round.
+        predicted_speedup: Predicted speedup of that choice (1 when falling back).
+    """
+
+    def __init__(self, costs: Costs, *, max_gamma: int = MAX_VERIFY_TOKENS - 1, margin: float = 0.03,
+                 probe_every: int = 16, probe_gamma: int = 2, estimate: AcceptanceEstimate | None = None):
+        if max_gamma < 1:
+            raise ValueError(f"max_gamma must be >= 1, got {max_gamma}")
+        self.costs, self.max_gamma, self.margin = costs, max_gamma, margin
+        self.probe_every, self.probe_gamma = probe_every, min(probe_gamma, max_gamma)
+        self.estimate = estimate or AcceptanceEstimate()
+        self.can_win = costs.best_gamma(1.0, max_gamma, margin)[0] > 0
+        self.gamma, self.predicted_speedup = 0, 1.0
+        self._plain_rounds = 0
+
+    def choose_gamma(self) -> int:
+        """γ for the next round (0 = plain decoding)."""
+        reach = self.estimate.reach(self.max_gamma)
+        self.gamma, self.predicted_speedup = self.costs.best_gamma(reach, self.max_gamma, self.margin)
+        if self.gamma == 0:
+            self._plain_rounds += 1
+            if self.can_win and self._plain_rounds >= self.probe_every:
+                self.gamma, self._plain_rounds = self.probe_gamma, 0
+        else:
+            self._plain_rounds = 0
+        return self.gamma
+
+    def update(self, cycle) -> None:
+        """Learn from one round's ``CycleStats`` (its depth, or ``num_drafted``, and ``num_accepted``)."""
+        self.estimate.update(getattr(cycle, "depth", 0) or cycle.num_drafted, cycle.num_accepted)
+
+
+# ---------------------------------------------------------------- calibration
+
+
+def calibrate_verify(model: nn.Module, *, context_tokens: int = DEFAULT_CONTEXT_TOKENS,
+                     budget_s: float = DEFAULT_BUDGET_S, seed: int = 0) -> list[float]:
+    """Time one target forward over k = 1..16 tokens after a ``context_tokens`` prefix.
+
+    Each timing ends with the host read of the argmax, as a round does. The grid
+    ``VERIFY_GRID`` is measured (repeated while within ``budget_s``, median kept),
+    interpolated to every k, and made non-decreasing (pool-adjacent-violators).
+
+    Returns:
+        list[float]: ``[k - 1]`` = seconds, length 16.
+    """
+    from .cache import prefill
+
+    from mlx_lm.models.cache import make_prompt_cache
+
+    vocab = _vocab_size(model)
+    rng = np.random.default_rng(seed)
+    cache = make_prompt_cache(model)
+    prefill(model, cache, rng.integers(0, vocab, size=context_tokens).tolist())
+    block = rng.integers(0, vocab, size=MAX_VERIFY_TOKENS).tolist()
+    for k in (1, MAX_VERIFY_TOKENS):  # warm-up
+        _time_forward(model, cache, block[:k])
+    samples: dict[int, list[float]] = {k: [] for k in VERIFY_GRID}
+    start = time.perf_counter()
+    for rep in range(5):
+        for k in VERIFY_GRID:
+            samples[k].append(_time_forward(model, cache, block[:k]))
+        elapsed = time.perf_counter() - start
+        if elapsed * (rep + 2) / (rep + 1) > budget_s:
+            break
+    measured = [statistics.median(samples[k]) for k in VERIFY_GRID]
+    curve = np.interp(np.arange(1, MAX_VERIFY_TOKENS + 1), VERIFY_GRID, measured)
+    return _non_decreasing(curve.tolist())
+
+
+def calibrate_draft(drafter, history: list[int], *, num_draft_tokens: int = 4, reps: int = 3,
+                    hidden_size: int | None = None) -> float:
+    """Seconds per drafted token: ``drafter.propose`` of γ tokens after ``history``, timed to the sync.
+
+    Uses only the ``Drafter`` interface (``prefill``, ``propose``, ``commit``), so any
+    drafter can be measured; one that reads the target's hidden states gets zeros of
+    width ``hidden_size``. The drafter is left as after a round that kept nothing.
+    """
+    from .sampling import SamplingParams
+
+    zeros = (lambda n: [mx.zeros((n, hidden_size))]) if getattr(drafter, "needs_hidden", False) else (lambda n: [])
+    drafter.prefill(history, *zeros(len(history) - 1))
+    times = []
+    for rep in range(reps + 1):
+        t0 = time.perf_counter()
+        draft = drafter.propose(history, num_draft_tokens, SamplingParams())
+        mx.eval(draft.tokens)
+        if rep:  # the first is a warm-up
+            times.append(time.perf_counter() - t0)
+        drafter.commit(len(history), [], *zeros(draft.size + 1))
+    return statistics.median(times) / num_draft_tokens
+
+
+def load_or_calibrate(model: nn.Module, drafter=None, *, cache_dir: Path | None = None,
+                      context_tokens: int = DEFAULT_CONTEXT_TOKENS, refresh: bool = False,
+                      on_measure: Callable[[str], None] | None = None) -> Costs:
+    """``Costs`` for ``model`` and ``drafter`` on this machine, measured once and then cached.
+
+    The verify curve is cached per target (architecture, dtypes) + machine (CPU, cores,
+    BLAS, MLX version and device); the draft cost per drafter (its model's fingerprint)
+    + machine. Files live in ``cache_dir`` (default ``$MLXSPEC_CACHE/costs``).
+
+    Args:
+        model: The target.
+        drafter: A ``Drafter``, or ``None`` for plain decoding (draft cost 0).
+        cache_dir: Where cost files live. Default: ``default_cache_dir() / "costs"``.
+        context_tokens: Prefix length of the measurements. Default: ``256``.
+        refresh: Measure again even if cached. Default: ``False``.
+        on_measure: Called with a short description before each measurement that was not
+            cached (a CLI prints it). Default: none.
+    """
+    from .loading import default_cache_dir
+
+    cache_dir = Path(cache_dir) if cache_dir else default_cache_dir() / "costs"
+    machine = machine_fingerprint()
+    target_key = {"what": "verify", "model": model_fingerprint(model), "machine": machine,
+                  "context": context_tokens, "grid": VERIFY_GRID}
+    verify_s = _cached(cache_dir, target_key, refresh, on_measure, "the target's verify cost for 1..16 tokens",
+                       lambda: calibrate_verify(model, context_tokens=context_tokens))
+    draft_s = 0.0
+    if drafter is not None and getattr(drafter, "name", "none") != "none":
+        draft_model = getattr(drafter, "model", None)
+        draft_key = {"what": "draft", "drafter": drafter.name, "machine": machine,
+                     "model": model_fingerprint(draft_model) if draft_model is not None else None,
+                     "context": context_tokens}
+        history = np.random.default_rng(1).integers(0, _vocab_size(model), size=context_tokens).tolist()
+        hidden_size = getattr(getattr(model, "args", None), "hidden_size", None)
+        draft_s = _cached(cache_dir, draft_key, refresh, on_measure, f"the {drafter.name} drafter's cost per token",
+                          lambda: calibrate_draft(drafter, history, hidden_size=hidden_size))
+    return Costs(verify_s, draft_s, context_tokens)
+
+
+def _time_forward(model, cache, tokens: list[int]) -> float:
+    from .cache import trim
+
+    t0 = time.perf_counter()
+    logits = model(mx.array(tokens, dtype=mx.int32)[None], cache=cache)
+    mx.eval(logits[0].argmax(axis=-1))
+    elapsed = time.perf_counter() - t0
+    trim(cache, len(tokens))
+    return elapsed
+
+
+def _non_decreasing(values: list[float]) -> list[float]:
+    """Least-squares non-decreasing fit (pool-adjacent-violators): noise must not make k+1 cheaper than k."""
+    blocks: list[list[float]] = []  # [mean, count]
+    for v in values:
+        blocks.append([v, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m2, c2), (m1, c1) = blocks.pop(), blocks.pop()
+            blocks.append([(m1 * c1 + m2 * c2) / (c1 + c2), c1 + c2])
+    return [m for m, c in blocks for _ in range(c)]
+
+
+def _vocab_size(model) -> int:
+    size = getattr(getattr(model, "args", None), "vocab_size", None)
+    return int(size) if size else 256
+
+
+def _cached(cache_dir: Path, key: dict, refresh: bool, on_measure, what: str, measure):
+    blob = json.dumps(key, sort_keys=True, default=str)
+    path = cache_dir / f"{key['what']}-{hashlib.sha256(blob.encode()).hexdigest()[:16]}.json"
+    if not refresh and path.is_file():
+        try:
+            return json.loads(path.read_text())["value"]
+        except (ValueError, KeyError, OSError):
+            pass  # a damaged cache file is measured again
+    if on_measure is not None:
+        on_measure(what)
+    value = measure()
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".part")
+    partial.write_text(json.dumps({"key": json.loads(blob), "value": value, "measured_at": time.time()}))
+    partial.replace(path)
+    return value
+
+
+# ---------------------------------------------------------------- machine
+
+
+def model_fingerprint(model: nn.Module) -> dict:
+    """What a model's speed depends on: class, config, parameter count, dtypes, quantization."""
+    args = getattr(model, "args", None)
+    config = dataclasses.asdict(args) if dataclasses.is_dataclass(args) else {}
+    params = tree_flatten(model.parameters())
+    bits = sorted({m.bits for _, m in model.named_modules() if hasattr(m, "bits") and hasattr(m, "group_size")})
+    return {"class": f"{type(model).__module__}.{type(model).__name__}", "config": config,
+            "parameters": int(sum(p.size for _, p in params)),
+            "dtypes": sorted({str(p.dtype) for _, p in params}), "quantized_bits": bits}
+
+
+def machine_fingerprint() -> dict:
+    """What costs depend on besides the model: CPU, cores, OS, BLAS, MLX version and device."""
+    return {"system": platform.system(), "arch": platform.machine(), "cpu": cpu_name(),
+            "cores": os.cpu_count(), "blas": blas_in_use()["name"], "mlx": mx.__version__,
+            "device": str(mx.default_device())}
+
+
+def machine_info() -> dict:
+    """Everything a benchmark header should say about this machine."""
+    import mlx_lm
+
+    info = machine_fingerprint()
+    info["blas"] = blas_in_use()
+    info["memory_gb"] = _memory_gb()
+    info["platform"] = platform.platform()
+    info["python"] = platform.python_version()
+    info["versions"] = {"mlx": mx.__version__, "mlx_lm": mlx_lm.__version__, "numpy": np.__version__,
+                        "mlxspec": _package_version("mlxspec")}
+    info["load_average"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    return info
+
+
+def cpu_name() -> str:
+    """The CPU's marketing name, e.g. ``"Apple M2 Pro"`` or ``"AMD EPYC 7B13"``."""
+    if sys.platform == "darwin":
+        try:
+            out = subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True)
+            if out.stdout.strip():
+                return out.stdout.strip()
+        except OSError:
+            pass
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def blas_in_use() -> dict:
+    """Which BLAS MLX's CPU matmuls resolve to in this process.
+
+    On Linux, a BLAS in the global symbol scope (``LD_PRELOAD``) wins over the
+    reference BLAS bundled with the ``mlx[cpu]`` wheel; otherwise the bundled one is used.
+
+    Returns:
+        dict: ``name`` (``"OpenBLAS"``, ``"reference BLAS"``, ``"Accelerate"``, ...),
+        ``path`` (the library, when found) and ``detail`` (OpenBLAS's build string).
+    """
+    if sys.platform == "darwin":
+        return {"name": "Accelerate", "path": None, "detail": "macOS"}
+    path = _global_symbol_library("cblas_sgemm")
+    if path is None:
+        # numpy's own OpenBLAS has renamed (scipy_*64_) symbols that MLX never calls
+        mapped = [p for p in _mapped_libraries() if re.search(r"blas|mkl|blis", Path(p).name, re.I)
+                  and "scipy_openblas" not in p]
+        path = next((p for p in mapped if "mlx" in p), mapped[0] if mapped else None)
+    if path is None:
+        return {"name": "unknown", "path": None, "detail": None}
+    real = os.path.realpath(path).lower()
+    name = ("OpenBLAS" if "openblas" in real else "Intel MKL" if "mkl" in real
+            else "BLIS" if "blis" in real else "reference BLAS")
+    detail = _openblas_config() if name == "OpenBLAS" else None
+    return {"name": name, "path": path, "detail": detail}
+
+
+def find_fast_blas() -> str | None:
+    """Path of an installed multithreaded OpenBLAS to preload on Linux, or ``None``."""
+    if not sys.platform.startswith("linux"):
+        return None
+    arch = platform.machine()
+    return next((p for p in (c.format(arch=arch) for c in FAST_BLAS_CANDIDATES) if os.path.isfile(p)), None)
+
+
+def _global_symbol_library(symbol: str) -> str | None:
+    class DlInfo(ctypes.Structure):
+        _fields_ = [("dli_fname", ctypes.c_char_p), ("dli_fbase", ctypes.c_void_p),
+                    ("dli_sname", ctypes.c_char_p), ("dli_saddr", ctypes.c_void_p)]
+
+    try:
+        process = ctypes.CDLL(None)
+        address = ctypes.cast(getattr(process, symbol), ctypes.c_void_p)
+        info = DlInfo()
+        if process.dladdr(address, ctypes.byref(info)) and info.dli_fname:
+            return info.dli_fname.decode()
+    except (AttributeError, OSError):
+        pass
+    return None
+
+
+def _mapped_libraries() -> list[str]:
+    try:
+        lines = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return []
+    return list(dict.fromkeys(line.split()[-1] for line in lines if ".so" in line and "/" in line))
+
+
+def _openblas_config() -> str | None:
+    try:
+        get_config = ctypes.CDLL(None).openblas_get_config
+        get_config.restype = ctypes.c_char_p
+        return get_config().decode().strip()
+    except (AttributeError, OSError):
+        return None
+
+
+def _memory_gb() -> float | None:
+    try:
+        return round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9, 1)
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _package_version(name: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return None

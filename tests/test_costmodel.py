@@ -1,0 +1,154 @@
+"""Cost model: τ, predicted speedup, γ choice on synthetic costs (fall-back included), running α,
+calibration cache, and ``num_draft_tokens="auto"`` in the loop and the CLI."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import byte_tokenizer, tiny_llama
+from mlxspec import GenerationStats, generate, make_drafter
+from mlxspec.commands.generate import _gamma_summary
+from mlxspec.costmodel import (
+    AcceptanceEstimate,
+    AutoGamma,
+    Costs,
+    alpha_mle,
+    blas_in_use,
+    expected_tau,
+    load_or_calibrate,
+    tau_from_reach,
+)
+from mlxspec.metrics import CycleStats
+
+#: A memory-bound target: verifying k tokens costs 1 + 0.1 (k - 1) plain steps.
+MEMORY_BOUND = Costs([1.0 + 0.1 * (k - 1) for k in range(1, 17)], draft_s=0.0)
+#: The reference BLAS: verifying k tokens costs k plain steps.
+COMPUTE_BOUND = Costs([float(k) for k in range(1, 17)], draft_s=0.0)
+REPETITIVE = [10, 20, 30, 40, 50, 60] * 6
+
+
+def test_tau_formula_and_limits():
+    assert expected_tau(0.0, 5) == 1.0
+    assert expected_tau(1.0, 5) == 6.0
+    assert expected_tau(0.5, 0) == 1.0
+    assert expected_tau(0.8, 3) == pytest.approx(1 + 0.8 + 0.64 + 0.512)
+    assert tau_from_reach([0.8, 0.64, 0.512], 3) == pytest.approx(expected_tau(0.8, 3))
+    assert tau_from_reach([0.8, 0.64], 4) == pytest.approx(expected_tau(0.8, 4))  # geometric beyond the data
+    assert tau_from_reach([1.0, 0.5, 0.0], 3) == pytest.approx(1 + 1 + 0.5)
+
+
+def test_best_gamma_on_memory_bound_costs():
+    # speedup(γ) = τ(0.8, γ) / (1 + 0.1 γ): 1.64, 2.03, 2.27, 2.40, 2.459, 2.470, 2.448 for γ = 1..7
+    by_hand = {g: (1 - 0.8 ** (g + 1)) / 0.2 / (1 + 0.1 * g) for g in range(1, 16)}
+    gamma, speedup = MEMORY_BOUND.best_gamma(0.8, 15)
+    assert gamma == max(by_hand, key=by_hand.get) == 6
+    assert speedup == pytest.approx(by_hand[6])
+    assert MEMORY_BOUND.best_gamma(0.95, 15)[0] > 6  # higher acceptance → longer drafts
+    assert MEMORY_BOUND.best_gamma(0.3, 15)[0] in (1, 2)
+
+
+def test_falls_back_to_plain_when_speculation_loses():
+    assert MEMORY_BOUND.best_gamma(0.05, 15) == (0, 1.0)  # acceptance too low
+    assert COMPUTE_BOUND.best_gamma(1.0, 15) == (0, 1.0)  # verify costs k steps: loses even at α = 1
+    slow_draft = Costs(MEMORY_BOUND.verify_s, draft_s=2.0)  # a draft step costs two target steps
+    assert slow_draft.best_gamma(1.0, 15) == (0, 1.0)
+    assert MEMORY_BOUND.speedup(0, 0.5) == 1.0
+
+
+def test_auto_gamma_never_probes_when_costs_rule_speculation_out():
+    auto = AutoGamma(COMPUTE_BOUND, probe_every=4)
+    assert not auto.can_win
+    assert [auto.choose_gamma() for _ in range(40)] == [0] * 40
+
+
+def test_auto_gamma_follows_acceptance_and_probes_while_plain():
+    auto = AutoGamma(MEMORY_BOUND, probe_every=5, probe_gamma=2)
+    first = auto.choose_gamma()
+    assert first > 0  # the prior α = 0.5 already pays on memory-bound costs
+    for _ in range(40):  # every draft accepted
+        gamma = auto.choose_gamma()
+        auto.update(CycleStats(0, gamma, gamma, gamma + 1, 0.0, 0.0, gamma))
+    assert auto.choose_gamma() >= 10
+    for _ in range(100):  # every draft rejected at once
+        gamma = auto.choose_gamma()
+        auto.update(CycleStats(0, gamma, 0, 1, 0.0, 0.0, gamma))
+    choices = [auto.choose_gamma() for _ in range(15)]
+    assert choices.count(0) == 12 and choices.count(2) == 3  # plain, with a 2-token probe every 5th round
+
+
+def test_estimate_keeps_per_depth_reach():
+    estimate = AcceptanceEstimate()
+    for _ in range(50):  # depth 1 always kept, depth 2 always rejected
+        estimate.update(4, 1)
+    reach = estimate.reach(6)
+    assert reach[0] > 0.9 and reach[1] < 0.1
+    assert all(a >= b for a, b in zip(reach, reach[1:]))  # a draft is only kept if its parent was
+    fresh = AcceptanceEstimate(prior_alpha=0.6).reach(3)
+    assert fresh == pytest.approx([0.6, 0.36, 0.216])  # no data: the geometric prior
+
+
+def test_alpha_mle_recovers_a_geometric_alpha():
+    rng = np.random.default_rng(0)
+    rounds = []
+    for _ in range(4000):
+        kept = 0
+        while kept < 4 and rng.random() < 0.7:
+            kept += 1
+        rounds.append((4, kept))
+    assert alpha_mle(rounds) == pytest.approx(0.7, abs=0.02)
+    assert alpha_mle([(0, 0)]) == 0.0
+
+
+def test_calibration_is_cached_per_model(tmp_path):
+    target, draft = tiny_llama(seed=0), tiny_llama(seed=3, num_layers=1)
+    tokenizer = byte_tokenizer()
+    drafter = make_drafter("draft", target=target, tokenizer=tokenizer, draft_model=draft, draft_tokenizer=tokenizer)
+    measured = []
+    costs = load_or_calibrate(target, drafter, cache_dir=tmp_path, context_tokens=32, on_measure=measured.append)
+    assert len(measured) == 2 and len(costs.verify_s) == 16
+    assert all(a <= b for a, b in zip(costs.verify_s, costs.verify_s[1:])) and costs.verify_s[0] > 0
+    assert costs.draft_s > 0
+    again = load_or_calibrate(target, drafter, cache_dir=tmp_path, context_tokens=32, on_measure=measured.append)
+    assert len(measured) == 2 and again == costs  # served from the cache
+    load_or_calibrate(tiny_llama(seed=0, hidden_size=32), None, cache_dir=tmp_path, context_tokens=32,
+                      on_measure=measured.append)
+    assert len(measured) == 3  # another architecture is measured anew
+
+
+def test_auto_in_the_loop_is_lossless_and_reports_fallback():
+    model, tokenizer = tiny_llama(seed=0, sharpen=4.0), byte_tokenizer()
+    plain = generate(model, tokenizer, REPETITIVE, drafter="none", max_tokens=40).tokens
+    fallback = generate(model, tokenizer, REPETITIVE, drafter="ngram", max_tokens=40,
+                        num_draft_tokens=AutoGamma(COMPUTE_BOUND)).stats
+    assert fallback.drafted == 0 and fallback.plain_fallback_rounds == fallback.cycles == 40
+    fast = generate(model, tokenizer, REPETITIVE, drafter="ngram", max_tokens=40,
+                    num_draft_tokens=AutoGamma(MEMORY_BOUND))
+    assert fast.tokens == plain
+    assert fast.stats.drafted > 0 and sum(fast.stats.gamma_rounds) == fast.stats.cycles
+    assert fast.stats.num_draft_tokens == 15
+
+
+def test_auto_rejects_other_strings():
+    with pytest.raises(ValueError, match="'auto'"):
+        generate(tiny_llama(), byte_tokenizer(), [1, 2], drafter="ngram", num_draft_tokens="fast")
+
+
+def test_stats_line_says_when_it_fell_back():
+    stats = GenerationStats(drafter="draft", num_draft_tokens=15, gamma_rounds=[3, 0, 2])
+    assert _gamma_summary(stats) == "auto (mean 0.8, at most 15); fell back to plain decoding in 3 of 5 rounds"
+    assert _gamma_summary(GenerationStats(num_draft_tokens=4)) == "4"
+
+
+def test_cli_generate_defaults_to_auto(capsys, tiny_model_dir, tmp_path, monkeypatch):
+    from mlxspec.cli import main
+
+    monkeypatch.setenv("MLXSPEC_CACHE", str(tmp_path))
+    assert main(["generate", "--model", str(tiny_model_dir), "--prompt", "abcabcabc", "--max-tokens", "12"]) == 0
+    err = capsys.readouterr().err
+    assert "measuring the target's verify cost" in err and "γ = auto (mean" in err
+    assert list((tmp_path / "costs").glob("verify-*.json"))
+
+
+def test_blas_is_named():
+    assert blas_in_use()["name"] in ("OpenBLAS", "reference BLAS", "Accelerate", "Intel MKL", "BLIS", "unknown")
