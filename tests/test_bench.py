@@ -1,0 +1,148 @@
+"""``mlxspec bench``: end to end on tiny models (every JSON field, sane numbers), systems,
+paired speedups, mlx-lm round bookkeeping, and the fast-BLAS re-run."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+
+import pytest
+
+from mlxspec.bench import BASELINE, CONTROL, RunRecord, _rounds_from_flags, make_systems, summarize
+from mlxspec.cli import main
+from mlxspec.commands import bench as bench_command
+from mlxspec.costmodel import Costs
+
+RUN_FIELDS = {"system", "prompt_id", "kind", "temp", "seed", "prompt_tokens", "prompt_s", "generation_tokens",
+              "generation_s", "generation_tps", "prompt_tps", "rounds", "draft_s", "verify_s", "gamma_rounds",
+              "peak_memory_gb", "finish_reason", "output_sha"}
+ROW_FIELDS = {"system", "family", "gamma", "kind", "temp", "pairs", "speedup", "speedup_min", "speedup_max",
+              "predicted_speedup", "generation_tps", "prompt_tps", "alpha", "alpha_mle", "tau",
+              "acceptance_per_position", "tau_histogram", "cycle_draft_ms", "cycle_verify_ms", "cycle_other_ms",
+              "peak_memory_gb", "same_output", "mean_gamma", "plain_fallback", "best"}
+
+
+@pytest.fixture(scope="module")
+def bench_result(tmp_path_factory, tiny_model_dir, tiny_draft_dir):
+    folder = tmp_path_factory.mktemp("bench")
+    prompts = folder / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "Copy: red green blue red green blue red green", "kind": "grounded"})
+                       + "\n" + json.dumps({"prompt": "Tell me something.", "kind": "open"}) + "\n")
+    argv = ["bench", "--model", str(tiny_model_dir), "--draft-model", str(tiny_draft_dir), "--prompts", str(prompts),
+            "--num-draft-tokens", "auto,2", "--temps", "0,0.7", "--max-tokens", "24",
+            "--output", str(folder / "bench.json"), "--blas", "keep"]
+    mp = pytest.MonkeyPatch()
+    mp.setenv("MLXSPEC_CACHE", str(folder / "cache"))
+    stdout = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(stdout):
+            code = main(argv)
+    finally:
+        mp.undo()
+    return code, json.loads((folder / "bench.json").read_text()), stdout.getvalue()
+
+
+def test_bench_end_to_end_json(bench_result, capsys):
+    code, result, _ = bench_result
+    assert code == 0
+    for key in ("command", "machine", "models", "dtypes", "settings", "prompt_source", "prompt_ids", "costs",
+                "systems", "runs", "summary", "elapsed_s"):
+        assert key in result
+    assert result["machine"]["blas"]["name"] and result["machine"]["versions"]["mlx_lm"]
+    assert set(result["costs"]) == {"draft", "ngram"} and len(result["costs"]["draft"]["verify_s"]) == 16
+    names = [s["name"] for s in result["systems"]]
+    assert names == [BASELINE, CONTROL, "mlx-lm spec γ=2", "mlxspec draft γ=auto", "mlxspec draft γ=2",
+                     "mlxspec ngram γ=auto", "mlxspec ngram γ=2", "mlxspec none"]
+    assert len(result["runs"]) == len(names) * 2 * 2  # systems × prompts × temperatures
+    for run in result["runs"]:
+        assert set(run) == RUN_FIELDS
+        assert 1 <= run["generation_tokens"] <= 24 and run["generation_s"] > 0 and run["prompt_s"] > 0
+        assert run["finish_reason"] in ("stop", "length") and len(run["output_sha"]) == 12
+        assert all(0 <= kept <= drafted for drafted, kept in run["rounds"])
+
+
+def test_bench_summary_is_sane(bench_result):
+    rows = bench_result[1]["summary"]
+    assert len(rows) == 8 * 2 * 2  # systems × kinds × temperatures
+    for row in rows:
+        assert set(row) == ROW_FIELDS and row["pairs"] == 1
+        if row["system"] == BASELINE:
+            assert row["speedup"] == 1.0 and row["predicted_speedup"] == 1.0
+        if row["system"] == CONTROL:
+            assert 1 / 3 < row["speedup"] < 3  # plain vs itself: ≈ 1 up to timing noise
+        if row["alpha"] is not None:
+            assert 0 <= row["alpha"] <= 1 and row["tau"] >= 1 and row["predicted_speedup"] > 0
+            assert all(0 <= a <= 1 for a in row["acceptance_per_position"])
+        if row["temp"] == 0:
+            assert row["same_output"] == 1.0  # float32: every lossless system reproduces greedy decoding
+        if row["gamma"] == "auto":
+            assert row["mean_gamma"] is not None and 0 <= row["plain_fallback"] <= 1
+    grounded_ngram = [r for r in rows if r["system"] == "mlxspec ngram γ=2" and r["kind"] == "grounded"]
+    assert any(r["alpha"] for r in grounded_ngram)  # a repetitive prompt gives the n-gram drafter hits
+
+
+def test_bench_prints_header_and_tables(bench_result):
+    stdout = bench_result[2]
+    for line in ("mlxspec bench", "BLAS: ", "costs (draft): T_verify(1, 2, 4, 8, 16) = ", "target: ",
+                 "| kind | temp | system | tok/s | speedup (min–max) | predicted |", "wrote "):
+        assert line in stdout
+    compact = stdout.split("Best fixed γ")[1].split("Every system")[0]
+    assert "mlxspec ngram γ=auto" in compact and "| mlxspec ngram γ=2 * |" in compact
+    assert stdout.count("| grounded | 0.7 | mlxspec draft γ=2") == 2  # 1 draft γ: best in both tables
+
+
+def test_make_systems():
+    systems = make_systems(["ngram", "none"], ["auto", 1, 4], has_draft_model=False, control=False)
+    assert [s.name for s in systems] == [BASELINE, "mlxspec ngram γ=auto", "mlxspec ngram γ=1",
+                                         "mlxspec ngram γ=4", "mlxspec none"]
+    with pytest.raises(ValueError, match="needs --draft-model"):
+        make_systems(["draft"], [2], has_draft_model=False)
+    with pytest.raises(ValueError, match="integer >= 1"):
+        make_systems(["ngram"], [0], has_draft_model=False)
+
+
+def test_rounds_from_mlx_lm_flags():
+    # γ = 3: round 1 kept 2 (+ its target token), round 2 kept 0, round 3 kept 3 and was cut by the stop
+    flags = [True, True, False, False, True, True, True]
+    assert _rounds_from_flags(flags, 3) == [[3, 2], [3, 0], [3, 3]]
+
+
+def test_speedup_is_the_median_of_paired_ratios():
+    def run(system, prompt, tps, sha="x"):
+        return RunRecord(system, prompt, "open", 0.0, 0, 10, 1.0, int(tps), 1.0, rounds=[[2, 1]] if system != BASELINE
+                         else [], output_sha=sha)
+
+    runs = [run(BASELINE, "p1", 10), run(BASELINE, "p2", 20), run(BASELINE, "p3", 40),
+            run("mlxspec ngram γ=2", "p1", 30), run("mlxspec ngram γ=2", "p2", 20, "y"),
+            run("mlxspec ngram γ=2", "p3", 60)]
+    systems = make_systems(["ngram"], [2], has_draft_model=False, control=False)
+    costs = {"ngram": Costs([1.0 + 0.1 * k for k in range(16)])}
+    rows = {r.system: r for r in summarize(runs, systems, costs)}
+    row = rows["mlxspec ngram γ=2"]
+    assert row.speedup == 1.5 and (row.speedup_min, row.speedup_max) == (1.0, 3.0)  # ratios 3, 1, 1.5
+    assert row.same_output == pytest.approx(2 / 3) and row.best
+    assert row.alpha == 0.5 and row.tau == 2.0
+    assert row.predicted_speedup == pytest.approx(costs["ngram"].speedup(2, 0.5))
+
+
+def test_reruns_with_openblas_when_the_reference_blas_is_loaded(monkeypatch):
+    calls = []
+    monkeypatch.delenv(bench_command.REEXEC_ENV, raising=False)
+    monkeypatch.setattr("sys.platform", "linux")
+    monkeypatch.setattr("mlxspec.costmodel.blas_in_use", lambda: {"name": "reference BLAS"})
+    monkeypatch.setattr("mlxspec.costmodel.find_fast_blas", lambda: "/opt/libblas.so.3")
+    monkeypatch.setattr("os.execve", lambda exe, argv, env: calls.append((argv, env)))
+    bench_command.maybe_use_fast_blas(["--max-tokens", "8"], "keep")
+    assert calls == []
+    bench_command.maybe_use_fast_blas(["--max-tokens", "8"], "auto")
+    argv, env = calls[0]
+    assert argv[1:] == ["-m", "mlxspec", "bench", "--max-tokens", "8"]
+    assert env["LD_PRELOAD"].startswith("/opt/libblas.so.3") and env[bench_command.REEXEC_ENV] == "1"
+
+
+def test_bad_flags_are_one_line_errors(capsys):
+    assert main(["bench", "--num-draft-tokens", "0,2", "--blas", "keep"]) == 2
+    assert "--num-draft-tokens takes 'auto' and integers >= 1" in capsys.readouterr().err
+    assert main(["bench", "--temps", "-1", "--blas", "keep"]) == 2
+    assert "--temps must be numbers >= 0" in capsys.readouterr().err
