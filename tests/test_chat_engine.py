@@ -81,12 +81,16 @@ def test_real_engine_thread_answers_like_plain_greedy_decoding(tmp_path):
                 await pilot.press("enter")
                 await wait_for(pilot, lambda: not app.generating, timeout_s=30)
             app.engine.configure(draft_model=str(tmp_path / "missing"))
-            await wait_for(pilot, lambda: messages(app, "error"), timeout_s=30)
-            return app.history, [m.spans for m in messages(app, "assistant")], messages(app, "error")[0].text
+            app.engine.configure("draft", 2)  # no draft model: refused, the n-gram drafter stays
+            await wait_for(pilot, lambda: len(messages(app, "error")) == 2, timeout_s=30)
+            await wait_for(pilot, lambda: app.info.num_draft_tokens == 2, timeout_s=30)
+            errors = [m.text for m in messages(app, "error")]
+            return app.history, [m.spans for m in messages(app, "assistant")], errors, app.info
 
-    history, spans, error = asyncio.run(body())
+    history, spans, errors, info = asyncio.run(body())
     assert [m["role"] for m in history] == ["user", "assistant"] * 2
-    assert "missing" in error
+    assert "missing" in errors[0] and "needs a draft model" in errors[1]
+    assert (info.drafter, info.draft_name) == ("ngram", None)
     reference, reference_tokenizer = load(str(tmp_path))
     conversation = [{"role": "system", "content": "Be brief."}]
     for turn, turn_spans in zip(history[1::2], spans):
