@@ -85,3 +85,24 @@ def test_help_lists_commands(capsys):
     assert main(["--help"]) == 0
     assert "generate" in capsys.readouterr().out
     assert main(["nope"]) == 2
+
+
+def test_medusa_from_the_command_line(capsys, tmp_path, tiny_model_dir):
+    from test_medusa import random_heads
+
+    from mlxspec.drafters.medusa import save_medusa
+
+    save_medusa(tmp_path / "heads", random_heads(shared=True))
+    base = ["--model", str(tiny_model_dir), "--prompt", "hello", "--max-tokens", "12", "--drafter", "medusa"]
+    code, out, err = run(capsys, *base, "--medusa-heads", str(tmp_path / "heads"), "--medusa-tree", "small_15",
+                         "--json")
+    assert code == 0 and json.loads(out)["drafter"] == "medusa"
+    code, _, err = run(capsys, *base, "--medusa-heads", str(tmp_path / "heads"), "--temp", "0.7",
+                       "--typical-threshold", "0.09", "--typical-alpha", "0.3")
+    assert code == 0 and "LOSSY" in err
+    code, _, err = run(capsys, *base)
+    assert code == 2 and "no Medusa heads ship for" in err and err.count("\n") == 1
+    code, _, err = run(capsys, *base, "--medusa-heads", str(tmp_path / "heads"), "--typical-threshold", "0.09")
+    assert code == 2 and "needs both --typical-threshold and --typical-alpha" in err
+    code, _, err = run(capsys, *base, "--medusa-heads", str(tmp_path / "heads"), "--medusa-tree", "nope")
+    assert code == 2 and "unknown Medusa tree" in err

@@ -7,6 +7,7 @@ import sys
 from dataclasses import dataclass
 
 from ..drafters import DRAFTERS, Drafter, make_drafter
+from ..drafters.medusa import DEFAULT_TREE, TREE_PRESETS, read_tree
 from ..drafters.ngram import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM
 from ..generate import AUTO, DEFAULT_MAX_TOKENS, DEFAULT_NUM_DRAFT_TOKENS
 from ..sampling import SamplingParams
@@ -56,6 +57,16 @@ def add_model_args(parser: argparse.ArgumentParser, allow_auto: bool = False) ->
                              "Default: as stored")
     parser.add_argument("--draft-dtype", choices=DTYPES, default=None,
                         help="the same for the draft model. Default: as stored")
+    parser.add_argument("--medusa-heads", default=None,
+                        help="Medusa heads: a folder, a medusa_lm_head.safetensors/.pt file, or a Hugging Face "
+                             "repo id. Default: the heads shipped in models/medusa/ for the target, if any")
+    parser.add_argument("--medusa-tree", default=DEFAULT_TREE,
+                        help=f"Medusa tree: a preset ({', '.join(TREE_PRESETS)}) or a JSON file of rank paths. "
+                             f"Default: {DEFAULT_TREE}")
+    parser.add_argument("--typical-threshold", type=float, default=None,
+                        help="LOSSY: Medusa's typical acceptance threshold ε (e.g. 0.09); needs --typical-alpha")
+    parser.add_argument("--typical-alpha", type=float, default=None,
+                        help="LOSSY: Medusa's typical acceptance factor δ (e.g. 0.3); needs --typical-threshold")
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -91,6 +102,24 @@ def check_args(args: argparse.Namespace) -> None:
     make_drafter("ngram", min_ngram=args.ngram_min, max_ngram=args.ngram_max)
     if args.drafter == "draft" and args.draft_model is None:
         raise ValueError("--drafter draft needs a draft model: pass --draft-model PATH_OR_REPO")
+    typical_from_args(args)
+    read_tree(args.medusa_tree)
+
+
+def typical_from_args(args: argparse.Namespace) -> tuple[float, float] | None:
+    """``(threshold, alpha)`` for the lossy typical acceptance, or ``None`` (exact).
+
+    Raises:
+        ValueError: when only one of the two flags is given (Medusa's own helpers swap
+            their defaults, so both must be named).
+    """
+    given = (args.typical_threshold, args.typical_alpha)
+    if given == (None, None):
+        return None
+    if None in given:
+        raise ValueError("typical acceptance needs both --typical-threshold and --typical-alpha "
+                         "(Medusa's defaults are 0.09 and 0.3)")
+    return given
 
 
 @dataclass
@@ -118,10 +147,30 @@ def load_models(args: argparse.Namespace) -> LoadedModels:
     if kind == "draft":
         draft_model, draft_tokenizer = load(args.draft_model, dtype=args.draft_dtype)
         draft_name = describe(args.draft_model, draft_model)
+    model_name = describe(args.model, model)
+    heads = load_heads(args.medusa_heads, model, model_name) if kind == "medusa" else None
     drafter = make_drafter(kind, target=model, tokenizer=tokenizer,
                            draft_model=draft_model, draft_tokenizer=draft_tokenizer,
-                           min_ngram=args.ngram_min, max_ngram=args.ngram_max)
-    return LoadedModels(model, tokenizer, drafter, describe(args.model, model), draft_name)
+                           min_ngram=args.ngram_min, max_ngram=args.ngram_max,
+                           medusa_heads=heads, medusa_tree=args.medusa_tree)
+    return LoadedModels(model, tokenizer, drafter, model_name, draft_name)
+
+
+def load_heads(spec: str | None, model, model_name: str):
+    """Medusa heads named by ``--medusa-heads``, or the ones shipped for this target.
+
+    Raises:
+        ValueError, FileNotFoundError: no heads for this target, or heads that do not fit it.
+    """
+    from ..drafters.draft_model import logits_width
+    from ..drafters.medusa import default_heads, load_medusa, medusa_folder
+
+    base_name = model_name.split(" (")[0]
+    path = medusa_folder(spec) if spec else default_heads(base_name)
+    if path is None:
+        raise ValueError(f"no Medusa heads ship for {base_name}; pass --medusa-heads PATH_OR_REPO "
+                         "(or train some with 'mlxspec train medusa')")
+    return load_medusa(path, hidden_size=model.args.hidden_size, vocab_size=logits_width(model))
 
 
 def fail(message: str) -> int:
