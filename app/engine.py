@@ -55,6 +55,9 @@ class EngineConfig:
         sampling: Temperature and filters.
         max_tokens: Most tokens per answer.
         seed: Seed for ``mx.random`` before each answer, or ``None``.
+        medusa_heads: Medusa heads spec, or ``None`` for the heads shipped for the target.
+        medusa_tree: Medusa tree preset or JSON file.
+        typical: ``(threshold, alpha)`` for the LOSSY typical acceptance, or ``None``.
     """
 
     model: str = "default"
@@ -68,6 +71,9 @@ class EngineConfig:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     max_tokens: int = 256
     seed: int | None = None
+    medusa_heads: str | None = None
+    medusa_tree: str = "mc_sim_7b_63"
+    typical: tuple[float, float] | None = None
 
     @property
     def drafter_kind(self) -> str:
@@ -265,7 +271,7 @@ class Engine:
             events = stream_generate(
                 state.model, state.tokenizer, chat_prompt(state.tokenizer, request.messages),
                 drafter=state.drafter, num_draft_tokens=gamma, max_tokens=config.max_tokens,
-                sampling=config.sampling, seed=config.seed,
+                sampling=config.sampling, seed=config.seed, typical=config.typical,
             )
             relay(events, rid, post, request.cancelled, drafter=state.drafter.name, num_draft_tokens=gamma)
         except Exception as e:  # the thread must survive any failure; the UI shows it
@@ -312,11 +318,14 @@ class Engine:
             state.draft_name = describe(spec, state.draft_model)
 
     def _make_drafter(self, kind: str, state: _Loaded):
+        from mlxspec.commands.common import load_heads
         from mlxspec.drafters import make_drafter
 
+        heads = load_heads(self.config.medusa_heads, state.model, state.model_name) if kind == "medusa" else None
         return make_drafter(kind, target=state.model, tokenizer=state.tokenizer,
                             draft_model=state.draft_model, draft_tokenizer=state.draft_tokenizer,
-                            min_ngram=self.config.min_ngram, max_ngram=self.config.max_ngram)
+                            min_ngram=self.config.min_ngram, max_ngram=self.config.max_ngram,
+                            medusa_heads=heads, medusa_tree=self.config.medusa_tree)
 
     def _info(self) -> EngineInfo:
         s = self._state

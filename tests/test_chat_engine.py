@@ -117,3 +117,12 @@ def test_chat_flags_become_the_engine_config():
     assert (config.model, config.draft_model, config.drafter_kind, config.num_draft_tokens) == ("m", "d", "draft", 6)
     assert (config.sampling.temp, config.seed, config.dtype, config.max_tokens) == (0.7, 1, "float32", 99)
     assert args.system == "hi"
+
+
+def test_medusa_flags_reach_the_engine_config():
+    args = chat.setup_arg_parser().parse_args(
+        ["--drafter", "medusa", "--medusa-heads", "h", "--medusa-tree", "small_15",
+         "--typical-threshold", "0.09", "--typical-alpha", "0.3"])
+    config = chat.engine_config(args)
+    assert (config.drafter_kind, config.medusa_heads, config.medusa_tree) == ("medusa", "h", "small_15")
+    assert config.typical == (0.09, 0.3)

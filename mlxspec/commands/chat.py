@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import argparse
 
-from .common import USER_ERRORS, add_model_args, add_sampling_args, check_args, fail, sampling_from_args
+from .common import (
+    USER_ERRORS,
+    add_model_args,
+    add_sampling_args,
+    check_args,
+    fail,
+    sampling_from_args,
+    typical_from_args,
+)
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
@@ -27,7 +35,8 @@ def engine_config(args: argparse.Namespace):
         model=args.model, draft_model=args.draft_model, drafter=args.drafter,
         num_draft_tokens=args.num_draft_tokens, dtype=args.dtype, draft_dtype=args.draft_dtype,
         min_ngram=args.ngram_min, max_ngram=args.ngram_max, sampling=sampling_from_args(args),
-        max_tokens=args.max_tokens, seed=args.seed,
+        max_tokens=args.max_tokens, seed=args.seed, medusa_heads=args.medusa_heads,
+        medusa_tree=args.medusa_tree, typical=typical_from_args(args),
     )
 
 
