@@ -1,0 +1,320 @@
+"""``mlxspec train``: train draft heads for a target (``medusa``) and measure them (``measure-medusa``).
+
+``mlxspec train medusa --model default --data sharegpt --output DIR`` loads the target in
+float32, splits the conversations by a fixed seed (the held-out prompts go to
+``DIR/heldout_prompts.jsonl``), caches the target's hidden states on disk (resumable, reused by
+later runs on the same data), trains Medusa-1 heads with a progress bar and prints held-out
+top-1 accuracy per head after every epoch. Running the same command again resumes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+
+from .common import USER_ERRORS, fail
+
+DEFAULT_MAX_TOKENS_TOTAL = 200_000
+DEFAULT_MAX_SEQ_LENGTH = 1024
+DEFAULT_NUM_HELDOUT = 50
+DEFAULT_HELDOUT_TOKENS = 16_384
+DEFAULT_MAX_PROMPT_TOKENS = 512
+DEFAULT_TREES = ["mc_sim_7b_63", "small_15", "chain_4"]
+HELDOUT_PROMPTS = "heldout_prompts.jsonl"
+RUN_INFO = "run.json"
+
+
+def setup_arg_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mlxspec train", description="Train draft heads for a target model.")
+    sub = parser.add_subparsers(dest="method", required=True, metavar="{medusa,measure-medusa}")
+    _medusa_flags(sub.add_parser(
+        "medusa", help="Medusa-1 heads on the frozen target",
+        description="Train Medusa-1 heads (frozen target) on conversations; run the same command again "
+                    "to resume."))
+    _measure_flags(sub.add_parser(
+        "measure-medusa", help="τ, acceptance and tokens/s of trained heads on held-out prompts",
+        description="Run prompts with plain decoding and each Medusa tree (float32 target); "
+                    "print a Markdown table."))
+    return parser
+
+
+def _medusa_flags(p: argparse.ArgumentParser) -> None:
+    from ..train.features import DEFAULT_CHUNK_TOKENS, LABELS
+    from ..train.medusa import MedusaTrainConfig
+
+    d = MedusaTrainConfig()
+    p.add_argument("--model", default="default",
+                   help="target: an mlx-lm folder, a Hugging Face repo id, a .gguf file or 'default'; "
+                        "always loaded in float32. Default: default")
+    p.add_argument("--data", default="sharegpt",
+                   help="'sharegpt' (ShareGPT V3, fetched once) or a JSONL of conversations, one "
+                        '{"messages": [{"role", "content"}]} or {"conversations": [{"from", "value"}]} '
+                        "per line. Default: sharegpt")
+    p.add_argument("--output", "-o", required=True,
+                   help="folder for checkpoints (published Medusa layout), held-out prompts and run info")
+    p.add_argument("--num-heads", type=int, default=d.num_heads,
+                   help=f"Medusa heads; head k predicts token t + k + 2. Default: {d.num_heads}")
+    p.add_argument("--num-layers", type=int, default=d.num_layers,
+                   help=f"residual blocks per head. Default: {d.num_layers}")
+    p.add_argument("--own-lm-head", action="store_true",
+                   help="give each head its own LM head (original format, initialised from the target's; "
+                        "V×H per head on disk) instead of sharing the target's frozen LM head")
+    p.add_argument("--labels", choices=LABELS, default=d.labels,
+                   help="training targets: the text's tokens (Medusa-1) or the target's greedy "
+                        f"predictions of them (self-distillation without generating). Default: {d.labels}")
+    p.add_argument("--max-tokens-total", type=int, default=DEFAULT_MAX_TOKENS_TOTAL,
+                   help="token budget of the training conversations (the feature extraction runs the "
+                        f"target over this many tokens). Default: {DEFAULT_MAX_TOKENS_TOTAL}")
+    p.add_argument("--max-seq-length", type=int, default=DEFAULT_MAX_SEQ_LENGTH,
+                   help=f"truncate conversations to this many tokens. Default: {DEFAULT_MAX_SEQ_LENGTH}")
+    p.add_argument("--epochs", type=int, default=d.epochs, help=f"passes over the training data. Default: {d.epochs}")
+    p.add_argument("--batch-size", type=int, default=d.batch_size,
+                   help=f"positions (assistant tokens) per step. Default: {d.batch_size}")
+    p.add_argument("--learning-rate", type=float, default=d.learning_rate,
+                   help=f"peak AdamW learning rate (cosine decay to 0). Default: {d.learning_rate:g}")
+    p.add_argument("--warmup-steps", type=int, default=d.warmup_steps,
+                   help=f"linear warm-up steps. Default: {d.warmup_steps}")
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay,
+                   help=f"AdamW weight decay. Default: {d.weight_decay:g}")
+    p.add_argument("--save-every", type=int, default=d.save_every,
+                   help="also checkpoint every N steps (0: after each epoch only). Default: 0")
+    p.add_argument("--seed", type=int, default=d.seed,
+                   help=f"seed of the train/held-out split and of the batch order. Default: {d.seed}")
+    p.add_argument("--num-heldout", type=int, default=DEFAULT_NUM_HELDOUT,
+                   help="conversations held out (never trained on); their first prompts are written to "
+                        f"OUTPUT/{HELDOUT_PROMPTS} for benchmarks. Default: {DEFAULT_NUM_HELDOUT}")
+    p.add_argument("--max-prompt-tokens", type=int, default=DEFAULT_MAX_PROMPT_TOKENS,
+                   help="held-out conversations are picked among those whose first prompt has at most "
+                        "this many tokens (keeps benchmarks short) and, for ShareGPT, that open a conversation "
+                        f"(ids ending in _0). Default: {DEFAULT_MAX_PROMPT_TOKENS}")
+    p.add_argument("--heldout-tokens", type=int, default=DEFAULT_HELDOUT_TOKENS,
+                   help="token budget of the held-out conversations used for per-epoch accuracy. "
+                        f"Default: {DEFAULT_HELDOUT_TOKENS}")
+    p.add_argument("--eval-positions", type=int, default=d.max_eval_positions,
+                   help=f"held-out positions scored per evaluation. Default: {d.max_eval_positions}")
+    p.add_argument("--self-distill", action="store_true",
+                   help="train on the target's own greedy answers to the first prompts instead of the "
+                        "data's answers (slow: one plain decoding step per token); answers are kept in "
+                        "OUTPUT/self_distill.jsonl and resumed")
+    p.add_argument("--self-distill-max-tokens", type=int, default=256,
+                   help="longest self-distilled answer in tokens. Default: 256")
+    p.add_argument("--features-dir", default=None,
+                   help="root of the feature cache. Default: $MLXSPEC_CACHE/features")
+    p.add_argument("--chunk-tokens", type=int, default=DEFAULT_CHUNK_TOKENS,
+                   help=f"tokens per feature-cache chunk. Default: {DEFAULT_CHUNK_TOKENS}")
+    p.add_argument("--save-dtype", choices=("float16", "bfloat16", "float32"), default=d.save_dtype,
+                   help=f"dtype of the per-epoch heads in OUTPUT/epoch-N. Default: {d.save_dtype}")
+
+
+def _measure_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="default",
+                   help="target (any spec 'mlxspec generate' takes); loaded in float32. Default: default")
+    p.add_argument("--heads", required=True, help="folder (or file) of Medusa heads for the target")
+    p.add_argument("--prompts", required=True,
+                   help=f'JSONL of {{"prompt": ...}} lines, e.g. the {HELDOUT_PROMPTS} written by training')
+    p.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts. Default: all")
+    p.add_argument("--trees", nargs="+", default=DEFAULT_TREES,
+                   help=f"tree presets or JSON files of rank paths. Default: {' '.join(DEFAULT_TREES)}")
+    p.add_argument("--temps", nargs="+", type=float, default=[0.0, 0.7],
+                   help="sampling temperatures. Default: 0 0.7")
+    p.add_argument("--max-tokens", "-m", type=int, default=128, help="new tokens per run. Default: 128")
+    p.add_argument("--seed", type=int, default=0, help="prompt i is run with seed SEED + i. Default: 0")
+    p.add_argument("--engine-prompts", type=int, default=None,
+                   help="generate with the trees (for tokens/s) on the first N prompts only; τ and acceptance "
+                        "are replayed from the plain runs on every prompt. Default: all")
+    p.add_argument("--output", "-o", default=None,
+                   help="write every run as JSONL here and the table beside it (.md). Default: print only")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``mlxspec train``; returns the exit status (2 on user errors, printed as one line)."""
+    argv = sys.argv[1:] if argv is None else argv
+    args = setup_arg_parser().parse_args(argv)
+    args.command = "mlxspec train " + shlex.join(argv)
+    try:
+        return run_medusa(args) if args.method == "medusa" else run_measure(args)
+    except USER_ERRORS as e:
+        return fail(str(e))
+
+
+def _config(args):
+    from ..train.medusa import MedusaTrainConfig
+
+    for flag in ("max_tokens_total", "max_seq_length", "heldout_tokens", "chunk_tokens"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    return MedusaTrainConfig(
+        num_heads=args.num_heads, num_layers=args.num_layers, own_lm_head=args.own_lm_head, labels=args.labels,
+        epochs=args.epochs, batch_size=args.batch_size, learning_rate=args.learning_rate,
+        warmup_steps=args.warmup_steps, weight_decay=args.weight_decay, seed=args.seed,
+        save_every=args.save_every, max_eval_positions=args.eval_positions, save_dtype=args.save_dtype)
+
+
+def run_medusa(args: argparse.Namespace) -> int:
+    """``mlxspec train medusa``: data → features → heads."""
+    from ..loading import load
+    from ..train import dataset
+
+    config = _config(args)
+    output = Path(args.output).expanduser()
+    info = {"command": args.command, "args": vars(args)}
+    model, tokenizer = load(args.model, dtype="float32")
+    conversations, note = dataset.read_conversations(args.data)
+    _say(note)
+    def heldout_ok(conversation) -> bool:
+        if args.data == dataset.SHAREGPT and not dataset.starts_a_conversation(conversation):
+            return False  # a later part's first prompt ("continue") needs context it does not have
+        return len(tokenizer.encode(dataset.first_prompt(conversation))) <= args.max_prompt_tokens
+
+    train_convs, heldout_convs = dataset.split_conversations(
+        conversations, num_heldout=args.num_heldout, seed=args.seed, heldout_ok=heldout_ok)
+    prompts = dataset.heldout_prompts(heldout_convs)
+    dataset.write_heldout_prompts(output / HELDOUT_PROMPTS, prompts)
+    _say(f"held out {len(prompts)} conversations (prompts in {output / HELDOUT_PROMPTS}); "
+         f"{len(train_convs)} left for training")
+    if args.self_distill:
+        train_convs = _self_distill(model, tokenizer, train_convs, output, args)
+    examples, heldout = _tokenize(tokenizer, train_convs, heldout_convs, args, info)
+    t0 = time.perf_counter()
+    train_cache = _extract(model, examples, "train", args)
+    heldout_cache = _extract(model, heldout, "held-out", args) if heldout else None
+    info["extract_s"] = round(time.perf_counter() - t0, 1)
+    info["features"] = {"train": str(train_cache.directory),
+                        "heldout": str(heldout_cache.directory) if heldout_cache else None}
+    t0 = time.perf_counter()
+    _train(model, train_cache, heldout_cache, output, config)
+    info["train_s"] = round(time.perf_counter() - t0, 1)
+    (output / RUN_INFO).write_text(json.dumps(info, indent=2, default=str) + "\n")
+    _say(f"heads in {output} (float32, resumable) and {output}/epoch-{config.epochs} ({config.save_dtype})")
+    return 0
+
+
+def _tokenize(tokenizer, train_convs, heldout_convs, args, info):
+    from ..train import dataset
+
+    train_report, heldout_report = dataset.DataReport(), dataset.DataReport()
+    examples = list(dataset.tokenize_conversations(
+        tokenizer, train_convs, max_length=args.max_seq_length, max_tokens_total=args.max_tokens_total,
+        report=train_report))
+    heldout = list(dataset.tokenize_conversations(
+        tokenizer, heldout_convs, max_length=args.max_seq_length, max_tokens_total=args.heldout_tokens,
+        report=heldout_report))
+    if not examples:
+        raise ValueError(f"no training examples with assistant tokens in {args.data}")
+    _say(f"train: {train_report.summary()}")
+    _say(f"held-out: {heldout_report.summary()}")
+    info["data"] = {"train": vars(train_report), "heldout": vars(heldout_report)}
+    return examples, heldout
+
+
+def _self_distill(model, tokenizer, conversations, output: Path, args):
+    from tqdm import tqdm
+
+    from ..train import dataset, distill
+
+    path = output / "self_distill.jsonl"
+    tokens = 0
+    with tqdm(total=args.max_tokens_total, desc="self-distill", unit="tok", file=sys.stderr) as bar:
+        for progress in distill.distill_conversations(model, tokenizer, conversations, path,
+                                                      max_new_tokens=args.self_distill_max_tokens):
+            bar.update(progress.tokens)
+            tokens += progress.tokens
+            if tokens >= args.max_tokens_total:
+                break
+    distilled, _ = dataset.read_conversations(str(path))
+    return distilled
+
+
+def _extract(model, examples, name: str, args):
+    from tqdm import tqdm
+
+    from ..train.features import FeatureCache, cache_dir_for, extract_features
+
+    directory = cache_dir_for(model, examples, root=args.features_dir, chunk_tokens=args.chunk_tokens)
+    total = sum(len(ex.tokens) for ex in examples)
+    with tqdm(total=total, desc=f"features ({name})", unit="tok", file=sys.stderr) as bar:
+        for progress in extract_features(model, examples, directory, chunk_tokens=args.chunk_tokens):
+            bar.update(progress.tokens_done - bar.n)
+            bar.set_postfix(chunk=f"{progress.chunk + 1}/{progress.num_chunks}",
+                            tok_s=f"{progress.tokens_per_s:.0f}")
+    return FeatureCache(directory)
+
+
+def _train(model, train_cache, heldout_cache, output: Path, config) -> None:
+    from tqdm import tqdm
+
+    from ..train.medusa import EvalRecord, train_medusa
+
+    bar = None
+    for record in train_medusa(model, train_cache, heldout_cache, output, config):
+        if isinstance(record, EvalRecord):
+            if bar is not None:
+                bar.close()
+                bar = None
+            print(_eval_line(record), flush=True)
+            continue
+        if bar is None:
+            bar = tqdm(total=record.steps_per_epoch, initial=record.step - 1, desc=f"epoch {record.epoch + 1}",
+                       unit="step", file=sys.stderr)
+        bar.update(1)
+        bar.set_postfix(loss=f"{record.loss:.3f}", pos_s=f"{record.positions / record.step_s:.0f}")
+    if bar is not None:
+        bar.close()
+
+
+def _eval_line(record) -> str:
+    def fmt(values):
+        return " ".join(f"{v:.3f}" for v in values)
+
+    when = "before training" if record.epoch == 0 else f"epoch {record.epoch}"
+    loss = f"train loss {record.train_loss:.3f}; " if record.train_loss is not None else ""
+    return (f"{when}: {loss}held-out top-1 per head: {fmt(record.accuracy)} (text), "
+            f"{fmt(record.target_accuracy)} (target greedy), top-10 {fmt(record.target_top10)} "
+            f"[{record.positions} positions]")
+
+
+def run_measure(args: argparse.Namespace) -> int:
+    """``mlxspec train measure-medusa``: the table for the README."""
+    from ..data import read_prompts_jsonl
+    from ..drafters.medusa import load_medusa, read_tree
+    from ..loading import load
+    from ..train.measure import markdown_table, measure_medusa
+    from ..train.medusa import target_shape
+
+    for tree in args.trees:
+        read_tree(tree)
+    prompts = read_prompts_jsonl(args.prompts)[: args.num_prompts]
+    model, tokenizer = load(args.model, dtype="float32")
+    hidden_size, vocab_size = target_shape(model)
+    heads = load_medusa(args.heads, hidden_size=hidden_size, vocab_size=vocab_size)
+    records = []
+    out = open(args.output, "w", encoding="utf-8") if args.output else None  # noqa: SIM115
+    try:
+        for record in measure_medusa(model, tokenizer, heads, prompts, trees=args.trees, temps=args.temps,
+                                     max_tokens=args.max_tokens, seed=args.seed,
+                                     engine_prompts=args.engine_prompts):
+            records.append(record)
+            s = record.stats
+            speed = f", {s.generation_tps:.1f} tok/s" if record.mode == "engine" else ""
+            _say(f"{record.prompt_id} temp {record.temp:g} {record.config} ({record.mode}): "
+                 f"{s.generation_tokens} tokens, τ {s.tau:.2f}{speed}")
+            if out:
+                out.write(json.dumps({"prompt_id": record.prompt_id, "config": record.config, "temp": record.temp,
+                                      "mode": record.mode, "stats": s.to_dict()}) + "\n")
+                out.flush()
+    finally:
+        if out:
+            out.close()
+    table = markdown_table(records)
+    print(table)
+    if args.output:
+        Path(args.output).with_suffix(".md").write_text(table + "\n")
+    return 0
+
+
+def _say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)

@@ -1,0 +1,332 @@
+"""The target's features, computed once and cached on disk in chunks.
+
+Medusa-1 and EAGLE keep the target frozen, so its final normalised hidden states are a fixed
+function of the training text: ``extract_features`` runs the target once over the examples and
+stores, per chunk of about ``chunk_tokens`` tokens, the hidden states (float16), the token ids,
+the loss mask and the target's greedy next token. A ``manifest.json`` lists the chunks; a chunk
+is written to a temporary name and renamed when complete, so an interrupted extraction resumes
+at the first missing chunk. ``FeatureCache`` streams one chunk at a time, so memory stays flat
+with the size of the data, and yields the same batches, in the same order, for the same seed
+and epoch.
+
+Layout: ``<root>/<model fingerprint>/<data fingerprint>/{manifest.json, chunk-00000.npz, ...}``
+with ``<root>`` = ``$MLXSPEC_CACHE/features`` by default.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten
+
+from ..taps import HiddenTap, output_head
+from .dataset import Example
+
+DEFAULT_CHUNK_TOKENS = 32_768
+MANIFEST = "manifest.json"
+FORMAT_VERSION = 1
+LABELS = ("data", "target")
+"""Label sources: ``data`` = the text's own token t + k + 2 (Medusa-1); ``target`` = the target's
+greedy prediction of that token given the text up to t + k + 1 (a cheap self-distillation)."""
+
+
+def default_features_root() -> Path:
+    """``$MLXSPEC_CACHE/features`` (default ``~/.cache/mlxspec/features``)."""
+    from ..loading import default_cache_dir
+
+    return default_cache_dir() / "features"
+
+
+def model_fingerprint(model: nn.Module) -> str:
+    """A short hash of a model's parameter names, shapes, dtypes and leading values."""
+    sha = hashlib.sha256(type(model).__module__.encode())
+    # names as if no tap were installed (a tap wraps modules under ".inner")
+    params = sorted((name.replace(".inner.", "."), value) for name, value in tree_flatten(model.parameters()))
+    for name, value in params:
+        sha.update(f"{name}:{value.shape}:{value.dtype};".encode())
+        sha.update(np.asarray(value.reshape(-1)[:1024].astype(mx.float32)).tobytes())
+    return sha.hexdigest()[:16]
+
+
+def data_fingerprint(examples: list[Example], chunk_tokens: int) -> str:
+    """A short hash of the examples' tokens and masks, in order, and the chunk size."""
+    sha = hashlib.sha256(f"v{FORMAT_VERSION}:{chunk_tokens};".encode())
+    for ex in examples:
+        sha.update(len(ex.tokens).to_bytes(8, "little"))
+        sha.update(ex.tokens.astype(np.int32).tobytes())
+        sha.update(ex.mask.astype(np.uint8).tobytes())
+    return sha.hexdigest()[:16]
+
+
+def plan_chunks(examples: list[Example], chunk_tokens: int) -> list[tuple[int, int]]:
+    """Consecutive ``(start, end)`` example ranges of about ``chunk_tokens`` tokens each."""
+    chunks, start, tokens = [], 0, 0
+    for i, ex in enumerate(examples):
+        tokens += len(ex.tokens)
+        if tokens >= chunk_tokens:
+            chunks.append((start, i + 1))
+            start, tokens = i + 1, 0
+    if start < len(examples):
+        chunks.append((start, len(examples)))
+    return chunks
+
+
+def cache_dir_for(model: nn.Module, examples: list[Example], *, root: str | Path | None = None,
+                  chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> Path:
+    """Where the features of ``examples`` under ``model`` live."""
+    root = Path(root).expanduser() if root is not None else default_features_root()
+    return root / model_fingerprint(model) / data_fingerprint(examples, chunk_tokens)
+
+
+@dataclass(frozen=True)
+class ExtractProgress:
+    """Progress of ``extract_features``, yielded after each example and each skipped chunk.
+
+    Attributes:
+        chunk: Index of the chunk being written.
+        num_chunks: Chunks in the plan.
+        tokens_done: Tokens whose features exist (cached before or computed now).
+        tokens_total: Tokens in the plan.
+        tokens_computed: Tokens run through the target in this call.
+        elapsed_s: Seconds since the call started.
+    """
+
+    chunk: int
+    num_chunks: int
+    tokens_done: int
+    tokens_total: int
+    tokens_computed: int
+    elapsed_s: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Extraction speed in this call, tokens/s."""
+        return self.tokens_computed / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+
+def extract_features(model: nn.Module, examples: list[Example], directory: str | Path, *,
+                     chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> Iterator[ExtractProgress]:
+    """Run the frozen target over ``examples`` and store its features in ``directory``.
+
+    Chunks already on disk are skipped, so calling this again after an interruption resumes.
+
+    Args:
+        model: The target (float32 for faithful features).
+        examples: Tokenized conversations.
+        directory: The cache folder (``cache_dir_for``).
+        chunk_tokens: Tokens per chunk (about). Default: ``32768``.
+
+    Yields:
+        ``ExtractProgress`` after each example and each chunk found on disk.
+
+    Raises:
+        ValueError: if ``directory`` holds a cache of other data or another model.
+    """
+    directory = Path(directory)
+    chunks = plan_chunks(examples, chunk_tokens)
+    manifest = _open_manifest(directory, model, examples, chunks, chunk_tokens)
+    tap = HiddenTap(model)
+    lm_head = output_head(model)
+    total = sum(len(ex.tokens) for ex in examples)
+    done = computed = 0
+    start = time.perf_counter()
+    for c, (lo, hi) in enumerate(chunks):
+        info = manifest["chunks"][c]
+        if info["complete"] and (directory / info["file"]).is_file():
+            done += info["tokens"]
+            yield ExtractProgress(c, len(chunks), done, total, computed, time.perf_counter() - start)
+            continue
+        hidden, greedy = [], []
+        for ex in examples[lo:hi]:
+            h, g = _forward(model, tap, lm_head, ex)
+            hidden.append(h)
+            greedy.append(g)
+            done += len(ex.tokens)
+            computed += len(ex.tokens)
+            yield ExtractProgress(c, len(chunks), done, total, computed, time.perf_counter() - start)
+        mx.clear_cache()
+        _write_chunk(directory / info["file"], examples[lo:hi], np.concatenate(hidden), np.concatenate(greedy))
+        info["complete"] = True
+        _write_json(directory / MANIFEST, manifest)
+
+
+def _forward(model, tap: HiddenTap, lm_head, ex: Example) -> tuple[np.ndarray, np.ndarray]:
+    """Hidden states [T, H] (float16) and the greedy next token [T] (-1 where the next token is not
+    an assistant token: no label ever reads it there, and skipping those rows saves LM-head work)."""
+    model.model(mx.array(ex.tokens)[None])  # the body only: the tap records the final hidden state
+    h = tap.final[0]  # [T, H]
+    rows = np.flatnonzero(ex.mask[1:])  # t whose token t + 1 is an assistant token
+    g = mx.argmax(lm_head(h[mx.array(rows)]), axis=-1).astype(mx.int32) if len(rows) else mx.zeros((0,), mx.int32)
+    h = h.astype(mx.float16)
+    mx.eval(h, g)
+    greedy = np.full(len(ex.tokens), -1, dtype=np.int32)
+    greedy[rows] = np.array(g)
+    return np.array(h), greedy
+
+
+def _open_manifest(directory: Path, model, examples, chunks, chunk_tokens) -> dict:
+    path = directory / MANIFEST
+    manifest = {
+        "version": FORMAT_VERSION,
+        "model": model_fingerprint(model),
+        "data": data_fingerprint(examples, chunk_tokens),
+        "hidden_size": None,
+        "vocab_size": None,
+        "examples": len(examples),
+        "tokens": sum(len(ex.tokens) for ex in examples),
+        "masked_tokens": int(sum(ex.mask.sum() for ex in examples)),
+        "chunks": [{"file": f"chunk-{c:05d}.npz", "examples": [lo, hi],
+                    "tokens": int(sum(len(ex.tokens) for ex in examples[lo:hi])), "complete": False}
+                   for c, (lo, hi) in enumerate(chunks)],
+    }
+    if path.is_file():
+        old = json.loads(path.read_text())
+        if (old.get("model"), old.get("data")) != (manifest["model"], manifest["data"]):
+            raise ValueError(f"{directory} holds features of another model or data set; use a fresh folder")
+        return old
+    manifest["hidden_size"], manifest["vocab_size"] = _shape(model)
+    directory.mkdir(parents=True, exist_ok=True)
+    _write_json(path, manifest)
+    return manifest
+
+
+def _shape(model) -> tuple[int | None, int | None]:
+    args = getattr(model, "args", None)
+    return getattr(args, "hidden_size", None), getattr(args, "vocab_size", None)
+
+
+def _write_chunk(path: Path, examples: list[Example], hidden: np.ndarray, greedy: np.ndarray) -> None:
+    offsets = np.cumsum([0] + [len(ex.tokens) for ex in examples]).astype(np.int64)
+    partial = path.with_name(path.stem + ".partial.npz")
+    np.savez(partial, hidden=hidden, tokens=np.concatenate([ex.tokens for ex in examples]),
+             mask=np.concatenate([ex.mask for ex in examples]), greedy=greedy, offsets=offsets)
+    os.replace(partial, path)
+
+
+def _write_json(path: Path, value: dict) -> None:
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(value, indent=1) + "\n")
+    os.replace(partial, path)
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Training positions for K heads.
+
+    Attributes:
+        hidden: Final normalised hidden states h_t, shape [B, H], float32.
+        labels: Head k's target at each position (token t + k + 2), shape [K, B], int32.
+        valid: Whether head k has a target there (an assistant token inside the example),
+            shape [K, B], float32 (0 on padding rows).
+        greedy_labels: The target's greedy prediction of token t + k + 2 given the text up to
+            t + k + 1, shape [K, B], int32.
+    """
+
+    hidden: mx.array
+    labels: mx.array
+    valid: mx.array
+    greedy_labels: mx.array
+
+
+class FeatureCache:
+    """A finished feature cache, read one chunk at a time.
+
+    Args:
+        directory: A folder written by ``extract_features``.
+
+    Raises:
+        FileNotFoundError: no manifest there.
+        ValueError: the extraction is not finished.
+    """
+
+    def __init__(self, directory: str | Path):
+        self.directory = Path(directory)
+        path = self.directory / MANIFEST
+        if not path.is_file():
+            raise FileNotFoundError(f"no feature cache in {self.directory} (no {MANIFEST})")
+        self.manifest = json.loads(path.read_text())
+        missing = [c["file"] for c in self.manifest["chunks"] if not c["complete"]]
+        if missing:
+            raise ValueError(f"the feature cache in {self.directory} is unfinished ({len(missing)} chunks "
+                             "missing); run the extraction again to resume it")
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.manifest["chunks"])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.manifest["tokens"])
+
+    def load_chunk(self, c: int) -> dict[str, np.ndarray]:
+        """Arrays of chunk ``c``: ``hidden`` [N, H] f16, ``tokens``, ``mask``, ``greedy`` [N], ``offsets`` [E + 1]."""
+        with np.load(self.directory / self.manifest["chunks"][c]["file"]) as data:
+            return {k: data[k] for k in data.files}
+
+    def chunk_positions(self, c: int, num_heads: int, arrays: dict | None = None) -> np.ndarray:
+        """Positions t of chunk ``c`` where at least one of ``num_heads`` heads has a target."""
+        arrays = arrays if arrays is not None else self.load_chunk(c)
+        return np.flatnonzero(_valid(arrays, num_heads).any(axis=0))
+
+    def steps_per_epoch(self, num_heads: int, batch_size: int) -> int:
+        """Batches per epoch for ``batches(num_heads, batch_size)`` (reads only the small arrays)."""
+        steps = 0
+        for c in range(self.num_chunks):
+            with np.load(self.directory / self.manifest["chunks"][c]["file"]) as data:
+                arrays = {k: data[k] for k in ("mask", "offsets")}
+            steps += -(-len(self.chunk_positions(c, num_heads, arrays)) // batch_size)
+        return steps
+
+    def batches(self, num_heads: int, batch_size: int, *, epoch: int = 0, seed: int = 0,
+                shuffle: bool = True) -> Iterator[Batch]:
+        """Batches of ``batch_size`` positions; each chunk's last batch is padded (``valid`` = 0).
+
+        With ``shuffle`` the chunk order and the positions inside a chunk are permuted by a
+        generator seeded with (seed, epoch[, chunk]), so the same arguments always give the
+        same batches. Without it, positions come in cache order.
+        """
+        order = np.arange(self.num_chunks)
+        if shuffle:
+            order = np.random.default_rng([seed, epoch]).permutation(self.num_chunks)
+        for c in order:
+            arrays = self.load_chunk(int(c))
+            valid = _valid(arrays, num_heads)  # [K, N]
+            positions = np.flatnonzero(valid.any(axis=0))
+            if shuffle:
+                positions = np.random.default_rng([seed, epoch, int(c)]).permutation(positions)
+            for i in range(0, len(positions), batch_size):
+                yield _batch(arrays, valid, positions[i : i + batch_size], num_heads, batch_size)
+
+
+def _valid(arrays: dict, num_heads: int) -> np.ndarray:
+    """[K, N] bool: head k at t has a target, i.e. t + k + 2 is an assistant token of t's example."""
+    mask, offsets = arrays["mask"], arrays["offsets"]
+    n = len(mask)
+    ends = np.repeat(offsets[1:], np.diff(offsets))  # [N]: end of each position's example
+    t = np.arange(n)
+    out = np.zeros((num_heads, n), dtype=bool)
+    for k in range(num_heads):
+        target = t + k + 2
+        inside = target < ends
+        out[k] = inside & mask[np.minimum(target, n - 1)]
+    return out
+
+
+def _batch(arrays: dict, valid: np.ndarray, positions: np.ndarray, num_heads: int, batch_size: int) -> Batch:
+    n, pad = len(arrays["tokens"]), batch_size - len(positions)
+    k = np.arange(num_heads)[:, None]
+    target = np.minimum(positions[None] + k + 2, n - 1)  # [K, b]
+    hidden = np.pad(arrays["hidden"][positions].astype(np.float32), ((0, pad), (0, 0)))
+    labels = np.pad(arrays["tokens"][target], ((0, 0), (0, pad)))
+    greedy = np.pad(np.maximum(arrays["greedy"][target - 1], 0), ((0, 0), (0, pad)))  # -1 only where not valid
+    ok = np.pad(valid[:, positions].astype(np.float32), ((0, 0), (0, pad)))
+    return Batch(mx.array(hidden), mx.array(labels.astype(np.int32)), mx.array(ok), mx.array(greedy.astype(np.int32)))

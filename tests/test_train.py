@@ -1,0 +1,323 @@
+"""Head training: the assistant mask, the split, the feature cache, Medusa-1 training, the CLI."""
+
+from __future__ import annotations
+
+import json
+import random
+import string
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import CHAT_TEMPLATE, byte_tokenizer, tiny_llama
+
+from mlxspec.commands.train import main as train_main
+from mlxspec.data import Conversation, Turn, read_prompts_jsonl
+from mlxspec.drafters.medusa import load_medusa
+from mlxspec.taps import output_head
+from mlxspec.train import (
+    EvalRecord,
+    FeatureCache,
+    MedusaTrainConfig,
+    StepRecord,
+    assistant_mask,
+    extract_features,
+    heldout_prompts,
+    read_conversations,
+    split_conversations,
+    tokenize_conversations,
+    train_medusa,
+    write_heldout_prompts,
+)
+from mlxspec.train.features import _valid
+
+LETTERS = string.ascii_lowercase
+
+
+def alphabet_conversations(n: int, seed: int = 0) -> list[Conversation]:
+    """Answers that walk the alphabet from a random letter: token t + 2 follows from token t."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        start, length = rng.randrange(26), rng.randrange(20, 40)
+        answer = "".join(LETTERS[(start + j) % 26] for j in range(length))
+        out.append(Conversation(f"c{i}", (Turn("user", f"walk {i}"), Turn("assistant", answer))))
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_llama(seed=0), byte_tokenizer()
+
+
+def examples_of(tokenizer, conversations, max_length=256):
+    return list(tokenize_conversations(tokenizer, conversations, max_length=max_length))
+
+
+# --- data ---------------------------------------------------------------------------------
+
+
+def _runs(mask: np.ndarray) -> list[tuple[int, int]]:
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], mask.astype(np.int8), [0]])))
+    return list(zip(edges[::2], edges[1::2]))
+
+
+def test_assistant_mask_covers_exactly_the_assistant_spans():
+    tok = byte_tokenizer()
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "hello there"}, {"role": "user", "content": "2+2?"},
+                {"role": "assistant", "content": "4, é"}]
+    tokens, mask = assistant_mask(tok, messages)
+    spans = [tok.decode(tokens[a:b]) for a, b in _runs(mask)]
+    assert spans == ["hello there<|im_end|>", "4, é<|im_end|>"]
+    # everything unmasked is template or the other roles' text
+    unmasked = tok.decode([t for t, m in zip(tokens, mask) if not m])
+    assert "hello" not in unmasked and "be brief" in unmasked and "2+2?" in unmasked
+
+
+def test_tokenize_drops_leading_assistant_turns_truncates_and_refuses_unstable_templates():
+    tok = byte_tokenizer()
+    leading = Conversation("a", (Turn("assistant", "orphan"), Turn("user", "q"), Turn("assistant", "answer")))
+    ex = examples_of(tok, [leading])[0]
+    assert "orphan" not in tok.decode(ex.tokens.tolist())
+    assert tok.decode(ex.tokens[ex.mask].tolist()) == "answer<|im_end|>"
+    cut = examples_of(tok, [leading], max_length=24)[0]
+    assert len(cut.tokens) == 24 and tok.decode(cut.tokens[cut.mask].tolist()) == "answ"
+    assert examples_of(tok, [leading], max_length=12) == []  # no assistant token left
+    tok._tokenizer.chat_template = "{{ messages[-1]['content'] }}"  # rewrites earlier turns
+    from mlxspec.train import DataReport
+
+    report = DataReport()
+    assert list(tokenize_conversations(tok, [leading], max_length=99, report=report)) == []
+    assert sum(report.skipped.values()) == 1
+    tok._tokenizer.chat_template = CHAT_TEMPLATE
+
+
+def test_jsonl_formats_and_errors(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]})
+                    + "\n\n" + json.dumps({"id": "x", "conversations": [{"from": "human", "value": "c"},
+                                                                      {"from": "gpt", "value": "d"}]}) + "\n")
+    conversations, _ = read_conversations(str(path))
+    assert [[(t.role, t.text) for t in c.turns] for c in conversations] == [
+        [("user", "a"), ("assistant", "b")], [("user", "c"), ("assistant", "d")]]
+    assert conversations[1].id == "x"
+    path.write_text('{"messages": [{"role": "robot", "content": "a"}]}\n')
+    with pytest.raises(ValueError, match="data.jsonl:1"):
+        read_conversations(str(path))
+
+
+def test_split_is_seeded_disjoint_and_drops_repeated_prompts(tmp_path):
+    conversations = alphabet_conversations(40)
+    twin = Conversation("twin", conversations[5].turns)  # ShareGPT repeats prompts
+    conversations.append(twin)
+    train, heldout = split_conversations(conversations, num_heldout=8, seed=3)
+    again, heldout_again = split_conversations(conversations, num_heldout=8, seed=3)
+    assert [c.id for c in heldout] == [c.id for c in heldout_again] and len(heldout) == 8
+    assert [c.id for c in train] == [c.id for c in again]
+    held = {c.turns[0].text for c in heldout}
+    assert not held & {c.turns[0].text for c in train}
+    assert len(train) == 41 - 8 - (1 if conversations[5].turns[0].text in held else 0)
+    write_heldout_prompts(tmp_path / "p.jsonl", heldout_prompts(heldout))
+    assert [p.text for p in read_prompts_jsonl(tmp_path / "p.jsonl")] == [c.turns[0].text for c in heldout]
+
+
+# --- feature cache ------------------------------------------------------------------------
+
+
+def test_feature_cache_resumes_and_replays_the_same_batches(tiny, tmp_path):
+    model, tok = tiny
+    examples = examples_of(tok, alphabet_conversations(24))
+    interrupted, fresh = tmp_path / "a", tmp_path / "b"
+    for progress in extract_features(model, examples, interrupted, chunk_tokens=300):
+        if progress.chunk == 1:  # chunk 0 is on disk: stop mid-extraction
+            break
+    with pytest.raises(ValueError, match="unfinished"):
+        FeatureCache(interrupted)
+    resumed = list(extract_features(model, examples, interrupted, chunk_tokens=300))
+    assert resumed[0].tokens_computed == 0  # chunk 0 was skipped, not recomputed
+    assert resumed[-1].tokens_done == sum(len(ex.tokens) for ex in examples) > resumed[-1].tokens_computed
+    list(extract_features(model, examples, fresh, chunk_tokens=300))
+    a, b = FeatureCache(interrupted), FeatureCache(fresh)
+    assert a.num_chunks >= 3
+
+    def flat(cache, epoch):
+        return [np.concatenate([np.array(x.hidden).ravel(), np.array(x.labels).ravel(), np.array(x.valid).ravel()])
+                for x in cache.batches(3, 32, epoch=epoch, seed=7)]
+
+    first = flat(a, 0)
+    assert len(first) == a.steps_per_epoch(3, 32)
+    assert all(np.array_equal(x, y) for x, y in zip(first, flat(b, 0))) and len(first) == len(flat(b, 0))
+    assert all(np.array_equal(x, y) for x, y in zip(first, flat(a, 0)))
+    assert not all(np.array_equal(x, y) for x, y in zip(first, flat(a, 1)))  # a new epoch reshuffles
+    # the stored features are the target's: hidden state and greedy token of example 0
+    chunk = a.load_chunk(0)
+    n = len(examples[0].tokens)
+    logits = model(mx.array(examples[0].tokens)[None])[0]
+    hidden = model.model(mx.array(examples[0].tokens)[None])[0]
+    np.testing.assert_allclose(chunk["hidden"][:n].astype(np.float32), np.array(hidden), atol=2e-2, rtol=1e-2)
+    rows = examples[0].mask[1:]  # greedy tokens are kept where the next token is an assistant token
+    assert np.array_equal(chunk["greedy"][:n - 1][rows], np.array(mx.argmax(logits, axis=-1))[:-1][rows])
+    assert (chunk["greedy"][:n][~np.append(rows, False)] == -1).all()
+
+
+def test_valid_positions_stay_inside_an_example_and_on_assistant_tokens():
+    arrays = {"mask": np.array([0, 0, 1, 1, 0, 1, 1, 1], bool), "offsets": np.array([0, 4, 8])}
+    valid = _valid(arrays, 2)
+    # head 0 at t targets t + 2; position 2 would target 4, which lies in the next example
+    assert valid[0].tolist() == [True, True, False, False, True, True, False, False]
+    assert valid[1].tolist() == [True, False, False, False, True, False, False, False]
+
+
+# --- training -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def caches(tiny, tmp_path_factory):
+    model, tok = tiny
+    root = tmp_path_factory.mktemp("features")
+    train_ex = examples_of(tok, alphabet_conversations(120, seed=1))
+    heldout_ex = examples_of(tok, alphabet_conversations(12, seed=2))
+    list(extract_features(model, train_ex, root / "train", chunk_tokens=2000))
+    list(extract_features(model, heldout_ex, root / "heldout"))
+    return FeatureCache(root / "train"), FeatureCache(root / "heldout")
+
+
+CONFIG = MedusaTrainConfig(num_heads=2, epochs=3, batch_size=64, learning_rate=3e-3, warmup_steps=5)
+
+
+def test_training_learns_a_pattern_and_the_checkpoint_reloads(tiny, caches, tmp_path):
+    model, _ = tiny
+    records = list(train_medusa(model, *caches, tmp_path, CONFIG))
+    steps = [r for r in records if isinstance(r, StepRecord)]
+    evals = [r for r in records if isinstance(r, EvalRecord)]
+    assert [e.epoch for e in evals] == [0, 1, 2, 3]
+    losses = [s.loss for s in steps]
+    assert np.mean(losses[-5:]) < 0.5 * np.mean(losses[:5])
+    head1_before, head1_after = evals[0].accuracy[0], evals[-1].accuracy[0]
+    assert head1_after > 0.5 > 1 / 26 and head1_after > head1_before + 0.3
+    # the checkpoint is the published layout and reloads to the same logits
+    heads = load_medusa(tmp_path, hidden_size=64, vocab_size=264)
+    assert heads.config.medusa_num_heads == 2 and heads.config.shared_lm_head
+    copy = load_medusa(tmp_path / "epoch-3", hidden_size=64, vocab_size=264)
+    h = mx.random.normal((5, 64), key=mx.random.key(0))
+    np.testing.assert_allclose(np.array(copy(h, output_head(model))), np.array(heads(h, output_head(model))),
+                               atol=5e-2)
+    assert set(mx.load(str(tmp_path / "medusa_lm_head.safetensors"))) == {
+        "0.0.linear.weight", "0.0.linear.bias", "1.0.linear.weight", "1.0.linear.bias"}
+    assert json.loads((tmp_path / "config.json").read_text())["medusa_num_heads"] == 2
+
+
+def test_resuming_mid_run_gives_the_same_heads(tiny, caches, tmp_path):
+    model, _ = tiny
+    config = MedusaTrainConfig(num_heads=2, epochs=2, batch_size=64, warmup_steps=2, save_every=4)
+    whole = tmp_path / "whole"
+    list(train_medusa(model, caches[0], None, whole, config))
+    cut = tmp_path / "cut"
+    for record in train_medusa(model, caches[0], None, cut, config):
+        if isinstance(record, StepRecord) and record.epoch == 1 and record.step == 4:
+            break  # a checkpoint was written at this step
+    state = json.loads((cut / "trainer_state.json").read_text())
+    assert (state["epoch"], state["step"]) == (1, 4)
+    rest = [r for r in train_medusa(model, caches[0], None, cut, config) if isinstance(r, StepRecord)]
+    assert rest[0].epoch == 1 and rest[0].step == 5
+    a = mx.load(str(whole / "medusa_lm_head.safetensors"))
+    b = mx.load(str(cut / "medusa_lm_head.safetensors"))
+    for key in a:
+        np.testing.assert_allclose(np.array(a[key]), np.array(b[key]), atol=1e-6)
+    with pytest.raises(ValueError, match="different num_heads"):
+        next(train_medusa(model, caches[0], None, cut, MedusaTrainConfig(num_heads=3, epochs=2, batch_size=64)))
+
+
+def test_own_lm_heads_start_as_the_target_head(tiny, caches, tmp_path):
+    model, _ = tiny
+    config = MedusaTrainConfig(num_heads=2, epochs=1, batch_size=64, own_lm_head=True)
+    from mlxspec.train import init_heads
+
+    heads = init_heads(model, config)
+    h = mx.random.normal((3, 64), key=mx.random.key(1))
+    target_logits = np.array(output_head(model)(h))
+    for logits in np.array(heads(h)):
+        np.testing.assert_allclose(logits, target_logits, atol=1e-5)
+    list(train_medusa(model, caches[0], None, tmp_path, config))
+    weights = mx.load(str(tmp_path / "medusa_lm_head.safetensors"))
+    assert weights["1.1.weight"].shape == (264, 64)
+    assert not load_medusa(tmp_path, hidden_size=64, vocab_size=264).config.shared_lm_head
+
+
+# --- CLI ----------------------------------------------------------------------------------
+
+
+def test_cli_trains_then_measures(tiny_model_dir, tmp_path, capsys):
+    data = tmp_path / "data.jsonl"
+    lines = [json.dumps({"id": c.id, "messages": c.messages()}) for c in alphabet_conversations(40, seed=4)]
+    data.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "heads"
+    argv = ["medusa", "--model", str(tiny_model_dir), "--data", str(data), "--output", str(out),
+            "--num-heads", "2", "--epochs", "1", "--batch-size", "64", "--num-heldout", "5",
+            "--features-dir", str(tmp_path / "features"), "--max-tokens-total", "1500"]
+    assert train_main(argv) == 0
+    captured = capsys.readouterr()
+    assert "before training: held-out top-1 per head" in captured.out and "epoch 1:" in captured.out
+    assert len(read_prompts_jsonl(out / "heldout_prompts.jsonl")) == 5
+    run = json.loads((out / "run.json").read_text())
+    assert 1500 <= run["data"]["train"]["tokens"] < 1500 + 256 and run["extract_s"] >= 0
+    assert (out / "epoch-1" / "medusa_lm_head.safetensors").is_file()
+    measure = ["measure-medusa", "--model", str(tiny_model_dir), "--heads", str(out), "--prompts",
+               str(out / "heldout_prompts.jsonl"), "--num-prompts", "2", "--trees", "chain_4", "--temps", "0",
+               "--max-tokens", "12", "--output", str(tmp_path / "m.jsonl")]
+    assert train_main(measure) == 0
+    table = capsys.readouterr().out
+    assert "| 0 | plain decoding | 1.00 | – | 2 | 1.00 |" in table
+    row = next(line for line in table.splitlines() if "medusa `chain_4`" in line).split("|")
+    assert row[3] == row[6] and row[5].strip() == row[9].strip() == "2"  # replayed τ = engine τ at temp 0
+    assert len((tmp_path / "m.jsonl").read_text().splitlines()) == 2 * 3  # plain, replay, engine per prompt
+    assert train_main(["medusa", "--data", str(data), "--output", str(out), "--epochs", "0"]) == 2
+    assert "epochs must be >= 1" in capsys.readouterr().err
+
+
+def test_replay_matches_the_engine_at_temperature_zero():
+    from mlxspec.drafters.medusa import MedusaDrafter, read_tree
+    from mlxspec.generate import generate
+    from mlxspec.train import init_heads
+    from mlxspec.train.measure import HiddenRecorder, replay_trees
+
+    model, tok = tiny_llama(seed=2, sharpen=4.0), byte_tokenizer()
+    heads = init_heads(model, MedusaTrainConfig(num_heads=3))
+    for head in heads.heads:  # untrained heads guess token t + 1; nudge them so they differ
+        head[0].linear.bias = mx.random.normal((64,), key=mx.random.key(5)) * 0.3
+    trees = {"small_15": read_tree("small_15"), "chain_4": read_tree("chain_4")}
+    accepted = 0
+    for text in ["abc", "hello world", "xyzzy"]:
+        ids = tok.encode(text)
+        recorder = HiddenRecorder()
+        plain = generate(model, tok, ids, drafter=recorder, max_tokens=40)
+        assert plain.tokens == generate(model, tok, ids, drafter="none", max_tokens=40).tokens
+        replayed = replay_trees(model, heads, ids, plain.tokens, trees, 40)  # one forward for the hidden states
+        recorded = replay_trees(model, heads, ids, plain.tokens, trees, 40, mx.stack(recorder.rows))
+        for name, choices in trees.items():
+            run = generate(model, tok, ids, drafter=MedusaDrafter(heads, output_head(model), choices),
+                           num_draft_tokens=3, max_tokens=40)
+            assert run.tokens == plain.tokens
+            for replay in (replayed[name], recorded[name]):
+                assert (replay.cycles, replay.accepted_per_position) == (
+                    run.stats.cycles, run.stats.accepted_per_position)
+            accepted += run.stats.accepted
+    assert accepted > 10  # the comparison is not between two empty runs
+
+
+def test_self_distill_writes_the_targets_answers_and_resumes(tmp_path):
+    from mlxspec.generate import generate
+    from mlxspec.train.distill import distill_conversations
+
+    model, tok = tiny_llama(seed=1), byte_tokenizer()
+    conversations = alphabet_conversations(2)
+    path = tmp_path / "distill.jsonl"
+    first = list(distill_conversations(model, tok, conversations[:1], path, max_new_tokens=6))
+    again = list(distill_conversations(model, tok, conversations, path, max_new_tokens=6))
+    assert [p.cached for p in first + again] == [False, True, False]
+    distilled, _ = read_conversations(str(path))
+    assert [c.id for c in distilled] == ["c0", "c1"]
+    ids = tok.apply_chat_template(conversations[1].messages()[:1], add_generation_prompt=True)
+    answer = generate(model, tok, list(ids), max_tokens=6).text
+    assert distilled[1].turns[-1] == Turn("assistant", answer) and answer != conversations[1].turns[1].text
