@@ -90,17 +90,17 @@ def check_context(model: nn.Module, num_prompt_tokens: int) -> None:
         )
 
 
-def _verify(model, cache, history_array, root: int, draft: Draft, sampling: SamplingParams, typical=None):
+def _verify(model, cache, history: list[int], draft: Draft, sampling: SamplingParams, typical=None):
     """One target forward over [root, *draft] (tree mask, per-node positions) and the
     acceptance rule; returns lazy ``(choice, next_tokens)`` over root-first nodes."""
     tree = draft.tree
-    tokens = mx.concatenate([mx.array([root], dtype=mx.int32), draft.tokens])  # [N + 1]
+    tokens = mx.concatenate([mx.array(history[-1:], dtype=mx.int32), draft.tokens])  # [N + 1]
     with tree_attention(model, cache, tree):
         logits = model(tokens[None], cache=cache)[0]  # [N + 1, V]
     processors = sampling.processors()
     if processors:
         paths = [tree.path_to(node) for node in range(tree.size + 1)]
-        logits = process_logits(logits, history_array, processors, draft.tokens, paths)
+        logits = process_logits(logits, mx.array(history, dtype=mx.int32), processors, draft.tokens, paths)
     if sampling.greedy:
         return verify_greedy(tokens, tree, logits)
     if typical is not None:
@@ -151,40 +151,25 @@ def speculative_rounds(
     drafter.prefill(prompt, hidden)
     stats.prompt_s = time.perf_counter() - start
     start = time.perf_counter()
-    history = list(prompt)
-    draft_share = None  # measured draft time / round time, for lazy drafters
+    history, clock = list(prompt), _DraftClock(drafter.lazy)
     for cycle in range(max_tokens):
         room = max_tokens - stats.generation_tokens
         t0 = time.perf_counter()
         gamma = num_draft_tokens if auto_gamma is None else auto_gamma.choose_gamma()
         draft = drafter.propose(history, min(gamma, room - 1), sampling)
-        timed = drafter.lazy and draft.size > 0 and (cycle % TIMING_EVERY == 0 or draft_share is None)
-        if timed:
-            mx.eval(draft.tokens)
+        clock.drafted(cycle, draft)
         t1 = time.perf_counter()
-        tree = draft.tree
-        choice, next_tokens = _verify(
-            model, cache, mx.array(history, dtype=mx.int32), history[-1], draft, sampling, typical
-        )
+        choice, next_tokens = _verify(model, cache, history, draft, sampling, typical)
         hidden = tap.final[0] if tap is not None else None  # [N + 1, H]
         mx.eval(choice, next_tokens, draft.tokens, hidden)  # the round's one blocking sync
-        path = tree.walk(choice.tolist())  # accepted nodes, root-first numbering
-        last = path[-1] if path else 0
-        drafted = draft.tokens.tolist()
-        tokens = [drafted[node - 1] for node in path] + [next_tokens.tolist()[last]]
-        kind = "target" if tree.size == 0 else "bonus" if tree.is_leaf(last) else "resampled"
-        kinds = ["accepted"] * len(path) + [kind]
+        path, tokens, kinds = _accepted(draft, choice.tolist(), next_tokens.tolist())
         keep, finish_reason = _cut_at_stop(tokens, stop_tokens, room)
         commit_path(cache, len(history) - 1, ([0] + path)[:keep])
         history += tokens[:keep]
         drafter.commit(len(history), [node - 1 for node in path[:keep]], hidden)
-        t2 = time.perf_counter()
-        draft_s, verify_s = t1 - t0, t2 - t1
-        if drafter.lazy and draft.size > 0:
-            if timed:
-                draft_share = draft_s / (t2 - t0)
-            draft_s, verify_s = draft_share * (t2 - t0), (1 - draft_share) * (t2 - t0)
-        round_stats = CycleStats(cycle, tree.size, len(path), keep, draft_s, verify_s, int(tree.depths.max()))
+        draft_s, verify_s = clock.split(t0, t1, time.perf_counter(), draft.size)
+        depth = int(draft.tree.depths.max())
+        round_stats = CycleStats(cycle, draft.size, len(path), keep, draft_s, verify_s, depth)
         stats.add_cycle(round_stats)
         if auto_gamma is not None:
             auto_gamma.update(round_stats)
@@ -196,6 +181,42 @@ def speculative_rounds(
         if finish_reason:
             stats.finish_reason = finish_reason
             return
+
+
+def _accepted(draft: Draft, choice: list[int], next_tokens: list[int]) -> tuple[list[int], list[int], list[str]]:
+    """Walk the accepted children from the root: accepted nodes (root-first numbering), the
+    round's tokens (accepted drafts + one target token) and their kinds."""
+    tree = draft.tree
+    path = tree.walk(choice)
+    last = path[-1] if path else 0
+    drafted = draft.tokens.tolist()
+    tokens = [drafted[node - 1] for node in path] + [next_tokens[last]]
+    kind = "target" if tree.size == 0 else "bonus" if tree.is_leaf(last) else "resampled"
+    return path, tokens, ["accepted"] * len(path) + [kind]
+
+
+class _DraftClock:
+    """Splits a round's time into draft and verify without an extra sync on most rounds.
+
+    A host-side drafter (n-gram) is timed directly. A lazy drafter's work runs on the
+    device inside the round's one sync, so every ``TIMING_EVERY``-th round it is
+    evaluated on its own (one extra sync) and its measured share is applied to the others.
+    """
+
+    def __init__(self, lazy: bool):
+        self.lazy, self.share = lazy, None
+
+    def drafted(self, cycle: int, draft: Draft) -> None:
+        self.timed = self.lazy and draft.size > 0 and (cycle % TIMING_EVERY == 0 or self.share is None)
+        if self.timed:
+            mx.eval(draft.tokens)
+
+    def split(self, t0: float, t1: float, t2: float, num_drafted: int) -> tuple[float, float]:
+        if not (self.lazy and num_drafted > 0):
+            return t1 - t0, t2 - t1
+        if self.timed:
+            self.share = (t1 - t0) / (t2 - t0)
+        return self.share * (t2 - t0), (1 - self.share) * (t2 - t0)
 
 
 def stream_generate(
