@@ -40,11 +40,11 @@ ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assist
 KINDS = ("grounded", "open")
 
 _GROUNDED_TASK = re.compile(
-    r"\b(summari[sz]e|summary|tl;?dr|rewrite|re-write|rephrase|paraphrase|reword|extract|proofread|"
-    r"shorten|simplify|condense|correct (?:the |any |my )?(?:grammar|spelling|errors|mistakes)|fix (?:the )?grammar)\b",
+    r"\b(summari[sz]e|rewrite|re-write|rephrase|paraphrase|reword|extract|proofread|shorten|simplify|condense|"
+    r"correct (?:the |any |my )?(?:grammar|spelling|errors|mistakes)|fix (?:the )?grammar)\b",
     re.IGNORECASE,
 )
-_CODE = re.compile(r"```|\bdef |\bfunction\b|[{};]\s*\n|<\w+>")
+_CODE = re.compile(r"```|\bdef |\bfunction\b|[{};]\s*\n|<\w+>|//|=>|\w+:\"")
 
 
 @dataclass(frozen=True)
@@ -230,14 +230,14 @@ def sharegpt_path(*, wheel: str | Path | None = None) -> Path:
 def classify_prompt(text: str) -> str | None:
     """``"grounded"``, ``"open"`` or ``None`` (neither: code, very long, or ambiguous).
 
-    Grounded: a passage (300 to 2500 characters) with a task on it (summarise, rewrite,
-    paraphrase, extract, proofread, ...) near its start or end, the case where the
+    Grounded: a passage (300 to 2500 characters, no code) with a task on it (summarise,
+    rewrite, paraphrase, extract, proofread, ...) in its first 120 or last 150 characters, the case where the
     answer copies from the prompt and n-gram drafting shines. Open-ended: a short
     request (16 to 300 characters, at most two lines) that brings no text to work on.
     """
     if _CODE.search(text):
         return None
-    if 300 <= len(text) <= 2500 and (_GROUNDED_TASK.search(text[:200]) or _GROUNDED_TASK.search(text[-200:])):
+    if 300 <= len(text) <= 2500 and (_GROUNDED_TASK.search(text[:120]) or _GROUNDED_TASK.search(text[-150:])):
         return "grounded"
     if 16 <= len(text) <= 300 and text.count("\n") <= 2 and not _GROUNDED_TASK.search(text):
         return "open"
