@@ -30,7 +30,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
 from .cache import prefill
-from .costmodel import AutoGamma, Costs, alpha_mle
+from .costmodel import AutoGamma, Costs, alpha_mle, expected_tau
 from .generate import AUTO, stream_generate
 from .metrics import CycleStats, GenerationStats
 from .sampling import SamplingParams
@@ -176,9 +176,9 @@ def iter_runs(models: BenchModels, systems: list[System], prompts: list[tuple[st
         seed: Seed of every run (``mx.random.seed`` before it).
         max_tokens: Most tokens per run.
     """
-    first_ids = prompts[0][2]
+    warmup_ids = prompts[0][2][-WARMUP_TOKENS:]  # short: only first-call costs are being paid
     for system in systems:
-        run_system(models, system, first_ids, temps[0], seed, WARMUP_TOKENS)
+        run_system(models, system, warmup_ids, temps[0], seed, WARMUP_TOKENS)
     pairs = [(prompt, temp) for prompt in prompts for temp in temps]
     for i, ((prompt_id, kind, ids), temp) in enumerate(pairs):
         shift = i % len(systems)
@@ -356,7 +356,7 @@ def _row(system: System, kind: str, temp: float, group: list[RunRecord], baselin
     row = SummaryRow(
         system.name, system.family, system.gamma, kind, temp, len(group),
         statistics.median(ratios) if ratios else 0.0, min(ratios, default=0.0), max(ratios, default=0.0),
-        _predict(system, costs, alpha_mle(rounds)) if speculative and rounds else (1.0 if not speculative else None),
+        _predict(system, costs, rounds) if speculative else 1.0,
         statistics.fmean(r.generation_tps for r in group),
         statistics.fmean(r.prompt_tokens / r.prompt_s if r.prompt_s > 0 else 0.0 for r in group),
         kept / drafted if drafted else None, alpha_mle(rounds) if drafted else None,
@@ -372,14 +372,20 @@ def _row(system: System, kind: str, temp: float, group: list[RunRecord], baselin
     return row
 
 
-def _predict(system: System, costs: dict[str, Costs], alpha: float) -> float | None:
-    """Predicted speedup at the measured α: fixed γ as given, auto at its best γ (1 if it falls back)."""
+def _predict(system: System, costs: dict[str, Costs], rounds: list[tuple[int, int]]) -> float | None:
+    """The cost model's speedup at this row's measured α and draft lengths.
+
+    Each round that drafted K tokens is predicted to yield τ(α, K) tokens in
+    K · T_draft + T_verify(K + 1) seconds (a round with K = 0, an n-gram miss or an
+    auto-γ fall-back, is a plain step: 1 token in T_target(1)), with α the truncated-geometric
+    estimate of the row; speedup = Σ tokens · T_target(1) / Σ seconds.
+    """
     cost = costs.get(system.drafter)
-    if cost is None:
+    if cost is None or not rounds:
         return None
-    if system.gamma == AUTO:
-        return cost.best_gamma(alpha, len(cost.verify_s) - 1, 0.03)[1]
-    return cost.speedup(int(system.gamma), alpha) if system.gamma else 1.0
+    alpha = alpha_mle(rounds)
+    tokens = sum(expected_tau(alpha, k) for k, _ in rounds)
+    return tokens * cost.verify(1) / sum(cost.round_s(k) for k, _ in rounds)
 
 
 def _cycle_split(group: list[RunRecord], num_rounds: int) -> tuple:
@@ -485,17 +491,14 @@ def write_plots(rows: list[SummaryRow], folder) -> list[str]:
     folder.mkdir(parents=True, exist_ok=True)
     panels = sorted({(r.kind, r.temp) for r in rows})
     paths = [folder / "speedup_vs_gamma.png", folder / "tau_histogram.png"]
-    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
-    for ax, (kind, temp) in zip(axes[0], panels):
-        _plot_sweep(ax, [r for r in rows if (r.kind, r.temp) == (kind, temp)], f"{kind}, temp {temp:g}")
-    fig.tight_layout()
-    fig.savefig(paths[0], dpi=110)
-    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
-    for ax, (kind, temp) in zip(axes[0], panels):
-        _plot_tau(ax, [r for r in rows if (r.kind, r.temp) == (kind, temp) and (r.best or r.gamma == AUTO)],
-                  f"{kind}, temp {temp:g}")
-    fig.tight_layout()
-    fig.savefig(paths[1], dpi=110)
+    for path, draw in zip(paths, (_plot_sweep, _plot_tau)):
+        cols = min(2, len(panels))
+        fig, axes = plt.subplots((len(panels) + cols - 1) // cols, cols, figsize=(6 * cols, 4.2 * len(panels) / cols),
+                                 squeeze=False)
+        for ax, (kind, temp) in zip(axes.flat, panels):
+            draw(ax, [r for r in rows if (r.kind, r.temp) == (kind, temp)], f"{kind}, temp {temp:g}")
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
     plt.close("all")
     return [str(p) for p in paths]
 
@@ -519,10 +522,12 @@ def _plot_sweep(ax, rows: list[SummaryRow], title: str) -> None:
 
 
 def _plot_tau(ax, rows: list[SummaryRow], title: str) -> None:
+    rows = [r for r in rows if r.tau_histogram and (r.best or r.gamma == AUTO)]
     width = 0.8 / max(len(rows), 1)
     for i, r in enumerate(rows):
         total = sum(r.tau_histogram) or 1
-        xs = [n + i * width for n in range(len(r.tau_histogram))]
+        xs = [n - 0.4 + (i + 0.5) * width for n in range(len(r.tau_histogram))]  # grouped around n
         ax.bar(xs, [c / total for c in r.tau_histogram], width=width, label=r.system)
+    ax.set_xticks(range(max((len(r.tau_histogram) for r in rows), default=1)))
     ax.set(title=title, xlabel="tokens per round (τ)", ylabel="share of rounds")
     ax.legend(fontsize=7)

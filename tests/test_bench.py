@@ -146,3 +146,11 @@ def test_bad_flags_are_one_line_errors(capsys):
     assert "--num-draft-tokens takes 'auto' and integers >= 1" in capsys.readouterr().err
     assert main(["bench", "--temps", "-1", "--blas", "keep"]) == 2
     assert "--temps must be numbers >= 0" in capsys.readouterr().err
+
+
+def test_tables_can_be_recomputed_from_the_json(bench_result, tmp_path, capsys):
+    source = tmp_path / "raw.json"
+    source.write_text(json.dumps(bench_result[1]))
+    assert main(["bench", "--from-json", str(source), "--output", str(tmp_path / "again.json"), "--blas", "keep"]) == 0
+    assert "| kind | temp | system |" in capsys.readouterr().out
+    assert json.loads((tmp_path / "again.json").read_text())["summary"] == bench_result[1]["summary"]

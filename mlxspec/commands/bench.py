@@ -59,6 +59,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-control", action="store_true",
                         help="skip the second plain mlx-lm run that shows the measurement noise")
     parser.add_argument("--recalibrate", action="store_true", help="measure the cost model again, ignoring the cache")
+    parser.add_argument("--from-json", default=None,
+                        help="recompute the tables (and --plots) from the raw runs of an earlier bench JSON "
+                             "instead of running anything; the result is written to --output")
     parser.add_argument("--blas", choices=("auto", "keep"), default="auto",
                         help="Linux: 'auto' re-runs the bench with a multithreaded OpenBLAS preloaded when the "
                              "reference BLAS is in use and OpenBLAS is installed; 'keep' never does. Default: auto")
@@ -188,25 +191,58 @@ def format_header(info: dict) -> str:
     return "\n".join(lines)
 
 
+def report(result: dict, runs: list, systems: list, costs: dict, args: argparse.Namespace) -> None:
+    """Summarise runs, print both tables, write the JSON (and plots)."""
+    from dataclasses import asdict
+
+    from ..bench import format_table, summarize, write_plots
+
+    rows = summarize(runs, systems, costs)
+    print("\nBest fixed γ per system (*), auto γ and plain decoding:\n" + format_table(rows, compact=True))
+    print("\nEvery system (γ sweep), predicted vs measured speedup:\n" + format_table(rows))
+    result = {**result, "runs": [r.to_dict() for r in runs], "summary": [asdict(r) for r in rows]}
+    if args.plots:
+        result["plots"] = write_plots(rows, args.plots)
+    Path(args.output).write_text(json.dumps(result, indent=1))
+    print(f"\nwrote {args.output}" + (f" and plots in {args.plots}" if args.plots else ""))
+
+
+def resummarize(args: argparse.Namespace) -> int:
+    """``--from-json``: the tables of an earlier run, recomputed from its raw numbers."""
+    from ..bench import RunRecord, System
+    from ..costmodel import Costs
+
+    result = json.loads(Path(args.from_json).read_text())
+    derived = ("generation_tps", "prompt_tps")
+    runs = [RunRecord(**{k: v for k, v in r.items() if k not in derived}) for r in result["runs"]]
+    systems = [System(**s) for s in result["systems"]]
+    costs = {name: Costs(**c) for name, c in result["costs"].items()}
+    print(format_header(result), flush=True)
+    report(result, runs, systems, costs, args)
+    return 0
+
+
 def run(args: argparse.Namespace, argv: list[str]) -> int:
     from dataclasses import asdict
 
     from tqdm import tqdm
 
-    from ..bench import format_table, iter_runs, make_systems, summarize, write_plots
+    from ..bench import iter_runs, make_systems
     from ..costmodel import machine_info
 
+    if args.plots:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise ValueError("--plots needs matplotlib: pip install 'mlxspec[plot]'") from None
+    if args.from_json:
+        return resummarize(args)
     gammas, temps = parse_gammas(args.num_draft_tokens), parse_temps(args.temps)
     if args.max_tokens < 1 or args.num_prompts < 1:
         raise ValueError("--max-tokens and --num-prompts must be >= 1")
     drafter_names = [d.strip() for d in (args.drafters or ("draft,ngram,none" if args.draft_model else "ngram,none"))
                      .split(",") if d.strip()]
     systems = make_systems(drafter_names, gammas, args.draft_model is not None, control=not args.no_control)
-    if args.plots:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            raise ValueError("--plots needs matplotlib: pip install 'mlxspec[plot]'") from None
     started = time.time()
     models, names = _load(args, drafter_names)
     prompts, prompt_source = _prompts(args, models.tokenizer)
@@ -227,16 +263,9 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             runs.append(record)
             bar.set_postfix_str(f"{record.system} {record.generation_tps:.1f} tok/s", refresh=False)
             bar.update()
-    rows = summarize(runs, systems, models.costs)
-    print("\nBest fixed γ per system (*), auto γ and plain decoding:\n" + format_table(rows, compact=True))
-    print("\nEvery system (γ sweep), predicted vs measured speedup:\n" + format_table(rows))
     info["machine"]["load_average_after"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     info["elapsed_s"] = time.time() - started
-    result = {**info, "runs": [r.to_dict() for r in runs], "summary": [asdict(r) for r in rows]}
-    if args.plots:
-        result["plots"] = write_plots(rows, args.plots)
-    Path(args.output).write_text(json.dumps(result, indent=1))
-    print(f"\nwrote {args.output}" + (f" and plots in {args.plots}" if args.plots else ""))
+    report(info, runs, systems, models.costs, args)
     return 0
 
 
