@@ -266,7 +266,7 @@ def stream_generate(
         ``GenerationStats``.
 
     Raises:
-        ValueError: on an empty or too-long prompt, ``num_draft_tokens < 0`` or a string other than ``"auto"``,
+        ValueError: on an empty or too-long prompt, a seed outside [0, 2**64), ``num_draft_tokens < 0`` or a string other than ``"auto"``,
             ``max_tokens < 1``, an unknown drafter name, or a target cache that
             cannot be rewound while drafting.
     """
@@ -276,6 +276,8 @@ def stream_generate(
         raise ValueError(f"num_draft_tokens must be >= 0, got {num_draft_tokens}")
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    if seed is not None and not (isinstance(seed, int) and 0 <= seed < 2**64):
+        raise ValueError(f"seed must be an integer in [0, 2**64), got {seed!r}")
     if typical is not None and not (0 < typical[0] <= 1 and typical[1] > 0):
         raise ValueError(f"typical acceptance needs 0 < threshold <= 1 and alpha > 0, got {typical}")
     sampling = sampling or SamplingParams()

@@ -55,13 +55,14 @@ class SamplingParams:
 
     def __post_init__(self):
         checks = [
-            (math.isfinite(self.temp) and self.temp >= 0, f"temp must be >= 0, got {self.temp}"),
-            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
+            (math.isfinite(self.temp) and self.temp >= 0,
+             f"temp must be >= 0 and finite (--temp; 0 = greedy), got {self.temp}"),
+            (0 < self.top_p <= 1, f"top_p must be in (0, 1] (--top-p; 1 = off), got {self.top_p}"),
             (isinstance(self.top_k, int) and self.top_k >= 0,
-             f"top_k must be an integer >= 0 (0 disables it), got {self.top_k}"),
-            (0 <= self.min_p < 1, f"min_p must be in [0, 1), got {self.min_p}"),
+             f"top_k must be an integer >= 0 (--top-k; 0 = off), got {self.top_k}"),
+            (0 <= self.min_p < 1, f"min_p must be in [0, 1) (--min-p; 0 = off), got {self.min_p}"),
             (self.repetition_penalty is None or self.repetition_penalty > 0,
-             f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
+             f"repetition_penalty must be > 0 (--repetition-penalty; 1 = off), got {self.repetition_penalty}"),
             (self.repetition_context_size >= 1,
              f"repetition_context_size must be >= 1, got {self.repetition_context_size}"),
         ]

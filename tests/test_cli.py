@@ -106,3 +106,22 @@ def test_medusa_from_the_command_line(capsys, tmp_path, tiny_model_dir):
     assert code == 2 and "needs both --typical-threshold and --typical-alpha" in err
     code, _, err = run(capsys, *base, "--medusa-heads", str(tmp_path / "heads"), "--medusa-tree", "nope")
     assert code == 2 and "unknown Medusa tree" in err
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--temp", "abc"], "argument --temp: invalid float value: 'abc'"),
+    (["--seed", "-5"], "argument --seed: must be in [0, 2**64), got -5"),
+    (["--dtype", "int8"], "argument --dtype: invalid choice"),
+    (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+])
+def test_flag_parsing_errors_are_one_line_too(capsys, flags, message):
+    with pytest.raises(SystemExit) as stop:
+        main(["generate", "--prompt", "hi", *flags])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.count("\n") == 1
+    assert err.startswith("mlxspec: error: ") and message in err and "mlxspec generate --help" in err
+
+
+def test_a_bad_draft_model_is_named_as_such(capsys, tiny_model_dir):
+    code, _, err = run(capsys, "--model", str(tiny_model_dir), "--draft-model", "/nope/draft", "--prompt", "hi")
+    assert code == 2 and err.startswith("mlxspec: error: draft model: ") and "/nope/draft" in err

@@ -194,3 +194,9 @@ def test_bad_sampling_parameters_are_clear_errors(kwargs, message):
 def test_prompt_longer_than_the_context_is_refused(target, tokenizer):
     with pytest.raises(ValueError, match="context is 4096"):
         generate(target, tokenizer, [1] * 5000)
+
+
+@pytest.mark.parametrize("seed", [-1, 2**64, 1.5])
+def test_bad_seeds_are_clear_errors(target, tokenizer, seed):
+    with pytest.raises(ValueError, match=r"seed must be an integer in \[0, 2\*\*64\)"):
+        generate(target, tokenizer, PROMPT, seed=seed)

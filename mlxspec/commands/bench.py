@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from ..generate import AUTO
-from .common import DTYPES, USER_ERRORS, fail
+from .common import ArgumentParser, DTYPES, USER_ERRORS, fail
 
 DEFAULT_GAMMAS = "auto,1,2,4,6,8"
 DEFAULT_TEMPS = "0,0.7"
@@ -23,7 +23,7 @@ REEXEC_ENV = "MLXSPEC_BENCH_REEXEC"
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="mlxspec bench",
         description="Measure plain decoding (mlx-lm), mlx-lm's speculative decoding and mlxspec's drafters "
                     "side by side on the same prompts and seeds; print tables, write every raw number as JSON.",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from .common import (
+    ArgumentParser,
     USER_ERRORS,
     add_model_args,
     add_sampling_args,
@@ -16,7 +17,7 @@ from .common import (
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="mlxspec chat",
         description="Chat in the terminal with lossless speculative decoding: accepted draft tokens "
                     "green, resampled tokens red, live τ and α. F1 in the app lists the keys.",

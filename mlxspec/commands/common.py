@@ -17,6 +17,24 @@ DTYPES = ("float32", "float16", "bfloat16")
 USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, PermissionError)
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with mlxspec's one-line errors: ``mlxspec: error: ...; run '<prog> --help'``, exit 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"mlxspec: error: {message}; run '{self.prog} --help'\n")
+
+
+def seed_arg(value: str) -> int:
+    """``--seed``: an integer in [0, 2**64)."""
+    try:
+        seed = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from None
+    if not 0 <= seed < 2**64:
+        raise argparse.ArgumentTypeError(f"must be in [0, 2**64), got {seed}")
+    return seed
+
+
 def num_draft_tokens_arg(value: str) -> int | str:
     """``--num-draft-tokens``: an integer or ``auto``."""
     if value == AUTO:
@@ -79,7 +97,7 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-p", type=float, default=0.0, help="min-p filter in [0, 1); 0 = off. Default: 0")
     parser.add_argument("--repetition-penalty", type=float, default=None,
                         help="mlx-lm's repetition penalty (> 0; 1 = off). Default: off")
-    parser.add_argument("--seed", type=int, default=None, help="random seed. Default: none")
+    parser.add_argument("--seed", type=seed_arg, default=None, help="random seed in [0, 2**64). Default: none")
 
 
 def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
@@ -145,7 +163,10 @@ def load_models(args: argparse.Namespace) -> LoadedModels:
     kind = args.drafter or ("draft" if args.draft_model else "ngram")
     draft_model = draft_tokenizer = draft_name = None
     if kind == "draft":
-        draft_model, draft_tokenizer = load(args.draft_model, dtype=args.draft_dtype)
+        try:
+            draft_model, draft_tokenizer = load(args.draft_model, dtype=args.draft_dtype)
+        except USER_ERRORS as e:
+            raise type(e)(f"draft model: {e}") from e
         draft_name = describe(args.draft_model, draft_model)
     model_name = describe(args.model, model)
     heads = load_heads(args.medusa_heads, model, model_name) if kind == "medusa" else None

@@ -9,6 +9,7 @@ import sys
 from ..generate import AUTO, stream_generate
 from ..metrics import GenerationStats, TokenEvent
 from .common import (
+    ArgumentParser,
     USER_ERRORS,
     add_model_args,
     add_sampling_args,
@@ -21,7 +22,7 @@ from .common import (
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="mlxspec generate",
         description="Generate text with lossless speculative decoding (output distributed exactly as the target's).",
     )
@@ -122,7 +123,9 @@ def run(args: argparse.Namespace) -> int:
             stats = event
     if args.json:
         record = {"model": loaded.model_name, "draft_model": loaded.draft_name, "text": "".join(text),
-                  "temp": args.temp, "seed": args.seed, **stats.to_dict()}
+                  "num_draft_tokens_requested": args.num_draft_tokens, "temp": args.temp, "top_p": args.top_p,
+                  "top_k": args.top_k, "min_p": args.min_p, "repetition_penalty": args.repetition_penalty,
+                  "typical": typical_from_args(args), "seed": args.seed, **stats.to_dict()}
         print(json.dumps(record))
     else:
         print()

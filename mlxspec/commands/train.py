@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from .common import USER_ERRORS, fail
+from .common import ArgumentParser, USER_ERRORS, fail
 
 DEFAULT_MAX_TOKENS_TOTAL = 200_000
 DEFAULT_MAX_SEQ_LENGTH = 1024
@@ -29,7 +29,7 @@ RUN_INFO = "run.json"
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mlxspec train", description="Train draft heads for a target model.")
+    parser = ArgumentParser(prog="mlxspec train", description="Train draft heads for a target model.")
     sub = parser.add_subparsers(dest="method", required=True, metavar="{medusa,measure-medusa}")
     _medusa_flags(sub.add_parser(
         "medusa", help="Medusa-1 heads on the frozen target",
