@@ -70,7 +70,9 @@ def test_bench_summary_is_sane(bench_result):
         if row["system"] == BASELINE:
             assert row["speedup"] == 1.0 and row["predicted_speedup"] == 1.0
         if row["system"] == CONTROL:
-            assert 1 / 3 < row["speedup"] < 3  # plain vs itself: ≈ 1 up to timing noise
+            # plain vs itself: ≈ 1; one pair of millisecond runs on a busy 2-core machine swings widely,
+            # so this only catches a ratio computed the wrong way round or against the wrong run
+            assert 1 / 5 < row["speedup"] < 5
         if row["alpha"] is not None:
             assert 0 <= row["alpha"] <= 1 and row["tau"] >= 1 and row["predicted_speedup"] > 0
             assert all(0 <= a <= 1 for a in row["acceptance_per_position"])
