@@ -15,7 +15,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field, replace
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 from mlxspec.drafters import DRAFTERS
 from mlxspec.metrics import CycleStats, GenerationStats, TokenEvent
