@@ -272,6 +272,9 @@ def test_cli_trains_then_measures(tiny_model_dir, tmp_path, capsys):
     row = next(line for line in table.splitlines() if "medusa `chain_4`" in line).split("|")
     assert row[3] == row[6] and row[5].strip() == row[9].strip() == "2"  # replayed τ = engine τ at temp 0
     assert len((tmp_path / "m.jsonl").read_text().splitlines()) == 2 * 3  # plain, replay, engine per prompt
+    from mlxspec.train.measure import markdown_table, read_records
+
+    assert markdown_table(read_records(tmp_path / "m.jsonl")) + "\n" == (tmp_path / "m.md").read_text()
     assert train_main(["medusa", "--data", str(data), "--output", str(out), "--epochs", "0"]) == 2
     assert "epochs must be >= 1" in capsys.readouterr().err
 

@@ -235,6 +235,21 @@ def replay_trees(model: nn.Module, heads: MedusaHeads, prompt: list[int], answer
     return out
 
 
+def read_records(path) -> list[RunRecord]:
+    """Records written by ``mlxspec train measure-medusa --output FILE`` (one JSON object per line)."""
+    import json
+    from dataclasses import fields
+
+    names = {f.name for f in fields(GenerationStats)}
+    records = []
+    for line in open(path, encoding="utf-8"):
+        if line.strip():
+            r = json.loads(line)
+            stats = GenerationStats(**{k: v for k, v in r["stats"].items() if k in names})
+            records.append(RunRecord(r["prompt_id"], r["config"], r["temp"], r["mode"], stats))
+    return records
+
+
 def summarize(records: list[RunRecord]) -> dict[tuple[str, float, str], Totals]:
     """Totals per (configuration, temperature, mode), in first-seen order."""
     out: dict[tuple[str, float, str], Totals] = {}
