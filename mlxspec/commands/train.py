@@ -30,11 +30,17 @@ RUN_INFO = "run.json"
 
 def setup_arg_parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(prog="mlxspec train", description="Train draft heads for a target model.")
-    sub = parser.add_subparsers(dest="method", required=True, metavar="{medusa,measure-medusa}")
+    sub = parser.add_subparsers(dest="method", required=True)
     _medusa_flags(sub.add_parser(
         "medusa", help="Medusa-1 heads on the frozen target",
         description="Train Medusa-1 heads (frozen target) on conversations; run the same command again "
                     "to resume."))
+    from .corpus import corpus_flags
+
+    corpus_flags(sub.add_parser(
+        "corpus", help="the target's own greedy answers + features, for training heads and drafts",
+        description="Answer training prompts greedily with the target (batched) and store its hidden "
+                    "states, layer features and top-k log-probabilities; run again to resume."))
     _measure_flags(sub.add_parser(
         "measure-medusa", help="τ, acceptance and tokens/s of trained heads on held-out prompts",
         description="Run prompts with plain decoding and each Medusa tree (float32 target); "
@@ -102,6 +108,12 @@ def _medusa_flags(p: argparse.ArgumentParser) -> None:
                         "OUTPUT/self_distill.jsonl and resumed")
     p.add_argument("--self-distill-max-tokens", type=int, default=256,
                    help="longest self-distilled answer in tokens. Default: 256")
+    p.add_argument("--corpus", default=None,
+                   help="train on a corpus from 'mlxspec train corpus' (the target's own answers) instead "
+                        "of --data; its validation part scores each epoch")
+    p.add_argument("--train-vocab", type=int, default=d.train_vocab,
+                   help="score the training loss over only this many most frequent label tokens (0: full "
+                        "vocabulary; a large speed-up on CPUs). Default: 0")
     p.add_argument("--features-dir", default=None,
                    help="root of the feature cache. Default: $MLXSPEC_CACHE/features")
     p.add_argument("--chunk-tokens", type=int, default=DEFAULT_CHUNK_TOKENS,
@@ -136,6 +148,10 @@ def main(argv: list[str] | None = None) -> int:
     args = setup_arg_parser().parse_args(argv)
     args.command = "mlxspec train " + shlex.join(argv)
     try:
+        if args.method == "corpus":
+            from .corpus import run_corpus
+
+            return run_corpus(args)
         return run_medusa(args) if args.method == "medusa" else run_measure(args)
     except USER_ERRORS as e:
         return fail(str(e))
@@ -151,7 +167,8 @@ def _config(args):
         num_heads=args.num_heads, num_layers=args.num_layers, own_lm_head=args.own_lm_head, labels=args.labels,
         epochs=args.epochs, batch_size=args.batch_size, learning_rate=args.learning_rate,
         warmup_steps=args.warmup_steps, weight_decay=args.weight_decay, seed=args.seed,
-        save_every=args.save_every, max_eval_positions=args.eval_positions, save_dtype=args.save_dtype)
+        save_every=args.save_every, max_eval_positions=args.eval_positions, save_dtype=args.save_dtype,
+        train_vocab=args.train_vocab)
 
 
 def run_medusa(args: argparse.Namespace) -> int:
@@ -163,6 +180,16 @@ def run_medusa(args: argparse.Namespace) -> int:
     output = Path(args.output).expanduser()
     info = {"command": args.command, "args": vars(args)}
     model, tokenizer = load(args.model, dtype="float32")
+    if args.corpus is not None:
+        train_cache, heldout_cache = open_corpus(args.corpus)
+        info["features"] = {"train": str(train_cache.directory), "heldout": str(heldout_cache.directory)
+                            if heldout_cache else None}
+        t0 = time.perf_counter()
+        _train(model, train_cache, heldout_cache, output, config)
+        info["train_s"] = round(time.perf_counter() - t0, 1)
+        (output / RUN_INFO).write_text(json.dumps(info, indent=2, default=str) + "\n")
+        _say(f"heads in {output} (float32, resumable) and {output}/epoch-{config.epochs} ({config.save_dtype})")
+        return 0
     conversations, note = dataset.read_conversations(args.data)
     _say(note)
     def heldout_ok(conversation) -> bool:
@@ -191,6 +218,22 @@ def run_medusa(args: argparse.Namespace) -> int:
     (output / RUN_INFO).write_text(json.dumps(info, indent=2, default=str) + "\n")
     _say(f"heads in {output} (float32, resumable) and {output}/epoch-{config.epochs} ({config.save_dtype})")
     return 0
+
+
+def open_corpus(path: str):
+    """``(train, validation or None)`` feature caches of a corpus folder from ``mlxspec train corpus``.
+
+    Raises:
+        FileNotFoundError: no corpus there.
+    """
+    from ..train.features import FeatureCache
+    from .corpus import TRAIN, VALIDATION
+
+    root = Path(path).expanduser()
+    if not (root / TRAIN / "manifest.json").is_file():
+        raise FileNotFoundError(f"no corpus in {root}; build one with: mlxspec train corpus --output {root}")
+    validation = root / VALIDATION
+    return FeatureCache(root / TRAIN), FeatureCache(validation) if (validation / "manifest.json").is_file() else None
 
 
 def _tokenize(tokenizer, train_convs, heldout_convs, args, info):

@@ -1,0 +1,129 @@
+"""``mlxspec train corpus``: the target's own greedy answers to training prompts, with its features.
+
+The prompts are the first user turns of the training conversations (the held-out split of
+``mlxspec train medusa`` is left out, so the 50 held-out prompts are never answered here),
+deduplicated, at most ``--max-prompt-tokens`` long. A second, small corpus from other prompts
+goes to ``OUTPUT/validation`` for the trainers' per-epoch scores. ``mlxspec train medusa |
+eagle | draft --corpus OUTPUT`` train on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+TRAIN, VALIDATION = "train", "validation"
+
+
+def corpus_flags(p: argparse.ArgumentParser) -> None:
+    """The ``mlxspec train corpus`` flags."""
+    from ..train.corpus import DEFAULT_TOPK
+
+    p.add_argument("--model", default="default",
+                   help="target: an mlx-lm folder, a Hugging Face repo id, a .gguf file or 'default'; "
+                        "always loaded in float32. Default: default")
+    p.add_argument("--data", default="sharegpt",
+                   help="'sharegpt' or a JSONL of conversations (as for mlxspec train medusa). Default: sharegpt")
+    p.add_argument("--output", "-o", required=True, help="corpus folder (resumable)")
+    p.add_argument("--max-new-tokens", type=int, default=192, help="longest answer, tokens. Default: 192")
+    p.add_argument("--max-prompt-tokens", type=int, default=256,
+                   help="skip training prompts longer than this (tokens, chat template included). Default: 256")
+    p.add_argument("--max-prompts", type=int, default=2000, help="training prompts to answer at most. Default: 2000")
+    p.add_argument("--validation-prompts", type=int, default=32,
+                   help="prompts (not trained on) answered into OUTPUT/validation. Default: 32")
+    p.add_argument("--batch-size", type=int, default=32, help="prompts decoded together. Default: 32")
+    p.add_argument("--topk", type=int, default=DEFAULT_TOPK,
+                   help=f"soft labels (target log-probabilities) kept per position. Default: {DEFAULT_TOPK}")
+    p.add_argument("--time-budget", type=float, default=None,
+                   help="minutes after which no new batch starts (the corpus is usable as it is then; "
+                        "the same command resumes it). Default: none")
+    p.add_argument("--num-heldout", type=int, default=50,
+                   help="conversations held out exactly as mlxspec train medusa does (same seed). Default: 50")
+    p.add_argument("--seed", type=int, default=0, help="seed of the split and of the prompt order. Default: 0")
+
+
+def run_corpus(args: argparse.Namespace) -> int:
+    """Build the training and validation corpora; prints where they are."""
+    from tqdm import tqdm
+
+    from ..loading import load
+    from ..train import dataset
+    from ..train.corpus import build_corpus
+
+    for flag in ("max_new_tokens", "max_prompt_tokens", "max_prompts", "batch_size", "topk"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    output = Path(args.output).expanduser()
+    model, tokenizer = load(args.model, dtype="float32")
+    conversations, note = dataset.read_conversations(args.data)
+    print(note, file=sys.stderr)
+    train_convs, heldout = heldout_split(conversations, tokenizer, args.data, args.num_heldout, args.seed)
+    held = {dataset.first_prompt(c) for c in heldout}
+    prompts = training_prompts(tokenizer, train_convs, args.data, args.max_prompt_tokens, held)
+    random.Random(args.seed).shuffle(prompts)
+    validation = prompts[: args.validation_prompts]
+    train = order_for_batching(prompts[args.validation_prompts :][: args.max_prompts], args.batch_size)
+    print(f"{len(prompts)} distinct training prompts of at most {args.max_prompt_tokens} tokens; "
+          f"answering {len(train)} (+ {len(validation)} for validation)", file=sys.stderr)
+    budget = args.time_budget * 60 if args.time_budget is not None else None
+    info = {"command": args.command, "prompts": len(train), "validation_prompts": len(validation)}
+    t0 = time.perf_counter()
+    for name, chosen, limit in ((VALIDATION, validation, None), (TRAIN, train, budget)):
+        if not chosen:
+            continue
+        with tqdm(total=len(chosen), desc=f"corpus ({name})", unit="prompt", file=sys.stderr) as bar:
+            for progress in build_corpus(model, tokenizer, chosen, output / name, max_new_tokens=args.max_new_tokens,
+                                         batch_size=args.batch_size, topk=args.topk, time_budget_s=limit):
+                bar.update(progress.prompts_done - bar.n)
+                bar.set_postfix(tok_s=f"{progress.tokens_per_s:.0f}")
+    manifest = json.loads((output / TRAIN / "manifest.json").read_text())
+    info.update(wall_s=round(time.perf_counter() - t0, 1), answered=manifest["examples"],
+                tokens=manifest["tokens"], answer_tokens=manifest["masked_tokens"])
+    (output / "corpus.json").write_text(json.dumps(info, indent=2) + "\n")
+    print(f"corpus in {output}: {manifest['examples']} answers, {manifest['masked_tokens']} answer tokens "
+          f"({manifest['tokens']} with prompts)", file=sys.stderr)
+    return 0
+
+
+def heldout_split(conversations, tokenizer, data: str, num_heldout: int, seed: int):
+    """The (train, held-out) split of ``mlxspec train medusa`` for the same data and seed."""
+    from ..train import dataset
+    from .train import DEFAULT_MAX_PROMPT_TOKENS
+
+    def heldout_ok(conversation) -> bool:
+        if data == dataset.SHAREGPT and not dataset.starts_a_conversation(conversation):
+            return False  # a later part's first prompt ("continue") needs context it does not have
+        return len(tokenizer.encode(dataset.first_prompt(conversation))) <= DEFAULT_MAX_PROMPT_TOKENS
+
+    return dataset.split_conversations(conversations, num_heldout=num_heldout, seed=seed, heldout_ok=heldout_ok)
+
+
+def training_prompts(tokenizer, conversations, data: str, max_tokens: int, exclude: set) -> list[list[int]]:
+    """Distinct first prompts (chat template + generation prompt) of at most ``max_tokens`` tokens."""
+    from ..train import dataset
+
+    seen, out = set(exclude), []
+    for conversation in conversations:
+        text = dataset.first_prompt(conversation)
+        if not text or text in seen:
+            continue
+        if data == dataset.SHAREGPT and not dataset.starts_a_conversation(conversation):
+            continue
+        seen.add(text)
+        ids = list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True))
+        if len(ids) <= max_tokens:
+            out.append(ids)
+    return out
+
+
+def order_for_batching(prompts: list[list[int]], batch_size: int, group: int = 8) -> list[list[int]]:
+    """Sort each run of ``group`` batches by length, so a batch pads little but a time budget
+    still stops after a random sample of prompts, not after the shortest ones."""
+    out, span = [], batch_size * group
+    for i in range(0, len(prompts), span):
+        out.extend(sorted(prompts[i : i + span], key=len))
+    return out

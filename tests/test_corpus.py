@@ -1,0 +1,70 @@
+"""The self-distillation corpus: batched greedy answers and features equal one-at-a-time runs."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from conftest import byte_tokenizer, tiny_llama
+
+from mlxspec.generate import generate
+from mlxspec.taps import HiddenTap, output_head
+from mlxspec.train.corpus import build_corpus, default_aux_layers
+from mlxspec.train.features import FeatureCache
+
+
+def _prompts(tokenizer, texts):
+    return [list(tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True))
+            for t in texts]
+
+
+def test_batched_corpus_equals_single_runs(tmp_path):
+    model, tokenizer = tiny_llama(seed=3, num_layers=4, sharpen=4.0), byte_tokenizer()
+    prompts = _prompts(tokenizer, ["hi", "a longer prompt here", "xyz", "what is up with padding?"])
+    records = list(build_corpus(model, tokenizer, prompts, tmp_path, max_new_tokens=12, batch_size=3, topk=5))
+    assert [r.prompts_done for r in records] == [3, 4]
+    cache = FeatureCache(tmp_path)
+    assert cache.num_chunks == 2 and cache.manifest["aux_layers"] == list(default_aux_layers(4))
+    fresh = tiny_llama(seed=3, num_layers=4, sharpen=4.0)
+    tap = HiddenTap(fresh, layers=default_aux_layers(4))
+    head = output_head(fresh)
+    seen = 0
+    for c in range(cache.num_chunks):
+        arrays = cache.load_chunk(c)
+        offsets = arrays["offsets"]
+        for e in range(len(offsets) - 1):
+            lo, hi = offsets[e], offsets[e + 1]
+            prompt = prompts[seen]
+            seen += 1
+            tokens, mask = arrays["tokens"][lo:hi], arrays["mask"][lo:hi]
+            assert list(tokens[: len(prompt)]) == prompt and not mask[: len(prompt)].any() and mask[len(prompt):].all()
+            # the answer is what plain greedy decoding says, up to and including its end token
+            reference = generate(fresh, tokenizer, prompt, drafter="none", max_tokens=12).tokens
+            assert list(tokens[len(prompt):]) == reference[: hi - lo - len(prompt)]
+            # features equal one unpadded forward over the whole example
+            fresh.model(mx.array(tokens)[None])
+            np.testing.assert_allclose(arrays["hidden"][lo:hi], np.array(tap.final[0]), atol=2e-2)
+            for j, layer in enumerate(default_aux_layers(4)):
+                np.testing.assert_allclose(arrays["aux"][lo:hi, j], np.array(tap.layer_input(layer)[0]), atol=2e-2)
+            logp = np.array(nn.log_softmax(head(tap.final[0]), axis=-1))
+            rows = np.arange(len(prompt) - 1, hi - lo - 1)
+            assert (arrays["greedy"][lo:hi][rows] == tokens[rows + 1]).all()
+            assert (arrays["greedy"][lo:hi][: len(prompt) - 1] == -1).all()
+            ids = arrays["topk_ids"][lo:hi][rows]
+            np.testing.assert_allclose(arrays["topk_logprobs"][lo:hi][rows].astype(np.float32),
+                                       np.take_along_axis(logp[rows], ids, axis=-1), atol=2e-2)
+            assert (np.diff(arrays["topk_logprobs"][lo:hi][rows].astype(np.float32), axis=-1) <= 1e-3).all()
+    assert seen == len(prompts)
+
+
+def test_corpus_resumes_and_refuses_other_settings(tmp_path):
+    model, tokenizer = tiny_llama(seed=1), byte_tokenizer()
+    prompts = _prompts(tokenizer, ["one", "two", "three"])
+    list(build_corpus(model, tokenizer, prompts[:2], tmp_path / "a", max_new_tokens=4, batch_size=1,
+                      time_budget_s=0.0))
+    assert FeatureCache(tmp_path / "a").num_chunks == 1  # the budget stopped it after one batch
+    again = list(build_corpus(model, tokenizer, prompts[:2], tmp_path / "a", max_new_tokens=4, batch_size=1))
+    assert [r.cached for r in again] == [True, False]
+    with pytest.raises(ValueError, match="another model"):
+        list(build_corpus(model, tokenizer, prompts, tmp_path / "a", max_new_tokens=4, batch_size=1))
