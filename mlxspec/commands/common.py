@@ -81,6 +81,19 @@ def add_model_args(parser: argparse.ArgumentParser, allow_auto: bool = False) ->
     parser.add_argument("--medusa-tree", default=DEFAULT_TREE,
                         help=f"Medusa tree: a preset ({', '.join(TREE_PRESETS)}) or a JSON file of rank paths. "
                              f"Default: {DEFAULT_TREE}")
+    parser.add_argument("--eagle-heads", default=None,
+                        help="EAGLE-1/2/3 head: a folder (config.json + model.safetensors or pytorch_model.bin), "
+                             "a weights file, or a Hugging Face repo id. Default: the head shipped in "
+                             "models/eagle/ for the target, if any")
+    parser.add_argument("--eagle-depth", type=int, default=None,
+                        help="deepest EAGLE draft node (the tree's γ; --num-draft-tokens caps it). "
+                             "Default: the shipped head's setting, else 6 (EAGLE-2)")
+    parser.add_argument("--eagle-top-k", type=int, default=None,
+                        help="EAGLE children per expanded node and frontier width; 1 drafts a chain. "
+                             "Default: the shipped head's setting, else 10 (EAGLE-2)")
+    parser.add_argument("--eagle-total-tokens", type=int, default=None,
+                        help="EAGLE tree nodes per verify forward, root included. "
+                             "Default: the shipped head's setting, else 60 (EAGLE-2)")
     parser.add_argument("--typical-threshold", type=float, default=None,
                         help="LOSSY: Medusa's typical acceptance threshold ε (e.g. 0.09); needs --typical-alpha")
     parser.add_argument("--typical-alpha", type=float, default=None,
@@ -122,6 +135,10 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError("--drafter draft needs a draft model: pass --draft-model PATH_OR_REPO")
     typical_from_args(args)
     read_tree(args.medusa_tree)
+    for flag, least in (("eagle_depth", 1), ("eagle_top_k", 1), ("eagle_total_tokens", 2)):
+        value = getattr(args, flag, None)
+        if value is not None and value < least:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= {least}, got {value}")
 
 
 def typical_from_args(args: argparse.Namespace) -> tuple[float, float] | None:
@@ -160,6 +177,18 @@ def load_models(args: argparse.Namespace) -> LoadedModels:
     from ..loading import describe, load
 
     model, tokenizer = load(args.model, dtype=args.dtype)
+    drafter, draft_name = build_drafter(args, model, tokenizer, describe(args.model, model))
+    return LoadedModels(model, tokenizer, drafter, describe(args.model, model), draft_name)
+
+
+def build_drafter(args: argparse.Namespace, model, tokenizer, model_name: str) -> tuple[Drafter, str | None]:
+    """The drafter the flags name, for an already loaded target; and the draft model's name, if any.
+
+    Raises:
+        ValueError, FileNotFoundError: for bad specs or mismatched tokenizers.
+    """
+    from ..loading import describe, load
+
     kind = args.drafter or ("draft" if args.draft_model else "ngram")
     draft_model = draft_tokenizer = draft_name = None
     if kind == "draft":
@@ -168,13 +197,15 @@ def load_models(args: argparse.Namespace) -> LoadedModels:
         except USER_ERRORS as e:
             raise type(e)(f"draft model: {e}") from e
         draft_name = describe(args.draft_model, draft_model)
-    model_name = describe(args.model, model)
     heads = load_heads(args.medusa_heads, model, model_name) if kind == "medusa" else None
+    eagle = load_eagle_head(getattr(args, "eagle_heads", None), model, model_name) if kind == "eagle" else None
     drafter = make_drafter(kind, target=model, tokenizer=tokenizer,
                            draft_model=draft_model, draft_tokenizer=draft_tokenizer,
                            min_ngram=args.ngram_min, max_ngram=args.ngram_max,
-                           medusa_heads=heads, medusa_tree=args.medusa_tree)
-    return LoadedModels(model, tokenizer, drafter, model_name, draft_name)
+                           medusa_heads=heads, medusa_tree=args.medusa_tree, eagle_head=eagle,
+                           eagle_depth=getattr(args, "eagle_depth", None), eagle_top_k=getattr(args, "eagle_top_k", None),
+                           eagle_total_tokens=getattr(args, "eagle_total_tokens", None))
+    return drafter, draft_name
 
 
 def load_heads(spec: str | None, model, model_name: str):
@@ -192,6 +223,22 @@ def load_heads(spec: str | None, model, model_name: str):
         raise ValueError(f"no Medusa heads ship for {base_name}; pass --medusa-heads PATH_OR_REPO "
                          "(or train some with 'mlxspec train medusa')")
     return load_medusa(path, hidden_size=model.args.hidden_size, vocab_size=logits_width(model))
+
+
+def load_eagle_head(spec: str | None, model, model_name: str):
+    """The EAGLE head named by ``--eagle-heads``, or the one shipped for this target.
+
+    Raises:
+        ValueError, FileNotFoundError: no head for this target, or a head that does not fit it.
+    """
+    from ..drafters.eagle import default_eagle_heads, load_eagle
+
+    base_name = model_name.split(" (")[0]
+    path = spec if spec else default_eagle_heads(base_name)
+    if path is None:
+        raise ValueError(f"no EAGLE head ships for {base_name}; pass --eagle-heads PATH_OR_REPO "
+                         "(or train one with 'mlxspec train eagle')")
+    return load_eagle(path, model)
 
 
 def fail(message: str) -> int:
