@@ -1,4 +1,4 @@
-"""``mlxspec train``: train draft heads for a target (``medusa``) and measure them (``measure-medusa``).
+"""``mlxspec train``: build a corpus (``corpus``), train draft heads (``medusa``) and measure drafters (``measure``).
 
 ``mlxspec train medusa --model default --data sharegpt --output DIR`` loads the target in
 float32, splits the conversations by a fixed seed (the held-out prompts go to
@@ -23,7 +23,9 @@ DEFAULT_MAX_SEQ_LENGTH = 1024
 DEFAULT_NUM_HELDOUT = 50
 DEFAULT_HELDOUT_TOKENS = 16_384
 DEFAULT_MAX_PROMPT_TOKENS = 512
-DEFAULT_TREES = ["mc_sim_7b_63", "small_15", "chain_4"]
+DEFAULT_CONTENDERS = ["ngram=--drafter ngram --num-draft-tokens 4",
+                      "medusa chain_4=--drafter medusa --medusa-tree chain_4 --num-draft-tokens 4",
+                      "medusa small_15=--drafter medusa --medusa-tree small_15 --num-draft-tokens 4"]
 HELDOUT_PROMPTS = "heldout_prompts.jsonl"
 RUN_INFO = "run.json"
 
@@ -42,8 +44,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         description="Answer training prompts greedily with the target (batched) and store its hidden "
                     "states, layer features and top-k log-probabilities; run again to resume."))
     _measure_flags(sub.add_parser(
-        "measure-medusa", help="τ, acceptance and tokens/s of trained heads on held-out prompts",
-        description="Run prompts with plain decoding and each Medusa tree (float32 target); "
+        "measure", help="τ, acceptance and tokens/s of drafters on held-out prompts",
+        description="Run prompts with plain decoding and each drafter configuration (float32 target); "
                     "print a Markdown table."))
     return parser
 
@@ -102,12 +104,6 @@ def _medusa_flags(p: argparse.ArgumentParser) -> None:
                         f"Default: {DEFAULT_HELDOUT_TOKENS}")
     p.add_argument("--eval-positions", type=int, default=d.max_eval_positions,
                    help=f"held-out positions scored per evaluation. Default: {d.max_eval_positions}")
-    p.add_argument("--self-distill", action="store_true",
-                   help="train on the target's own greedy answers to the first prompts instead of the "
-                        "data's answers (slow: one plain decoding step per token); answers are kept in "
-                        "OUTPUT/self_distill.jsonl and resumed")
-    p.add_argument("--self-distill-max-tokens", type=int, default=256,
-                   help="longest self-distilled answer in tokens. Default: 256")
     p.add_argument("--corpus", default=None,
                    help="train on a corpus from 'mlxspec train corpus' (the target's own answers) instead "
                         "of --data; its validation part scores each epoch")
@@ -125,18 +121,19 @@ def _medusa_flags(p: argparse.ArgumentParser) -> None:
 def _measure_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default",
                    help="target (any spec 'mlxspec generate' takes); loaded in float32. Default: default")
-    p.add_argument("--heads", required=True, help="folder (or file) of Medusa heads for the target")
+    p.add_argument("--contender", "-c", action="append", default=None, metavar="'NAME=FLAGS'",
+                   help="a drafter configuration as 'mlxspec generate' flags, e.g. "
+                        "'medusa small_15=--drafter medusa --medusa-tree small_15 --num-draft-tokens 4'; "
+                        "repeat for each. Default: " + "; ".join(DEFAULT_CONTENDERS))
     p.add_argument("--prompts", required=True,
                    help=f'JSONL of {{"prompt": ...}} lines, e.g. the {HELDOUT_PROMPTS} written by training')
     p.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts. Default: all")
-    p.add_argument("--trees", nargs="+", default=DEFAULT_TREES,
-                   help=f"tree presets or JSON files of rank paths. Default: {' '.join(DEFAULT_TREES)}")
     p.add_argument("--temps", nargs="+", type=float, default=[0.0, 0.7],
                    help="sampling temperatures. Default: 0 0.7")
     p.add_argument("--max-tokens", "-m", type=int, default=128, help="new tokens per run. Default: 128")
     p.add_argument("--seed", type=int, default=0, help="prompt i is run with seed SEED + i. Default: 0")
     p.add_argument("--engine-prompts", type=int, default=None,
-                   help="generate with the trees (for tokens/s) on the first N prompts only; τ and acceptance "
+                   help="generate with the drafters (for tokens/s) on the first N prompts only; τ and acceptance "
                         "are replayed from the plain runs on every prompt. Default: all")
     p.add_argument("--output", "-o", default=None,
                    help="write every run as JSONL here and the table beside it (.md). Default: print only")
@@ -203,8 +200,6 @@ def run_medusa(args: argparse.Namespace) -> int:
     dataset.write_heldout_prompts(output / HELDOUT_PROMPTS, prompts)
     _say(f"held out {len(prompts)} conversations (prompts in {output / HELDOUT_PROMPTS}); "
          f"{len(train_convs)} left for training")
-    if args.self_distill:
-        train_convs = _self_distill(model, tokenizer, train_convs, output, args)
     examples, heldout = _tokenize(tokenizer, train_convs, heldout_convs, args, info)
     t0 = time.perf_counter()
     train_cache = _extract(model, examples, "train", args)
@@ -252,24 +247,6 @@ def _tokenize(tokenizer, train_convs, heldout_convs, args, info):
     _say(f"held-out: {heldout_report.summary()}")
     info["data"] = {"train": vars(train_report), "heldout": vars(heldout_report)}
     return examples, heldout
-
-
-def _self_distill(model, tokenizer, conversations, output: Path, args):
-    from tqdm import tqdm
-
-    from ..train import dataset, distill
-
-    path = output / "self_distill.jsonl"
-    tokens = 0
-    with tqdm(total=args.max_tokens_total, desc="self-distill", unit="tok", file=sys.stderr) as bar:
-        for progress in distill.distill_conversations(model, tokenizer, conversations, path,
-                                                      max_new_tokens=args.self_distill_max_tokens):
-            bar.update(progress.tokens)
-            tokens += progress.tokens
-            if tokens >= args.max_tokens_total:
-                break
-    distilled, _ = dataset.read_conversations(str(path))
-    return distilled
 
 
 def _extract(model, examples, name: str, args):
@@ -321,25 +298,20 @@ def _eval_line(record) -> str:
 
 
 def run_measure(args: argparse.Namespace) -> int:
-    """``mlxspec train measure-medusa``: the table for the README."""
+    """``mlxspec train measure``: the drafter table for the README."""
     from ..data import read_prompts_jsonl
-    from ..drafters.medusa import load_medusa, read_tree
-    from ..loading import load
-    from ..train.measure import markdown_table, measure_medusa
-    from ..train.medusa import target_shape
+    from ..loading import describe, load
+    from ..train.measure import markdown_table, measure
 
-    for tree in args.trees:
-        read_tree(tree)
+    specs = [_contender_args(spec) for spec in (args.contender or DEFAULT_CONTENDERS)]
     prompts = read_prompts_jsonl(args.prompts)[: args.num_prompts]
     model, tokenizer = load(args.model, dtype="float32")
-    hidden_size, vocab_size = target_shape(model)
-    heads = load_medusa(args.heads, hidden_size=hidden_size, vocab_size=vocab_size)
+    contenders = [_contender(name, flags, model, tokenizer, describe(args.model, model)) for name, flags in specs]
     records = []
     out = open(args.output, "w", encoding="utf-8") if args.output else None  # noqa: SIM115
     try:
-        for record in measure_medusa(model, tokenizer, heads, prompts, trees=args.trees, temps=args.temps,
-                                     max_tokens=args.max_tokens, seed=args.seed,
-                                     engine_prompts=args.engine_prompts):
+        for record in measure(model, tokenizer, contenders, prompts, temps=args.temps, max_tokens=args.max_tokens,
+                              seed=args.seed, engine_prompts=args.engine_prompts):
             records.append(record)
             s = record.stats
             speed = f", {s.generation_tps:.1f} tok/s" if record.mode == "engine" else ""
@@ -357,6 +329,34 @@ def run_measure(args: argparse.Namespace) -> int:
     if args.output:
         Path(args.output).with_suffix(".md").write_text(table + "\n")
     return 0
+
+
+def _contender_args(spec: str) -> tuple[str, argparse.Namespace]:
+    """``'NAME=FLAGS'`` → (name, the flags parsed as 'mlxspec generate' parses them)."""
+    from ..drafters.medusa import read_tree
+    from .common import add_model_args
+
+    name, sep, flags = spec.partition("=")
+    if not sep or not name.strip():
+        raise ValueError(f"--contender {spec!r}: write it as 'NAME=FLAGS', e.g. 'ngram=--drafter ngram'")
+    parser = ArgumentParser(prog=f"mlxspec train measure --contender '{name}=...'")
+    add_model_args(parser)
+    args = parser.parse_args(shlex.split(flags))
+    read_tree(args.medusa_tree)
+    if args.typical_threshold is not None or args.typical_alpha is not None:
+        raise ValueError(f"--contender {name!r}: typical acceptance is lossy; the table measures exact drafters only")
+    if args.drafter is None or args.drafter == "none" or args.num_draft_tokens < 1:
+        raise ValueError(f"--contender {name!r}: name a drafter (--drafter ...) and a γ >= 1 "
+                         "(plain decoding is always measured)")
+    return name.strip(), args
+
+
+def _contender(name: str, args: argparse.Namespace, model, tokenizer, model_name: str):
+    from ..train.measure import Contender
+    from .common import build_drafter
+
+    drafter, _ = build_drafter(args, model, tokenizer, model_name)
+    return Contender(name, drafter, args.num_draft_tokens)
 
 
 def _say(message: str) -> None:

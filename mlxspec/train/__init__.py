@@ -1,7 +1,7 @@
 """Head training: conversations → cached target features → Medusa heads (EAGLE reuses the first two).
 
 - ``dataset``: sources (ShareGPT, JSONL), the assistant-token loss mask, the held-out split.
-- ``distill``: optional self-distillation (the target's own answers as training text).
+- ``corpus``: the target's own greedy answers with its features, in one batched pass.
 - ``features``: the frozen target's hidden states, cached on disk in chunks and streamed.
 - ``medusa``: Medusa-1 training and held-out accuracy.
 - ``measure``: τ, acceptance per depth and tokens/s of trained heads on held-out prompts.
