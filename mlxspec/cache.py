@@ -63,8 +63,8 @@ def prefill(
         tokens: Token ids, length [L]; may be empty.
         step_size: Tokens per forward. Default: ``2048``.
         progress: Called as ``progress(done, total)`` after each chunk.
-        hidden_tap: A ``taps.HiddenTap`` on ``model``: then the final hidden states of
-            ``tokens`` are returned, shape [L, H].
+        hidden_tap: A ``taps.HiddenTap`` on ``model``: then its features of ``tokens``
+            (final hidden states, or the tapped layer inputs) are returned, shape [L, F].
 
     Returns:
         mx.array | None: The hidden states when ``hidden_tap`` is given.
@@ -74,7 +74,7 @@ def prefill(
         chunk = mx.array(tokens[start : start + step_size], dtype=mx.int32)
         model(chunk[None], cache=cache)
         if hidden_tap is not None:
-            hidden.append(hidden_tap.final[0])
+            hidden.append(hidden_tap.features()[0])
         mx.eval([c.state for c in cache], hidden)
         mx.clear_cache()
         if progress is not None:

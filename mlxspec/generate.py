@@ -145,7 +145,7 @@ def speculative_rounds(
     cache = make_prompt_cache(model) if prompt_cache is None else prompt_cache
     if num_draft_tokens > 0 and not isinstance(drafter, NoDrafter):
         (check_compactable if drafter.makes_trees else check_rewindable)(cache)
-    tap = HiddenTap(model) if drafter.needs_hidden else None
+    tap = HiddenTap(model, layers=drafter.feature_layers) if drafter.needs_hidden else None
     start = time.perf_counter()
     hidden = prefill(model, cache, prompt[:-1], prefill_step_size, hidden_tap=tap)
     drafter.prefill(prompt, hidden)
@@ -160,7 +160,7 @@ def speculative_rounds(
         clock.drafted(cycle, draft)
         t1 = time.perf_counter()
         choice, next_tokens = _verify(model, cache, history, draft, sampling, typical)
-        hidden = tap.final[0] if tap is not None else None  # [N + 1, H]
+        hidden = tap.features()[0] if tap is not None else None  # [N + 1, F]
         mx.eval(choice, next_tokens, draft.tokens, hidden)  # the round's one blocking sync
         path, tokens, kinds = _accepted(draft, choice.tolist(), next_tokens.tolist())
         keep, finish_reason = _cut_at_stop(tokens, stop_tokens, room)

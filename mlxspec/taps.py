@@ -62,6 +62,10 @@ class HiddenTap:
 
     def __init__(self, model: nn.Module, layers: tuple[int, ...] = ()):
         body = _body(model)
+        self.layers = tuple(layers)
+        bad = [i for i in self.layers if not 0 <= i < len(body.layers)]
+        if bad:
+            raise ValueError(f"cannot tap the input of layer(s) {bad}: the target has {len(body.layers)} decoder layers")
         self.sink: dict = {}
         if isinstance(body.norm, _Recorder):
             self.sink = body.norm._sink
@@ -75,6 +79,14 @@ class HiddenTap:
     def final(self) -> mx.array:
         """Final normalised hidden state of the last forward, shape [B, T, H]."""
         return self.sink["final"]
+
+    def features(self) -> mx.array:
+        """What a head drafter reads from the last forward: the final normalised hidden state
+        [B, T, H], or with ``layers`` the inputs of those layers concatenated in the given order,
+        [B, T, len(layers) * H] (EAGLE-3's low/mid/high feature)."""
+        if not self.layers:
+            return self.final
+        return mx.concatenate([self.sink[i] for i in self.layers], axis=-1)
 
     def layer_input(self, i: int) -> mx.array:
         """Residual stream entering layer ``i`` in the last forward, shape [B, T, H]."""

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from .base import Draft, Drafter, NoDrafter
 from .draft_model import DraftModelDrafter, check_same_tokenizer, logits_width
+from .eagle import EagleDrafter
 from .medusa import DEFAULT_TREE, MedusaDrafter
 from .ngram import NgramDrafter
 
-DRAFTERS = ("draft", "ngram", "medusa", "none")
+DRAFTERS = ("draft", "ngram", "medusa", "eagle", "none")
 
-__all__ = ["DRAFTERS", "Draft", "Drafter", "DraftModelDrafter", "MedusaDrafter", "NgramDrafter", "NoDrafter", "make_drafter"]
+__all__ = ["DRAFTERS", "Draft", "Drafter", "DraftModelDrafter", "EagleDrafter", "MedusaDrafter", "NgramDrafter", "NoDrafter", "make_drafter"]
 
 
 def make_drafter(
@@ -23,6 +24,10 @@ def make_drafter(
     max_ngram: int = 4,
     medusa_heads=None,
     medusa_tree: str = DEFAULT_TREE,
+    eagle_head=None,
+    eagle_depth: int | None = None,
+    eagle_top_k: int | None = None,
+    eagle_total_tokens: int | None = None,
 ) -> Drafter:
     """Build a drafter by name.
 
@@ -34,10 +39,13 @@ def make_drafter(
         min_ngram, max_ngram: Suffix lengths for ``"ngram"``.
         medusa_heads: Loaded ``MedusaHeads`` (``"medusa"`` only; needs ``target``).
         medusa_tree: A tree preset name or a JSON file of rank paths (``"medusa"``).
+        eagle_head: A loaded ``EagleHead`` (``"eagle"`` only; needs ``target``).
+        eagle_depth, eagle_top_k, eagle_total_tokens: EAGLE-2 tree size (``EagleDrafter``);
+            ``None`` = the head's shipped ``draft_tree``, else EAGLE-2's defaults (6, 10, 60).
 
     Raises:
         ValueError: on an unknown kind, a missing draft model or heads, a draft model whose
-            tokenizer differs from the target's, or a bad Medusa tree.
+            tokenizer differs from the target's, a bad Medusa tree or bad EAGLE tree sizes.
     """
     if kind == "none":
         return NoDrafter()
@@ -56,4 +64,8 @@ def make_drafter(
         from .medusa import read_tree
 
         return MedusaDrafter(medusa_heads, output_head(target), read_tree(medusa_tree))
+    if kind == "eagle":
+        if eagle_head is None:
+            raise ValueError("--drafter eagle needs an EAGLE head: pass --eagle-heads PATH_OR_REPO")
+        return EagleDrafter(eagle_head, target, depth=eagle_depth, top_k=eagle_top_k, total_tokens=eagle_total_tokens)
     raise ValueError(f"unknown drafter {kind!r}; choose one of {', '.join(DRAFTERS)}")

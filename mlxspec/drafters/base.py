@@ -62,10 +62,13 @@ class Drafter(ABC):
     makes_trees: bool = False
     #: Whether the drafter reads the target's final hidden states (head drafters).
     needs_hidden: bool = False
+    #: With ``needs_hidden``: ``()`` = the final normalised hidden state (H wide); layer indices =
+    #: the residual streams entering those decoder layers, concatenated (EAGLE-3: 3 H wide).
+    feature_layers: tuple[int, ...] = ()
 
     def prefill(self, prompt: list[int], hidden: mx.array | None = None) -> None:
-        """Take in the prompt before the first round. ``hidden``: the target's final hidden
-        states for ``prompt[:-1]``, [L - 1, H], when ``needs_hidden``. Default: nothing."""
+        """Take in the prompt before the first round. ``hidden``: the target's features
+        (``feature_layers``) for ``prompt[:-1]``, [L - 1, F], when ``needs_hidden``. Default: nothing."""
 
     @abstractmethod
     def propose(self, history: list[int], num_draft_tokens: int, sampling: SamplingParams) -> Draft:
@@ -74,8 +77,8 @@ class Drafter(ABC):
     def commit(self, num_committed: int, accepted: list[int], hidden: mx.array | None = None) -> None:
         """After verification: ``history`` now has ``num_committed`` tokens; ``accepted``
         lists the draft nodes (0-based, root to leaf) that were kept. ``hidden``: the
-        target's final hidden states at the verified nodes, root first, [N + 1, H], when
-        ``needs_hidden``. Default: nothing."""
+        target's features (``feature_layers``) at the verified nodes, root first, [N + 1, F],
+        when ``needs_hidden``. Default: nothing."""
 
 
 class NoDrafter(Drafter):

@@ -28,6 +28,11 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models import llama
+from mlx_lm.models.cache import KVCache
+
+from ..cache import _TreeRoPE
+from ..tree import Tree
+from .base import Draft, Drafter
 
 #: EAGLE-1/2 and EAGLE-3 draft RoPE base when the head's config has none (heads.md 5.2, pitfall 11).
 DEFAULT_ROPE_THETA = 10000.0
@@ -53,6 +58,8 @@ class EagleConfig:
         norm_before_residual: EAGLE-3 variant whose residual is hidden_norm(h) instead of h.
         aux_layers: EAGLE-3 target layers whose INPUT residual stream is the feature (heads.md 5.1
             convention "input to decoder layer idx"); ``None`` = (2, N // 2, N - 3) for N target layers.
+        draft_tree: The tree this head drafts by default, ``{"depth", "top_k", "total_tokens"}``
+            (any subset; measured by whoever ships the head); flags override it. ``None`` = EAGLE-2's.
     """
 
     hidden_size: int
@@ -70,6 +77,7 @@ class EagleConfig:
     qkv_bias: bool = False
     norm_before_residual: bool = False
     aux_layers: tuple[int, ...] | None = None
+    draft_tree: dict | None = None
 
     def __post_init__(self):
         if self.version not in (1, 3):
@@ -373,6 +381,8 @@ def load_eagle(spec: str | Path, target: nn.Module | None = None, dtype=None) ->
         from .draft_model import logits_width
 
         check_fits(cfg, target.args.hidden_size, logits_width(target), f"EAGLE head {spec}")
+    if cfg.reduced_vocab and "t2d" not in weights and "d2t" in weights:  # speculators drop t2d
+        weights["t2d"] = _t2d_from_d2t(weights["d2t"], cfg.vocab_size)
     head = EagleHead(cfg)
     _check_shapes(head, weights, str(spec))
     if dtype is None:
@@ -382,8 +392,6 @@ def load_eagle(spec: str | Path, target: nn.Module | None = None, dtype=None) ->
         cast["d2t"] = cast["d2t"].astype(mx.int32)
     if "t2d" in cast:
         cast["t2d"] = cast["t2d"].astype(mx.bool_)
-    elif cfg.reduced_vocab:  # speculators drop t2d: rebuild it from d2t
-        cast["t2d"] = _t2d_from_d2t(cast["d2t"], cfg.vocab_size)
     expected = dict(tree_flatten(head.parameters()))
     head.load_weights([(k, v) for k, v in cast.items() if k in expected], strict=True)
     mx.eval(head.parameters())
@@ -446,3 +454,167 @@ def default_eagle_heads(model_name: str) -> Path | None:
 
     folder = models_dir() / "eagle" / model_name
     return folder if (folder / "model.safetensors").is_file() else None
+
+
+# --- the drafter ---------------------------------------------------------------------------
+
+#: EAGLE-2 defaults (heads.md 4.5: the evaluation scripts' ``--total-token 60 --depth 5 --top-k 10``;
+#: EAGLE's ``depth`` counts expansions, so the deepest draft node is at depth 6).
+DEFAULT_DEPTH = 6
+DEFAULT_TOP_K = 10
+DEFAULT_TOTAL_TOKENS = 60
+
+
+class EagleDrafter(Drafter):
+    """EAGLE-2 dynamic draft trees (EAGLE-1/2 or EAGLE-3 head); ``top_k = 1`` drafts a chain.
+
+    Li et al. 2024, EAGLE-2 (arXiv 2406.16858) section 4 (heads.md 4.5): from the draft's
+    output at the root, expand the ``top_k`` best frontier nodes by cumulative draft
+    log-probability, ``depth - 1`` times (the frontier nodes of one step share one draft
+    position and see only their ancestors), rerank all ``top_k + (depth - 1) top_k²``
+    candidates and keep the best ``total_tokens - 1`` as the tree. Children are a deterministic
+    function of the context (``Draft.logprobs = None``), so the engine verifies with the
+    exact one-hot rule (heads.md 2.4): distributed as the target at any temperature, and plain
+    greedy decoding at temperature 0.
+
+    The head's KV cache holds committed draft positions only (heads.md 4.6): each round it takes
+    in the pairs (feature of committed position m, token m + 1) it has not seen, then trims every
+    speculative entry away again. A chain (``top_k = 1``) stays lazy until the engine's one sync;
+    a branching tree needs one host read of the chosen nodes in ``propose`` (the tree's shape
+    depends on draft scores, and the engine builds the tree mask on the host).
+
+    Args:
+        head: A loaded ``EagleHead``.
+        target: The target model (its embedding, LM head and layer count).
+        depth: Deepest draft node (γ); each round uses ``min(depth, num_draft_tokens)``.
+        top_k: Children per expanded node and frontier width; ``1`` = a chain.
+        total_tokens: Nodes per verify forward, the root included (EAGLE's ``total_token``).
+        (Each default: the head's ``config.draft_tree`` entry, else EAGLE-2's ``6``, ``10``, ``60``.)
+
+    Raises:
+        ValueError: on ``depth``, ``top_k`` < 1, ``total_tokens`` < 2, or EAGLE-3 layers the target lacks.
+    """
+
+    name = "eagle"
+    makes_trees = True
+    needs_hidden = True
+
+    def __init__(self, head: EagleHead, target: nn.Module, *, depth: int | None = None,
+                 top_k: int | None = None, total_tokens: int | None = None):
+        from ..taps import _body, output_head
+
+        shipped = head.config.draft_tree or {}
+        depth = depth if depth is not None else shipped.get("depth", DEFAULT_DEPTH)
+        top_k = top_k if top_k is not None else shipped.get("top_k", DEFAULT_TOP_K)
+        total_tokens = total_tokens if total_tokens is not None else shipped.get("total_tokens", DEFAULT_TOTAL_TOKENS)
+        if depth < 1 or top_k < 1 or total_tokens < 2:
+            raise ValueError(f"EAGLE needs depth >= 1, top_k >= 1 and total_tokens >= 2; got depth {depth}, "
+                             f"top_k {top_k}, total_tokens {total_tokens}")
+        self.head, self.depth, self.top_k, self.total_tokens = head, depth, top_k, total_tokens
+        body = _body(target)
+        self.embed, self.lm_head = body.embed_tokens, output_head(target)
+        if head.config.version == 3:
+            self.feature_layers = head.config.resolved_aux_layers(len(body.layers))
+            if not all(0 <= i < len(body.layers) for i in self.feature_layers):
+                raise ValueError(f"the EAGLE-3 head reads layers {list(self.feature_layers)} but the target has "
+                                 f"{len(body.layers)} decoder layers; use a head trained for this target")
+        self.lazy = top_k == 1  # a branching tree reads its shape on the host in propose
+        self.prefill([], None)
+
+    def prefill(self, prompt, hidden=None):
+        self.cache = [KVCache()]
+        # features of committed positions whose (feature, next token) pair is not in the cache yet
+        self._pending = hidden if hidden is not None and hidden.shape[0] > 0 else None
+
+    def commit(self, num_committed, accepted, hidden=None):
+        if hidden is None:
+            return
+        known = self.cache[0].offset + (0 if self._pending is None else self._pending.shape[0])
+        rows = ([0] + [node + 1 for node in accepted])[: max(num_committed - 1 - known, 0)]
+        new = hidden[mx.array(rows)]  # [n, F]: the root's and each accepted node's feature
+        self._pending = new if self._pending is None else mx.concatenate([self._pending, new])
+
+    def _step(self, features: mx.array, tokens: mx.array, mask=None, position: int | None = None) -> mx.array:
+        """Draft layer over [T] nodes into the draft cache; all at ``position`` when given."""
+        cache = self.cache[0]
+        if position is None:
+            return self.head(features[None], tokens[None], self.embed, cache=cache, mask=mask)[0]
+        attention = self.head.attention
+        rope = attention.rope
+        attention.rope = _TreeRoPE(rope, mx.full((tokens.shape[0],), position - cache.offset, dtype=mx.int32))
+        try:
+            return self.head(features[None], tokens[None], self.embed, cache=cache, mask=mask)[0]
+        finally:
+            attention.rope = rope
+
+    def _top(self, hidden: mx.array, k: int) -> tuple[mx.array, mx.array]:
+        """Top-k draft log-probs and target ids of each row: [R, H] -> ([R, k] float32, [R, k] int32), best first."""
+        logits = self.head.logits(hidden, self.lm_head).astype(mx.float32)  # [R, V_draft]
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        ids = mx.argpartition(-logprobs, kth=k - 1, axis=-1)[:, :k] if k < logprobs.shape[-1] else \
+            mx.broadcast_to(mx.arange(logprobs.shape[-1]), logprobs.shape)
+        scores = mx.take_along_axis(logprobs, ids, axis=-1)
+        order = mx.argsort(-scores, axis=-1)
+        ids = mx.take_along_axis(ids, order, axis=-1)
+        return mx.take_along_axis(scores, order, axis=-1), self.head.target_ids(ids).astype(mx.int32)
+
+    def propose(self, history, num_draft_tokens, sampling):
+        depth = min(num_draft_tokens, self.depth)
+        if depth < 1 or self._pending is None:
+            return Draft.empty()
+        n = self._pending.shape[0]
+        out = self._step(self._pending, mx.array(history[-n:], dtype=mx.int32))  # [n, H]
+        self._pending, committed = None, self.cache[0].offset
+        try:
+            scores, ids, parents = self._expand(out[-1], depth, committed)
+        finally:
+            self.cache[0].trim(self.cache[0].offset - committed)  # speculative entries go
+        if self.top_k == 1:  # a chain: no host read needed
+            size = min(depth, self.total_tokens - 1)
+            tokens = ids[:size]
+            mx.async_eval(tokens)
+            return Draft.chain(tokens)
+        return self._rerank(scores, ids, parents)
+
+    def _expand(self, root_out: mx.array, depth: int, committed: int):
+        """The candidate list of heads.md 4.5 step 3: scores [C], target ids [C], parent flat index [C] (-1 = root)."""
+        k = self.top_k
+        scores, ids = self._top(root_out[None], k)  # [1, k]
+        all_scores, all_ids, all_parents = [scores[0]], [ids[0]], [mx.full((k,), -1, dtype=mx.int32)]
+        front_scores, front_ids = scores[0], ids[0]  # [k]
+        front_flat = mx.arange(k, dtype=mx.int32)
+        front_feat = mx.broadcast_to(root_out, (k, root_out.shape[-1]))
+        ancestors = mx.zeros((k, 0), dtype=mx.bool_)  # [k, speculative entries so far]
+        eye = mx.eye(k, dtype=mx.bool_)
+        for step in range(1, depth):
+            mask = mx.concatenate([mx.ones((k, committed), dtype=mx.bool_), ancestors, eye], axis=1)
+            out = self._step(front_feat, front_ids, mask, position=committed + step - 1)  # [k, H]
+            child_scores, child_ids = self._top(out, k)  # [k, k]
+            child_scores = (front_scores[:, None] + child_scores).reshape(-1)  # [k²], cumulative
+            child_ids = child_ids.reshape(-1)
+            all_scores.append(child_scores)
+            all_ids.append(child_ids)
+            all_parents.append(mx.repeat(front_flat, k))
+            best = mx.argpartition(-child_scores, kth=k - 1)[:k] if k > 1 else mx.array([0])
+            parent = best // k  # [k] frontier node each new frontier node grew from
+            ancestors = mx.concatenate([ancestors[parent], eye[parent]], axis=1)
+            front_scores, front_ids, front_feat = child_scores[best], child_ids[best], out[parent]
+            front_flat = (k + (step - 1) * k * k + best).astype(mx.int32)
+        return mx.concatenate(all_scores), mx.concatenate(all_ids), mx.concatenate(all_parents)
+
+    def _rerank(self, scores: mx.array, ids: mx.array, parents: mx.array) -> Draft:
+        """Keep the best ``total_tokens - 1`` candidates as a tree (heads.md 4.5 steps 4-5)."""
+        keep = min(self.total_tokens - 1, scores.shape[0])
+        chosen = mx.argpartition(-scores, kth=keep - 1)[:keep] if keep < scores.shape[0] else mx.arange(keep)
+        chosen = mx.sort(chosen)  # flat order puts parents before children
+        mx.eval(chosen, parents, ids)
+        flat_parents = np.array(parents)
+        index, tree_parents, nodes = {}, [], []
+        for flat in np.array(chosen).tolist():
+            parent = int(flat_parents[flat])
+            if parent >= 0 and parent not in index:  # a tie let a child outrank its parent
+                continue
+            index[flat] = len(nodes)
+            tree_parents.append(index[parent] if parent >= 0 else -1)
+            nodes.append(flat)
+        return Draft(ids[mx.array(nodes)], Tree(tuple(tree_parents)))
