@@ -1,0 +1,445 @@
+"""EAGLE heads: dynamic draft trees, EAGLE-3 features and d2t, the draft KV cache, checkpoint layouts."""
+
+from __future__ import annotations
+
+import json
+import struct
+import sys
+import zipfile
+from collections import Counter
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import KVCache
+
+from conftest import byte_tokenizer, tiny_llama
+from mlxspec import SamplingParams, generate
+from mlxspec.drafters import make_drafter
+from mlxspec.drafters.eagle import EagleConfig, EagleDrafter, EagleHead, load_eagle, save_eagle
+from mlxspec.generate import speculative_rounds
+from mlxspec.metrics import GenerationStats
+from mlxspec.taps import HiddenTap
+from stats import chi_square
+
+PROMPT = [10, 20, 30, 40, 10, 20, 30, 41, 50, 60]
+DRAFT_VOCAB = 100
+AUX = (0, 1, 1)  # the tiny targets have 2 layers
+
+
+def draft_ids(vocab=264, draft_vocab=DRAFT_VOCAB, seed=0) -> np.ndarray:
+    """The sorted target ids of a reduced draft vocabulary (u_0 < u_1 < ..., heads.md 5.4)."""
+    return np.sort(np.random.default_rng(seed).choice(vocab, draft_vocab, replace=False))
+
+
+def random_head(version=1, hidden=64, vocab=264, seed=1, reduced=True, scale=1.0) -> EagleHead:
+    draft_vocab = DRAFT_VOCAB if version == 3 and reduced else None
+    config = EagleConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=vocab, version=version, draft_vocab_size=draft_vocab,
+                         aux_layers=AUX if version == 3 else None)
+    mx.random.seed(seed)
+    head = EagleHead(config)
+    if scale != 1.0:
+        head.fc.weight = scale * head.fc.weight
+    if config.reduced_vocab:
+        ids = draft_ids(vocab)
+        head.d2t = mx.array(ids - np.arange(DRAFT_VOCAB), dtype=mx.int32)
+        head.t2d = mx.array(np.isin(np.arange(vocab), ids))
+    mx.eval(head.parameters())
+    return head
+
+
+CASES = {"eagle2-tree": (1, 4, 4, 16), "eagle2-chain": (1, 1, 5, 60), "eagle3-tree": (3, 4, 4, 16),
+         "eagle3-full-vocab": (3, 3, 3, 10)}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_greedy_eagle_equals_plain_greedy_over_300_tokens(case):
+    version, top_k, depth, total = CASES[case]
+    target, tokenizer = tiny_llama(seed=0, sharpen=4.0), byte_tokenizer()
+    plain = generate(target, tokenizer, PROMPT, drafter="none", max_tokens=300, stop_tokens=set())
+    drafter = EagleDrafter(random_head(version, reduced=case != "eagle3-full-vocab"), target,
+                           depth=depth, top_k=top_k, total_tokens=total)
+    shapes = []
+    propose = drafter.propose
+    drafter.propose = lambda *a: shapes.append((d := propose(*a)).tree) or d
+    spec = generate(target, tokenizer, PROMPT, drafter=drafter, num_draft_tokens=depth, max_tokens=300, stop_tokens=set())
+    assert spec.tokens == plain.tokens
+    assert spec.stats.drafted > 0
+    deepest = max(int(t.depths.max()) for t in shapes)
+    assert deepest == depth if top_k == 1 else 2 <= deepest <= depth
+    assert all(t.size <= total - 1 for t in shapes)
+    assert any(not t.is_chain for t in shapes) == (top_k > 1)
+
+
+# --- the tree matches a plain sequential re-computation ---------------------------------------
+
+
+def _sequential_logprobs(head, target, features, tokens, path_tokens):
+    """Draft log-probs after each prefix of ``path_tokens``, recomputed with no cache and a causal
+    mask over the whole sequence (the tree's shared positions and masks must agree with this)."""
+    embed, lm_head = target.model.embed_tokens, target.lm_head
+    feats = head.fc(features) if head.config.version == 3 else features  # EAGLE-3: the draft's own outputs skip fc
+    toks = list(tokens)
+    out = head(feats[None], mx.array(toks)[None], embed)[0]
+    rows = []
+    for token in [None, *path_tokens]:
+        if token is not None:
+            feats = mx.concatenate([feats, out[-1:]])
+            toks.append(token)
+            out = head(feats[None], mx.array(toks)[None], embed)[0]
+        logits = head.logits(out[-1], lm_head)
+        rows.append(np.array(logits - mx.logsumexp(logits)))
+    return rows
+
+
+@pytest.mark.parametrize("version", [1, 3])
+def test_dynamic_tree_equals_sequential_expansion(version):
+    """Every expanded node's children are its top-k under a from-scratch forward of its path, and
+    the expanded nodes at each depth are the k best by cumulative log-probability (heads.md 4.5)."""
+    target = tiny_llama(seed=0, sharpen=4.0)
+    head, k, depth = random_head(version, scale=4.0), 3, 3
+    drafter = EagleDrafter(head, target, depth=depth, top_k=k, total_tokens=1000)  # keeps every candidate
+    tap = HiddenTap(target, layers=drafter.feature_layers)
+    target(mx.array(PROMPT[:-1])[None])
+    features = tap.features()[0]
+    drafter.prefill(PROMPT, features)
+    draft = drafter.propose(PROMPT, depth, SamplingParams())
+    tree, tokens = draft.tree, draft.tokens.tolist()
+    assert tree.size == k + (depth - 1) * k * k
+    to_draft = {int(t): j for j, t in enumerate(head.target_ids(mx.arange(head.config.draft_vocab_size)).tolist())}
+    score = {0: 0.0}
+    for node in range(tree.size + 1):
+        kids = [c for c in tree.children[node] if c > 0]
+        if not kids:
+            continue
+        path = [tokens[i] for i in tree.path_to(node)]
+        logprobs = _sequential_logprobs(head, target, features, PROMPT[1:], path)[-1]
+        best = np.argsort(-logprobs)[:k]
+        assert sorted(to_draft[tokens[c - 1]] for c in kids) == sorted(best.tolist())
+        for c in kids:
+            score[c] = score[node] + logprobs[to_draft[tokens[c - 1]]]
+    for d in range(1, depth):
+        level = [n for n in range(1, tree.size + 1) if tree.depths[n] == d]
+        expanded = {n for n in level if tree.children[n, 0] > 0}
+        assert expanded == set(sorted(level, key=lambda n: -score[n])[:k])
+    # the drafter kept only the committed positions in its cache
+    assert drafter.cache[0].offset == len(PROMPT) - 1
+
+
+def test_total_tokens_keeps_the_best_connected_subtree():
+    target = tiny_llama(seed=0, sharpen=4.0)
+    drafter = EagleDrafter(random_head(1, scale=4.0), target, depth=4, top_k=4, total_tokens=9)
+    tap = HiddenTap(target)
+    target(mx.array(PROMPT[:-1])[None])
+    drafter.prefill(PROMPT, tap.features()[0])
+    draft = drafter.propose(PROMPT, 4, SamplingParams())
+    assert draft.size == 8 and draft.logprobs is None  # deterministic children: rule 2.4
+    assert all(p < i for i, p in enumerate(draft.tree.parents))
+
+
+# --- exact sampling through the dynamic tree --------------------------------------------------
+
+V = 8
+SAMPLE_PROMPT = [1, 2, 3, 1, 2]
+
+
+def _sample_first_two(target, drafter, params, n=600) -> Counter:
+    """First two tokens of ``n`` runs of 3 tokens: the first round drafts a depth-2 tree."""
+    mx.random.seed(1234)
+    counts = Counter()
+    for _ in range(n):
+        tokens = []
+        for round_ in speculative_rounds(target, SAMPLE_PROMPT, drafter, num_draft_tokens=3, max_tokens=3,
+                                         sampling=params, stop_tokens=set(), stats=GenerationStats()):
+            tokens += round_.tokens
+        counts[tuple(tokens[:2])] += 1
+    return counts
+
+
+@pytest.fixture(scope="module")
+def small_vocab():
+    target = tiny_llama(seed=0, vocab_size=V, sharpen=3.0)
+    drafter = EagleDrafter(random_head(1, vocab=V, seed=5, scale=3.0), target, depth=3, top_k=3, total_tokens=10)
+    return target, drafter
+
+
+def test_sampling_through_the_dynamic_tree_follows_the_target(small_vocab):
+    from test_lossless import exact_joint
+
+    target, drafter = small_vocab
+    params = SamplingParams(temp=1.0)
+    counts = _sample_first_two(target, drafter, params)
+    stat, critical = chi_square(counts, exact_joint(target, params))
+    assert stat < critical, f"chi-square {stat:.1f} >= {critical:.1f}"
+
+
+def test_the_same_test_rejects_a_wrong_tree_rule(small_vocab, monkeypatch):
+    from test_lossless import _without_residual, exact_joint
+
+    engine = sys.modules["mlxspec.generate"]
+    monkeypatch.setattr(engine, "verify_deterministic", _without_residual(engine.verify_deterministic))
+    target, drafter = small_vocab
+    params = SamplingParams(temp=1.0)
+    stat, critical = chi_square(_sample_first_two(target, drafter, params), exact_joint(target, params))
+    assert stat > critical
+
+
+# --- EAGLE-3 features, d2t, layer taps ----------------------------------------------------------
+
+
+def test_d2t_is_an_offset_not_an_absolute_id():
+    head = random_head(3)
+    ids = draft_ids()
+    assert head.target_ids(mx.arange(DRAFT_VOCAB)).tolist() == ids.tolist()
+    assert np.mean(np.array(head.d2t) == ids) < 0.1  # the absolute reading names other tokens
+    target = tiny_llama(seed=0, sharpen=4.0)
+    drafter = EagleDrafter(head, target, depth=3, top_k=4, total_tokens=30)
+    tap = HiddenTap(target, layers=drafter.feature_layers)
+    target(mx.array(PROMPT[:-1])[None])
+    drafter.prefill(PROMPT, tap.features()[0])
+    drafted = set(drafter.propose(PROMPT, 3, SamplingParams()).tokens.tolist())
+    assert drafted <= set(ids.tolist())  # every draft lies in the draft vocabulary (t2d)
+    drafter.prefill(PROMPT, tap.features()[0])
+    head.target_ids = lambda draft: head.d2t[draft]  # the known bug
+    wrong = set(drafter.propose(PROMPT, 3, SamplingParams()).tokens.tolist())
+    assert not wrong <= set(ids.tolist())
+
+
+def test_layer_taps_read_the_input_of_each_layer():
+    target = tiny_llama(seed=0, num_layers=4)
+    x = mx.array(PROMPT)[None]
+    tap = HiddenTap(target, layers=(2, 0, 3))
+    target(x)
+    h, states = target.model.embed_tokens(x), []
+    for layer in target.model.layers:
+        states.append(h)  # the residual stream entering this layer
+        h = layer(h, "causal", None)
+    assert mx.allclose(tap.layer_input(2), states[2]).item()
+    assert not mx.allclose(tap.layer_input(2), states[3]).item()  # not the output of layer 2
+    assert mx.allclose(tap.features(), mx.concatenate([states[2], states[0], states[3]], axis=-1)).item()
+    with pytest.raises(ValueError, match="has 4 decoder layers"):
+        HiddenTap(target, layers=(4,))
+
+
+def test_aux_layer_conventions():
+    base = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, vocab_size=264, draft_vocab_size=100)
+    assert EagleConfig.from_dict(base).resolved_aux_layers(32) == (2, 16, 29)  # EAGLE: inputs of 2, N//2, N-3
+    # speculators/SpecForge ids count layer OUTPUTS: the output of layer i is the input of i + 1
+    speculators = {**base, "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 15, 28]}}
+    assert EagleConfig.from_dict(speculators).resolved_aux_layers(32) == (2, 16, 29)
+    assert EagleConfig.from_dict({**base, "aux_layers": [3, 5, 7]}).resolved_aux_layers(32) == (3, 5, 7)
+    assert EagleConfig.from_dict(base).rope_theta == 10000  # never the target's RoPE base
+
+
+def test_engine_hands_eagle3_the_concatenated_layer_inputs():
+    target, tokenizer = tiny_llama(seed=0, sharpen=4.0), byte_tokenizer()
+    drafter = EagleDrafter(random_head(3), target, depth=2, top_k=2, total_tokens=5)
+    seen = {}
+    prefill = drafter.prefill
+    drafter.prefill = lambda prompt, hidden=None: seen.setdefault("hidden", hidden) is None or prefill(prompt, hidden)
+    generate(target, tokenizer, PROMPT, drafter=drafter, num_draft_tokens=2, max_tokens=4, stop_tokens=set())
+    x, h, states = mx.array(PROMPT[:-1])[None], None, []
+    h = target.model.embed_tokens(x)
+    for layer in target.model.layers:
+        states.append(h)
+        h = layer(h, "causal", None)
+    expected = mx.concatenate([states[i] for i in AUX], axis=-1)[0]  # [L - 1, 3H]
+    assert seen["hidden"].shape == (len(PROMPT) - 1, 3 * 64)
+    assert mx.allclose(seen["hidden"], expected, atol=1e-5).item()
+
+
+# --- the draft KV cache -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("version,top_k", [(1, 4), (3, 3), (1, 1)])
+def test_draft_cache_after_rejections_equals_one_rebuilt_from_the_committed_prefix(version, top_k):
+    target, tokenizer = tiny_llama(seed=0, sharpen=4.0), byte_tokenizer()
+    head = random_head(version, scale=4.0)
+    drafter = EagleDrafter(head, target, depth=4, top_k=top_k, total_tokens=12)
+    result = generate(target, tokenizer, PROMPT, drafter=drafter, num_draft_tokens=4, max_tokens=60,
+                      stop_tokens=set(), sampling=SamplingParams(temp=0.8), seed=3)
+    assert result.stats.accepted < result.stats.drafted  # there were rejections
+    history = PROMPT + result.tokens
+    tap = HiddenTap(target, layers=drafter.feature_layers)
+    target(mx.array(history[:-1])[None])
+    cache = drafter.cache[0]
+    n = cache.offset
+    assert 1 <= len(history) - 1 - n <= 4 + 1  # only the last round's committed features wait outside
+    rebuilt = KVCache()
+    head(tap.features()[:, :n], mx.array(history[1 : n + 1])[None], target.model.embed_tokens, cache=rebuilt)
+    assert rebuilt.offset == n
+    assert mx.allclose(cache.keys[..., :n, :], rebuilt.keys[..., :n, :], atol=1e-4).item()
+    assert mx.allclose(cache.values[..., :n, :], rebuilt.values[..., :n, :], atol=1e-4).item()
+
+
+# --- checkpoint layouts -------------------------------------------------------------------------
+
+
+def _params(head) -> dict:
+    return dict(tree_flatten(head.parameters()))
+
+
+def _same(a, b) -> bool:
+    pa, pb = _params(a), _params(b)
+    return pa.keys() == pb.keys() and all(mx.allclose(pa[k].astype(mx.float32), pb[k].astype(mx.float32),
+                                                      atol=1e-3).item() for k in pa)
+
+
+LLAMA_FIELDS = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_hidden_layers": 1,
+                "rms_norm_eps": 1e-6, "vocab_size": 264, "max_position_embeddings": 2048, "architectures": ["LlamaForCausalLM"]}
+
+
+def test_eagle1_vicuna_layout_with_defaults_and_embeddings(tmp_path):
+    """Vicuna-style: no num_key_value_heads, rope_theta or bias in config.json; fc.bias, embed_tokens; float16."""
+    head = EagleHead(EagleConfig(64, 128, 4, 264, version=1))
+    mx.eval(head.parameters())
+    weights = {k: v.astype(mx.float16) for k, v in _params(head).items()}
+    weights["embed_tokens.weight"] = mx.zeros((264, 64), dtype=mx.float16)
+    assert "fc.bias" in weights and "layers.0.input_layernorm.weight" not in weights
+    mx.save_safetensors(str(tmp_path / "model.safetensors"), weights)
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_FIELDS))
+    loaded = load_eagle(tmp_path, tiny_llama())
+    assert loaded.config.version == 1 and loaded.config.bias and loaded.config.num_key_value_heads == 4
+    assert loaded.attention.rope.base == 10000 and loaded.fc.weight.dtype == mx.float32
+    assert _same(head, loaded)
+
+
+def test_eagle1_llama3_layout_without_fc_bias(tmp_path):
+    config = EagleConfig(64, 128, 4, 264, version=1, num_key_value_heads=2, bias=False, rope_theta=500000.0)
+    head = EagleHead(config)
+    mx.eval(head.parameters())
+    mx.save_safetensors(str(tmp_path / "model.safetensors"), _params(head))
+    (tmp_path / "config.json").write_text(json.dumps({**LLAMA_FIELDS, "num_key_value_heads": 2, "bias": False,
+                                                      "rope_theta": 500000.0}))
+    loaded = load_eagle(tmp_path, tiny_llama())
+    assert not loaded.config.bias and "bias" not in loaded.fc and loaded.attention.rope.base == 500000.0
+    assert _same(head, loaded)
+
+
+def test_eagle3_official_layout(tmp_path):
+    head = random_head(3)
+    weights = _params(head) | {"d2t": head.d2t.astype(mx.int64), "t2d": head.t2d}
+    assert {"midlayer.hidden_norm.weight", "midlayer.input_layernorm.weight", "norm.weight", "lm_head.weight",
+            "fc.weight"} <= weights.keys()
+    assert weights["midlayer.self_attn.q_proj.weight"].shape == (64, 128)  # 2H attention input
+    mx.save_safetensors(str(tmp_path / "model.safetensors"), weights)
+    (tmp_path / "config.json").write_text(json.dumps({**LLAMA_FIELDS, "architectures": ["LlamaForCausalLMEagle3"],
+                                                      "num_key_value_heads": 2, "draft_vocab_size": DRAFT_VOCAB}))
+    loaded = load_eagle(tmp_path, tiny_llama())
+    assert loaded.config.version == 3 and loaded.config.draft_vocab_size == DRAFT_VOCAB
+    assert loaded.attention.rope.base == 10000 and loaded.d2t.dtype == mx.int32
+    assert _same(head, loaded)
+
+
+def test_speculators_layout(tmp_path):
+    """vLLM/speculators: layers.0.* for the midlayer, draft_id_to_target_id (an offset), no t2d,
+    nested transformer_layer_config, aux layer ids counted as layer outputs."""
+    head = random_head(3)
+    weights = {k.replace("midlayer.", "layers.0."): v for k, v in _params(head).items() if k not in ("d2t", "t2d")}
+    weights["draft_id_to_target_id"] = head.d2t.astype(mx.int64)
+    mx.save_safetensors(str(tmp_path / "model.safetensors"), weights)
+    config = {"architectures": ["Eagle3Speculator"], "draft_vocab_size": DRAFT_VOCAB,
+              "transformer_layer_config": {**LLAMA_FIELDS, "num_key_value_heads": 2},
+              "eagle_config": {"eagle_aux_hidden_state_layer_ids": [-1, 0, 0]}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    loaded = load_eagle(tmp_path, tiny_llama())
+    assert loaded.config.aux_layers == AUX
+    assert mx.array_equal(loaded.t2d, head.t2d).item()  # rebuilt from the offsets
+    assert _same(head, loaded)
+
+
+def _torch_bin(path, weights: dict):
+    """A torch.save-style zip (protocol-2 ``data.pkl``, one float32 storage per tensor) written by hand."""
+
+    def text(s):
+        return b"X" + struct.pack("<I", len(s.encode())) + s.encode()
+
+    def ints(values):
+        return b"(" + b"".join(b"J" + struct.pack("<i", v) for v in values) + b"t"
+
+    def glob(module, name):
+        return b"c" + f"{module}\n{name}\n".encode()
+
+    entries, storages = [], {}
+    for i, (name, value) in enumerate(weights.items()):
+        array = np.ascontiguousarray(np.array(value, dtype=np.float32))
+        strides = [int(s // 4) for s in array.strides]
+        pid = b"(" + text("storage") + glob("torch", "FloatStorage") + text(str(i)) + text("cpu") \
+            + b"J" + struct.pack("<i", array.size) + b"t"
+        tensor = glob("torch._utils", "_rebuild_tensor_v2") + b"(" + pid + b"Q" + b"K\x00" + ints(array.shape) \
+            + ints(strides) + b"\x89" + glob("collections", "OrderedDict") + b")R" + b"tR"
+        entries.append(text(name) + tensor)
+        storages[str(i)] = array.tobytes()
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("archive/data.pkl", b"\x80\x02}(" + b"".join(entries) + b"u.")
+        z.writestr("archive/byteorder", "little")
+        for key, data in storages.items():
+            z.writestr(f"archive/data/{key}", data)
+
+
+def test_torch_bin_through_the_weights_only_reader(tmp_path):
+    head = EagleHead(EagleConfig(64, 128, 4, 264, version=1))
+    mx.eval(head.parameters())
+    _torch_bin(tmp_path / "pytorch_model.bin", _params(head))
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_FIELDS))
+    assert _same(head, load_eagle(tmp_path, tiny_llama()))
+
+
+@pytest.mark.parametrize("version", [1, 3])
+def test_save_and_load_round_trip(tmp_path, version):
+    head = random_head(version)
+    save_eagle(head, tmp_path)
+    stored = mx.load(str(tmp_path / "model.safetensors"))
+    assert set(stored) == set(_params(head))
+    if version == 3:
+        assert stored["d2t"].dtype == mx.int64 and stored["t2d"].dtype == mx.bool_
+    loaded = load_eagle(tmp_path, tiny_llama())
+    assert loaded.config == head.config and _same(head, loaded)
+
+
+def test_heads_that_do_not_fit_are_refused(tmp_path):
+    save_eagle(random_head(1), tmp_path / "v1")
+    with pytest.raises(ValueError, match="hidden size 64 but the target's hidden size is 32"):
+        load_eagle(tmp_path / "v1", tiny_llama(hidden_size=32))
+    with pytest.raises(ValueError, match="vocabulary 264 but the target's is 300"):
+        load_eagle(tmp_path / "v1", tiny_llama(vocab_size=300))
+    config = json.loads((tmp_path / "v1" / "config.json").read_text())
+    (tmp_path / "v1" / "config.json").write_text(json.dumps({**config, "intermediate_size": 96}))
+    with pytest.raises(ValueError, match=r"layers.0.mlp.*shape \(128, 64\) but its config.json implies \(96, 64\)"):
+        load_eagle(tmp_path / "v1", tiny_llama())
+    save_eagle(random_head(3), tmp_path / "v3")
+    (tmp_path / "v3" / "config.json").write_text(json.dumps({**json.loads((tmp_path / "v3" / "config.json")
+                                                                          .read_text()), "aux_layers": [0, 1, 5]}))
+    with pytest.raises(ValueError, match="reads layers \\[0, 1, 5\\] but the target has 2 decoder layers"):
+        make_drafter("eagle", target=tiny_llama(), eagle_head=load_eagle(tmp_path / "v3", tiny_llama()))
+    with pytest.raises(FileNotFoundError, match="no EAGLE weights"):
+        load_eagle(tmp_path, tiny_llama())
+    mx.save_safetensors(str(tmp_path / "model.safetensors"), {"x": mx.zeros(3)})
+    with pytest.raises(ValueError, match="not an EAGLE head"):
+        load_eagle(tmp_path, tiny_llama())
+    with pytest.raises(ValueError, match="needs an EAGLE head"):
+        make_drafter("eagle", target=tiny_llama())
+    with pytest.raises(ValueError, match="top_k >= 1"):
+        EagleDrafter(random_head(1), tiny_llama(), top_k=0)
+
+
+# --- command line ------------------------------------------------------------------------------
+
+
+def test_eagle_from_the_command_line(capsys, tmp_path, tiny_model_dir):
+    from mlxspec.cli import main
+
+    save_eagle(random_head(1), tmp_path / "head")
+    base = ["generate", "--model", str(tiny_model_dir), "--prompt", "hello", "--max-tokens", "12", "--drafter", "eagle"]
+    code = main([*base, "--eagle-heads", str(tmp_path / "head"), "--eagle-top-k", "3", "--eagle-depth", "3",
+                 "--eagle-total-tokens", "8", "--json"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    record = json.loads(out)
+    assert record["drafter"] == "eagle" and record["generation_tokens"] == 12 and record["num_draft_tokens"] == 3
+    code = main([*base, "--eagle-heads", str(tmp_path / "head"), "--eagle-top-k", "0"])
+    assert code == 2 and "--eagle-top-k must be >= 1" in capsys.readouterr().err
+    code = main([*base, "--eagle-heads", str(tmp_path / "nowhere")])
+    assert code == 2 and "no such EAGLE head" in capsys.readouterr().err
