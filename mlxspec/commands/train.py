@@ -43,6 +43,12 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         "corpus", help="the target's own greedy answers + features, for training heads and drafts",
         description="Answer training prompts greedily with the target (batched) and store its hidden "
                     "states, layer features and top-k log-probabilities; run again to resume."))
+    from .train_eagle import eagle_flags
+
+    eagle_flags(sub.add_parser(
+        "eagle", help="an EAGLE-1 or EAGLE-3 head on the frozen target, from a corpus",
+        description="Train an EAGLE-1 or EAGLE-3 draft head on a self-distillation corpus "
+                    "(mlxspec train corpus); run the same command again to resume."))
     _measure_flags(sub.add_parser(
         "measure", help="τ, acceptance and tokens/s of drafters on held-out prompts",
         description="Run prompts with plain decoding and each drafter configuration (float32 target); "
@@ -149,6 +155,10 @@ def main(argv: list[str] | None = None) -> int:
             from .corpus import run_corpus
 
             return run_corpus(args)
+        if args.method == "eagle":
+            from .train_eagle import run_eagle
+
+            return run_eagle(args)
         return run_medusa(args) if args.method == "medusa" else run_measure(args)
     except USER_ERRORS as e:
         return fail(str(e))
