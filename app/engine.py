@@ -57,6 +57,8 @@ class EngineConfig:
         seed: Seed for ``mx.random`` before each answer, or ``None``.
         medusa_heads: Medusa heads spec, or ``None`` for the heads shipped for the target.
         medusa_tree: Medusa tree preset or JSON file.
+        eagle_heads: EAGLE head spec, or ``None`` for the head shipped for the target.
+        eagle_depth, eagle_top_k, eagle_total_tokens: EAGLE tree size; ``None`` = the head's or EAGLE-2's.
         typical: ``(threshold, alpha)`` for the LOSSY typical acceptance, or ``None``.
     """
 
@@ -73,6 +75,10 @@ class EngineConfig:
     seed: int | None = None
     medusa_heads: str | None = None
     medusa_tree: str = "mc_sim_7b_63"
+    eagle_heads: str | None = None
+    eagle_depth: int | None = None
+    eagle_top_k: int | None = None
+    eagle_total_tokens: int | None = None
     typical: tuple[float, float] | None = None
 
     @property
@@ -318,14 +324,18 @@ class Engine:
             state.draft_name = describe(spec, state.draft_model)
 
     def _make_drafter(self, kind: str, state: _Loaded):
-        from mlxspec.commands.common import load_heads
+        from mlxspec.commands.common import load_eagle_head, load_heads
         from mlxspec.drafters import make_drafter
 
-        heads = load_heads(self.config.medusa_heads, state.model, state.model_name) if kind == "medusa" else None
+        c = self.config
+        heads = load_heads(c.medusa_heads, state.model, state.model_name) if kind == "medusa" else None
+        eagle = load_eagle_head(c.eagle_heads, state.model, state.model_name) if kind == "eagle" else None
         return make_drafter(kind, target=state.model, tokenizer=state.tokenizer,
                             draft_model=state.draft_model, draft_tokenizer=state.draft_tokenizer,
-                            min_ngram=self.config.min_ngram, max_ngram=self.config.max_ngram,
-                            medusa_heads=heads, medusa_tree=self.config.medusa_tree)
+                            min_ngram=c.min_ngram, max_ngram=c.max_ngram,
+                            medusa_heads=heads, medusa_tree=c.medusa_tree, eagle_head=eagle,
+                            eagle_depth=c.eagle_depth, eagle_top_k=c.eagle_top_k,
+                            eagle_total_tokens=c.eagle_total_tokens)
 
     def _info(self) -> EngineInfo:
         s = self._state

@@ -443,3 +443,18 @@ def test_eagle_from_the_command_line(capsys, tmp_path, tiny_model_dir):
     assert code == 2 and "--eagle-top-k must be >= 1" in capsys.readouterr().err
     code = main([*base, "--eagle-heads", str(tmp_path / "nowhere")])
     assert code == 2 and "no such EAGLE head" in capsys.readouterr().err
+
+
+def test_chat_takes_the_eagle_flags(tmp_path, tiny_model_dir):
+    from types import SimpleNamespace
+
+    from app.engine import Engine
+    from mlxspec.commands import chat
+
+    save_eagle(random_head(1), tmp_path / "head")
+    args = chat.setup_arg_parser().parse_args(["--model", str(tiny_model_dir), "--drafter", "eagle", "--eagle-heads",
+                                               str(tmp_path / "head"), "--eagle-top-k", "2", "--eagle-depth", "3"])
+    state = SimpleNamespace(model=tiny_llama(), tokenizer=byte_tokenizer(), model_name="tiny", draft_model=None,
+                            draft_tokenizer=None)
+    drafter = Engine(chat.engine_config(args))._make_drafter("eagle", state)
+    assert isinstance(drafter, EagleDrafter) and (drafter.top_k, drafter.depth, drafter.total_tokens) == (2, 3, 60)

@@ -37,7 +37,8 @@ def engine_config(args: argparse.Namespace):
         num_draft_tokens=args.num_draft_tokens, dtype=args.dtype, draft_dtype=args.draft_dtype,
         min_ngram=args.ngram_min, max_ngram=args.ngram_max, sampling=sampling_from_args(args),
         max_tokens=args.max_tokens, seed=args.seed, medusa_heads=args.medusa_heads,
-        medusa_tree=args.medusa_tree, typical=typical_from_args(args),
+        medusa_tree=args.medusa_tree, typical=typical_from_args(args), eagle_heads=args.eagle_heads,
+        eagle_depth=args.eagle_depth, eagle_top_k=args.eagle_top_k, eagle_total_tokens=args.eagle_total_tokens,
     )
 
 
