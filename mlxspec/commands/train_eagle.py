@@ -48,6 +48,9 @@ def eagle_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--noise", type=float, default=d.noise,
                    help=f"EAGLE-1: uniform feature noise scale (0: none). Default: {d.noise:g}")
     p.add_argument("--epochs", type=int, default=d.epochs, help=f"passes over the corpus. Default: {d.epochs}")
+    p.add_argument("--max-steps", type=int, default=d.max_steps,
+                   help="stop after this many steps in all (the last epoch ends early; the learning-rate "
+                        "schedule spans these steps); 0: no cap. Default: 0")
     p.add_argument("--batch-tokens", type=int, default=d.batch_tokens,
                    help=f"padded tokens per step (whole examples of similar length). Default: {d.batch_tokens}")
     p.add_argument("--max-seq-length", type=int, default=d.max_seq_length,
@@ -75,7 +78,7 @@ def _config(args):
     return EagleTrainConfig(
         version=args.version, draft_vocab_size=args.draft_vocab_size, ttt_steps=args.ttt_steps,
         eval_steps=args.eval_steps, step_decay=args.step_decay, ce_weight=args.ce_weight, noise=args.noise,
-        epochs=args.epochs, batch_tokens=args.batch_tokens, max_seq_length=args.max_seq_length,
+        epochs=args.epochs, max_steps=args.max_steps, batch_tokens=args.batch_tokens, max_seq_length=args.max_seq_length,
         learning_rate=args.learning_rate, warmup_steps=args.warmup_steps, weight_decay=args.weight_decay,
         grad_clip=args.grad_clip, seed=args.seed, save_every=args.save_every,
         max_eval_positions=args.eval_positions, save_dtype=args.save_dtype)

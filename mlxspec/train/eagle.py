@@ -52,7 +52,7 @@ STATE = "trainer_state.json"
 OPTIMIZER = "optimizer.safetensors"
 VERSIONS = (1, 3)
 #: Settings that must match to resume a run.
-RESUME_KEYS = ("version", "draft_vocab_size", "ttt_steps", "batch_tokens", "max_seq_length", "seed")
+RESUME_KEYS = ("version", "draft_vocab_size", "ttt_steps", "batch_tokens", "max_seq_length", "seed", "max_steps")
 #: Length buckets (tokens) used to group examples of similar length into a batch.
 LENGTH_BUCKET = 16
 
@@ -72,6 +72,8 @@ class EagleTrainConfig:
         ce_weight: Weight of the soft cross-entropy next to the feature regression (EAGLE-1: 0.1).
         noise: Scale of EAGLE-1's uniform feature noise (0.2 in the reference; 0 disables).
         epochs: Passes over the training examples.
+        max_steps: Stop after this many optimiser steps in all (the last epoch ends early, is
+            scored and saved as usual; the learning-rate schedule spans these steps); 0 = no cap.
         batch_tokens: Padded tokens per batch (examples x longest example).
         max_seq_length: Examples are cut to this many tokens.
         learning_rate: Peak AdamW learning rate.
@@ -92,6 +94,7 @@ class EagleTrainConfig:
     ce_weight: float = 0.1
     noise: float = 0.2
     epochs: int = 1
+    max_steps: int = 0
     batch_tokens: int = 4096
     max_seq_length: int = 1024
     learning_rate: float = 5e-4
@@ -113,6 +116,8 @@ class EagleTrainConfig:
             raise ValueError(f"max-seq-length must be >= 3, got {self.max_seq_length}")
         if self.learning_rate <= 0:
             raise ValueError(f"learning-rate must be > 0, got {self.learning_rate}")
+        if self.max_steps < 0:
+            raise ValueError(f"max-steps must be >= 0, got {self.max_steps}")
         if self.draft_vocab_size < 0:
             raise ValueError(f"draft-vocab-size must be >= 0, got {self.draft_vocab_size}")
 
@@ -732,7 +737,7 @@ def train_eagle(target: nn.Module, train: FeatureCache, heldout: FeatureCache | 
     output = Path(output)
     embed = _body(target).embed_tokens
     lm_weight = lm_head_matrix(target) if config.version == 1 else None
-    plans = [plan_epoch(train, config, epoch=e) for e in range(config.epochs)]
+    plans = _plans(train, config)
     state, head, optimizer = _start(target, train, output, config, resume, sum(map(len, plans)))
     to_draft = target_to_draft(np.array(head.d2t), head.config.vocab_size) if head.config.reduced_vocab else None
     score = lambda: evaluate(head, embed, heldout, config, lm_weight=lm_weight, to_draft=to_draft)  # noqa: E731
@@ -743,6 +748,8 @@ def train_eagle(target: nn.Module, train: FeatureCache, heldout: FeatureCache | 
     step = _step_function(head, optimizer, embed, lm_weight, config)
     for epoch in range(state.epoch, config.epochs):
         losses, plan = [], plans[epoch]
+        if not plan:  # max_steps reached in an earlier epoch
+            break
         for i, batch in enumerate(sequence_batches(train, plan, config, to_draft, start=state.step), state.step):
             t0 = time.perf_counter()
             key = mx.random.key(config.seed * 1_000_003 + state.global_step)
@@ -754,6 +761,16 @@ def train_eagle(target: nn.Module, train: FeatureCache, heldout: FeatureCache | 
             yield EagleStepRecord(epoch, i + 1, len(plan), loss, per_step, regression, batch.positions,
                                   batch.tokens_padded, time.perf_counter() - t0)
         yield _end_epoch(epoch, losses, head, optimizer, heldout, output, config, state, score)
+
+
+def _plans(train: FeatureCache, config: EagleTrainConfig) -> list[list]:
+    """Each epoch's batches, cut so that there are at most ``max_steps`` in all."""
+    plans, left = [], config.max_steps or None
+    for epoch in range(config.epochs):
+        plan = plan_epoch(train, config, epoch=epoch)
+        plans.append(plan if left is None else plan[:left])
+        left = None if left is None else left - len(plans[-1])
+    return plans
 
 
 def _step_function(head, optimizer, embed, lm_weight, config: EagleTrainConfig):
