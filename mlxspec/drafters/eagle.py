@@ -548,15 +548,19 @@ class EagleDrafter(Drafter):
             attention.rope = rope
 
     def _top(self, hidden: mx.array, k: int) -> tuple[mx.array, mx.array]:
-        """Top-k draft log-probs and target ids of each row: [R, H] -> ([R, k] float32, [R, k] int32), best first."""
+        """Top-k draft log-probs and target ids of each row: [R, H] -> ([R, k] float32, [R, k] int32), best first.
+
+        The ids come from the logits alone, so a chain (which never reads the scores) skips the
+        normalisation over the vocabulary."""
         logits = self.head.logits(hidden, self.lm_head).astype(mx.float32)  # [R, V_draft]
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        ids = mx.argpartition(-logprobs, kth=k - 1, axis=-1)[:, :k] if k < logprobs.shape[-1] else \
-            mx.broadcast_to(mx.arange(logprobs.shape[-1]), logprobs.shape)
-        scores = mx.take_along_axis(logprobs, ids, axis=-1)
-        order = mx.argsort(-scores, axis=-1)
-        ids = mx.take_along_axis(ids, order, axis=-1)
-        return mx.take_along_axis(scores, order, axis=-1), self.head.target_ids(ids).astype(mx.int32)
+        if k == 1:
+            ids = mx.argmax(logits, axis=-1, keepdims=True)
+        else:
+            ids = mx.argpartition(-logits, kth=k - 1, axis=-1)[:, :k] if k < logits.shape[-1] else \
+                mx.broadcast_to(mx.arange(logits.shape[-1]), logits.shape)
+            ids = mx.take_along_axis(ids, mx.argsort(-mx.take_along_axis(logits, ids, axis=-1), axis=-1), axis=-1)
+        scores = mx.take_along_axis(logits, ids, axis=-1) - mx.logsumexp(logits, axis=-1, keepdims=True)
+        return scores, self.head.target_ids(ids).astype(mx.int32)
 
     def propose(self, history, num_draft_tokens, sampling):
         depth = min(num_draft_tokens, self.depth)
