@@ -58,7 +58,7 @@ class EngineConfig:
         medusa_heads: Medusa heads spec, or ``None`` for the heads shipped for the target.
         medusa_tree: Medusa tree preset or JSON file.
         eagle_heads: EAGLE head spec, or ``None`` for the head shipped for the target.
-        eagle_depth, eagle_top_k, eagle_total_tokens: EAGLE tree size; ``None`` = the head's or EAGLE-2's.
+        eagle_depth, eagle_top_k, eagle_total_tokens, eagle_tree: EAGLE tree; ``None`` = the head's or EAGLE-2's.
         typical: ``(threshold, alpha)`` for the LOSSY typical acceptance, or ``None``.
     """
 
@@ -79,6 +79,7 @@ class EngineConfig:
     eagle_depth: int | None = None
     eagle_top_k: int | None = None
     eagle_total_tokens: int | None = None
+    eagle_tree: str | None = None
     typical: tuple[float, float] | None = None
 
     @property
@@ -335,7 +336,7 @@ class Engine:
                             min_ngram=c.min_ngram, max_ngram=c.max_ngram,
                             medusa_heads=heads, medusa_tree=c.medusa_tree, eagle_head=eagle,
                             eagle_depth=c.eagle_depth, eagle_top_k=c.eagle_top_k,
-                            eagle_total_tokens=c.eagle_total_tokens)
+                            eagle_total_tokens=c.eagle_total_tokens, eagle_tree=c.eagle_tree)
 
     def _info(self) -> EngineInfo:
         s = self._state

@@ -51,7 +51,7 @@ def random_head(version=1, hidden=64, vocab=264, seed=1, reduced=True, scale=1.0
 
 
 CASES = {"eagle2-tree": (1, 4, 4, 16), "eagle2-chain": (1, 1, 5, 60), "eagle3-tree": (3, 4, 4, 16),
-         "eagle3-full-vocab": (3, 3, 3, 10)}
+         "eagle3-full-vocab": (3, 3, 3, 10), "eagle1-static": (1, 4, 5, 26)}
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -60,7 +60,8 @@ def test_greedy_eagle_equals_plain_greedy_over_300_tokens(case):
     target, tokenizer = tiny_llama(seed=0, sharpen=4.0), byte_tokenizer()
     plain = generate(target, tokenizer, PROMPT, drafter="none", max_tokens=300, stop_tokens=set())
     drafter = EagleDrafter(random_head(version, reduced=case != "eagle3-full-vocab"), target,
-                           depth=depth, top_k=top_k, total_tokens=total)
+                           depth=depth, top_k=top_k, total_tokens=total,
+                           tree="eagle1_25" if case == "eagle1-static" else None)
     shapes = []
     propose = drafter.propose
     drafter.propose = lambda *a: shapes.append((d := propose(*a)).tree) or d
@@ -68,7 +69,7 @@ def test_greedy_eagle_equals_plain_greedy_over_300_tokens(case):
     assert spec.tokens == plain.tokens
     assert spec.stats.drafted > 0
     deepest = max(int(t.depths.max()) for t in shapes)
-    assert deepest == depth if top_k == 1 else 2 <= deepest <= depth
+    assert deepest == depth if top_k == 1 or drafter.choices else 2 <= deepest <= depth
     assert all(t.size <= total - 1 for t in shapes)
     assert any(not t.is_chain for t in shapes) == (top_k > 1)
 
@@ -125,6 +126,33 @@ def test_dynamic_tree_equals_sequential_expansion(version):
         expanded = {n for n in level if tree.children[n, 0] > 0}
         assert expanded == set(sorted(level, key=lambda n: -score[n])[:k])
     # the drafter kept only the committed positions in its cache
+    assert drafter.cache[0].offset == len(PROMPT) - 1
+
+
+@pytest.mark.parametrize("version", [1, 3])
+def test_static_tree_equals_sequential_ranks(version):
+    """EAGLE-1's static tree: node [r0, ..., rd] is the rd-th best child of node [r0, ..., rd-1]
+    under a from-scratch forward of its path (ranks at the parent, heads.md 4.4)."""
+    from mlxspec.drafters.eagle import EAGLE1_TREE
+    from mlxspec.drafters.medusa import tree_from_choices
+
+    target = tiny_llama(seed=0, sharpen=4.0)
+    head = random_head(version, scale=4.0)
+    drafter = EagleDrafter(head, target, tree="eagle1_25")
+    assert drafter.depth == 5 and drafter.lazy
+    tap = HiddenTap(target, layers=drafter.feature_layers)
+    target(mx.array(PROMPT[:-1])[None])
+    features = tap.features()[0]
+    drafter.prefill(PROMPT, features)
+    draft = drafter.propose(PROMPT, 5, SamplingParams())
+    tree, _, ranks = tree_from_choices(EAGLE1_TREE, 5)
+    assert draft.tree == tree and draft.size == 25 and draft.logprobs is None
+    tokens = draft.tokens.tolist()
+    to_draft = {int(t): j for j, t in enumerate(head.target_ids(mx.arange(head.config.draft_vocab_size)).tolist())}
+    for node in range(tree.size):
+        parent_path = [tokens[i] for i in tree.path_to(node + 1)][:-1]
+        logprobs = _sequential_logprobs(head, target, features, PROMPT[1:], parent_path)[-1]
+        assert to_draft[tokens[node]] == int(np.argsort(-logprobs)[ranks[node]])
     assert drafter.cache[0].offset == len(PROMPT) - 1
 
 
@@ -443,6 +471,12 @@ def test_eagle_from_the_command_line(capsys, tmp_path, tiny_model_dir):
     assert code == 2 and "--eagle-top-k must be >= 1" in capsys.readouterr().err
     code = main([*base, "--eagle-heads", str(tmp_path / "nowhere")])
     assert code == 2 and "no such EAGLE head" in capsys.readouterr().err
+    code = main([*base, "--eagle-heads", str(tmp_path / "head"), "--eagle-tree", "nope"])
+    assert code == 2 and "unknown EAGLE tree 'nope'" in capsys.readouterr().err
+    (tmp_path / "tree.json").write_text("[[0], [1], [0, 0]]")
+    code = main([*base, "--eagle-heads", str(tmp_path / "head"), "--eagle-tree", str(tmp_path / "tree.json"), "--json"])
+    out, err = capsys.readouterr()
+    assert code == 0 and json.loads(out)["num_draft_tokens"] == 2, err
 
 
 def test_chat_takes_the_eagle_flags(tmp_path, tiny_model_dir):

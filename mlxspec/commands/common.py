@@ -94,6 +94,10 @@ def add_model_args(parser: argparse.ArgumentParser, allow_auto: bool = False) ->
     parser.add_argument("--eagle-total-tokens", type=int, default=None,
                         help="EAGLE tree nodes per verify forward, root included. "
                              "Default: the shipped head's setting, else 60 (EAGLE-2)")
+    parser.add_argument("--eagle-tree", default=None,
+                        help="EAGLE tree: 'dynamic' (EAGLE-2), 'eagle1_25' (EAGLE-1's static tree) or a JSON file "
+                             "of rank paths (a rank indexes the draft's top-k at the parent). "
+                             "Default: the shipped head's setting, else dynamic")
     parser.add_argument("--typical-threshold", type=float, default=None,
                         help="LOSSY: Medusa's typical acceptance threshold ε (e.g. 0.09); needs --typical-alpha")
     parser.add_argument("--typical-alpha", type=float, default=None,
@@ -139,6 +143,9 @@ def check_args(args: argparse.Namespace) -> None:
         value = getattr(args, flag, None)
         if value is not None and value < least:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= {least}, got {value}")
+    from ..drafters.eagle import read_eagle_tree
+
+    read_eagle_tree(getattr(args, "eagle_tree", None))
 
 
 def typical_from_args(args: argparse.Namespace) -> tuple[float, float] | None:
@@ -204,7 +211,8 @@ def build_drafter(args: argparse.Namespace, model, tokenizer, model_name: str) -
                            min_ngram=args.ngram_min, max_ngram=args.ngram_max,
                            medusa_heads=heads, medusa_tree=args.medusa_tree, eagle_head=eagle,
                            eagle_depth=getattr(args, "eagle_depth", None), eagle_top_k=getattr(args, "eagle_top_k", None),
-                           eagle_total_tokens=getattr(args, "eagle_total_tokens", None))
+                           eagle_total_tokens=getattr(args, "eagle_total_tokens", None),
+                           eagle_tree=getattr(args, "eagle_tree", None))
     return drafter, draft_name
 
 

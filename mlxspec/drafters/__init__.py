@@ -28,6 +28,7 @@ def make_drafter(
     eagle_depth: int | None = None,
     eagle_top_k: int | None = None,
     eagle_total_tokens: int | None = None,
+    eagle_tree: str | None = None,
 ) -> Drafter:
     """Build a drafter by name.
 
@@ -42,6 +43,7 @@ def make_drafter(
         eagle_head: A loaded ``EagleHead`` (``"eagle"`` only; needs ``target``).
         eagle_depth, eagle_top_k, eagle_total_tokens: EAGLE-2 tree size (``EagleDrafter``);
             ``None`` = the head's shipped ``draft_tree``, else EAGLE-2's defaults (6, 10, 60).
+        eagle_tree: ``"dynamic"`` (EAGLE-2), ``"eagle1_25"`` or a JSON file of rank paths (static).
 
     Raises:
         ValueError: on an unknown kind, a missing draft model or heads, a draft model whose
@@ -67,5 +69,6 @@ def make_drafter(
     if kind == "eagle":
         if eagle_head is None:
             raise ValueError("--drafter eagle needs an EAGLE head: pass --eagle-heads PATH_OR_REPO")
-        return EagleDrafter(eagle_head, target, depth=eagle_depth, top_k=eagle_top_k, total_tokens=eagle_total_tokens)
+        return EagleDrafter(eagle_head, target, depth=eagle_depth, top_k=eagle_top_k, total_tokens=eagle_total_tokens,
+                            tree=eagle_tree)
     raise ValueError(f"unknown drafter {kind!r}; choose one of {', '.join(DRAFTERS)}")

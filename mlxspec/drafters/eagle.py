@@ -463,6 +463,33 @@ def default_eagle_heads(model_name: str) -> Path | None:
 DEFAULT_DEPTH = 6
 DEFAULT_TOP_K = 10
 DEFAULT_TOTAL_TOKENS = 60
+#: EAGLE-1's static tree (SafeAILab/EAGLE v1 ``choices.py``, confusingly also named ``mc_sim_7b_63``;
+#: heads.md 4.4): 25 nodes, depth 5; a rank indexes the draft's top-k at the PARENT node.
+EAGLE1_TREE = [
+    [0], [1], [2], [3], [0, 0], [0, 1], [0, 2], [1, 0], [1, 1], [2, 0], [2, 1], [3, 0], [0, 0, 0], [0, 0, 1],
+    [0, 0, 2], [0, 1, 0], [0, 1, 1], [0, 2, 0], [0, 2, 1], [1, 0, 0], [0, 0, 0, 0], [0, 0, 0, 1], [0, 0, 0, 2],
+    [0, 0, 0, 0, 0], [0, 0, 0, 0, 1],
+]  # fmt: skip
+#: ``--eagle-tree`` values besides a JSON file of rank paths.
+EAGLE_TREES = {"dynamic": None, "eagle1_25": EAGLE1_TREE}
+
+
+def read_eagle_tree(spec: str | list | None) -> list[list[int]] | None:
+    """``None``/``"dynamic"`` (EAGLE-2's dynamic tree), a preset name, a list of rank paths, or a JSON file of them.
+
+    Raises:
+        ValueError: an unknown name or a malformed file.
+    """
+    if spec is None or isinstance(spec, list):
+        return spec
+    if spec in EAGLE_TREES:
+        return EAGLE_TREES[spec]
+    if not Path(spec).expanduser().is_file():
+        raise ValueError(f"unknown EAGLE tree {spec!r}: name one of {', '.join(EAGLE_TREES)} "
+                         "or a JSON file with a list of rank paths such as [[0], [1], [0, 0]]")
+    from .medusa import read_tree
+
+    return read_tree(spec)
 
 
 class EagleDrafter(Drafter):
@@ -489,7 +516,11 @@ class EagleDrafter(Drafter):
         depth: Deepest draft node (γ); each round uses ``min(depth, num_draft_tokens)``.
         top_k: Children per expanded node and frontier width; ``1`` = a chain.
         total_tokens: Nodes per verify forward, the root included (EAGLE's ``total_token``).
-        (Each default: the head's ``config.draft_tree`` entry, else EAGLE-2's ``6``, ``10``, ``60``.)
+        tree: ``None``/``"dynamic"``, or a static tree of rank paths (EAGLE-1, heads.md 4.4): a
+            preset (``"eagle1_25"``), a list such as ``[[0], [1], [0, 0]]`` or a JSON file; a rank
+            indexes the draft's top-k at the parent. ``top_k``/``total_tokens`` then do not apply.
+        (Each default: the head's ``config.draft_tree`` entry, else EAGLE-2's ``6``, ``10``, ``60``,
+        dynamic; a static tree's depth defaults to its own.)
 
     Raises:
         ValueError: on ``depth``, ``top_k`` < 1, ``total_tokens`` < 2, or EAGLE-3 layers the target lacks.
@@ -500,10 +531,13 @@ class EagleDrafter(Drafter):
     needs_hidden = True
 
     def __init__(self, head: EagleHead, target: nn.Module, *, depth: int | None = None,
-                 top_k: int | None = None, total_tokens: int | None = None):
+                 top_k: int | None = None, total_tokens: int | None = None, tree: str | list | None = None):
         from ..taps import _body, output_head
 
         shipped = head.config.draft_tree or {}
+        self.choices = read_eagle_tree(tree if tree is not None else shipped.get("tree"))
+        if self.choices is not None and depth is None:
+            depth = max(map(len, self.choices))
         depth = depth if depth is not None else shipped.get("depth", DEFAULT_DEPTH)
         top_k = top_k if top_k is not None else shipped.get("top_k", DEFAULT_TOP_K)
         total_tokens = total_tokens if total_tokens is not None else shipped.get("total_tokens", DEFAULT_TOTAL_TOKENS)
@@ -518,7 +552,9 @@ class EagleDrafter(Drafter):
             if not all(0 <= i < len(body.layers) for i in self.feature_layers):
                 raise ValueError(f"the EAGLE-3 head reads layers {list(self.feature_layers)} but the target has "
                                  f"{len(body.layers)} decoder layers; use a head trained for this target")
-        self.lazy = top_k == 1  # a branching tree reads its shape on the host in propose
+        # a dynamic branching tree reads its shape on the host in propose; a chain or static tree never does
+        self.lazy = top_k == 1 or self.choices is not None
+        self._plans: dict[int, _StaticPlan] = {}
         self.prefill([], None)
 
     def prefill(self, prompt, hidden=None):
@@ -570,6 +606,10 @@ class EagleDrafter(Drafter):
         out = self._step(self._pending, mx.array(history[-n:], dtype=mx.int32))  # [n, H]
         self._pending, committed = None, self.cache[0].offset
         try:
+            if self.choices is not None:
+                draft = self._static(out[-1], depth, committed)
+                mx.async_eval(draft.tokens)
+                return draft
             scores, ids, parents = self._expand(out[-1], depth, committed)
         finally:
             self.cache[0].trim(self.cache[0].offset - committed)  # speculative entries go
@@ -579,6 +619,24 @@ class EagleDrafter(Drafter):
             mx.async_eval(tokens)
             return Draft.chain(tokens)
         return self._rerank(scores, ids, parents)
+
+    def _static(self, root_out: mx.array, depth: int, committed: int) -> Draft:
+        """EAGLE-1's static tree, level by level: the nodes of one depth that have children are fed
+        together at one shared position, each seeing its ancestors; all lazy."""
+        plan = self._plans.get(depth) or self._plans.setdefault(depth, _StaticPlan(self.choices, depth))
+        _, ids = self._top(root_out[None], plan.root_k)
+        level = ids[0][mx.array(plan.root_ranks)]  # tokens of the depth-1 nodes
+        tokens, out = [level], None
+        for e, step in enumerate(plan.steps, start=1):
+            n = len(step.feed)
+            feats = mx.broadcast_to(root_out, (n, root_out.shape[-1])) if e == 1 else out[mx.array(step.feat_rows)]
+            mask = mx.concatenate([mx.ones((n, committed), dtype=mx.bool_), mx.array(step.ancestors),
+                                   mx.eye(n, dtype=mx.bool_)], axis=1)
+            out = self._step(feats, level[mx.array(step.feed)], mask, position=committed + e - 1)  # [n, H]
+            _, ids = self._top(out, step.k)  # [n, k]
+            level = ids[mx.array(step.child_rows), mx.array(step.child_ranks)]
+            tokens.append(level)
+        return Draft(mx.concatenate(tokens), plan.tree)
 
     def _expand(self, root_out: mx.array, depth: int, committed: int):
         """The candidate list of heads.md 4.5 step 3: scores [C], target ids [C], parent flat index [C] (-1 = root)."""
@@ -622,3 +680,41 @@ class EagleDrafter(Drafter):
             tree_parents.append(index[parent] if parent >= 0 else -1)
             nodes.append(flat)
         return Draft(ids[mx.array(nodes)], Tree(tuple(tree_parents)))
+
+
+@dataclass
+class _Level:
+    feed: list[int]  # nodes of this depth (indices within the level) that have children
+    feat_rows: list[int]  # per fed node: its parent's row among the previous level's fed nodes
+    ancestors: np.ndarray  # [fed, fed before]: which earlier fed entries are ancestors
+    child_rows: list[int]  # per node of the next depth: its parent's row among ``feed``
+    child_ranks: list[int]  # ... and its rank among the parent's top-k
+    k: int
+
+
+class _StaticPlan:
+    """Host-side bookkeeping of a static rank-path tree (built once per depth)."""
+
+    def __init__(self, choices: list[list[int]], depth: int):
+        from .medusa import tree_from_choices
+
+        self.tree, _, ranks = tree_from_choices(choices, depth)
+        parents, depths = np.array(self.tree.parents), self.tree.depths[1:]
+        levels = [np.flatnonzero(depths == d) for d in range(1, int(depths.max(initial=0)) + 1)]
+        self.root_ranks = ranks[levels[0]].tolist()
+        self.root_k = max(self.root_ranks) + 1
+        self.steps, fed, row = [], [], {}
+        for here, below in zip(levels, levels[1:]):
+            feed = sorted(set(parents[below].tolist()))
+            ancestors = np.zeros((len(feed), len(fed)), dtype=bool)
+            for i, node in enumerate(feed):
+                a = parents[node]
+                while a >= 0:
+                    ancestors[i, fed.index(a)] = True
+                    a = parents[a]
+            feat_rows = [row.get(parents[node], 0) for node in feed]
+            row = {node: i for i, node in enumerate(feed)}
+            fed += feed
+            child_ranks = ranks[below].tolist()
+            self.steps.append(_Level([int(np.searchsorted(here, n)) for n in feed], feat_rows, ancestors,
+                                     [row[parents[c]] for c in below], child_ranks, max(child_ranks) + 1))
