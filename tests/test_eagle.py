@@ -492,3 +492,30 @@ def test_chat_takes_the_eagle_flags(tmp_path, tiny_model_dir):
                             draft_tokenizer=None)
     drafter = Engine(chat.engine_config(args))._make_drafter("eagle", state)
     assert isinstance(drafter, EagleDrafter) and (drafter.top_k, drafter.depth, drafter.total_tokens) == (2, 3, 60)
+
+
+def test_attention_biases_and_unsupported_variants(tmp_path):
+    """Qwen2-style drafts: q/k/v biases without an o_proj bias; unknown tensors or variants are refused."""
+    config = EagleConfig(64, 128, 4, 264, version=1, num_key_value_heads=2, qkv_bias=True)
+    head = EagleHead(config)
+    mx.eval(head.parameters())
+    params = _params(head)
+    assert "layers.0.self_attn.q_proj.bias" in params and "layers.0.self_attn.o_proj.bias" not in params
+    mx.save_safetensors(str(tmp_path / "model.safetensors"), params)
+    (tmp_path / "config.json").write_text(json.dumps({**LLAMA_FIELDS, "num_key_value_heads": 2, "qkv_bias": True}))
+    loaded = load_eagle(tmp_path, tiny_llama())
+    assert loaded.config.qkv_bias and not loaded.config.o_proj_bias and _same(head, loaded)
+    mx.save_safetensors(str(tmp_path / "model.safetensors"), params | {"fc_norm.weight": mx.ones(64)})
+    with pytest.raises(ValueError, match="fc_norm.weight that the EAGLE-1 layout lacks"):
+        load_eagle(tmp_path, tiny_llama())
+    with pytest.raises(ValueError, match="norm_before_fc is not supported"):
+        EagleConfig.from_dict({**LLAMA_FIELDS, "eagle_config": {"norm_before_fc": True}})
+
+
+def test_eagle3_with_the_full_vocabulary_ignores_identity_d2t(tmp_path):
+    head = random_head(3, reduced=False)
+    weights = _params(head) | {"d2t": mx.zeros(264, dtype=mx.int64), "t2d": mx.ones(264, dtype=mx.bool_)}
+    mx.save_safetensors(str(tmp_path / "model.safetensors"), weights)
+    (tmp_path / "config.json").write_text(json.dumps({**LLAMA_FIELDS, "num_key_value_heads": 2, "draft_vocab_size": 264}))
+    loaded = load_eagle(tmp_path, tiny_llama())
+    assert not loaded.config.reduced_vocab and _same(head, loaded)

@@ -54,7 +54,8 @@ class EagleConfig:
         draft_vocab_size: EAGLE-3 reduced vocabulary (= V when not reduced).
         target_hidden_size: H_t, width of each target feature (EAGLE-3 fc input is 3 H_t).
         bias: fc has a bias (EAGLE-1/2 default true, ``"bias": false`` turns it off; EAGLE-3 none).
-        qkv_bias: q/k/v/o projections have biases (Qwen2 drafts: ``qkv_bias``/``attention_bias``).
+        qkv_bias: q/k/v projections have biases (Qwen2 drafts: ``qkv_bias``; ``attention_bias`` sets both).
+        o_proj_bias: The attention output projection has a bias (HF ``attention_bias``).
         norm_before_residual: EAGLE-3 variant whose residual is hidden_norm(h) instead of h.
         aux_layers: EAGLE-3 target layers whose INPUT residual stream is the feature (heads.md 5.1
             convention "input to decoder layer idx"); ``None`` = (2, N // 2, N - 3) for N target layers.
@@ -75,6 +76,7 @@ class EagleConfig:
     target_hidden_size: int | None = None
     bias: bool = True
     qkv_bias: bool = False
+    o_proj_bias: bool = False
     norm_before_residual: bool = False
     aux_layers: tuple[int, ...] | None = None
     draft_tree: dict | None = None
@@ -124,6 +126,12 @@ class EagleConfig:
         kwargs = {k: v for k, v in flat.items() if k in known and v is not None}
         kwargs.update(version=version, aux_layers=aux)
         kwargs["qkv_bias"] = bool(flat.get("qkv_bias", flat.get("attention_bias", False)))
+        kwargs["o_proj_bias"] = bool(flat.get("o_proj_bias", flat.get("attention_bias", False)))
+        eagle = flat.get("eagle_config") or {}
+        unsupported = [k for k in ("fc_norm", "norm_before_fc") if flat.get(k) or eagle.get(k)]
+        if unsupported:
+            raise ValueError(f"EAGLE head variant with {', '.join(unsupported)} is not supported; "
+                             "use a head in the EAGLE-1/2, EAGLE-3 or plain speculators layout")
         kwargs.setdefault("rope_theta", DEFAULT_ROPE_THETA)
         missing = [k for k in ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size") if k not in kwargs]
         if missing:
@@ -144,13 +152,24 @@ class EagleConfig:
             intermediate_size=self.intermediate_size, num_attention_heads=self.num_attention_heads,
             num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim,
             rms_norm_eps=self.rms_norm_eps, vocab_size=self.vocab_size, rope_theta=self.rope_theta,
-            attention_bias=self.qkv_bias, tie_word_embeddings=False,
+            attention_bias=False, tie_word_embeddings=False,
         )
 
     def resolved_aux_layers(self, num_target_layers: int) -> tuple[int, ...]:
         """EAGLE-3 tapped layers (inputs of these decoder layers), for a target of N layers."""
         N = num_target_layers
         return self.aux_layers if self.aux_layers is not None else (2, N // 2, N - 3)
+
+
+def _attention(config: EagleConfig, input_width: int) -> nn.Module:
+    """mlx-lm's llama attention with the head's own projection widths and biases."""
+    attn = llama.Attention(config.llama_args())
+    nh, nkv, hd, b = config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.qkv_bias
+    attn.q_proj = nn.Linear(input_width, nh * hd, bias=b)
+    attn.k_proj = nn.Linear(input_width, nkv * hd, bias=b)
+    attn.v_proj = nn.Linear(input_width, nkv * hd, bias=b)
+    attn.o_proj = nn.Linear(nh * hd, config.hidden_size, bias=config.o_proj_bias)
+    return attn
 
 
 class Eagle3Layer(nn.Module):
@@ -160,11 +179,7 @@ class Eagle3Layer(nn.Module):
     def __init__(self, config: EagleConfig):
         super().__init__()
         args, H = config.llama_args(), config.hidden_size
-        self.self_attn = llama.Attention(args)
-        nh, nkv, hd, b = config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.qkv_bias
-        self.self_attn.q_proj = nn.Linear(2 * H, nh * hd, bias=b)
-        self.self_attn.k_proj = nn.Linear(2 * H, nkv * hd, bias=b)
-        self.self_attn.v_proj = nn.Linear(2 * H, nkv * hd, bias=b)
+        self.self_attn = _attention(config, 2 * H)
         self.mlp = llama.MLP(args)
         self.hidden_norm = nn.RMSNorm(H, eps=config.rms_norm_eps)
         self.input_layernorm = nn.RMSNorm(H, eps=config.rms_norm_eps)
@@ -193,6 +208,7 @@ class EagleHead(nn.Module):
             self.fc = nn.Linear(2 * H, H, bias=config.bias)
             block = llama.TransformerBlock(config.llama_args())
             block.input_layernorm = nn.Identity()  # EAGLE-1/2: layer 0 has no input norm
+            block.self_attn = _attention(config, H)
             self.layers = [block]
         else:
             self.fc = nn.Linear(3 * config.target_hidden_size, H, bias=False)
@@ -320,6 +336,7 @@ def _infer_config(weights: dict, version: int, config: dict | None) -> EagleConf
     else:
         base["bias"] = "fc.bias" in weights
     base["qkv_bias"] = f"{layer}.self_attn.q_proj.bias" in weights
+    base["o_proj_bias"] = f"{layer}.self_attn.o_proj.bias" in weights
     return EagleConfig.from_dict(base, version=version)
 
 
@@ -344,8 +361,12 @@ def _check_shapes(head: EagleHead, weights: dict, source: str) -> None:
     if missing:
         raise ValueError(f"{source} lacks tensors {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''} "
                          f"of the EAGLE-{head.config.version} layout; is it an EAGLE head?")
+    extra = sorted(set(weights) - set(expected))
+    if extra:
+        raise ValueError(f"{source} has tensors {', '.join(extra[:4])}{' ...' if len(extra) > 4 else ''} that the "
+                         f"EAGLE-{head.config.version} layout lacks; an unsupported variant of the head?")
     for key, value in weights.items():
-        if key in expected and tuple(value.shape) != tuple(expected[key].shape):
+        if tuple(value.shape) != tuple(expected[key].shape):
             raise ValueError(f"{source}: tensor {key} has shape {tuple(value.shape)} but its config.json implies "
                              f"{tuple(expected[key].shape)}; the config and weights disagree")
 
@@ -381,7 +402,9 @@ def load_eagle(spec: str | Path, target: nn.Module | None = None, dtype=None) ->
         from .draft_model import logits_width
 
         check_fits(cfg, target.args.hidden_size, logits_width(target), f"EAGLE head {spec}")
-    if cfg.reduced_vocab and "t2d" not in weights and "d2t" in weights:  # speculators drop t2d
+    if not cfg.reduced_vocab:  # draft vocabulary = target vocabulary: the mapping is the identity
+        weights.pop("d2t", None), weights.pop("t2d", None)
+    elif "t2d" not in weights and "d2t" in weights:  # speculators drop t2d
         weights["t2d"] = _t2d_from_d2t(weights["d2t"], cfg.vocab_size)
     head = EagleHead(cfg)
     _check_shapes(head, weights, str(spec))
@@ -392,8 +415,7 @@ def load_eagle(spec: str | Path, target: nn.Module | None = None, dtype=None) ->
         cast["d2t"] = cast["d2t"].astype(mx.int32)
     if "t2d" in cast:
         cast["t2d"] = cast["t2d"].astype(mx.bool_)
-    expected = dict(tree_flatten(head.parameters()))
-    head.load_weights([(k, v) for k, v in cast.items() if k in expected], strict=True)
+    head.load_weights(list(cast.items()), strict=True)
     mx.eval(head.parameters())
     head.eval()
     return head
