@@ -519,3 +519,12 @@ def test_eagle3_with_the_full_vocabulary_ignores_identity_d2t(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**LLAMA_FIELDS, "num_key_value_heads": 2, "draft_vocab_size": 264}))
     loaded = load_eagle(tmp_path, tiny_llama())
     assert not loaded.config.reduced_vocab and _same(head, loaded)
+
+
+def test_top_k_wider_than_the_draft_vocabulary_is_clamped():
+    target = tiny_llama(seed=0, vocab_size=V, sharpen=3.0)
+    drafter = EagleDrafter(random_head(1, vocab=V), target, top_k=10, depth=3, total_tokens=100)
+    stats = GenerationStats()
+    rounds = list(speculative_rounds(target, SAMPLE_PROMPT, drafter, num_draft_tokens=3, max_tokens=12,
+                                     sampling=SamplingParams(), stop_tokens=set(), stats=stats))
+    assert drafter.top_k == V and sum(len(r.tokens) for r in rounds) == 12 and stats.drafted > 0

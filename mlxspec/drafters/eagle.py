@@ -528,9 +528,10 @@ class EagleDrafter(Drafter):
 
     The head's KV cache holds committed draft positions only (heads.md 4.6): each round it takes
     in the pairs (feature of committed position m, token m + 1) it has not seen, then trims every
-    speculative entry away again. A chain (``top_k = 1``) stays lazy until the engine's one sync;
-    a branching tree needs one host read of the chosen nodes in ``propose`` (the tree's shape
-    depends on draft scores, and the engine builds the tree mask on the host).
+    speculative entry away again. A chain (``top_k = 1``) and a static tree (EAGLE-1's rank paths,
+    ``tree``) stay lazy until the engine's one sync; a dynamic branching tree needs one host read
+    of the chosen nodes in ``propose`` (its shape depends on draft scores, and the engine builds
+    the tree mask on the host).
 
     Args:
         head: A loaded ``EagleHead``.
@@ -566,6 +567,7 @@ class EagleDrafter(Drafter):
         if depth < 1 or top_k < 1 or total_tokens < 2:
             raise ValueError(f"EAGLE needs depth >= 1, top_k >= 1 and total_tokens >= 2; got depth {depth}, "
                              f"top_k {top_k}, total_tokens {total_tokens}")
+        top_k = min(top_k, head.config.draft_vocab_size)
         self.head, self.depth, self.top_k, self.total_tokens = head, depth, top_k, total_tokens
         body = _body(target)
         self.embed, self.lm_head = body.embed_tokens, output_head(target)
