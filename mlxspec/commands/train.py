@@ -141,6 +141,8 @@ def _measure_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine-prompts", type=int, default=None,
                    help="generate with the drafters (for tokens/s) on the first N prompts only; τ and acceptance "
                         "are replayed from the plain runs on every prompt. Default: all")
+    p.add_argument("--replay-only", nargs="+", default=[], metavar="NAME",
+                   help="contenders to replay but never time (e.g. trees too wide for this machine)")
     p.add_argument("--output", "-o", default=None,
                    help="write every run as JSONL here and the table beside it (.md). Default: print only")
 
@@ -316,7 +318,11 @@ def run_measure(args: argparse.Namespace) -> int:
     specs = [_contender_args(spec) for spec in (args.contender or DEFAULT_CONTENDERS)]
     prompts = read_prompts_jsonl(args.prompts)[: args.num_prompts]
     model, tokenizer = load(args.model, dtype="float32")
-    contenders = [_contender(name, flags, model, tokenizer, describe(args.model, model)) for name, flags in specs]
+    unknown = set(args.replay_only) - {name for name, _ in specs}
+    if unknown:
+        raise ValueError(f"--replay-only names no contender: {', '.join(sorted(unknown))}")
+    contenders = [_contender(name, flags, model, tokenizer, describe(args.model, model), name not in args.replay_only)
+                  for name, flags in specs]
     records = []
     out = open(args.output, "w", encoding="utf-8") if args.output else None  # noqa: SIM115
     try:
@@ -361,12 +367,12 @@ def _contender_args(spec: str) -> tuple[str, argparse.Namespace]:
     return name.strip(), args
 
 
-def _contender(name: str, args: argparse.Namespace, model, tokenizer, model_name: str):
+def _contender(name: str, args: argparse.Namespace, model, tokenizer, model_name: str, engine: bool):
     from ..train.measure import Contender
     from .common import build_drafter
 
     drafter, _ = build_drafter(args, model, tokenizer, model_name)
-    return Contender(name, drafter, args.num_draft_tokens)
+    return Contender(name, drafter, args.num_draft_tokens, engine)
 
 
 def _say(message: str) -> None:

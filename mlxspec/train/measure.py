@@ -114,11 +114,14 @@ class Contender:
         name: Its label, e.g. ``"medusa small_15"``.
         drafter: The drafter (reused across prompts: ``prefill`` starts it afresh).
         num_draft_tokens: γ (a chain's length, a tree's depth).
+        engine: Also generate with it for tokens/s (replayed τ only when false, e.g. for trees too
+            wide to be worth timing on this machine).
     """
 
     name: str
     drafter: Drafter
     num_draft_tokens: int
+    engine: bool = True
 
 
 class NotReplayable(Exception):
@@ -164,7 +167,7 @@ def measure(model: nn.Module, tokenizer, contenders: list[Contender], prompts: l
                 except NotReplayable:
                     pass
                 else:
-                    if engine_prompts is not None and i >= engine_prompts:
+                    if not c.engine or (engine_prompts is not None and i >= engine_prompts):
                         continue
                 result = generate(model, tokenizer, ids, drafter=c.drafter, num_draft_tokens=c.num_draft_tokens,
                                   max_tokens=max_tokens, sampling=sampling, seed=seed + i)
