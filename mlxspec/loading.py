@@ -213,17 +213,28 @@ def describe(spec: str, model: nn.Module) -> str:
     path = (
         default_gguf_cache_path() if spec == DEFAULT_MODEL else Path(spec).expanduser()
     )
+    name = model_name(spec)
     if path.suffix.lower() == ".gguf":
         from mlxspec.gguf import gguf_type_label
 
-        name = re.sub(
-            r"[.-](I?Q\d\w*|BF16|F16|F32)$", "", path.stem, flags=re.IGNORECASE
-        )
         label = gguf_type_label(path) if path.is_file() else None
         source = f"GGUF {label}" if label else "GGUF"
     else:
-        name, source = (path.name or spec), "MLX"
+        source = "MLX"
     return f"{name} ({source}, {_weights_summary(model, source != 'MLX')})"
+
+
+def model_name(spec: str) -> str:
+    """The model's name without format or quantization, e.g. ``"SmolLM2-135M-Instruct"`` for
+    ``"default"`` (shipped drafts and heads live under ``models/<kind>/<name>/``)."""
+    path = (
+        default_gguf_cache_path() if spec == DEFAULT_MODEL else Path(spec).expanduser()
+    )
+    if path.suffix.lower() == ".gguf":
+        return re.sub(
+            r"[.-](I?Q\d\w*|BF16|F16|F32)$", "", path.stem, flags=re.IGNORECASE
+        )
+    return path.name or spec
 
 
 def default_cache_dir() -> Path:

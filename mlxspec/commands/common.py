@@ -54,7 +54,8 @@ def add_model_args(parser: argparse.ArgumentParser, allow_auto: bool = False) ->
                         help="target: an mlx-lm folder, a Hugging Face repo id, a .gguf file, or "
                              "'default' (SmolLM2-135M-Instruct). Default: default")
     parser.add_argument("--draft-model", default=None,
-                        help="draft model (same kinds of spec as --model); must share the target's tokenizer")
+                        help="draft model (same kinds of spec as --model); must share the target's tokenizer. "
+                             "Default with --drafter draft: the one shipped in models/draft/ for the target, if any")
     parser.add_argument("--drafter", choices=DRAFTERS, default=None,
                         help="how tokens are proposed. Default: draft with --draft-model, else ngram")
     if allow_auto:
@@ -199,11 +200,12 @@ def build_drafter(args: argparse.Namespace, model, tokenizer, model_name: str) -
     kind = args.drafter or ("draft" if args.draft_model else "ngram")
     draft_model = draft_tokenizer = draft_name = None
     if kind == "draft":
+        spec = args.draft_model or shipped_draft(model_name.split(" (")[0])
         try:
-            draft_model, draft_tokenizer = load(args.draft_model, dtype=args.draft_dtype)
+            draft_model, draft_tokenizer = load(spec, dtype=args.draft_dtype)
         except USER_ERRORS as e:
             raise type(e)(f"draft model: {e}") from e
-        draft_name = describe(args.draft_model, draft_model)
+        draft_name = describe(spec, draft_model)
     heads = load_heads(args.medusa_heads, model, model_name) if kind == "medusa" else None
     eagle = load_eagle_head(getattr(args, "eagle_heads", None), model, model_name) if kind == "eagle" else None
     drafter = make_drafter(kind, target=model, tokenizer=tokenizer,
@@ -214,6 +216,32 @@ def build_drafter(args: argparse.Namespace, model, tokenizer, model_name: str) -
                            eagle_total_tokens=getattr(args, "eagle_total_tokens", None),
                            eagle_tree=getattr(args, "eagle_tree", None))
     return drafter, draft_name
+
+
+def shipped_draft(name: str) -> str:
+    """The draft model shipped in ``models/draft/<name>/`` for the target called ``name``.
+
+    Raises:
+        ValueError: none ships for it.
+    """
+    from ..drafters.draft_model import default_draft
+
+    path = default_draft(name)
+    if path is None:
+        raise ValueError(f"--drafter draft needs a draft model: pass --draft-model PATH_OR_REPO (none ships for "
+                         f"{name}; distil one with 'mlxspec train draft')")
+    return str(path)
+
+
+def use_shipped_draft(args: argparse.Namespace) -> None:
+    """``--drafter draft`` without ``--draft-model``: name the draft shipped for the target, if any
+    (before ``check_args``, which refuses a draft drafter without a draft model)."""
+    from ..drafters.draft_model import default_draft
+    from ..loading import model_name
+
+    if args.drafter == "draft" and args.draft_model is None:
+        path = default_draft(model_name(args.model))
+        args.draft_model = str(path) if path is not None else None
 
 
 def load_heads(spec: str | None, model, model_name: str):

@@ -18,6 +18,7 @@ from .common import (
     load_models,
     sampling_from_args,
     typical_from_args,
+    use_shipped_draft,
 )
 
 
@@ -99,6 +100,7 @@ def _read_prompt(args) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    use_shipped_draft(args)
     check_args(args)
     prompt_text = _read_prompt(args)
     loaded = load_models(args)

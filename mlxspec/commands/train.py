@@ -49,6 +49,12 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         "eagle", help="an EAGLE-1 or EAGLE-3 head on the frozen target, from a corpus",
         description="Train an EAGLE-1 or EAGLE-3 draft head on a self-distillation corpus "
                     "(mlxspec train corpus); run the same command again to resume."))
+    from .train_draft import draft_flags
+
+    draft_flags(sub.add_parser(
+        "draft", help="distil a small independent draft model (mlx-lm folder) from a corpus",
+        description="Train a small decoder of the target's family on the target's soft labels (KL on a corpus "
+                    "from 'mlxspec train corpus'); run the same command again to resume."))
     _measure_flags(sub.add_parser(
         "measure", help="τ, acceptance and tokens/s of drafters on held-out prompts",
         description="Run prompts with plain decoding and each drafter configuration (float32 target); "
@@ -157,6 +163,10 @@ def main(argv: list[str] | None = None) -> int:
             from .corpus import run_corpus
 
             return run_corpus(args)
+        if args.method == "draft":
+            from .train_draft import run_draft
+
+            return run_draft(args)
         if args.method == "eagle":
             from .train_eagle import run_eagle
 

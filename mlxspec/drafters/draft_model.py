@@ -7,6 +7,8 @@ q for the rejection sampler. At temperature 0 it drafts greedily (q one-hot).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
@@ -117,3 +119,13 @@ class DraftModelDrafter(Drafter):
         valid = min(offset, self._round_start + len(accepted), num_committed - 1)
         trim(self.cache, offset - valid)
         self._num_cached = valid
+
+
+def default_draft(model_name: str) -> Path | None:
+    """A draft model shipped in the repository's ``models/draft/<model_name>/`` (an mlx-lm folder,
+    e.g. one distilled with ``mlxspec train draft``; ``$MLXSPEC_MODELS`` overrides the ``models``
+    folder), or ``None``."""
+    from .medusa import models_dir
+
+    folder = models_dir() / "draft" / model_name
+    return folder if (folder / "config.json").is_file() else None

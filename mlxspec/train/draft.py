@@ -1,0 +1,753 @@
+"""Distil a small independent draft model from a target's soft labels.
+
+Knowledge distillation (Hinton et al. 2015) for speculative decoding, as in DistillSpec (Zhou et al.
+2024, arXiv 2310.08461, section 3: forward KL on the target's own generations works well): the draft is
+a small decoder of the target's architecture family (same mlx-lm ``model_type``, tokenizer and
+vocabulary, tied embeddings) trained to minimise KL(p || q) between the target's next-token
+distribution p and its own q on the answer positions of a self-distillation corpus
+(``mlxspec train corpus``, read chunk by chunk through ``features.FeatureCache``).
+
+**Soft labels are top-K truncated.** The corpus keeps the target's K most likely next tokens and their
+log-probabilities (K = 32). The loss renormalises them: p̃_k = p_k / Σ_j p_j over the K kept tokens,
+and KL(p̃ || q) = Σ_k p̃_k (log p̃_k − log q_k), with q normalised over the *full* vocabulary (one
+log-sum-exp over V per position; the LM head and the softmax run only on answer positions). On a
+CPU that softmax and the V × H LM head are most of a step (0.7 s per 512 rows for the softmax alone
+here), so ``train_vocab`` optionally normalises over the most frequent soft-label tokens plus sampled
+negatives instead (sampled softmax, see ``DraftTrainConfig``).
+
+The draft's embeddings (tied to its LM head) start from the target's: copied when the hidden sizes
+agree, otherwise projected onto the top-H principal directions (uncentred SVD: the best rank-H
+approximation of the embedding matrix) — the draft's logits then start as a low-rank approximation of
+the target's for a hidden state in the same subspace.
+
+``train_draft`` is a generator of records (no printing), like ``medusa.train_medusa``: a ``StepRecord``
+per batch and an ``EvalRecord`` before training and after every epoch. The held-out estimate of α
+(Leviathan et al. 2023, section 3.1: α = E[Σ_x min(p(x), q(x))] for sampling at temperature 1) uses the
+soft labels, so it sums over the target's top K only: a lower bound of the true value. Top-1
+agreement (the draft's argmax equals the target's) is α for greedy decoding. The output folder is an
+ordinary mlx-lm model folder (``config.json``, ``model.safetensors``, tokenizer files): ``mlx_lm.load``,
+``mlxspec generate --draft-model`` and ``mlx_lm.generate --draft-model`` open it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import shutil
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten, tree_map, tree_unflatten
+
+from ..taps import output_head
+from .features import FeatureCache, _write_json
+
+STATE = "trainer_state.json"
+OPTIMIZER = "optimizer.safetensors"
+CORPUS_KEYS = ("tokens", "mask", "offsets", "topk_ids", "topk_logprobs")
+#: Settings that must match to resume a run.
+RESUME_KEYS = ("layers", "hidden", "heads", "kv_heads", "intermediate_size", "batch_tokens", "max_seq_length",
+               "seed", "heldout_examples", "train_vocab")
+
+
+@dataclass(frozen=True)
+class DraftTrainConfig:
+    """Settings of a draft-model distillation run.
+
+    Attributes:
+        layers: Decoder layers of the draft.
+        hidden: Hidden size H of the draft.
+        heads: Attention heads (``None``: H / the target's head size, at least 1).
+        kv_heads: Key/value heads (``None``: keep the target's query/KV ratio where it divides).
+        intermediate_size: MLP width (``None``: the target's ratio to H, rounded to a multiple of 64).
+        epochs: Passes over the training corpus.
+        batch_tokens: Tokens per step, padding included (B × T ≤ this; one example may exceed it alone).
+        max_seq_length: Examples are cut to this many tokens (prompt + answer).
+        learning_rate: Peak AdamW learning rate (linear warm-up, cosine decay to 0).
+        warmup_steps: Linear warm-up steps.
+        weight_decay: AdamW weight decay.
+        seed: Seed of the batch order and of the draft's initial layers.
+        save_every: Also checkpoint every this many steps (0: only after each epoch).
+        max_steps: Stop after this many steps in all (0: no limit); the schedule decays over them.
+        time_budget_s: Start no new step after this many seconds of training in this call (the epoch then
+            ends early, is scored and saved); ``None``: no limit.
+        max_eval_positions: Held-out positions scored per evaluation.
+        heldout_examples: With no held-out corpus, hold out this many examples from the end of the
+            training corpus (never trained on).
+        save_dtype: dtype of the per-epoch copies in ``epoch-<n>/`` (the resume checkpoint is float32).
+        train_vocab: Normalise q in the *training* loss over only the this-many tokens that appear most
+            often among the corpus's soft labels, plus ``negatives`` tokens drawn uniformly from the rest
+            each step (0: the full vocabulary). Sampled softmax (Jean et al. 2015, arXiv 1412.2007): the
+            rest's share of the normaliser is estimated from the sample (each sampled logit counts
+            (V − C) / negatives times), so their logits are still pushed down; the LM head and softmax,
+            most of a step on a CPU, shrink by about V / (C + negatives). Soft labels outside the set
+            are dropped and the rest renormalised. The draft keeps its full LM head; the held-out
+            scores use the full vocabulary.
+        negatives: Tokens sampled per step from outside the training vocabulary (with ``train_vocab``).
+    """
+
+    layers: int = 4
+    hidden: int = 256
+    heads: int | None = None
+    kv_heads: int | None = None
+    intermediate_size: int | None = None
+    epochs: int = 1
+    batch_tokens: int = 2048
+    max_seq_length: int = 512
+    learning_rate: float = 1e-3
+    warmup_steps: int = 20
+    weight_decay: float = 0.0
+    seed: int = 0
+    save_every: int = 0
+    max_steps: int = 0
+    time_budget_s: float | None = None
+    max_eval_positions: int = 4096
+    heldout_examples: int = 32
+    save_dtype: str = "float16"
+    train_vocab: int = 0
+    negatives: int = 2048
+
+    def __post_init__(self):
+        for name in ("layers", "hidden", "epochs", "batch_tokens", "max_seq_length", "max_eval_positions"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        for name in ("heads", "kv_heads", "intermediate_size"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_steps", "save_every", "warmup_steps", "heldout_examples", "train_vocab",
+                     "negatives"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        if self.learning_rate <= 0:
+            raise ValueError(f"learning-rate must be > 0, got {self.learning_rate}")
+        if self.save_dtype not in ("float16", "bfloat16", "float32"):
+            raise ValueError(f"save-dtype must be float16, bfloat16 or float32, got {self.save_dtype!r}")
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One optimiser step.
+
+    Attributes:
+        epoch: Epoch index, from 0.
+        step: Steps done in this epoch (1-based).
+        steps_per_epoch: Steps in an epoch.
+        loss: Mean KL(p̃ || q) over the batch's answer positions, nats.
+        positions: Answer positions in the batch (those with soft labels).
+        tokens: Tokens the draft ran over, padding included (B × T).
+        step_s: Wall time of the step, seconds.
+    """
+
+    epoch: int
+    step: int
+    steps_per_epoch: int
+    loss: float
+    positions: int
+    tokens: int
+    step_s: float
+
+
+@dataclass(frozen=True)
+class EvalRecord:
+    """Held-out scores after ``epoch`` epochs (0 = before training).
+
+    Attributes:
+        epoch: Epochs finished (a budget-stopped epoch counts).
+        kl: Mean KL(p̃ || q), nats, p̃ the renormalised top-K soft labels.
+        alpha: Mean Σ_{x in top K} min(p(x), q(x)): expected acceptance at temperature 1 under the target,
+            top-K approximate (a lower bound: the tail beyond the K soft labels is left out).
+        top1: Fraction of positions where the draft's argmax equals the target's (α at temperature 0).
+        positions: Held-out positions scored.
+        train_loss: Mean training loss over the epoch (``None`` before training).
+        checkpoint: Folder of this epoch's draft model (``None`` before training).
+    """
+
+    epoch: int
+    kl: float
+    alpha: float
+    top1: float
+    positions: int
+    train_loss: float | None = None
+    checkpoint: str | None = None
+
+
+@dataclass
+class _State:
+    config: dict
+    corpus: str
+    epoch: int = 0
+    step: int = 0
+    global_step: int = 0
+    history: list[dict] = field(default_factory=list)
+
+
+# --- the draft model ---------------------------------------------------------------------------------
+
+
+def draft_model_config(target: nn.Module, config: DraftTrainConfig) -> dict:
+    """An mlx-lm config for a draft of the target's family with the sizes in ``config``.
+
+    Everything not about size (``model_type``, vocabulary, RoPE, norms) is the target's; embeddings
+    are tied. Per-layer lists of the target's config (e.g. ``layer_types``) are cut to the draft's
+    depth.
+
+    Args:
+        target: The target, an mlx-lm model (its ``args`` dataclass is read).
+        config: The draft's sizes (``layers``, ``hidden``, ``heads``, ``kv_heads``, ``intermediate_size``).
+
+    Returns:
+        dict: The ``config.json`` contents.
+
+    Raises:
+        ValueError: the target has no mlx-lm ``args``, or the head counts do not fit H.
+    """
+    args = getattr(target, "args", None)
+    if args is None or not dataclasses.is_dataclass(args):
+        raise ValueError("the target is not an mlx-lm model (no ModelArgs); load it with mlxspec.load")
+    base = {k: v for k, v in asdict(args).items() if v is not None}
+    num_layers = int(base["num_hidden_layers"])
+    t_hidden, t_heads = int(base["hidden_size"]), int(base["num_attention_heads"])
+    head_dim = int(base.get("head_dim") or t_hidden // t_heads)
+    heads = config.heads or max(1, config.hidden // head_dim)
+    if config.kv_heads is not None:
+        kv_heads = config.kv_heads
+    else:
+        ratio = max(1, t_heads // int(base.get("num_key_value_heads") or t_heads))
+        kv_heads = next(d for d in range(max(1, heads // ratio), 0, -1) if heads % d == 0)
+    if heads % kv_heads:
+        raise ValueError(f"heads ({heads}) must be a multiple of kv-heads ({kv_heads})")
+    if config.heads is not None and "head_dim" not in base and config.hidden % heads:
+        raise ValueError(f"hidden ({config.hidden}) must be a multiple of heads ({heads}) for {base['model_type']}")
+    inter = config.intermediate_size
+    if inter is None:
+        inter = max(64, int(round(config.hidden * int(base["intermediate_size"]) / t_hidden / 64)) * 64)
+    out = {k: (v[: config.layers] if isinstance(v, list) and len(v) == num_layers else v) for k, v in base.items()}
+    out.update(hidden_size=config.hidden, num_hidden_layers=config.layers, num_attention_heads=heads,
+               num_key_value_heads=kv_heads, intermediate_size=inter, tie_word_embeddings=True)
+    if "head_dim" in base:
+        out["head_dim"] = head_dim
+    return out
+
+
+def build_draft(model_config: dict) -> nn.Module:
+    """An mlx-lm model for ``model_config`` (random weights, float32).
+
+    Raises:
+        ValueError: an unknown ``model_type``.
+    """
+    from mlx_lm.utils import _get_classes
+
+    model_class, args_class = _get_classes(model_config)
+    return model_class(args_class.from_dict(model_config))
+
+
+def project_embeddings(embeddings: np.ndarray, hidden: int) -> np.ndarray:
+    """The target's embedding matrix projected onto its top ``hidden`` right singular vectors.
+
+    E [V, D] ↦ E P, P [D, H] the eigenvectors of EᵀE with the largest eigenvalues (uncentred PCA,
+    i.e. a truncated SVD: E P Pᵀ is the best rank-H approximation of E). With H ≥ D the matrix is
+    returned as is, zero-padded to H columns.
+
+    Args:
+        embeddings: E, shape [V, D], float.
+        hidden: H.
+
+    Returns:
+        np.ndarray: shape [V, H], float32.
+    """
+    e = np.asarray(embeddings, dtype=np.float32)
+    v, d = e.shape
+    if hidden >= d:
+        return np.pad(e, ((0, 0), (0, hidden - d)))
+    gram = e.T.astype(np.float64) @ e.astype(np.float64)  # [D, D]
+    values, vectors = np.linalg.eigh(gram)
+    top = vectors[:, np.argsort(values)[::-1][:hidden]].astype(np.float32)  # [D, H]
+    return e @ top
+
+
+def target_embeddings(target: nn.Module) -> np.ndarray:
+    """The target's input embedding matrix [V, D] in float32 (dequantized if needed)."""
+    from ..taps import _body
+
+    embed = _body(target).embed_tokens
+    vocab = int(target.args.vocab_size)
+    rows = [np.array(embed(mx.arange(i, min(i + 8192, vocab))).astype(mx.float32)) for i in range(0, vocab, 8192)]
+    return np.concatenate(rows)
+
+
+def init_draft(target: nn.Module, config: DraftTrainConfig) -> tuple[nn.Module, dict]:
+    """A fresh draft for ``target``: random decoder layers (seeded), embeddings from the target's.
+
+    Returns:
+        tuple[nn.Module, dict]: The model (float32, evaluated) and its mlx-lm config.
+
+    Raises:
+        ValueError: as ``draft_model_config``.
+    """
+    from ..taps import _body
+
+    model_config = draft_model_config(target, config)
+    mx.random.seed(config.seed)
+    model = build_draft(model_config)
+    model.set_dtype(mx.float32)
+    _body(model).embed_tokens.weight = mx.array(project_embeddings(target_embeddings(target), config.hidden))
+    mx.eval(model.parameters())
+    return model, model_config
+
+
+def save_draft(folder: str | Path, model: nn.Module, model_config: dict, tokenizer, dtype: str | None = None) -> Path:
+    """Write an mlx-lm model folder: ``model.safetensors``, ``config.json`` and the tokenizer files.
+
+    The tokenizer is the target's (``save_pretrained`` of the Hugging Face tokenizer, also for one
+    rebuilt from a GGUF); its end-of-sequence ids go into ``config.json`` (``eos_token_id``) so
+    ``mlx_lm.load`` stops where the target does.
+
+    Args:
+        folder: Where to write (created).
+        model: The draft.
+        model_config: Its config (``draft_model_config``).
+        tokenizer: The target's ``TokenizerWrapper``.
+        dtype: Cast the saved weights to this (``"float16"``...); ``None`` keeps them.
+
+    Returns:
+        Path: ``folder``.
+    """
+    from mlx_lm.utils import save_config, save_model
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    if dtype is not None and dtype != "float32":
+        copy = build_draft(model_config)
+        copy.update(tree_map(lambda a: a.astype(getattr(mx, dtype)), model.parameters()))
+        model = copy
+    save_model(folder, model)
+    config = dict(model_config)
+    eos = sorted(getattr(tokenizer, "eos_token_ids", None) or ())
+    if eos:
+        config["eos_token_id"] = eos if len(eos) > 1 else eos[0]
+    save_config(config, folder / "config.json")
+    tokenizer._tokenizer.save_pretrained(str(folder))
+    return folder
+
+
+def draft_step_ms(model: nn.Module, *, context: int = 64, steps: int = 32) -> float:
+    """Median wall time of one decode step (one token, KV cache of ``context`` tokens), milliseconds."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.zeros((1, context), dtype=mx.int32), cache=cache))
+    token, times = mx.array([[1]]), []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        token = mx.argmax(model(token, cache=cache)[:, -1:], axis=-1)
+        mx.eval(token)
+        times.append(time.perf_counter() - t0)
+    return 1000 * sorted(times)[len(times) // 2]
+
+
+# --- loss and scores ---------------------------------------------------------------------------------
+
+
+def _position_logprobs(model: nn.Module, tokens: mx.array, rows: mx.array, topk_ids: mx.array,
+                       candidates: mx.array | None = None, log_weights: mx.array | None = None):
+    """log q of the K soft-label tokens at the loss positions, and the draft's logits there.
+
+    tokens [B, T] int32; rows [P] int32 flat indices into B × T; topk_ids [P, K] → ([P, K], [P, V]).
+    With ``candidates`` [C] int32, q is normalised over those tokens only (tied embeddings), each
+    logit counted exp(``log_weights`` [C]) times in the normaliser, and ``topk_ids`` index into them.
+    """
+    from ..taps import _body
+
+    body = _body(model)
+    hidden = body(tokens)  # [B, T, H], final-normed
+    hidden = hidden.reshape(-1, hidden.shape[-1])[rows]  # [P, H]: the LM head only where there is a label
+    if candidates is None:
+        logits = output_head(model)(hidden).astype(mx.float32)  # [P, V]
+    else:
+        logits = (hidden @ body.embed_tokens.weight[candidates].T).astype(mx.float32)  # [P, C]
+    lse = mx.logsumexp(logits if log_weights is None else logits + log_weights, axis=-1, keepdims=True)
+    return mx.take_along_axis(logits, topk_ids, axis=-1) - lse, logits
+
+
+def distill_loss(model: nn.Module, tokens: mx.array, rows: mx.array, topk_ids: mx.array, target_probs: mx.array,
+                 weights: mx.array, candidates: mx.array | None = None, log_weights: mx.array | None = None) -> mx.array:
+    """Mean KL(p̃ || q) over the loss positions, nats (Hinton et al. 2015; DistillSpec section 3).
+
+    Args:
+        model: The draft.
+        tokens: Input ids, shape [B, T], int32 (right-padded).
+        rows: Loss positions as flat indices into B × T, shape [P], int32.
+        topk_ids: The target's top-K next-token ids there, shape [P, K], int32.
+        target_probs: p̃, the renormalised top-K probabilities, shape [P, K], float32 (rows sum to 1).
+        weights: 1 for real positions, 0 for padding rows, shape [P], float32.
+        candidates: Normalise q over only these token ids, shape [C], int32 (``topk_ids`` then index
+            into them; see ``DraftTrainConfig.train_vocab``); ``None``: the full vocabulary.
+        log_weights: log of how many tokens each candidate stands for in the normaliser, shape [C],
+            float32 (0 for the training vocabulary, log((V − C') / S) for S sampled negatives).
+
+    Returns:
+        mx.array: The scalar loss (Σ_k p̃ log p̃ is a constant of the data, kept so the value is a KL).
+    """
+    q_logprobs, _ = _position_logprobs(model, tokens, rows, topk_ids, candidates, log_weights)
+    p_log = mx.log(mx.maximum(target_probs, 1e-30))
+    kl = (target_probs * (p_log - q_logprobs)).sum(axis=-1)  # [P]
+    return (kl * weights).sum() / mx.maximum(weights.sum(), 1.0)
+
+
+def score_batch(model: nn.Module, batch: dict) -> mx.array:
+    """Sums over a batch's positions: [KL(p̃ || q), Σ_topK min(p, q), top-1 agreement, positions] (lazy)."""
+    q_logprobs, logits = _position_logprobs(model, batch["tokens"], batch["rows"], batch["topk_ids"])
+    p, p_tilde, w = batch["target_raw_probs"], batch["target_probs"], batch["weights"]
+    kl = (p_tilde * (mx.log(mx.maximum(p_tilde, 1e-30)) - q_logprobs)).sum(axis=-1)
+    overlap = mx.minimum(p, mx.exp(q_logprobs)).sum(axis=-1)
+    target_top1 = mx.take_along_axis(batch["topk_ids"], mx.argmax(p, axis=-1, keepdims=True), axis=-1)[:, 0]
+    agree = (mx.argmax(logits, axis=-1) == target_top1).astype(mx.float32)
+    return mx.stack([(kl * w).sum(), (overlap * w).sum(), (agree * w).sum(), w.sum()])
+
+
+def evaluate(model: nn.Module, cache: FeatureCache, *, examples: dict[int, list[tuple[int, int]]] | None = None,
+             batch_tokens: int = 2048, max_seq_length: int = 512, max_positions: int = 4096) -> EvalRecord:
+    """Held-out KL, top-K α estimate and top-1 agreement on the first ``max_positions`` answer positions.
+
+    Args:
+        model: The draft.
+        cache: A corpus (``topk_ids``/``topk_logprobs`` soft labels).
+        examples: Per chunk, the ``(start, end)`` token ranges to score; ``None``: every example.
+        batch_tokens, max_seq_length: As in ``DraftTrainConfig``.
+        max_positions: Stop after this many positions (whole batches).
+
+    Returns:
+        EvalRecord: with ``epoch`` 0 (the caller sets it).
+    """
+    totals = mx.zeros((4,))
+    for c in sorted(examples) if examples is not None else range(cache.num_chunks):
+        arrays = load_corpus_chunk(cache, c)
+        ranges = examples[c] if examples is not None else example_ranges(arrays, max_seq_length)
+        for group in pack_examples(ranges, batch_tokens):
+            totals = totals + score_batch(model, make_batch(arrays, group))
+            mx.eval(totals)
+            if totals[3].item() >= max_positions:
+                break
+        if totals[3].item() >= max_positions:
+            break
+    kl, alpha, top1, n = totals.tolist()
+    n_safe = max(n, 1.0)
+    return EvalRecord(0, kl / n_safe, alpha / n_safe, top1 / n_safe, int(n))
+
+
+# --- data ----------------------------------------------------------------------------------------------
+
+
+def load_corpus_chunk(cache: FeatureCache, c: int) -> dict[str, np.ndarray]:
+    """The arrays of chunk ``c`` a draft needs (not the large hidden-state features).
+
+    Raises:
+        ValueError: the folder is not a corpus with soft labels (``mlxspec train corpus``).
+    """
+    with np.load(cache.directory / cache.manifest["chunks"][c]["file"]) as data:
+        missing = [k for k in CORPUS_KEYS if k not in data.files]
+        if missing:
+            raise ValueError(f"{cache.directory} has no soft labels ({', '.join(missing)} missing); build a corpus "
+                             "with 'mlxspec train corpus'")
+        return {k: data[k] for k in CORPUS_KEYS}
+
+
+def example_ranges(arrays: dict, max_seq_length: int) -> list[tuple[int, int]]:
+    """``(start, end)`` token ranges of the chunk's examples, cut to ``max_seq_length``, that keep at
+    least one loss position (a token t whose next token is an answer token)."""
+    offsets, mask = arrays["offsets"], arrays["mask"]
+    out = []
+    for lo, end in zip(offsets[:-1].tolist(), offsets[1:].tolist()):
+        hi = min(end, lo + max_seq_length)
+        if mask[lo + 1 : min(hi + 1, end)].any():  # row t predicts token t + 1
+            out.append((lo, hi))
+    return out
+
+
+def pack_examples(ranges: list[tuple[int, int]], batch_tokens: int) -> list[list[tuple[int, int]]]:
+    """Consecutive groups with (examples × longest) ≤ ``batch_tokens`` (an example alone may exceed it)."""
+    groups, current, longest = [], [], 0
+    for lo, hi in ranges:
+        n = hi - lo
+        if current and max(longest, n) * (len(current) + 1) > batch_tokens:
+            groups.append(current)
+            current, longest = [], 0
+        current.append((lo, hi))
+        longest = max(longest, n)
+    if current:
+        groups.append(current)
+    return groups
+
+
+def plan_epoch(ranges: list[tuple[int, int]], batch_tokens: int, rng: np.random.Generator,
+               window: int = 64) -> list[list[tuple[int, int]]]:
+    """Shuffle the examples, sort each window of ``window`` by length (less padding), pack, shuffle the batches."""
+    order = [ranges[i] for i in rng.permutation(len(ranges))]
+    sorted_ = []
+    for i in range(0, len(order), window):
+        sorted_.extend(sorted(order[i : i + window], key=lambda r: r[1] - r[0]))
+    groups = pack_examples(sorted_, batch_tokens)
+    return [groups[i] for i in rng.permutation(len(groups))]
+
+
+def make_batch(arrays: dict, group: list[tuple[int, int]], remap: np.ndarray | None = None) -> dict[str, mx.array]:
+    """Right-padded tokens [B, T], the loss rows [P] and their soft labels for one group of examples.
+
+    A row t of an example is a loss position when token t + 1 is an answer token (its soft labels
+    are then finite); labels beyond an example's cut are still the target's (they need no input).
+    With ``remap`` ([V] int32: id → index in the training vocabulary, -1 outside it) the ids become
+    indices, labels outside are dropped, and ``target_probs`` is renormalised over the rest.
+    """
+    T = max(hi - lo for lo, hi in group)
+    tokens = np.zeros((len(group), T), dtype=np.int32)
+    rows = []
+    n = len(arrays["mask"])
+    for b, (lo, hi) in enumerate(group):
+        tokens[b, : hi - lo] = arrays["tokens"][lo:hi]
+        end = int(arrays["offsets"][np.searchsorted(arrays["offsets"], lo, side="right")])
+        t = np.arange(lo, hi)
+        ok = (t + 1 < end) & arrays["mask"][np.minimum(t + 1, n - 1)]
+        ok &= np.isfinite(arrays["topk_logprobs"][t, 0])
+        rows.append(np.stack([t[ok], b * T + (t[ok] - lo)]))
+    rows = np.concatenate(rows, axis=1)
+    logp = arrays["topk_logprobs"][rows[0]].astype(np.float32)  # [P, K]
+    raw = np.exp(logp)
+    ids = arrays["topk_ids"][rows[0]].astype(np.int32)
+    kept = raw
+    if remap is not None:
+        ids = remap[ids]
+        kept = np.where(ids >= 0, raw, 0.0)
+        ids = np.maximum(ids, 0)
+    total = kept.sum(axis=-1, keepdims=True)
+    return {
+        "tokens": mx.array(tokens),
+        "rows": mx.array(rows[1].astype(np.int32)),
+        "topk_ids": mx.array(ids),
+        "target_raw_probs": mx.array(raw),
+        "target_probs": mx.array(kept / np.maximum(total, 1e-30)),
+        "weights": mx.array((total[:, 0] > 0).astype(np.float32)),
+    }
+
+
+def training_vocab(cache: FeatureCache, size: int, vocab_size: int) -> np.ndarray:
+    """The ``size`` token ids that appear most often among the soft labels of ``cache``, sorted, [C] int32."""
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    for c in range(cache.num_chunks):
+        arrays = load_corpus_chunk(cache, c)
+        ok = np.isfinite(arrays["topk_logprobs"].astype(np.float32))
+        counts += np.bincount(arrays["topk_ids"][ok], minlength=vocab_size)[:vocab_size]
+    return np.sort(np.argsort(-counts, kind="stable")[: min(size, vocab_size)]).astype(np.int32)
+
+
+def split_heldout(cache: FeatureCache, heldout_examples: int, max_seq_length: int) -> dict[int, list[tuple[int, int]]]:
+    """The last ``heldout_examples`` examples of the corpus (by chunk, ranges as ``example_ranges``)."""
+    out: dict[int, list[tuple[int, int]]] = {}
+    left = heldout_examples
+    for c in range(cache.num_chunks - 1, -1, -1):
+        if left <= 0:
+            break
+        ranges = example_ranges(load_corpus_chunk(cache, c), max_seq_length)
+        take = ranges[max(0, len(ranges) - left) :]
+        out[c] = take
+        left -= len(take)
+    return out
+
+
+def _train_ranges(arrays: dict, c: int, config: DraftTrainConfig, held: dict) -> list[tuple[int, int]]:
+    excluded = set(held.get(c, []))
+    return [r for r in example_ranges(arrays, config.max_seq_length) if r not in excluded]
+
+
+def steps_per_epoch(cache: FeatureCache, config: DraftTrainConfig, held: dict | None = None, epoch: int = 0) -> int:
+    """Batches in epoch ``epoch`` over ``cache`` (minus held-out examples); reads only the small arrays.
+
+    The count can differ a little between epochs: each epoch packs a new shuffle of the examples.
+    """
+    held = held or {}
+    steps = 0
+    for c in range(cache.num_chunks):
+        with np.load(cache.directory / cache.manifest["chunks"][c]["file"]) as data:
+            arrays = {k: data[k] for k in ("mask", "offsets")}
+        steps += len(_chunk_plan(arrays, c, config, held, epoch))
+    return steps
+
+
+def _chunk_plan(arrays: dict, c: int, config: DraftTrainConfig, held: dict, epoch: int):
+    rng = np.random.default_rng([config.seed, epoch, c])
+    return plan_epoch(_train_ranges(arrays, c, config, held), config.batch_tokens, rng)
+
+
+def _epoch_batches(cache: FeatureCache, config: DraftTrainConfig, held: dict, epoch: int):
+    """(arrays, group) in the seeded order of ``epoch``: chunks permuted, then batches inside a chunk."""
+    order = np.random.default_rng([config.seed, epoch]).permutation(cache.num_chunks)
+    for c in order:
+        arrays = load_corpus_chunk(cache, int(c))
+        for group in _chunk_plan(arrays, int(c), config, held, epoch):
+            yield arrays, group
+
+
+# --- training ------------------------------------------------------------------------------------------
+
+
+def train_draft(target: nn.Module, tokenizer, train: FeatureCache, heldout: FeatureCache | None, output: str | Path,
+                config: DraftTrainConfig, *, resume: bool = True) -> Iterator[StepRecord | EvalRecord]:
+    """Distil a draft model from the soft labels of ``train``, checkpointing into ``output``.
+
+    Args:
+        target: The target (its config and embeddings shape the draft; it is never run).
+        tokenizer: The target's tokenizer, saved with every checkpoint.
+        train: A corpus with soft labels (``mlxspec train corpus``, its ``train`` part).
+        heldout: A held-out corpus for the per-epoch scores, or ``None``: the last
+            ``config.heldout_examples`` examples of ``train`` are held out instead.
+        output: Checkpoint folder, itself an mlx-lm model folder (latest weights, float32) plus
+            ``optimizer.safetensors`` and ``trainer_state.json``; ``epoch-<n>/`` per epoch (``save_dtype``).
+        config: Settings.
+        resume: Continue from the checkpoint in ``output`` if there is one. Default: ``True``.
+
+    Yields:
+        ``EvalRecord`` before training (fresh runs) and after each epoch; ``StepRecord`` per step.
+
+    Raises:
+        ValueError: ``output`` holds a run with other settings or another corpus (when resuming), or
+            ``resume`` is false and ``output`` already holds a run; the corpus has no soft labels or no
+            training examples.
+    """
+    output = Path(output)
+    held = {} if heldout is not None or not config.heldout_examples else split_heldout(
+        train, config.heldout_examples, config.max_seq_length)
+    per_epoch = [steps_per_epoch(train, config, held, epoch) for epoch in range(config.epochs)]
+    if per_epoch[0] == 0:
+        raise ValueError(f"the corpus in {train.directory} has no training examples with answer tokens")
+    total = sum(per_epoch)
+    total = min(total, config.max_steps) if config.max_steps else total
+    state, model, model_config, optimizer = _start(target, tokenizer, train, output, config, resume, total)
+
+    def score() -> EvalRecord:
+        if heldout is not None:
+            return evaluate(model, heldout, batch_tokens=config.batch_tokens, max_seq_length=config.max_seq_length,
+                            max_positions=config.max_eval_positions)
+        if held:
+            return evaluate(model, train, examples=held, batch_tokens=config.batch_tokens,
+                            max_seq_length=config.max_seq_length, max_positions=config.max_eval_positions)
+        return EvalRecord(0, math.nan, math.nan, math.nan, 0)
+
+    if state.global_step == 0 and not state.history:
+        record = score()
+        state.history.append(asdict(record))
+        yield record
+    remap = keep = rest = None
+    if config.train_vocab:
+        vocab_size = int(model_config["vocab_size"])
+        keep = training_vocab(train, config.train_vocab, vocab_size)
+        remap = np.full(vocab_size, -1, dtype=np.int32)
+        remap[keep] = np.arange(len(keep), dtype=np.int32)
+        rest = np.flatnonzero(remap < 0).astype(np.int32)
+    loss_and_grad = nn.value_and_grad(model, distill_loss)
+    started = time.perf_counter()
+    for epoch in range(state.epoch, config.epochs):
+        if state.global_step >= total:
+            break
+        losses = []
+        for i, (arrays, group) in enumerate(_epoch_batches(train, config, held, epoch)):
+            if i < state.step:  # resuming inside an epoch: same order, skip what was done
+                continue
+            if state.global_step >= total:
+                break
+            if config.time_budget_s is not None and time.perf_counter() - started > config.time_budget_s:
+                break
+            t0 = time.perf_counter()
+            batch = make_batch(arrays, group, remap)
+            candidates, log_weights = _candidates(keep, rest, config, state.global_step)
+            loss, grads = loss_and_grad(model, batch["tokens"], batch["rows"], batch["topk_ids"],
+                                        batch["target_probs"], batch["weights"], candidates, log_weights)
+            optimizer.update(model, grads)
+            mx.eval(loss, model.parameters(), optimizer.state)
+            losses.append(loss.item())
+            state.step, state.global_step = i + 1, state.global_step + 1
+            if config.save_every and state.global_step % config.save_every == 0:
+                _checkpoint(output, model, model_config, tokenizer, optimizer, state)
+            yield StepRecord(epoch, i + 1, per_epoch[epoch], losses[-1], int(batch["rows"].size),
+                             int(batch["tokens"].size), time.perf_counter() - t0)
+        state.epoch, state.step = epoch + 1, 0
+        folder = save_draft(output / f"epoch-{epoch + 1}", model, model_config, tokenizer, config.save_dtype)
+        record = score()
+        record = dataclasses.replace(record, epoch=epoch + 1, checkpoint=str(folder),
+                                     train_loss=sum(losses) / len(losses) if losses else None)
+        state.history.append(asdict(record))
+        _checkpoint(output, model, model_config, tokenizer, optimizer, state)
+        yield record
+        if config.time_budget_s is not None and time.perf_counter() - started > config.time_budget_s:
+            break
+
+
+def _candidates(keep, rest, config: DraftTrainConfig, step: int):
+    """(candidate ids [C + S], log-weights [C + S]) for one step: the training vocabulary and S negatives
+    drawn (seeded by step) from the rest; ``(None, None)`` without a training vocabulary."""
+    if keep is None:
+        return None, None
+    n = min(config.negatives, len(rest))
+    if n == 0:
+        return mx.array(keep), None
+    sample = np.random.default_rng([config.seed, step, 7]).choice(rest, size=n, replace=False)
+    log_weights = np.concatenate([np.zeros(len(keep)), np.full(n, np.log(len(rest) / n))]).astype(np.float32)
+    return mx.array(np.concatenate([keep, sample]).astype(np.int32)), mx.array(log_weights)
+
+
+def _schedule(config: DraftTrainConfig, total_steps: int):
+    warmup = min(config.warmup_steps, max(total_steps - 1, 0))
+    decay = optim.cosine_decay(config.learning_rate, max(total_steps - warmup, 1))
+    if warmup == 0:
+        return decay
+    return optim.join_schedules([optim.linear_schedule(0.0, config.learning_rate, warmup), decay], [warmup])
+
+
+def _start(target, tokenizer, train: FeatureCache, output: Path, config: DraftTrainConfig, resume: bool,
+           total_steps: int):
+    """Fresh draft and optimiser, or the ones checkpointed in ``output``."""
+    optimizer = optim.AdamW(learning_rate=_schedule(config, total_steps), weight_decay=config.weight_decay)
+    fresh = _State(asdict(config), str(train.directory.resolve()))
+    path = output / STATE
+    if not path.is_file():
+        model, model_config = init_draft(target, config)
+        optimizer.init(model.trainable_parameters())
+        return fresh, model, model_config, optimizer
+    if not resume:
+        raise ValueError(f"{output} already holds a training run; resume it or pass a fresh --output")
+    state = _State(**json.loads(path.read_text()))
+    changed = [k for k in RESUME_KEYS if state.config.get(k) != fresh.config[k]]
+    if changed or state.corpus != fresh.corpus:
+        what = ", ".join(k.replace("_", "-") for k in changed) or "corpus"
+        raise ValueError(f"{output} holds a run with a different {what}; use the same settings to resume, "
+                         "or pass a fresh --output")
+    state.config = fresh.config
+    model_config = json.loads((output / "config.json").read_text())
+    model_config.pop("eos_token_id", None)
+    model = build_draft(model_config)
+    model.load_weights(str(output / "model.safetensors"))
+    mx.eval(model.parameters())
+    optimizer.init(model.trainable_parameters())
+    optimizer.state = tree_unflatten(list(mx.load(str(output / OPTIMIZER)).items()))
+    return state, model, model_config, optimizer
+
+
+def _checkpoint(output: Path, model, model_config: dict, tokenizer, optimizer, state: _State) -> None:
+    save_draft(output, model, model_config, tokenizer)
+    mx.save_safetensors(str(output / OPTIMIZER), dict(tree_flatten(optimizer.state)))
+    _write_json(output / STATE, asdict(state))
+
+
+def copy_model_folder(source: str | Path, destination: str | Path) -> Path:
+    """Copy an mlx-lm model folder's files (weights, config, tokenizer; no training state) to ``destination``."""
+    source, destination = Path(source), Path(destination)
+    destination.mkdir(parents=True, exist_ok=True)
+    for path in source.iterdir():
+        if path.is_file() and path.name not in (STATE, OPTIMIZER):
+            shutil.copy2(path, destination / path.name)
+    return destination
