@@ -328,3 +328,34 @@ def test_a_sampled_draft_is_not_replayed():
     plain = generate(model, tok, ids, drafter="none", max_tokens=8)
     with pytest.raises(NotReplayable):
         replay(drafter, ids, plain.tokens, {}, num_draft_tokens=3, max_tokens=8, sampling=SamplingParams(temp=0.7))
+
+
+def test_a_restricted_training_vocabulary_still_learns(tiny, caches, tmp_path):
+    """--train-vocab: the loss over the most frequent label tokens only; letters are all in the set."""
+    model, _ = tiny
+    config = MedusaTrainConfig(num_heads=2, epochs=3, batch_size=64, learning_rate=3e-3, warmup_steps=5,
+                               train_vocab=40)
+    records = list(train_medusa(model, *caches, tmp_path, config))
+    evals = [r for r in records if isinstance(r, EvalRecord)]
+    assert evals[-1].accuracy[0] > 0.5 and evals[-1].accuracy[0] > evals[0].accuracy[0] + 0.3
+    with pytest.raises(ValueError, match="train-vocab"):
+        MedusaTrainConfig(train_vocab=-1)
+
+
+def test_medusa_trains_on_a_corpus(tiny_model_dir, tmp_path, capsys):
+    from mlxspec.loading import load
+    from mlxspec.train.corpus import build_corpus
+
+    model, tok = load(str(tiny_model_dir))
+    prompts = [list(tok.apply_chat_template([{"role": "user", "content": f"walk {i}"}], add_generation_prompt=True))
+               for i in range(24)]
+    list(build_corpus(model, tok, prompts[:20], tmp_path / "corpus" / "train", max_new_tokens=24, batch_size=10))
+    list(build_corpus(model, tok, prompts[20:], tmp_path / "corpus" / "validation", max_new_tokens=24, batch_size=4))
+    argv = ["medusa", "--model", str(tiny_model_dir), "--corpus", str(tmp_path / "corpus"), "--output",
+            str(tmp_path / "heads"), "--num-heads", "2", "--epochs", "2", "--batch-size", "64", "--train-vocab", "64"]
+    assert train_main(argv) == 0
+    out = capsys.readouterr().out
+    assert "before training" in out and "epoch 2:" in out
+    assert load_medusa(tmp_path / "heads" / "epoch-2", hidden_size=64, vocab_size=264).config.medusa_num_heads == 2
+    assert train_main(["medusa", "--corpus", str(tmp_path / "nowhere"), "--output", str(tmp_path / "h2")]) == 2
+    assert "no corpus in" in capsys.readouterr().err
