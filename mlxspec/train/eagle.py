@@ -671,21 +671,25 @@ def lm_head_matrix(target: nn.Module) -> mx.array:
     return output_head(target)(mx.eye(H)).T.astype(mx.float32)
 
 
-def init_head(target: nn.Module, config: EagleTrainConfig, *, aux_layers=None, d2t: np.ndarray | None = None):
+def init_head(target: nn.Module, config: EagleTrainConfig, *, aux_layers=None, d2t: np.ndarray | None = None,
+              feature_rms: np.ndarray | None = None):
     """A fresh head shaped like one layer of ``target`` (heads.md 4.1 / 5.2).
 
-    EAGLE-3 heads start with their final norm and LM head copied from the target's (the LM head
-    rows of the draft vocabulary), so step 0 starts near the target's own next-token head.
+    EAGLE-3 heads start with their LM head copied from the target's (the rows of the draft
+    vocabulary). The residual streams they read are large in the middle and top layers (RMS ~70
+    in SmolLM2 against ~3 in layer 2), and fc's output is the head's un-normed residual, so fc's
+    columns for feature block b start divided by that block's RMS: the residual starts at the
+    scale of the attention and MLP outputs that training has to grow.
 
     Args:
-        target: The target (its hidden size, heads, MLP width, vocabulary, final norm, LM head).
+        target: The target (its hidden size, heads, MLP width, vocabulary, LM head).
         config: ``version`` and the draft vocabulary size.
         aux_layers: EAGLE-3: the target layers whose inputs are the features (the corpus's).
         d2t: EAGLE-3 reduced vocabulary offsets [V_draft] (``draft_vocabulary``), or ``None``.
+        feature_rms: EAGLE-3: RMS of each feature block in the corpus, [3], or ``None``.
     """
     from ..drafters.draft_model import logits_width
     from ..drafters.eagle import EagleConfig, EagleHead
-    from ..taps import _body
 
     args = target.args
     vocab = int(logits_width(target))
@@ -700,12 +704,21 @@ def init_head(target: nn.Module, config: EagleTrainConfig, *, aux_layers=None, d
     if config.version == 3:
         ids = np.arange(shape.draft_vocab_size) + (d2t if d2t is not None else 0)
         head.lm_head.weight = lm_head_matrix(target)[mx.array(ids)]
-        head.norm.weight = _body(target).norm.weight.astype(mx.float32)
+        if feature_rms is not None:
+            scale = np.repeat(1.0 / np.maximum(feature_rms, 1e-6), shape.target_hidden_size)  # [3 H_t]
+            head.fc.weight = head.fc.weight * mx.array(scale.astype(np.float32))
         if shape.reduced_vocab:
             head.d2t = mx.array(d2t.astype(np.int32))
             head.t2d = mx.array(np.isin(np.arange(vocab), ids))
     mx.eval(head.parameters())
     return head
+
+
+def feature_rms(cache: FeatureCache, max_positions: int = 4096) -> np.ndarray:
+    """RMS of each EAGLE-3 feature block (``aux`` [N, 3, H]) over the first positions of chunk 0, [3]."""
+    with np.load(cache.directory / cache.manifest["chunks"][0]["file"]) as data:
+        aux = data["aux"][:max_positions].astype(np.float32)
+    return np.sqrt((aux**2).mean(axis=(0, 2)))
 
 
 def train_eagle(target: nn.Module, train: FeatureCache, heldout: FeatureCache | None, output: str | Path,
@@ -835,7 +848,8 @@ def _start(target, train: FeatureCache, output: Path, config: EagleTrainConfig, 
         if config.version == 3 and 0 < config.draft_vocab_size < vocab:
             d2t, _ = draft_vocabulary(token_counts(train, vocab), config.draft_vocab_size)
         mx.random.seed(config.seed)  # the initial weights are a function of the settings, like the batches
-        head = init_head(target, config, aux_layers=train.manifest.get("aux_layers"), d2t=d2t)
+        rms = feature_rms(train) if config.version == 3 else None
+        head = init_head(target, config, aux_layers=train.manifest.get("aux_layers"), d2t=d2t, feature_rms=rms)
         optimizer.init(head.trainable_parameters())
         return fresh, head, optimizer
     if not resume:
