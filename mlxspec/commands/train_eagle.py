@@ -105,8 +105,9 @@ def run_eagle(args: argparse.Namespace) -> int:
         "train_s": round(time.perf_counter() - t0, 1), "heldout": history,
     }
     (output / TRAINING_RECORD).write_text(json.dumps(record, indent=2) + "\n")
-    _say(f"head in {output} (float32, resumable) and {output}/epoch-{config.epochs} ({config.save_dtype}); "
-         f"record in {output / TRAINING_RECORD}")
+    last = next((h["checkpoint"] for h in reversed(history) if h["checkpoint"]), None)
+    copy = f" and {last} ({config.save_dtype})" if last else ""
+    _say(f"head in {output} (float32, resumable){copy}; record in {output / TRAINING_RECORD}")
     return 0
 
 
