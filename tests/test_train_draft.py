@@ -195,3 +195,14 @@ def test_cli_errors_are_one_line(capsys, tmp_path):
     assert err.startswith("mlxspec: error: no corpus in") and err.count("\n") == 1
     assert train_main(["draft", "--corpus", str(tmp_path), "--output", str(tmp_path / "o"), "--hidden", "0"]) == 2
     assert "hidden must be >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.real_model
+def test_the_shipped_draft_drafts_for_the_default_model(capsys):
+    base = ["--dtype", "float32", "--prompt", "Explain why the sky is blue.", "--max-tokens", "12", "--json"]
+    code, stdout, err = run_generate(capsys, *base, "--drafter", "draft", "--draft-dtype", "float32",
+                                     "--num-draft-tokens", "2")
+    assert code == 0, err
+    record = json.loads(stdout)
+    assert record["draft_model"] == "SmolLM2-135M-Instruct (MLX, float32)" and record["drafted"] > 0
+    assert record["text"] == json.loads(run_generate(capsys, *base, "--drafter", "none")[1])["text"]
