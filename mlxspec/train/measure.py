@@ -14,7 +14,7 @@ Two ways, used together:
   One forward over prompt + answer gives the target features every round would have seen, so each
   drafter is scored at the cost of its own drafting. At temperature 0 replay and engine agree round
   for round (up to float near-ties). A drafter that samples its proposals (a draft model at
-  temperature > 0) cannot be replayed; it is measured by the engine on every prompt instead.
+  temperature > 0) cannot be replayed; it has engine figures only.
 
 Totals are summed over prompts before dividing (τ = (accepted + rounds) / rounds; tokens/s =
 tokens / generation seconds), so long answers weigh more than short ones.
@@ -142,8 +142,8 @@ def measure(model: nn.Module, tokenizer, contenders: list[Contender], prompts: l
         max_tokens: New tokens per run. Default: ``128``.
         seed: Prompt ``i`` is run with seed ``seed + i``. Default: ``0``.
         engine_prompts: Generate with the contenders only for the first this many prompts (the
-            expensive part); replay covers all, and contenders that cannot be replayed are
-            generated on every prompt. Default: all.
+            expensive part); replay covers all (contenders that cannot be replayed have engine
+            figures only). Default: all.
 
     Yields:
         ``RunRecord`` per (prompt, temperature, configuration, mode).
@@ -166,9 +166,8 @@ def measure(model: nn.Module, tokenizer, contenders: list[Contender], prompts: l
                     yield RunRecord(prompt.id, c.name, temp, REPLAY, stats)
                 except NotReplayable:
                     pass
-                else:
-                    if not c.engine or (engine_prompts is not None and i >= engine_prompts):
-                        continue
+                if not c.engine or (engine_prompts is not None and i >= engine_prompts):
+                    continue
                 result = generate(model, tokenizer, ids, drafter=c.drafter, num_draft_tokens=c.num_draft_tokens,
                                   max_tokens=max_tokens, sampling=sampling, seed=seed + i)
                 yield RunRecord(prompt.id, c.name, temp, ENGINE, result.stats)
