@@ -344,8 +344,11 @@ def run_measure(args: argparse.Namespace) -> int:
             _say(f"{record.prompt_id} temp {record.temp:g} {record.config} ({record.mode}): "
                  f"{s.generation_tokens} tokens, τ {s.tau:.2f}{speed}")
             if out:
-                out.write(json.dumps({"prompt_id": record.prompt_id, "config": record.config, "temp": record.temp,
-                                      "mode": record.mode, "stats": s.to_dict()}) + "\n")
+                line = {"prompt_id": record.prompt_id, "config": record.config, "temp": record.temp,
+                        "mode": record.mode, "stats": s.to_dict()}
+                if record.tokens is not None:
+                    line["tokens"] = record.tokens
+                out.write(json.dumps(line) + "\n")
                 out.flush()
     finally:
         if out:

@@ -51,6 +51,7 @@ class RunRecord:
         temp: Sampling temperature.
         mode: ``"engine"`` (generated) or ``"replay"`` (scored from the plain run; no timing).
         stats: The run's ``GenerationStats``.
+        tokens: The generated ids (plain runs only: what later replays can be scored on).
     """
 
     prompt_id: str
@@ -58,6 +59,7 @@ class RunRecord:
     temp: float
     mode: str
     stats: GenerationStats
+    tokens: list[int] | None = None
 
 
 @dataclass
@@ -157,7 +159,7 @@ def measure(model: nn.Module, tokenizer, contenders: list[Contender], prompts: l
             sampling = SamplingParams(temp=temp)
             plain = generate(model, tokenizer, ids, drafter="none", max_tokens=max_tokens, sampling=sampling,
                              seed=seed + i)
-            yield RunRecord(prompt.id, PLAIN, temp, ENGINE, plain.stats)
+            yield RunRecord(prompt.id, PLAIN, temp, ENGINE, plain.stats, plain.tokens)
             features = target_features(model, ids + plain.tokens, [c.drafter for c in contenders])
             for c in contenders:
                 try:
@@ -268,7 +270,7 @@ def read_records(path) -> list[RunRecord]:
         if line.strip():
             r = json.loads(line)
             stats = GenerationStats(**{k: v for k, v in r["stats"].items() if k in names})
-            records.append(RunRecord(r["prompt_id"], r["config"], r["temp"], r["mode"], stats))
+            records.append(RunRecord(r["prompt_id"], r["config"], r["temp"], r["mode"], stats, r.get("tokens")))
     return records
 
 
