@@ -48,6 +48,7 @@ from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from ..taps import output_head
 from .features import FeatureCache, _write_json
+from .medusa import warmup_cosine
 
 STATE = "trainer_state.json"
 OPTIMIZER = "optimizer.safetensors"
@@ -700,18 +701,11 @@ def _candidates(keep, rest, config: DraftTrainConfig, step: int):
     return mx.array(np.concatenate([keep, sample]).astype(np.int32)), mx.array(log_weights)
 
 
-def _schedule(config: DraftTrainConfig, total_steps: int):
-    warmup = min(config.warmup_steps, max(total_steps - 1, 0))
-    decay = optim.cosine_decay(config.learning_rate, max(total_steps - warmup, 1))
-    if warmup == 0:
-        return decay
-    return optim.join_schedules([optim.linear_schedule(0.0, config.learning_rate, warmup), decay], [warmup])
-
-
 def _start(target, tokenizer, train: FeatureCache, output: Path, config: DraftTrainConfig, resume: bool,
            total_steps: int):
     """Fresh draft and optimiser, or the ones checkpointed in ``output``."""
-    optimizer = optim.AdamW(learning_rate=_schedule(config, total_steps), weight_decay=config.weight_decay)
+    schedule = warmup_cosine(config.learning_rate, config.warmup_steps, total_steps)
+    optimizer = optim.AdamW(learning_rate=schedule, weight_decay=config.weight_decay)
     fresh = _State(asdict(config), str(train.directory.resolve()))
     path = output / STATE
     if not path.is_file():

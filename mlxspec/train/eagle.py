@@ -47,6 +47,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from .features import FeatureCache, _write_json
+from .medusa import warmup_cosine
 
 STATE = "trainer_state.json"
 OPTIMIZER = "optimizer.safetensors"
@@ -825,20 +826,13 @@ def _end_epoch(epoch: int, losses: list[float], head, optimizer, heldout, output
     return record
 
 
-def _schedule(config: EagleTrainConfig, total_steps: int):
-    warmup = min(config.warmup_steps, max(total_steps - 1, 0))
-    decay = optim.cosine_decay(config.learning_rate, max(total_steps - warmup, 1))
-    if warmup == 0:
-        return decay
-    return optim.join_schedules([optim.linear_schedule(0.0, config.learning_rate, warmup), decay], [warmup])
-
-
 def _start(target, train: FeatureCache, output: Path, config: EagleTrainConfig, resume: bool, total_steps: int):
     """Fresh head and optimiser, or the ones checkpointed in ``output``."""
     from ..drafters.draft_model import logits_width
     from ..drafters.eagle import load_eagle
 
-    optimizer = optim.AdamW(learning_rate=_schedule(config, total_steps), betas=[0.9, 0.95],
+    schedule = warmup_cosine(config.learning_rate, config.warmup_steps, total_steps)
+    optimizer = optim.AdamW(learning_rate=schedule, betas=[0.9, 0.95],
                             weight_decay=config.weight_decay)
     fresh = _State(asdict(config), str(train.directory.resolve()))
     path = output / STATE

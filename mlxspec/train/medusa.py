@@ -322,17 +322,20 @@ def _end_epoch(epoch: int, losses: list[float], heads, optimizer, lm_head, heldo
     return record
 
 
-def _schedule(config: MedusaTrainConfig, total_steps: int):
-    warmup = min(config.warmup_steps, max(total_steps - 1, 0))
-    decay = optim.cosine_decay(config.learning_rate, max(total_steps - warmup, 1))
+def warmup_cosine(learning_rate: float, warmup_steps: int, total_steps: int):
+    """Linear warm-up from 0 over ``warmup_steps`` (capped below ``total_steps``), then cosine decay to 0
+    over the remaining steps: the schedule every trainer here uses."""
+    warmup = min(warmup_steps, max(total_steps - 1, 0))
+    decay = optim.cosine_decay(learning_rate, max(total_steps - warmup, 1))
     if warmup == 0:
         return decay
-    return optim.join_schedules([optim.linear_schedule(0.0, config.learning_rate, warmup), decay], [warmup])
+    return optim.join_schedules([optim.linear_schedule(0.0, learning_rate, warmup), decay], [warmup])
 
 
 def _start(target, train: FeatureCache, output: Path, config: MedusaTrainConfig, resume: bool, total_steps: int):
     """Fresh heads and optimiser, or the ones checkpointed in ``output``."""
-    optimizer = optim.AdamW(learning_rate=_schedule(config, total_steps), weight_decay=config.weight_decay)
+    schedule = warmup_cosine(config.learning_rate, config.warmup_steps, total_steps)
+    optimizer = optim.AdamW(learning_rate=schedule, weight_decay=config.weight_decay)
     fresh = _State(asdict(config), str(train.directory.resolve()))
     path = output / STATE
     if not path.is_file():
