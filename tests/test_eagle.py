@@ -528,3 +528,72 @@ def test_top_k_wider_than_the_draft_vocabulary_is_clamped():
     rounds = list(speculative_rounds(target, SAMPLE_PROMPT, drafter, num_draft_tokens=3, max_tokens=12,
                                      sampling=SamplingParams(), stop_tokens=set(), stats=stats))
     assert drafter.top_k == V and sum(len(r.tokens) for r in rounds) == 12 and stats.drafted > 0
+
+
+# --- automatic tree size from measured costs --------------------------------------------------
+
+
+def _scores(*probs) -> np.ndarray:
+    return np.log(np.array(probs))
+
+
+def test_tree_budget_keeps_more_nodes_when_verifying_is_cheap():
+    from mlxspec.costmodel import Costs
+    from mlxspec.drafters.eagle import TreeBudget
+
+    scores = _scores(0.9, 0.6, 0.3, 0.2, 0.1, 0.05, 0.02, 0.01)
+    flat = TreeBudget(Costs([0.1] * 16), max_nodes=6)  # an Apple GPU: width costs nothing
+    assert flat.choose(scores, draft_s=0.01) == 6
+    linear = TreeBudget(Costs([0.1 * k for k in range(1, 17)]))  # compute-bound: k tokens cost k steps
+    assert linear.choose(scores, draft_s=0.01) == 1  # (1 + .9) / 2 beats (1 + .9 + .6) / 3
+    mild = TreeBudget(Costs([0.1 + 0.01 * (k - 1) for k in range(1, 17)]))
+    assert 2 < mild.choose(scores, draft_s=0.01) < 8
+
+
+def test_tree_budget_learns_the_draft_calibration():
+    from mlxspec.costmodel import Costs
+    from mlxspec.drafters.eagle import TreeBudget
+
+    scores = _scores(0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2)
+    budget = TreeBudget(Costs([0.1 + 0.02 * (k - 1) for k in range(1, 17)]))
+    first = budget.choose(scores, draft_s=0.01)
+    for _ in range(40):  # an over-confident draft: nothing it proposes is accepted
+        budget.choose(scores, draft_s=0.01)
+        budget.update(0)
+    assert budget.calibration < 0.1
+    assert budget.choose(scores, draft_s=0.01) < first
+    for _ in range(200):  # now everything kept is accepted: c rises above 1
+        m = budget.choose(scores, draft_s=0.01)
+        budget.update(m)
+    assert budget.calibration > 1.0
+
+
+def test_auto_tree_size_is_lossless_and_varies():
+    from mlxspec.costmodel import Costs
+
+    target, tokenizer = tiny_llama(seed=0, sharpen=4.0), byte_tokenizer()
+    plain = generate(target, tokenizer, PROMPT, drafter="none", max_tokens=200, stop_tokens=set())
+    costs = Costs([0.01 + 0.001 * (k - 1) for k in range(1, 17)])
+    drafter = EagleDrafter(random_head(1, scale=4.0), target, depth=4, top_k=4, total_tokens="auto", costs=costs)
+    sizes = []
+    propose = drafter.propose
+    drafter.propose = lambda *a: sizes.append((d := propose(*a)).size) or d
+    spec = generate(target, tokenizer, PROMPT, drafter=drafter, num_draft_tokens=4, max_tokens=200, stop_tokens=set())
+    assert spec.tokens == plain.tokens
+    sizes = [n for n in sizes if n]  # 0: the last round, with no room left to draft
+    assert len(set(sizes)) > 1 and max(sizes) <= 4 + 3 * 16
+
+
+def test_auto_total_tokens_on_the_command_line(capsys, tmp_path, tiny_model_dir, monkeypatch):
+    from mlxspec.cli import main
+
+    monkeypatch.setenv("MLXSPEC_CACHE", str(tmp_path / "cache"))
+    head_dir = tmp_path / "head"
+    save_eagle(random_head(1, hidden=64, vocab=264), head_dir)
+    common = ["generate", "--model", str(tiny_model_dir), "--prompt", "hi", "--max-tokens", "12", "--temp", "0",
+              "--drafter", "eagle", "--eagle-heads", str(head_dir), "--num-draft-tokens", "3"]
+    assert main(common + ["--eagle-total-tokens", "auto"]) == 0
+    assert "measuring the target's verify cost" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        main(common + ["--eagle-total-tokens", "many"])
+    assert exit_.value.code == 2 and "expected an integer or 'auto'" in capsys.readouterr().err

@@ -36,7 +36,7 @@ def seed_arg(value: str) -> int:
 
 
 def num_draft_tokens_arg(value: str) -> int | str:
-    """``--num-draft-tokens``: an integer or ``auto``."""
+    """``--num-draft-tokens``, ``--eagle-total-tokens``: an integer or ``auto``."""
     if value == AUTO:
         return AUTO
     try:
@@ -92,9 +92,10 @@ def add_model_args(parser: argparse.ArgumentParser, allow_auto: bool = False) ->
     parser.add_argument("--eagle-top-k", type=int, default=None,
                         help="EAGLE children per expanded node and frontier width; 1 drafts a chain. "
                              "Default: the shipped head's setting, else 10 (EAGLE-2)")
-    parser.add_argument("--eagle-total-tokens", type=int, default=None,
-                        help="EAGLE tree nodes per verify forward, root included. "
-                             "Default: the shipped head's setting, else 60 (EAGLE-2)")
+    parser.add_argument("--eagle-total-tokens", type=num_draft_tokens_arg, default=None,
+                        help="EAGLE tree nodes per verify forward, root included, or 'auto': each round keeps "
+                             "the nodes with the best predicted tokens/s from this machine's measured verify cost "
+                             "(at most 64). Default: the shipped head's setting, else 60 (EAGLE-2)")
     parser.add_argument("--eagle-tree", default=None,
                         help="EAGLE tree: 'dynamic' (EAGLE-2), 'eagle1_25' (EAGLE-1's static tree) or a JSON file "
                              "of rank paths (a rank indexes the draft's top-k at the parent). "
@@ -142,7 +143,7 @@ def check_args(args: argparse.Namespace) -> None:
     read_tree(args.medusa_tree)
     for flag, least in (("eagle_depth", 1), ("eagle_top_k", 1), ("eagle_total_tokens", 2)):
         value = getattr(args, flag, None)
-        if value is not None and value < least:
+        if value is not None and value != "auto" and value < least:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= {least}, got {value}")
     from ..drafters.eagle import read_eagle_tree
 
@@ -214,8 +215,19 @@ def build_drafter(args: argparse.Namespace, model, tokenizer, model_name: str) -
                            medusa_heads=heads, medusa_tree=args.medusa_tree, eagle_head=eagle,
                            eagle_depth=getattr(args, "eagle_depth", None), eagle_top_k=getattr(args, "eagle_top_k", None),
                            eagle_total_tokens=getattr(args, "eagle_total_tokens", None),
-                           eagle_tree=getattr(args, "eagle_tree", None))
+                           eagle_tree=getattr(args, "eagle_tree", None), eagle_costs=lambda: _verify_costs(model))
     return drafter, draft_name
+
+
+def _verify_costs(model):
+    """The target's measured verify costs (an 'auto' EAGLE tree size), saying when they are measured."""
+    from ..costmodel import load_or_calibrate
+
+    def note(what: str) -> None:
+        print(f"mlxspec: measuring {what} on this machine for the automatic EAGLE tree size (once; cached)",
+              file=sys.stderr, flush=True)
+
+    return load_or_calibrate(model, on_measure=note)
 
 
 def shipped_draft(name: str) -> str:

@@ -149,6 +149,10 @@ def _measure_flags(p: argparse.ArgumentParser) -> None:
                         "are replayed from the plain runs on every prompt. Default: all")
     p.add_argument("--replay-only", nargs="+", default=[], metavar="NAME",
                    help="contenders to replay but never time (e.g. trees too wide for this machine)")
+    p.add_argument("--plain-runs", default=None, metavar="JSONL",
+                   help="reuse the plain runs (their tokens) of an earlier --output of the same prompts, "
+                        "temperatures, --max-tokens and --seed instead of generating them again: replaying "
+                        "new drafters then costs one target forward per prompt. Default: generate them")
     p.add_argument("--output", "-o", default=None,
                    help="write every run as JSONL here and the table beside it (.md). Default: print only")
 
@@ -323,7 +327,7 @@ def run_measure(args: argparse.Namespace) -> int:
     """``mlxspec train measure``: the drafter table for the README."""
     from ..data import read_prompts_jsonl
     from ..loading import describe, load
-    from ..train.measure import markdown_table, measure
+    from ..train.measure import markdown_table, measure, read_plain_runs
 
     specs = [_contender_args(spec) for spec in (args.contender or DEFAULT_CONTENDERS)]
     prompts = read_prompts_jsonl(args.prompts)[: args.num_prompts]
@@ -333,11 +337,12 @@ def run_measure(args: argparse.Namespace) -> int:
         raise ValueError(f"--replay-only names no contender: {', '.join(sorted(unknown))}")
     contenders = [_contender(name, flags, model, tokenizer, describe(args.model, model), name not in args.replay_only)
                   for name, flags in specs]
+    plain_runs = read_plain_runs(args.plain_runs, max_tokens=args.max_tokens) if args.plain_runs else None
     records = []
     out = open(args.output, "w", encoding="utf-8") if args.output else None  # noqa: SIM115
     try:
         for record in measure(model, tokenizer, contenders, prompts, temps=args.temps, max_tokens=args.max_tokens,
-                              seed=args.seed, engine_prompts=args.engine_prompts):
+                              seed=args.seed, engine_prompts=args.engine_prompts, plain_runs=plain_runs):
             records.append(record)
             s = record.stats
             speed = f", {s.generation_tps:.1f} tok/s" if record.mode == "engine" else ""

@@ -27,8 +27,9 @@ def make_drafter(
     eagle_head=None,
     eagle_depth: int | None = None,
     eagle_top_k: int | None = None,
-    eagle_total_tokens: int | None = None,
+    eagle_total_tokens: int | str | None = None,
     eagle_tree: str | None = None,
+    eagle_costs=None,
 ) -> Drafter:
     """Build a drafter by name.
 
@@ -42,7 +43,9 @@ def make_drafter(
         medusa_tree: A tree preset name or a JSON file of rank paths (``"medusa"``).
         eagle_head: A loaded ``EagleHead`` (``"eagle"`` only; needs ``target``).
         eagle_depth, eagle_top_k, eagle_total_tokens: EAGLE-2 tree size (``EagleDrafter``);
-            ``None`` = the head's shipped ``draft_tree``, else EAGLE-2's defaults (6, 10, 60).
+            ``None`` = the head's shipped ``draft_tree``, else EAGLE-2's defaults (6, 10, 60);
+            ``eagle_total_tokens="auto"`` sizes each round's tree from measured costs.
+        eagle_costs: ``Costs`` (or a function returning them) for an ``"auto"`` tree size.
         eagle_tree: ``"dynamic"`` (EAGLE-2), ``"eagle1_25"`` or a JSON file of rank paths (static).
 
     Raises:
@@ -70,5 +73,5 @@ def make_drafter(
         if eagle_head is None:
             raise ValueError("--drafter eagle needs an EAGLE head: pass --eagle-heads PATH_OR_REPO")
         return EagleDrafter(eagle_head, target, depth=eagle_depth, top_k=eagle_top_k, total_tokens=eagle_total_tokens,
-                            tree=eagle_tree)
+                            tree=eagle_tree, costs=eagle_costs)
     raise ValueError(f"unknown drafter {kind!r}; choose one of {', '.join(DRAFTERS)}")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -485,6 +486,9 @@ def default_eagle_heads(model_name: str) -> Path | None:
 DEFAULT_DEPTH = 6
 DEFAULT_TOP_K = 10
 DEFAULT_TOTAL_TOKENS = 60
+#: ``total_tokens="auto"``: the most nodes a round may keep, root included.
+AUTO_MAX_TOTAL_TOKENS = 64
+AUTO = "auto"
 #: EAGLE-1's static tree (SafeAILab/EAGLE v1 ``choices.py``, confusingly also named ``mc_sim_7b_63``;
 #: heads.md 4.4): 25 nodes, depth 5; a rank indexes the draft's top-k at the PARENT node.
 EAGLE1_TREE = [
@@ -514,6 +518,56 @@ def read_eagle_tree(spec: str | list | None) -> list[list[int]] | None:
     return read_tree(spec)
 
 
+class TreeBudget:
+    """How many draft nodes to verify this round, from measured costs (``total_tokens="auto"``).
+
+    EAGLE-2 (arXiv 2406.16858, section 3) observes that a node's cumulative draft probability
+    (the product of the draft's confidences along its path) approximates the chance that the
+    target accepts it. Keeping the m most probable candidates therefore yields
+    τ(m) ≈ 1 + c · Σ_{i<m} exp(s_i) tokens per round, where s_i are the sorted cumulative draft
+    log-probabilities and c corrects the draft's calibration: the running ratio of accepted
+    nodes to the sum exp(s_i) predicted for the nodes kept, over recent rounds. A round costs
+    T_draft + T_verify(m + 1) (``costmodel.Costs``, measured on this machine), so the budget is
+    the m with the most tokens per second, τ(m) / (T_draft + T_verify(m + 1)), at least 1 node.
+
+    Args:
+        costs: The target's measured ``Costs`` (its verify curve; extrapolated past 16 tokens).
+        max_nodes: Most draft nodes kept (root excluded). Default: ``AUTO_MAX_TOTAL_TOKENS - 1``.
+        window: Rounds the calibration remembers (exponential forgetting). Default: ``32``.
+        prior_weight: Pseudo-nodes behind the prior calibration c = 1. Default: ``2``.
+
+    Attributes:
+        draft_s: Running estimate of one round's draft time, seconds.
+        calibration: c, accepted nodes per predicted node.
+    """
+
+    def __init__(self, costs, *, max_nodes: int = AUTO_MAX_TOTAL_TOKENS - 1, window: float = 32.0,
+                 prior_weight: float = 2.0):
+        self.costs, self.max_nodes, self.decay, self.prior = costs, max_nodes, 1.0 - 1.0 / window, prior_weight
+        self.draft_s, self.predicted, self.accepted, self.pending = None, 0.0, 0.0, None
+
+    @property
+    def calibration(self) -> float:
+        return (self.accepted + self.prior) / (self.predicted + self.prior)
+
+    def choose(self, sorted_scores: np.ndarray, draft_s: float) -> int:
+        """Nodes to keep (1 <= m <= len(sorted_scores)) given the candidates' scores, best first [C]."""
+        self.draft_s = draft_s if self.draft_s is None else 0.8 * self.draft_s + 0.2 * draft_s
+        gain = 1.0 + self.calibration * np.cumsum(np.exp(sorted_scores[: self.max_nodes].astype(np.float64)))
+        cost = np.array([self.draft_s + self.costs.verify(m + 1) for m in range(1, len(gain) + 1)])
+        m = int(np.argmax(gain / cost)) + 1
+        self.pending = float(gain[m - 1] - 1.0) / self.calibration  # Σ exp(s) over the kept nodes
+        return m
+
+    def update(self, num_accepted: int) -> None:
+        """Fold in the round whose budget ``choose`` set last: it accepted ``num_accepted`` nodes."""
+        if self.pending is None:
+            return
+        self.predicted = self.predicted * self.decay + self.pending
+        self.accepted = self.accepted * self.decay + num_accepted
+        self.pending = None
+
+
 class EagleDrafter(Drafter):
     """EAGLE-2 dynamic draft trees (EAGLE-1/2 or EAGLE-3 head); ``top_k = 1`` drafts a chain.
 
@@ -538,15 +592,21 @@ class EagleDrafter(Drafter):
         target: The target model (its embedding, LM head and layer count).
         depth: Deepest draft node (γ); each round uses ``min(depth, num_draft_tokens)``.
         top_k: Children per expanded node and frontier width; ``1`` = a chain.
-        total_tokens: Nodes per verify forward, the root included (EAGLE's ``total_token``).
+        total_tokens: Nodes per verify forward, the root included (EAGLE's ``total_token``), or
+            ``"auto"``: each round keeps the number of nodes with the best predicted tokens per
+            second on this machine (``TreeBudget``; the target's verify cost is measured once per
+            machine and cached, see ``costmodel.load_or_calibrate``), at most 64.
         tree: ``None``/``"dynamic"``, or a static tree of rank paths (EAGLE-1, heads.md 4.4): a
             preset (``"eagle1_25"``), a list such as ``[[0], [1], [0, 0]]`` or a JSON file; a rank
             indexes the draft's top-k at the parent. ``top_k``/``total_tokens`` then do not apply.
         (Each default: the head's ``config.draft_tree`` entry, else EAGLE-2's ``6``, ``10``, ``60``,
         dynamic; a static tree's depth defaults to its own.)
+        costs: ``costmodel.Costs`` for ``total_tokens="auto"``, or a function returning them
+            (called only then). Default: measured (or cached) for ``target`` on this machine.
 
     Raises:
-        ValueError: on ``depth``, ``top_k`` < 1, ``total_tokens`` < 2, or EAGLE-3 layers the target lacks.
+        ValueError: on ``depth``, ``top_k`` < 1, ``total_tokens`` < 2 (and not ``"auto"``), or EAGLE-3
+            layers the target lacks.
     """
 
     name = "eagle"
@@ -554,7 +614,8 @@ class EagleDrafter(Drafter):
     needs_hidden = True
 
     def __init__(self, head: EagleHead, target: nn.Module, *, depth: int | None = None,
-                 top_k: int | None = None, total_tokens: int | None = None, tree: str | list | None = None):
+                 top_k: int | None = None, total_tokens: int | str | None = None, tree: str | list | None = None,
+                 costs=None):
         from ..taps import _body, output_head
 
         shipped = head.config.draft_tree or {}
@@ -564,11 +625,19 @@ class EagleDrafter(Drafter):
         depth = depth if depth is not None else shipped.get("depth", DEFAULT_DEPTH)
         top_k = top_k if top_k is not None else shipped.get("top_k", DEFAULT_TOP_K)
         total_tokens = total_tokens if total_tokens is not None else shipped.get("total_tokens", DEFAULT_TOTAL_TOKENS)
-        if depth < 1 or top_k < 1 or total_tokens < 2:
-            raise ValueError(f"EAGLE needs depth >= 1, top_k >= 1 and total_tokens >= 2; got depth {depth}, "
+        auto = total_tokens == AUTO
+        if depth < 1 or top_k < 1 or not (auto or (isinstance(total_tokens, int) and total_tokens >= 2)):
+            raise ValueError(f"EAGLE needs depth >= 1, top_k >= 1 and total_tokens >= 2 or 'auto'; got depth {depth}, "
                              f"top_k {top_k}, total_tokens {total_tokens}")
         top_k = min(top_k, head.config.draft_vocab_size)
-        self.head, self.depth, self.top_k, self.total_tokens = head, depth, top_k, total_tokens
+        self.head, self.depth, self.top_k = head, depth, top_k
+        self.total_tokens = AUTO_MAX_TOTAL_TOKENS if auto else total_tokens
+        self.budget = None
+        if auto and self.choices is None:
+            from ..costmodel import load_or_calibrate
+
+            costs = costs() if callable(costs) else costs
+            self.budget = TreeBudget(costs if costs is not None else load_or_calibrate(target))
         body = _body(target)
         self.embed, self.lm_head = body.embed_tokens, output_head(target)
         if head.config.version == 3:
@@ -577,7 +646,7 @@ class EagleDrafter(Drafter):
                 raise ValueError(f"the EAGLE-3 head reads layers {list(self.feature_layers)} but the target has "
                                  f"{len(body.layers)} decoder layers; use a head trained for this target")
         # a dynamic branching tree reads its shape on the host in propose; a chain or static tree never does
-        self.lazy = top_k == 1 or self.choices is not None
+        self.lazy = (top_k == 1 and self.budget is None) or self.choices is not None
         self._plans: dict[int, _StaticPlan] = {}
         self.prefill([], None)
 
@@ -587,6 +656,8 @@ class EagleDrafter(Drafter):
         self._pending = hidden if hidden is not None and hidden.shape[0] > 0 else None
 
     def commit(self, num_committed, accepted, hidden=None):
+        if self.budget is not None:
+            self.budget.update(len(accepted))
         if hidden is None:
             return
         known = self.cache[0].offset + (0 if self._pending is None else self._pending.shape[0])
@@ -627,6 +698,7 @@ class EagleDrafter(Drafter):
         if depth < 1 or self._pending is None:
             return Draft.empty()
         n = self._pending.shape[0]
+        self._t0 = time.perf_counter()
         out = self._step(self._pending, mx.array(history[-n:], dtype=mx.int32))  # [n, H]
         self._pending, committed = None, self.cache[0].offset
         try:
@@ -637,7 +709,7 @@ class EagleDrafter(Drafter):
             scores, ids, parents = self._expand(out[-1], depth, committed)
         finally:
             self.cache[0].trim(self.cache[0].offset - committed)  # speculative entries go
-        if self.top_k == 1:  # a chain: no host read needed
+        if self.top_k == 1 and self.budget is None:  # a chain: no host read needed
             size = min(depth, self.total_tokens - 1)
             tokens = ids[:size]
             mx.async_eval(tokens)
@@ -690,9 +762,15 @@ class EagleDrafter(Drafter):
 
     def _rerank(self, scores: mx.array, ids: mx.array, parents: mx.array) -> Draft:
         """Keep the best ``total_tokens - 1`` candidates as a tree (heads.md 4.5 steps 4-5)."""
-        keep = min(self.total_tokens - 1, scores.shape[0])
-        chosen = mx.argpartition(-scores, kth=keep - 1)[:keep] if keep < scores.shape[0] else mx.arange(keep)
-        chosen = mx.sort(chosen)  # flat order puts parents before children
+        if self.budget is not None:  # sizes the tree from the scores: one host read of them
+            host = np.array(scores)
+            order = np.argsort(-host, kind="stable")
+            keep = self.budget.choose(host[order], time.perf_counter() - self._t0)
+            chosen = mx.array(np.sort(order[:keep]).astype(np.int32))
+        else:
+            keep = min(self.total_tokens - 1, scores.shape[0])
+            chosen = mx.argpartition(-scores, kth=keep - 1)[:keep] if keep < scores.shape[0] else mx.arange(keep)
+            chosen = mx.sort(chosen)  # flat order puts parents before children
         mx.eval(chosen, parents, ids)
         flat_parents = np.array(parents)
         index, tree_parents, nodes = {}, [], []

@@ -132,7 +132,8 @@ class NotReplayable(Exception):
 
 def measure(model: nn.Module, tokenizer, contenders: list[Contender], prompts: list[Prompt], *,
             temps: list[float], max_tokens: int = 128, seed: int = 0,
-            engine_prompts: int | None = None) -> Iterator[RunRecord]:
+            engine_prompts: int | None = None,
+            plain_runs: dict[tuple[str, float], RunRecord] | None = None) -> Iterator[RunRecord]:
     """Run every prompt with plain decoding, replay each contender on it, and generate with each.
 
     Args:
@@ -146,6 +147,9 @@ def measure(model: nn.Module, tokenizer, contenders: list[Contender], prompts: l
         engine_prompts: Generate with the contenders only for the first this many prompts (the
             expensive part); replay covers all (contenders that cannot be replayed have engine
             figures only). Default: all.
+        plain_runs: Earlier plain runs by ``(prompt_id, temp)`` (``read_plain_runs``), used instead
+            of generating them again; they must come from the same prompts, ``max_tokens`` and
+            ``seed``. Pairs missing from it are generated. Default: generate all.
 
     Yields:
         ``RunRecord`` per (prompt, temperature, configuration, mode).
@@ -157,9 +161,12 @@ def measure(model: nn.Module, tokenizer, contenders: list[Contender], prompts: l
                                                  add_generation_prompt=True))
         for temp in temps:
             sampling = SamplingParams(temp=temp)
-            plain = generate(model, tokenizer, ids, drafter="none", max_tokens=max_tokens, sampling=sampling,
-                             seed=seed + i)
-            yield RunRecord(prompt.id, PLAIN, temp, ENGINE, plain.stats, plain.tokens)
+            plain = (plain_runs or {}).get((prompt.id, temp))
+            if plain is None:
+                run = generate(model, tokenizer, ids, drafter="none", max_tokens=max_tokens, sampling=sampling,
+                               seed=seed + i)
+                plain = RunRecord(prompt.id, PLAIN, temp, ENGINE, run.stats, run.tokens)
+            yield plain
             features = target_features(model, ids + plain.tokens, [c.drafter for c in contenders])
             for c in contenders:
                 try:
@@ -272,6 +279,23 @@ def read_records(path) -> list[RunRecord]:
             stats = GenerationStats(**{k: v for k, v in r["stats"].items() if k in names})
             records.append(RunRecord(r["prompt_id"], r["config"], r["temp"], r["mode"], stats, r.get("tokens")))
     return records
+
+
+def read_plain_runs(path, *, max_tokens: int) -> dict[tuple[str, float], RunRecord]:
+    """The plain runs (with their tokens) of an earlier ``--output`` JSONL, by ``(prompt_id, temp)``.
+
+    Raises:
+        ValueError: the file holds no plain run with tokens, or one longer than ``max_tokens``
+            (it was measured with other settings).
+    """
+    runs = {(r.prompt_id, r.temp): r for r in read_records(path) if r.config == PLAIN and r.tokens is not None}
+    if not runs:
+        raise ValueError(f"{path} holds no plain runs with tokens; pass an --output file of 'mlxspec train measure'")
+    longest = max(len(r.tokens) for r in runs.values())
+    if longest > max_tokens:
+        raise ValueError(f"{path} holds plain runs of {longest} tokens, more than --max-tokens {max_tokens}; "
+                         "use the --max-tokens it was measured with")
+    return runs
 
 
 def summarize(records: list[RunRecord]) -> dict[tuple[str, float, str], Totals]:
