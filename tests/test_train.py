@@ -277,6 +277,17 @@ def test_cli_trains_then_measures(tiny_model_dir, tmp_path, capsys):
     from mlxspec.train.measure import markdown_table, read_records
 
     assert markdown_table(read_records(tmp_path / "m.jsonl")) + "\n" == (tmp_path / "m.md").read_text()
+    # replaying from the stored plain runs: the same τ, no new plain generation, no engine rows
+    again = measure[:-1] + [str(tmp_path / "again.jsonl"), "--plain-runs", str(tmp_path / "m.jsonl"),
+                            "--engine-prompts", "0"]
+    assert train_main(again) == 0
+    replayed = next(line for line in capsys.readouterr().out.splitlines() if "medusa chain_4" in line).split("|")
+    assert replayed[3] == row[3] and replayed[9].strip() == "0"
+    first, second = read_records(tmp_path / "m.jsonl"), read_records(tmp_path / "again.jsonl")
+    plain = lambda records: [(r.prompt_id, r.tokens, r.stats.generation_s) for r in records if r.config == "plain"]  # noqa: E731
+    assert plain(second) == plain(first)  # the stored runs, timings included: nothing was generated
+    assert train_main(again[:-4] + ["--max-tokens", "4", "--plain-runs", str(tmp_path / "m.jsonl")]) == 2
+    assert "more than --max-tokens 4" in capsys.readouterr().err
     assert train_main(["medusa", "--data", str(data), "--output", str(out), "--epochs", "0"]) == 2
     assert "epochs must be >= 1" in capsys.readouterr().err
 

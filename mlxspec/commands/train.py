@@ -152,7 +152,8 @@ def _measure_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plain-runs", default=None, metavar="JSONL",
                    help="reuse the plain runs (their tokens) of an earlier --output of the same prompts, "
                         "temperatures, --max-tokens and --seed instead of generating them again: replaying "
-                        "new drafters then costs one target forward per prompt. Default: generate them")
+                        "new drafters then costs one target forward per prompt (prompts with engine runs still "
+                        "get a fresh plain run, for a fair speed-up). Default: generate them")
     p.add_argument("--output", "-o", default=None,
                    help="write every run as JSONL here and the table beside it (.md). Default: print only")
 

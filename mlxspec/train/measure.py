@@ -148,8 +148,10 @@ def measure(model: nn.Module, tokenizer, contenders: list[Contender], prompts: l
             expensive part); replay covers all (contenders that cannot be replayed have engine
             figures only). Default: all.
         plain_runs: Earlier plain runs by ``(prompt_id, temp)`` (``read_plain_runs``), used instead
-            of generating them again; they must come from the same prompts, ``max_tokens`` and
-            ``seed``. Pairs missing from it are generated. Default: generate all.
+            of generating them again on prompts without engine runs (a timed prompt gets a fresh
+            plain run, so speed-ups compare runs under the same load); they must come from the
+            same prompts, ``max_tokens`` and ``seed``. Pairs missing from it are generated.
+            Default: generate all.
 
     Yields:
         ``RunRecord`` per (prompt, temperature, configuration, mode).
@@ -161,7 +163,8 @@ def measure(model: nn.Module, tokenizer, contenders: list[Contender], prompts: l
                                                  add_generation_prompt=True))
         for temp in temps:
             sampling = SamplingParams(temp=temp)
-            plain = (plain_runs or {}).get((prompt.id, temp))
+            timed = any(c.engine for c in contenders) and (engine_prompts is None or i < engine_prompts)
+            plain = None if timed else (plain_runs or {}).get((prompt.id, temp))  # timings need a fresh plain run
             if plain is None:
                 run = generate(model, tokenizer, ids, drafter="none", max_tokens=max_tokens, sampling=sampling,
                                seed=seed + i)
