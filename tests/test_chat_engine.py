@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from pathlib import Path
 
 from mlx_lm.utils import save_config, save_model
 
@@ -16,6 +17,8 @@ from mlxspec.commands import chat
 from mlxspec.loading import load
 from mlxspec.metrics import CycleStats, GenerationStats, TokenEvent
 from test_app import messages, wait_for
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def rounds(n, closed):
@@ -105,8 +108,15 @@ def test_real_engine_thread_answers_like_plain_greedy_decoding(tmp_path):
 def test_chat_command_rejects_bad_flags_before_starting_the_app(capsys):
     assert chat.main(["--num-draft-tokens", "-1"]) == 2
     assert "--num-draft-tokens must be >= 0" in capsys.readouterr().err
-    assert chat.main(["--drafter", "draft"]) == 2
+    assert chat.main(["--model", "no-draft-ships-for-this", "--drafter", "draft"]) == 2
     assert "needs a draft model" in capsys.readouterr().err
+
+
+def test_chat_takes_the_draft_shipped_for_the_default_model():
+    args = chat.setup_arg_parser().parse_args(["--drafter", "draft"])
+    config = chat.checked_config(args)
+    assert config.drafter_kind == "draft"
+    assert Path(config.draft_model).resolve() == (ROOT / "models" / "draft" / "SmolLM2-135M-Instruct").resolve()
 
 
 def test_chat_flags_become_the_engine_config():

