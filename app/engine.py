@@ -59,6 +59,7 @@ class EngineConfig:
         medusa_tree: Medusa tree preset or JSON file.
         eagle_heads: EAGLE head spec, or ``None`` for the head shipped for the target.
         eagle_depth, eagle_top_k, eagle_total_tokens, eagle_tree: EAGLE tree; ``None`` = the head's or EAGLE-2's.
+        eagle_ngram: Tokens of the n-gram branch merged into each EAGLE tree; ``None`` = the head's setting.
         typical: ``(threshold, alpha)`` for the LOSSY typical acceptance, or ``None``.
     """
 
@@ -80,6 +81,7 @@ class EngineConfig:
     eagle_top_k: int | None = None
     eagle_total_tokens: int | None = None
     eagle_tree: str | None = None
+    eagle_ngram: int | None = None
     typical: tuple[float, float] | None = None
 
     @property
@@ -336,7 +338,8 @@ class Engine:
                             min_ngram=c.min_ngram, max_ngram=c.max_ngram,
                             medusa_heads=heads, medusa_tree=c.medusa_tree, eagle_head=eagle,
                             eagle_depth=c.eagle_depth, eagle_top_k=c.eagle_top_k,
-                            eagle_total_tokens=c.eagle_total_tokens, eagle_tree=c.eagle_tree)
+                            eagle_total_tokens=c.eagle_total_tokens, eagle_tree=c.eagle_tree,
+                            eagle_ngram=c.eagle_ngram)
 
     def _info(self) -> EngineInfo:
         s = self._state

@@ -469,6 +469,10 @@ def test_eagle_from_the_command_line(capsys, tmp_path, tiny_model_dir):
     assert record["drafter"] == "eagle" and record["generation_tokens"] == 12 and record["num_draft_tokens"] == 3
     code = main([*base, "--eagle-heads", str(tmp_path / "head"), "--eagle-top-k", "0"])
     assert code == 2 and "--eagle-top-k must be >= 1" in capsys.readouterr().err
+    code = main([*base, "--eagle-heads", str(tmp_path / "head"), "--eagle-ngram", "-1"])
+    assert code == 2 and "--eagle-ngram must be >= 0" in capsys.readouterr().err
+    code = main([*base, "--eagle-heads", str(tmp_path / "head"), "--eagle-ngram", "3", "--json"])
+    assert code == 0 and json.loads(capsys.readouterr().out)["generation_tokens"] == 12
     code = main([*base, "--eagle-heads", str(tmp_path / "nowhere")])
     assert code == 2 and "no such EAGLE head" in capsys.readouterr().err
     code = main([*base, "--eagle-heads", str(tmp_path / "head"), "--eagle-tree", "nope"])
@@ -597,3 +601,49 @@ def test_auto_total_tokens_on_the_command_line(capsys, tmp_path, tiny_model_dir,
     with pytest.raises(SystemExit) as exit_:
         main(common + ["--eagle-total-tokens", "many"])
     assert exit_.value.code == 2 and "expected an integer or 'auto'" in capsys.readouterr().err
+
+
+# --- the n-gram branch merged into the EAGLE tree ---------------------------------------------
+
+
+def test_a_branch_merges_along_matching_nodes():
+    from mlxspec.drafters.base import Draft
+    from mlxspec.tree import Tree
+
+    draft = Draft(mx.array([5, 6, 7, 8], dtype=mx.int32), Tree((-1, -1, 0, 2)))  # 5 -> 7 -> 8 and 6
+    merged = draft.with_branch([5, 7, 9, 10])
+    assert merged.tree.parents == (-1, -1, 0, 2, 2, 4) and merged.tokens.tolist() == [5, 6, 7, 8, 9, 10]
+    assert draft.with_branch([6]) is draft  # already there
+    assert Draft.empty().with_branch([3, 4]).tree.is_chain
+    with pytest.raises(ValueError, match="deterministic"):
+        Draft.chain([1], mx.zeros((1, 8))).with_branch([2])
+
+
+def test_eagle_with_the_ngram_branch_is_lossless_and_accepts_more_on_repeated_text():
+    target, tokenizer = tiny_llama(seed=0, sharpen=4.0), byte_tokenizer()
+    prompt = tokenizer.encode("the cat sat on the mat. the cat sat on the mat. the cat")
+    plain = generate(target, tokenizer, prompt, drafter="none", max_tokens=120, stop_tokens=set())
+    runs = {}
+    for ngram in (0, 4):
+        drafter = EagleDrafter(random_head(1, scale=4.0), target, depth=4, top_k=1, total_tokens=5, ngram=ngram)
+        trees = []
+        propose = drafter.propose
+        drafter.propose = lambda *a: trees.append((d := propose(*a)).tree) or d
+        runs[ngram] = generate(target, tokenizer, prompt, drafter=drafter, num_draft_tokens=4, max_tokens=120,
+                               stop_tokens=set())
+        assert runs[ngram].tokens == plain.tokens
+        assert any(not t.is_chain for t in trees) == (ngram > 0)  # the branch leaves the chain somewhere
+        assert max(t.size for t in trees) <= 4 + 4 * (ngram > 0)
+    assert runs[4].stats.accepted > runs[0].stats.accepted
+
+
+def test_sampling_through_the_tree_with_the_ngram_branch_follows_the_target(small_vocab):
+    from test_lossless import exact_joint
+
+    target, eagle = small_vocab
+    drafter = EagleDrafter(eagle.head, target, depth=2, top_k=2, total_tokens=4, ngram=3)
+    drafter.prefill(SAMPLE_PROMPT, mx.zeros((len(SAMPLE_PROMPT) - 1, 64)))
+    assert drafter.propose(SAMPLE_PROMPT, 3, SamplingParams()).size > 3  # the lookup's [3, 1, 2] grew a branch beyond the 3 EAGLE nodes
+    params = SamplingParams(temp=1.0)
+    stat, critical = chi_square(_sample_first_two(target, drafter, params), exact_joint(target, params))
+    assert stat < critical, f"chi-square {stat:.1f} >= {critical:.1f}"

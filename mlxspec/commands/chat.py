@@ -40,7 +40,7 @@ def engine_config(args: argparse.Namespace):
         max_tokens=args.max_tokens, seed=args.seed, medusa_heads=args.medusa_heads,
         medusa_tree=args.medusa_tree, typical=typical_from_args(args), eagle_heads=args.eagle_heads,
         eagle_depth=args.eagle_depth, eagle_top_k=args.eagle_top_k, eagle_total_tokens=args.eagle_total_tokens,
-        eagle_tree=args.eagle_tree,
+        eagle_tree=args.eagle_tree, eagle_ngram=args.eagle_ngram,
     )
 
 

@@ -96,6 +96,10 @@ def add_model_args(parser: argparse.ArgumentParser, allow_auto: bool = False) ->
                         help="EAGLE tree nodes per verify forward, root included, or 'auto': each round keeps "
                              "the nodes with the best predicted tokens/s from this machine's measured verify cost "
                              "(at most 64). Default: the shipped head's setting, else 60 (EAGLE-2)")
+    parser.add_argument("--eagle-ngram", type=int, default=None,
+                        help="also merge the n-gram prompt lookup's continuation (up to N tokens, capped by the "
+                             "depth) into each EAGLE tree as one more branch; 0 = EAGLE alone. "
+                             "Default: the shipped head's setting, else 0")
     parser.add_argument("--eagle-tree", default=None,
                         help="EAGLE tree: 'dynamic' (EAGLE-2), 'eagle1_25' (EAGLE-1's static tree) or a JSON file "
                              "of rank paths (a rank indexes the draft's top-k at the parent). "
@@ -141,7 +145,7 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError("--drafter draft needs a draft model: pass --draft-model PATH_OR_REPO")
     typical_from_args(args)
     read_tree(args.medusa_tree)
-    for flag, least in (("eagle_depth", 1), ("eagle_top_k", 1), ("eagle_total_tokens", 2)):
+    for flag, least in (("eagle_depth", 1), ("eagle_top_k", 1), ("eagle_total_tokens", 2), ("eagle_ngram", 0)):
         value = getattr(args, flag, None)
         if value is not None and value != "auto" and value < least:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= {least}, got {value}")
@@ -215,7 +219,8 @@ def build_drafter(args: argparse.Namespace, model, tokenizer, model_name: str) -
                            medusa_heads=heads, medusa_tree=args.medusa_tree, eagle_head=eagle,
                            eagle_depth=getattr(args, "eagle_depth", None), eagle_top_k=getattr(args, "eagle_top_k", None),
                            eagle_total_tokens=getattr(args, "eagle_total_tokens", None),
-                           eagle_tree=getattr(args, "eagle_tree", None), eagle_costs=lambda: _verify_costs(model))
+                           eagle_tree=getattr(args, "eagle_tree", None), eagle_ngram=getattr(args, "eagle_ngram", None),
+                           eagle_costs=lambda: _verify_costs(model))
     return drafter, draft_name
 
 

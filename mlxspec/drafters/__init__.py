@@ -30,6 +30,7 @@ def make_drafter(
     eagle_total_tokens: int | str | None = None,
     eagle_tree: str | None = None,
     eagle_costs=None,
+    eagle_ngram: int | None = None,
 ) -> Drafter:
     """Build a drafter by name.
 
@@ -46,6 +47,8 @@ def make_drafter(
             ``None`` = the head's shipped ``draft_tree``, else EAGLE-2's defaults (6, 10, 60);
             ``eagle_total_tokens="auto"`` sizes each round's tree from measured costs.
         eagle_costs: ``Costs`` (or a function returning them) for an ``"auto"`` tree size.
+        eagle_ngram: Tokens of the n-gram lookup branch merged into each EAGLE tree (0 = none;
+            ``None`` = the head's shipped setting).
         eagle_tree: ``"dynamic"`` (EAGLE-2), ``"eagle1_25"`` or a JSON file of rank paths (static).
 
     Raises:
@@ -73,5 +76,5 @@ def make_drafter(
         if eagle_head is None:
             raise ValueError("--drafter eagle needs an EAGLE head: pass --eagle-heads PATH_OR_REPO")
         return EagleDrafter(eagle_head, target, depth=eagle_depth, top_k=eagle_top_k, total_tokens=eagle_total_tokens,
-                            tree=eagle_tree, costs=eagle_costs)
+                            tree=eagle_tree, costs=eagle_costs, ngram=eagle_ngram)
     raise ValueError(f"unknown drafter {kind!r}; choose one of {', '.join(DRAFTERS)}")

@@ -46,6 +46,39 @@ class Draft:
     def size(self) -> int:
         return self.tree.size
 
+    def with_branch(self, branch: list[int]) -> Draft:
+        """This draft with the chain ``branch`` grown from the root merged in (host-side; reads ``tokens``).
+
+        The branch follows existing nodes while their tokens match and continues as new nodes
+        from the first mismatch, so siblings stay distinct and the result is still a tree with
+        deterministic children (heads.md rule 2.4). Only for deterministic drafts.
+
+        Args:
+            branch: Token ids [K] following the root.
+
+        Returns:
+            Draft: the merged tree (its first ``size`` nodes are this draft's, unchanged).
+
+        Raises:
+            ValueError: if this draft carries ``logprobs`` (a sampled draft).
+        """
+        if self.logprobs is not None:
+            raise ValueError("only a deterministic draft (logprobs None) can take an extra branch")
+        tokens = [int(t) for t in (self.tokens.tolist() if self.size else [])]
+        parents = list(self.tree.parents)
+        children: dict[tuple[int, int], int] = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens))}
+        node = -1
+        for token in branch:
+            found = children.get((node, int(token)))
+            if found is None:
+                parents.append(node)
+                tokens.append(int(token))
+                found = children[(node, int(token))] = len(tokens) - 1
+            node = found
+        if len(tokens) == self.size:
+            return self
+        return Draft(mx.array(tokens, dtype=mx.int32), Tree(tuple(parents)))
+
 
 class Drafter(ABC):
     """Proposes tokens each round; told afterwards what the target kept.

@@ -603,6 +603,11 @@ class EagleDrafter(Drafter):
         dynamic; a static tree's depth defaults to its own.)
         costs: ``costmodel.Costs`` for ``total_tokens="auto"``, or a function returning them
             (called only then). Default: measured (or cached) for ``target`` on this machine.
+        ngram: Also merge the n-gram prompt lookup's continuation (``NgramDrafter``, suffixes of
+            1-4 tokens) into each round's tree as one more branch of at most this many tokens
+            (capped by the round's depth); ``0`` = EAGLE alone. Text that repeats earlier text
+            (quotes, code, lists) is where a one-layer head guesses worst and the lookup best.
+            Default: the head's ``draft_tree`` entry, else ``0``.
 
     Raises:
         ValueError: on ``depth``, ``top_k`` < 1, ``total_tokens`` < 2 (and not ``"auto"``), or EAGLE-3
@@ -615,7 +620,7 @@ class EagleDrafter(Drafter):
 
     def __init__(self, head: EagleHead, target: nn.Module, *, depth: int | None = None,
                  top_k: int | None = None, total_tokens: int | str | None = None, tree: str | list | None = None,
-                 costs=None):
+                 costs=None, ngram: int | None = None):
         from ..taps import _body, output_head
 
         shipped = head.config.draft_tree or {}
@@ -624,6 +629,9 @@ class EagleDrafter(Drafter):
             depth = max(map(len, self.choices))
         depth = depth if depth is not None else shipped.get("depth", DEFAULT_DEPTH)
         top_k = top_k if top_k is not None else shipped.get("top_k", DEFAULT_TOP_K)
+        self.ngram = ngram if ngram is not None else shipped.get("ngram", 0)
+        if self.ngram < 0:
+            raise ValueError(f"the EAGLE n-gram branch needs >= 0 tokens, got {self.ngram}")
         total_tokens = total_tokens if total_tokens is not None else shipped.get("total_tokens", DEFAULT_TOTAL_TOKENS)
         auto = total_tokens == AUTO
         if depth < 1 or top_k < 1 or not (auto or (isinstance(total_tokens, int) and total_tokens >= 2)):
@@ -646,7 +654,7 @@ class EagleDrafter(Drafter):
                 raise ValueError(f"the EAGLE-3 head reads layers {list(self.feature_layers)} but the target has "
                                  f"{len(body.layers)} decoder layers; use a head trained for this target")
         # a dynamic branching tree reads its shape on the host in propose; a chain or static tree never does
-        self.lazy = (top_k == 1 and self.budget is None) or self.choices is not None
+        self.lazy = ((top_k == 1 and self.budget is None) or self.choices is not None) and not self.ngram
         self._plans: dict[int, _StaticPlan] = {}
         self.prefill([], None)
 
@@ -694,6 +702,16 @@ class EagleDrafter(Drafter):
         return scores, self.head.target_ids(ids).astype(mx.int32)
 
     def propose(self, history, num_draft_tokens, sampling):
+        draft = self._propose(history, num_draft_tokens)
+        if self.ngram and num_draft_tokens > 0:
+            from .ngram import lookup_continuation
+
+            branch = lookup_continuation(np.asarray(history), min(self.ngram, num_draft_tokens))
+            if branch.size:
+                draft = draft.with_branch(branch.tolist())
+        return draft
+
+    def _propose(self, history, num_draft_tokens) -> Draft:
         depth = min(num_draft_tokens, self.depth)
         if depth < 1 or self._pending is None:
             return Draft.empty()
