@@ -60,7 +60,7 @@ class EagleConfig:
         norm_before_residual: EAGLE-3 variant whose residual is hidden_norm(h) instead of h.
         aux_layers: EAGLE-3 target layers whose INPUT residual stream is the feature (heads.md 5.1
             convention "input to decoder layer idx"); ``None`` = (2, N // 2, N - 3) for N target layers.
-        draft_tree: The tree this head drafts by default, ``{"depth", "top_k", "total_tokens", "tree"}``
+        draft_tree: The tree this head drafts by default, ``{"depth", "top_k", "total_tokens", "tree", "ngram"}``
             (any subset; measured by whoever ships the head); flags override it. ``None`` = EAGLE-2's.
     """
 
