@@ -65,3 +65,21 @@ def test_quantized_draft_for_float32_target_is_greedy_exact(float32, quantized):
     spec = generate(target, tokenizer, prompt, drafter=drafter, num_draft_tokens=4, max_tokens=40)
     assert spec.tokens == plain.tokens
     assert spec.stats.alpha > 0.6  # the same weights, 4-bit: most drafts survive
+
+
+def test_the_shipped_eagle_head_is_greedy_exact_and_accepts(float32):
+    from mlxspec.drafters.eagle import EagleDrafter, default_eagle_heads, load_eagle
+
+    model, tokenizer = float32
+    head = load_eagle(default_eagle_heads("SmolLM2-135M-Instruct"), model)
+    prompt = chat(tokenizer, "Explain in a few sentences why the sky is blue.")
+    plain = generate(model, tokenizer, prompt, drafter="none", max_tokens=48, stop_tokens=set())
+    taus = []
+    for ngram in (None, 0):  # the shipped tree (chain + n-gram branch), then the head alone
+        drafter = EagleDrafter(head, model, ngram=ngram)
+        spec = generate(model, tokenizer, prompt, drafter=drafter, num_draft_tokens=drafter.depth, max_tokens=48,
+                        stop_tokens=set())
+        assert spec.tokens == plain.tokens
+        taus.append(spec.stats.tau)
+    # a head that did not fit the target (wrong layers, d2t read as absolute ids) accepts ~nothing: τ ≈ 1
+    assert taus[1] > 1.1 and taus[0] >= taus[1], taus
