@@ -473,6 +473,10 @@ def test_eagle_from_the_command_line(capsys, tmp_path, tiny_model_dir):
     assert code == 2 and "--eagle-ngram must be >= 0" in capsys.readouterr().err
     code = main([*base, "--eagle-heads", str(tmp_path / "head"), "--eagle-ngram", "3", "--json"])
     assert code == 0 and json.loads(capsys.readouterr().out)["generation_tokens"] == 12
+    # with γ auto a round may reach as deep as the n-gram branch, past the head's own depth
+    code = main([*base, "--eagle-heads", str(tmp_path / "head"), "--eagle-top-k", "1", "--eagle-depth", "2",
+                 "--eagle-ngram", "5", "--json"])
+    assert code == 0 and json.loads(capsys.readouterr().out)["num_draft_tokens"] == 5
     code = main([*base, "--eagle-heads", str(tmp_path / "nowhere")])
     assert code == 2 and "no such EAGLE head" in capsys.readouterr().err
     code = main([*base, "--eagle-heads", str(tmp_path / "head"), "--eagle-tree", "nope"])

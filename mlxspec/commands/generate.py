@@ -107,8 +107,8 @@ def run(args: argparse.Namespace) -> int:
     prompt = build_prompt(loaded.tokenizer, prompt_text, args.system, not args.no_chat_template)
     gamma = args.num_draft_tokens
     if gamma == AUTO and loaded.drafter.makes_trees:
-        # the cost model prices chains; a tree keeps its own shape (EAGLE: its depth)
-        gamma = getattr(loaded.drafter, "depth", TREE_DEPTH)
+        # the cost model prices chains; a tree keeps its own shape (EAGLE: its depth, or its n-gram branch's)
+        gamma = getattr(loaded.drafter, "tree_depth", None) or getattr(loaded.drafter, "depth", TREE_DEPTH)
     elif gamma == AUTO and loaded.drafter.name != "none":
         gamma = _auto_gamma(loaded, quiet=args.json)
     events = stream_generate(

@@ -658,6 +658,12 @@ class EagleDrafter(Drafter):
         self._plans: dict[int, _StaticPlan] = {}
         self.prefill([], None)
 
+    @property
+    def tree_depth(self) -> int:
+        """Deepest node a round can draft: the head's depth or the n-gram branch, whichever is longer
+        (what ``--num-draft-tokens auto`` gives a round)."""
+        return max(self.depth, self.ngram)
+
     def prefill(self, prompt, hidden=None):
         self.cache = [KVCache()]
         # features of committed positions whose (feature, next token) pair is not in the cache yet
