@@ -288,6 +288,9 @@ def test_cli_trains_then_measures(tiny_model_dir, tmp_path, capsys):
     assert plain(second) == plain(first)  # the stored runs, timings included: nothing was generated
     assert train_main(again[:-4] + ["--max-tokens", "4", "--plain-runs", str(tmp_path / "m.jsonl")]) == 2
     assert "more than --max-tokens 4" in capsys.readouterr().err
+    for bad in (tmp_path / "nowhere.jsonl", data):  # a missing file, a JSONL of something else
+        assert train_main(again[:-4] + ["--plain-runs", str(bad)]) == 2
+        assert "--plain-runs" in capsys.readouterr().err
     assert train_main(["medusa", "--data", str(data), "--output", str(out), "--epochs", "0"]) == 2
     assert "epochs must be >= 1" in capsys.readouterr().err
 

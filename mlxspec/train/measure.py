@@ -23,6 +23,7 @@ tokens / generation seconds), so long answers weigh more than short ones.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -288,10 +289,16 @@ def read_plain_runs(path, *, max_tokens: int) -> dict[tuple[str, float], RunReco
     """The plain runs (with their tokens) of an earlier ``--output`` JSONL, by ``(prompt_id, temp)``.
 
     Raises:
-        ValueError: the file holds no plain run with tokens, or one longer than ``max_tokens``
-            (it was measured with other settings).
+        ValueError: the file is missing or not such a JSONL, holds no plain run with tokens, or
+            one longer than ``max_tokens`` (it was measured with other settings).
     """
-    runs = {(r.prompt_id, r.temp): r for r in read_records(path) if r.config == PLAIN and r.tokens is not None}
+    if not Path(path).is_file():
+        raise ValueError(f"--plain-runs {path}: no such file; pass the --output JSONL of an earlier 'mlxspec train measure'")
+    try:
+        records = read_records(path)
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"--plain-runs {path} is not the --output JSONL of 'mlxspec train measure' ({e})") from None
+    runs = {(r.prompt_id, r.temp): r for r in records if r.config == PLAIN and r.tokens is not None}
     if not runs:
         raise ValueError(f"{path} holds no plain runs with tokens; pass an --output file of 'mlxspec train measure'")
     longest = max(len(r.tokens) for r in runs.values())
