@@ -230,14 +230,23 @@ def _run_mlx_lm(models: BenchModels, ids, temp, seed, max_tokens, draft_model, g
     steps.close()  # mlx-lm rewinds its caches; wait for its last in-flight step outside the timing
     mx.synchronize(generation_stream)
     return RunRecord("", "", "", temp, seed, len(ids), prompt_s, len(tokens), generation_s,
-                     rounds=_rounds_from_flags(from_draft, gamma) if draft_model is not None else [],
+                     rounds=rounds_from_flags(from_draft, gamma) if draft_model is not None else [],
                      peak_memory_gb=mx.get_peak_memory() / 1e9,
                      finish_reason="stop" if tokens and tokens[-1] in stop else "length",
                      output_sha=_sha(tokens))
 
 
-def _rounds_from_flags(from_draft: list[bool], gamma: int) -> list[list[int]]:
-    """``[drafted, kept]`` per round from mlx-lm's per-token ``from_draft`` flags."""
+def rounds_from_flags(from_draft: list[bool], gamma: int) -> list[list[int]]:
+    """``[drafted, kept]`` per round from mlx-lm's per-token ``from_draft`` flags.
+
+    Args:
+        from_draft: Per generated token, whether it was an accepted draft (mlx-lm's third yield).
+        gamma: γ, the tokens mlx-lm drafted each round.
+
+    Returns:
+        list[list[int]]: ``[gamma, kept]`` per round; a round cut by a stop or ``max_tokens``
+        inside an accepted block counts the drafts it kept.
+    """
     rounds, kept = [], 0
     for drafted in from_draft:
         if drafted:

@@ -126,7 +126,7 @@ def commit_path(cache: Sequence, start: int, keep: list[int]) -> None:
         c.offset = start + n
 
 
-class _TreeRoPE(nn.Module):
+class TreeRoPE(nn.Module):
     """Rotates each tree node at its own position: nodes go on the batch axis, where
     ``mx.fast.rope`` takes one offset per row (DESIGN.md, checked on mlx 0.32.4)."""
 
@@ -161,7 +161,7 @@ def tree_attention(model: nn.Module, cache: Sequence, tree: Tree):
     for c in cache:
         c.make_mask = lambda *args, **kwargs: mask
     for owner, rope in zip(owners, originals):
-        owner.rope = _TreeRoPE(rope, depths)
+        owner.rope = TreeRoPE(rope, depths)
     try:
         yield
     finally:

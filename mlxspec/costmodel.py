@@ -17,16 +17,10 @@ acceptance, and γ = 0 (plain decoding) when speculation is predicted to lose.
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import hashlib
 import json
-import os
-import platform
-import re
 import statistics
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -36,6 +30,12 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
+from mlx_lm.models.cache import make_prompt_cache
+
+from .cache import prefill, trim
+from .loading import default_cache_dir
+from .machine import machine_fingerprint
+from .sampling import SamplingParams
 
 #: Largest verify width calibrated (γ + 1 ≤ this, so γ ≤ 15).
 MAX_VERIFY_TOKENS = 16
@@ -45,13 +45,6 @@ VERIFY_GRID = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
 DEFAULT_CONTEXT_TOKENS = 256
 #: Calibration repeats the grid while it stays within this many seconds (at least once, at most 5 times).
 DEFAULT_BUDGET_S = 6.0
-#: Paths where distributions put a multithreaded OpenBLAS (``{arch}`` = ``platform.machine()``).
-FAST_BLAS_CANDIDATES = (
-    "/usr/lib/{arch}-linux-gnu/openblas-pthread/libblas.so.3",
-    "/usr/lib/{arch}-linux-gnu/libopenblas.so.0",
-    "/usr/lib64/libopenblas.so.0",
-    "/usr/lib/libopenblas.so.0",
-)
 
 
 # ---------------------------------------------------------------- prediction
@@ -266,10 +259,6 @@ def calibrate_verify(model: nn.Module, *, context_tokens: int = DEFAULT_CONTEXT_
     Returns:
         list[float]: ``[k - 1]`` = seconds, length 16.
     """
-    from .cache import prefill
-
-    from mlx_lm.models.cache import make_prompt_cache
-
     vocab = _vocab_size(model)
     rng = np.random.default_rng(seed)
     cache = make_prompt_cache(model)
@@ -298,8 +287,6 @@ def calibrate_draft(drafter, history: list[int], *, num_draft_tokens: int = 4, r
     drafter can be measured; one that reads the target's hidden states gets zeros of
     width ``hidden_size``. The drafter is left as after a round that kept nothing.
     """
-    from .sampling import SamplingParams
-
     zeros = (lambda n: [mx.zeros((n, hidden_size))]) if getattr(drafter, "needs_hidden", False) else (lambda n: [])
     drafter.prefill(history, *zeros(len(history) - 1))
     times = []
@@ -331,8 +318,6 @@ def load_or_calibrate(model: nn.Module, drafter=None, *, cache_dir: Path | None 
         on_measure: Called with a short description before each measurement that was not
             cached (a CLI prints it). Default: none.
     """
-    from .loading import default_cache_dir
-
     cache_dir = Path(cache_dir) if cache_dir else default_cache_dir() / "costs"
     machine = machine_fingerprint()
     target_key = {"what": "verify", "model": model_fingerprint(model), "machine": machine,
@@ -353,8 +338,6 @@ def load_or_calibrate(model: nn.Module, drafter=None, *, cache_dir: Path | None 
 
 
 def _time_forward(model, cache, tokens: list[int]) -> float:
-    from .cache import trim
-
     t0 = time.perf_counter()
     logits = model(mx.array(tokens, dtype=mx.int32)[None], cache=cache)
     mx.eval(logits[0].argmax(axis=-1))
@@ -397,7 +380,7 @@ def _cached(cache_dir: Path, key: dict, refresh: bool, on_measure, what: str, me
     return value
 
 
-# ---------------------------------------------------------------- machine
+# ---------------------------------------------------------------- fingerprints
 
 
 def model_fingerprint(model: nn.Module) -> dict:
@@ -409,127 +392,3 @@ def model_fingerprint(model: nn.Module) -> dict:
     return {"class": f"{type(model).__module__}.{type(model).__name__}", "config": config,
             "parameters": int(sum(p.size for _, p in params)),
             "dtypes": sorted({str(p.dtype) for _, p in params}), "quantized_bits": bits}
-
-
-def machine_fingerprint() -> dict:
-    """What costs depend on besides the model: CPU, cores, OS, BLAS, MLX version and device."""
-    return {"system": platform.system(), "arch": platform.machine(), "cpu": cpu_name(),
-            "cores": os.cpu_count(), "blas": blas_in_use()["name"], "mlx": mx.__version__,
-            "device": str(mx.default_device())}
-
-
-def machine_info() -> dict:
-    """Everything a benchmark header should say about this machine."""
-    import mlx_lm
-
-    info = machine_fingerprint()
-    info["blas"] = blas_in_use()
-    info["memory_gb"] = _memory_gb()
-    info["platform"] = platform.platform()
-    info["python"] = platform.python_version()
-    info["versions"] = {"mlx": mx.__version__, "mlx_lm": mlx_lm.__version__, "numpy": np.__version__,
-                        "mlxspec": _package_version("mlxspec")}
-    info["load_average"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
-    return info
-
-
-def cpu_name() -> str:
-    """The CPU's marketing name, e.g. ``"Apple M2 Pro"`` or ``"AMD EPYC 7B13"``."""
-    if sys.platform == "darwin":
-        try:
-            out = subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True)
-            if out.stdout.strip():
-                return out.stdout.strip()
-        except OSError:
-            pass
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def blas_in_use() -> dict:
-    """Which BLAS MLX's CPU matmuls resolve to in this process.
-
-    On Linux, a BLAS in the global symbol scope (``LD_PRELOAD``) wins over the
-    reference BLAS bundled with the ``mlx[cpu]`` wheel; otherwise the bundled one is used.
-
-    Returns:
-        dict: ``name`` (``"OpenBLAS"``, ``"reference BLAS"``, ``"Accelerate"``, ...),
-        ``path`` (the library, when found) and ``detail`` (OpenBLAS's build string).
-    """
-    if sys.platform == "darwin":
-        return {"name": "Accelerate", "path": None, "detail": "macOS"}
-    path = _global_symbol_library("cblas_sgemm")
-    if path is None:
-        # numpy's own OpenBLAS has renamed (scipy_*64_) symbols that MLX never calls
-        mapped = [p for p in _mapped_libraries() if re.search(r"blas|mkl|blis", Path(p).name, re.I)
-                  and "scipy_openblas" not in p]
-        path = next((p for p in mapped if "mlx" in p), mapped[0] if mapped else None)
-    if path is None:
-        return {"name": "unknown", "path": None, "detail": None}
-    real = os.path.realpath(path).lower()
-    name = ("OpenBLAS" if "openblas" in real else "Intel MKL" if "mkl" in real
-            else "BLIS" if "blis" in real else "reference BLAS")
-    detail = _openblas_config() if name == "OpenBLAS" else None
-    return {"name": name, "path": path, "detail": detail}
-
-
-def find_fast_blas() -> str | None:
-    """Path of an installed multithreaded OpenBLAS to preload on Linux, or ``None``."""
-    if not sys.platform.startswith("linux"):
-        return None
-    arch = platform.machine()
-    return next((p for p in (c.format(arch=arch) for c in FAST_BLAS_CANDIDATES) if os.path.isfile(p)), None)
-
-
-def _global_symbol_library(symbol: str) -> str | None:
-    class DlInfo(ctypes.Structure):
-        _fields_ = [("dli_fname", ctypes.c_char_p), ("dli_fbase", ctypes.c_void_p),
-                    ("dli_sname", ctypes.c_char_p), ("dli_saddr", ctypes.c_void_p)]
-
-    try:
-        process = ctypes.CDLL(None)
-        address = ctypes.cast(getattr(process, symbol), ctypes.c_void_p)
-        info = DlInfo()
-        if process.dladdr(address, ctypes.byref(info)) and info.dli_fname:
-            return info.dli_fname.decode()
-    except (AttributeError, OSError):
-        pass
-    return None
-
-
-def _mapped_libraries() -> list[str]:
-    try:
-        lines = Path("/proc/self/maps").read_text().splitlines()
-    except OSError:
-        return []
-    return list(dict.fromkeys(line.split()[-1] for line in lines if ".so" in line and "/" in line))
-
-
-def _openblas_config() -> str | None:
-    try:
-        get_config = ctypes.CDLL(None).openblas_get_config
-        get_config.restype = ctypes.c_char_p
-        return get_config().decode().strip()
-    except (AttributeError, OSError):
-        return None
-
-
-def _memory_gb() -> float | None:
-    try:
-        return round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9, 1)
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
-def _package_version(name: str) -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(name)
-    except PackageNotFoundError:
-        return None

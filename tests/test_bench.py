@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from mlxspec.bench import BASELINE, CONTROL, RunRecord, _rounds_from_flags, make_systems, summarize
+from mlxspec.bench import BASELINE, CONTROL, RunRecord, rounds_from_flags, make_systems, summarize
 from mlxspec.cli import main
 from mlxspec.commands import bench as bench_command
 from mlxspec.costmodel import Costs
@@ -107,7 +107,7 @@ def test_make_systems():
 def test_rounds_from_mlx_lm_flags():
     # γ = 3: round 1 kept 2 (+ its target token), round 2 kept 0, round 3 kept 3 and was cut by the stop
     flags = [True, True, False, False, True, True, True]
-    assert _rounds_from_flags(flags, 3) == [[3, 2], [3, 0], [3, 3]]
+    assert rounds_from_flags(flags, 3) == [[3, 2], [3, 0], [3, 3]]
 
 
 def test_speedup_is_the_median_of_paired_ratios():
@@ -132,8 +132,8 @@ def test_reruns_with_openblas_when_the_reference_blas_is_loaded(monkeypatch):
     calls = []
     monkeypatch.delenv(bench_command.REEXEC_ENV, raising=False)
     monkeypatch.setattr("sys.platform", "linux")
-    monkeypatch.setattr("mlxspec.costmodel.blas_in_use", lambda: {"name": "reference BLAS"})
-    monkeypatch.setattr("mlxspec.costmodel.find_fast_blas", lambda: "/opt/libblas.so.3")
+    monkeypatch.setattr("mlxspec.machine.blas_in_use", lambda: {"name": "reference BLAS"})
+    monkeypatch.setattr("mlxspec.machine.find_fast_blas", lambda: "/opt/libblas.so.3")
     monkeypatch.setattr("os.execve", lambda exe, argv, env: calls.append((argv, env)))
     bench_command.maybe_use_fast_blas(["--max-tokens", "8"], "keep")
     assert calls == []

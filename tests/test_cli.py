@@ -90,7 +90,7 @@ def test_help_lists_commands(capsys):
 def test_medusa_from_the_command_line(capsys, tmp_path, tiny_model_dir):
     from test_medusa import random_heads
 
-    from mlxspec.drafters.medusa import save_medusa
+    from mlxspec.heads.medusa import save_medusa
 
     save_medusa(tmp_path / "heads", random_heads(shared=True))
     base = ["--model", str(tiny_model_dir), "--prompt", "hello", "--max-tokens", "12", "--drafter", "medusa"]

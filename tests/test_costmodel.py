@@ -8,17 +8,17 @@ import pytest
 
 from conftest import byte_tokenizer, tiny_llama
 from mlxspec import GenerationStats, generate, make_drafter
-from mlxspec.commands.generate import _gamma_summary
+from mlxspec.commands.generate import format_stats
 from mlxspec.costmodel import (
     AcceptanceEstimate,
     AutoGamma,
     Costs,
     alpha_mle,
-    blas_in_use,
     expected_tau,
     load_or_calibrate,
     tau_from_reach,
 )
+from mlxspec.machine import blas_in_use
 from mlxspec.metrics import CycleStats
 
 #: A memory-bound target: verifying k tokens costs 1 + 0.1 (k - 1) plain steps.
@@ -136,8 +136,8 @@ def test_auto_rejects_other_strings():
 
 def test_stats_line_says_when_it_fell_back():
     stats = GenerationStats(drafter="draft", num_draft_tokens=15, gamma_rounds=[3, 0, 2])
-    assert _gamma_summary(stats) == "auto (mean 0.8, at most 15); fell back to plain decoding in 3 of 5 rounds"
-    assert _gamma_summary(GenerationStats(num_draft_tokens=4)) == "4"
+    assert "γ = auto (mean 0.8, at most 15); fell back to plain decoding in 3 of 5 rounds;" in format_stats(stats)
+    assert "γ = 4;" in format_stats(GenerationStats(num_draft_tokens=4))
 
 
 def test_cli_generate_defaults_to_auto(capsys, tiny_model_dir, tmp_path, monkeypatch):

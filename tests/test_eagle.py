@@ -17,8 +17,9 @@ from mlx_lm.models.cache import KVCache
 from conftest import byte_tokenizer, tiny_llama
 from mlxspec import SamplingParams, generate
 from mlxspec.drafters import make_drafter
-from mlxspec.drafters.eagle import EagleConfig, EagleDrafter, EagleHead, load_eagle, save_eagle
+from mlxspec.drafters.eagle import EagleDrafter
 from mlxspec.generate import speculative_rounds
+from mlxspec.heads.eagle import EagleConfig, EagleHead, load_eagle, save_eagle
 from mlxspec.metrics import GenerationStats
 from mlxspec.taps import HiddenTap
 from stats import chi_square
@@ -133,8 +134,7 @@ def test_dynamic_tree_equals_sequential_expansion(version):
 def test_static_tree_equals_sequential_ranks(version):
     """EAGLE-1's static tree: node [r0, ..., rd] is the rd-th best child of node [r0, ..., rd-1]
     under a from-scratch forward of its path (ranks at the parent, heads.md 4.4)."""
-    from mlxspec.drafters.eagle import EAGLE1_TREE
-    from mlxspec.drafters.medusa import tree_from_choices
+    from mlxspec.tree import EAGLE1_TREE, tree_from_choices
 
     target = tiny_llama(seed=0, sharpen=4.0)
     head = random_head(version, scale=4.0)
@@ -204,10 +204,10 @@ def test_sampling_through_the_dynamic_tree_follows_the_target(small_vocab):
 
 
 def test_the_same_test_rejects_a_wrong_tree_rule(small_vocab, monkeypatch):
-    from test_lossless import _without_residual, exact_joint
+    from test_lossless import exact_joint, without_residual
 
     engine = sys.modules["mlxspec.generate"]
-    monkeypatch.setattr(engine, "verify_deterministic", _without_residual(engine.verify_deterministic))
+    monkeypatch.setattr(engine, "verify_deterministic", without_residual(engine.verify_deterministic))
     target, drafter = small_vocab
     params = SamplingParams(temp=1.0)
     stat, critical = chi_square(_sample_first_two(target, drafter, params), exact_joint(target, params))

@@ -99,7 +99,7 @@ def test_first_two_tokens_follow_the_target(models, kind, setting):
     assert stat < critical, f"chi-square {stat:.1f} >= {critical:.1f}"
 
 
-def _without_residual(rule):
+def without_residual(rule):
     """The classic mistake: after a rejection, draw from p instead of the residual."""
 
     def broken(*args):
@@ -112,7 +112,7 @@ def _without_residual(rule):
 @pytest.mark.parametrize("kind,rule", [("draft", "verify_sampled"), ("ngram", "verify_deterministic")])
 def test_the_same_test_rejects_a_verifier_without_residual(models, kind, rule, monkeypatch):
     engine = sys.modules["mlxspec.generate"]
-    monkeypatch.setattr(engine, rule, _without_residual(getattr(engine, rule)))
+    monkeypatch.setattr(engine, rule, without_residual(getattr(engine, rule)))
     params = SETTINGS["temp1"]
     stat, critical = chi_square(sample_joint(models[0], _drafter(kind, models), params), exact_joint(models[0], params))
     assert stat > critical

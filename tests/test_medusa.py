@@ -9,17 +9,10 @@ import pytest
 
 from conftest import byte_tokenizer, tiny_llama
 from mlxspec import SamplingParams, generate
-from mlxspec.drafters.medusa import (
-    MC_SIM_7B_63,
-    MedusaConfig,
-    MedusaDrafter,
-    MedusaHeads,
-    load_medusa,
-    read_tree,
-    save_medusa,
-    tree_from_choices,
-)
+from mlxspec.drafters.medusa import MedusaDrafter
+from mlxspec.heads.medusa import MedusaConfig, MedusaHeads, load_medusa, save_medusa
 from mlxspec.taps import output_head
+from mlxspec.tree import MC_SIM_7B_63, read_tree, tree_from_choices
 from stats import chi_square
 
 PROMPT = [10, 20, 30, 40, 10, 20, 30, 41, 50, 60]

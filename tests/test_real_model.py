@@ -68,7 +68,8 @@ def test_quantized_draft_for_float32_target_is_greedy_exact(float32, quantized):
 
 
 def test_the_shipped_eagle_head_is_greedy_exact_and_accepts(float32):
-    from mlxspec.drafters.eagle import EagleDrafter, default_eagle_heads, load_eagle
+    from mlxspec.drafters.eagle import EagleDrafter, default_eagle_heads
+    from mlxspec.heads.eagle import load_eagle
 
     model, tokenizer = float32
     head = load_eagle(default_eagle_heads("SmolLM2-135M-Instruct"), model)

@@ -13,7 +13,7 @@ from conftest import CHAT_TEMPLATE, byte_tokenizer, tiny_llama
 
 from mlxspec.commands.train import main as train_main
 from mlxspec.data import Conversation, Turn, read_prompts_jsonl
-from mlxspec.drafters.medusa import load_medusa
+from mlxspec.heads.medusa import load_medusa
 from mlxspec.sampling import SamplingParams
 from mlxspec.taps import output_head
 from mlxspec.train import (
@@ -30,7 +30,7 @@ from mlxspec.train import (
     train_medusa,
     write_heldout_prompts,
 )
-from mlxspec.train.features import _valid
+from mlxspec.train.features import valid_targets
 
 LETTERS = string.ascii_lowercase
 
@@ -164,7 +164,7 @@ def test_feature_cache_resumes_and_replays_the_same_batches(tiny, tmp_path):
 
 def test_valid_positions_stay_inside_an_example_and_on_assistant_tokens():
     arrays = {"mask": np.array([0, 0, 1, 1, 0, 1, 1, 1], bool), "offsets": np.array([0, 4, 8])}
-    valid = _valid(arrays, 2)
+    valid = valid_targets(arrays, 2)
     # head 0 at t targets t + 2; position 2 would target 4, which lies in the next example
     assert valid[0].tolist() == [True, True, False, False, True, True, False, False]
     assert valid[1].tolist() == [True, False, False, False, True, False, False, False]
@@ -298,7 +298,7 @@ def test_cli_trains_then_measures(tiny_model_dir, tmp_path, capsys):
 @pytest.mark.parametrize("kind", ["medusa", "ngram", "draft"])
 def test_replay_matches_the_engine_at_temperature_zero(kind):
     from mlxspec.drafters import DraftModelDrafter, MedusaDrafter, NgramDrafter
-    from mlxspec.drafters.medusa import read_tree
+    from mlxspec.tree import read_tree
     from mlxspec.generate import generate
     from mlxspec.train import init_heads
     from mlxspec.train.measure import replay, target_features

@@ -11,8 +11,9 @@ import pytest
 from conftest import byte_tokenizer, tiny_llama
 from mlx_lm.models.cache import KVCache
 
-from mlxspec.drafters.eagle import EagleDrafter, load_eagle
+from mlxspec.drafters.eagle import EagleDrafter
 from mlxspec.generate import generate
+from mlxspec.heads.eagle import load_eagle
 from mlxspec.train.corpus import build_corpus
 from mlxspec.train.eagle import (
     EagleEvalRecord,

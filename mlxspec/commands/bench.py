@@ -106,7 +106,7 @@ def maybe_use_fast_blas(argv: list[str], mode: str) -> None:
     """
     if mode != "auto" or not sys.platform.startswith("linux") or os.environ.get(REEXEC_ENV):
         return
-    from ..costmodel import blas_in_use, find_fast_blas
+    from ..machine import blas_in_use, find_fast_blas
 
     if blas_in_use()["name"] != "reference BLAS":
         return
@@ -228,7 +228,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     from tqdm import tqdm
 
     from ..bench import iter_runs, make_systems
-    from ..costmodel import machine_info
+    from ..machine import machine_info
 
     if args.plots:
         try:

@@ -7,10 +7,10 @@ import sys
 from dataclasses import dataclass
 
 from ..drafters import DRAFTERS, Drafter, make_drafter
-from ..drafters.medusa import DEFAULT_TREE, TREE_PRESETS, read_tree
 from ..drafters.ngram import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM
 from ..generate import AUTO, DEFAULT_MAX_TOKENS, DEFAULT_NUM_DRAFT_TOKENS
 from ..sampling import SamplingParams
+from ..tree import DEFAULT_TREE, TREE_PRESETS, read_tree
 
 DTYPES = ("float32", "float16", "bfloat16")
 #: Errors a user can cause (bad files, bad flags); printed as one line, never a traceback.
@@ -149,7 +149,7 @@ def check_args(args: argparse.Namespace) -> None:
         value = getattr(args, flag, None)
         if value is not None and value != "auto" and value < least:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= {least}, got {value}")
-    from ..drafters.eagle import read_eagle_tree
+    from ..tree import read_eagle_tree
 
     read_eagle_tree(getattr(args, "eagle_tree", None))
 
@@ -267,8 +267,9 @@ def load_heads(spec: str | None, model, model_name: str):
     Raises:
         ValueError, FileNotFoundError: no heads for this target, or heads that do not fit it.
     """
-    from ..drafters.draft_model import logits_width
-    from ..drafters.medusa import default_heads, load_medusa, medusa_folder
+    from ..drafters.medusa import default_heads
+    from ..heads.medusa import load_medusa, medusa_folder
+    from ..taps import logits_width
 
     base_name = model_name.split(" (")[0]
     path = medusa_folder(spec) if spec else default_heads(base_name)
@@ -284,7 +285,8 @@ def load_eagle_head(spec: str | None, model, model_name: str):
     Raises:
         ValueError, FileNotFoundError: no head for this target, or a head that does not fit it.
     """
-    from ..drafters.eagle import default_eagle_heads, load_eagle
+    from ..drafters.eagle import default_eagle_heads
+    from ..heads.eagle import load_eagle
 
     base_name = model_name.split(" (")[0]
     path = spec if spec else default_eagle_heads(base_name)

@@ -368,7 +368,7 @@ def run_measure(args: argparse.Namespace) -> int:
 
 def _contender_args(spec: str) -> tuple[str, argparse.Namespace]:
     """``'NAME=FLAGS'`` → (name, the flags parsed as 'mlxspec generate' parses them)."""
-    from ..drafters.medusa import read_tree
+    from ..tree import read_tree
     from .common import add_model_args
 
     name, sep, flags = spec.partition("=")

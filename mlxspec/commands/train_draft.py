@@ -119,7 +119,7 @@ def run_draft(args: argparse.Namespace) -> int:
     from mlx.utils import tree_flatten
 
     from ..loading import describe, load
-    from ..taps import _body
+    from ..taps import model_body
     from ..train.draft import draft_step_ms, init_draft
 
     config = _config(args)
@@ -129,7 +129,7 @@ def run_draft(args: argparse.Namespace) -> int:
     draft, model_config = init_draft(model, config)
     draft_ms, target_ms = draft_step_ms(draft), draft_step_ms(model)
     params = sum(v.size for _, v in tree_flatten(draft.parameters()))
-    embed = _body(draft).embed_tokens.weight.size
+    embed = model_body(draft).embed_tokens.weight.size
     _say(f"draft: {args.layers} layers, hidden {args.hidden}, {model_config['num_attention_heads']} heads "
          f"({model_config['num_key_value_heads']} KV), MLP {model_config['intermediate_size']}; "
          f"{params / 1e6:.1f}M parameters ({embed / 1e6:.1f}M in the tied embedding/LM head)")

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from ..taps import logits_width
+from ..tree import DEFAULT_TREE
 from .base import Draft, Drafter, NoDrafter
-from .draft_model import DraftModelDrafter, check_same_tokenizer, logits_width
+from .draft_model import DraftModelDrafter, check_same_tokenizer
 from .eagle import EagleDrafter
-from .medusa import DEFAULT_TREE, MedusaDrafter
+from .medusa import MedusaDrafter
 from .ngram import NgramDrafter
 
 DRAFTERS = ("draft", "ngram", "medusa", "eagle", "none")
@@ -69,7 +71,7 @@ def make_drafter(
         if medusa_heads is None:
             raise ValueError("--drafter medusa needs Medusa heads: pass --medusa-heads PATH_OR_REPO")
         from ..taps import output_head
-        from .medusa import read_tree
+        from ..tree import read_tree
 
         return MedusaDrafter(medusa_heads, output_head(target), read_tree(medusa_tree))
     if kind == "eagle":

@@ -16,6 +16,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from ..cache import check_rewindable, prefill, trim
 from ..sampling import SamplingParams, process_logits, sample
 from .base import Draft, Drafter
+from .medusa import models_dir
 
 
 def check_same_tokenizer(target_tokenizer, draft_tokenizer) -> None:
@@ -39,12 +40,6 @@ def check_same_tokenizer(target_tokenizer, draft_tokenizer) -> None:
         f"tokens; first difference: {token!r} -> id {token_id}); use a draft model from the "
         "same family as the target, or --drafter ngram"
     )
-
-
-def logits_width(model: nn.Module) -> int:
-    """V, the width of a model's logits (its config's vocab size, or one probe forward)."""
-    size = getattr(getattr(model, "args", None), "vocab_size", None)
-    return size if size else model(mx.array([[0]]))[0].shape[-1]
 
 
 class DraftModelDrafter(Drafter):
@@ -125,7 +120,5 @@ def default_draft(model_name: str) -> Path | None:
     """A draft model shipped in the repository's ``models/draft/<model_name>/`` (an mlx-lm folder,
     e.g. one distilled with ``mlxspec train draft``; ``$MLXSPEC_MODELS`` overrides the ``models``
     folder), or ``None``."""
-    from .medusa import models_dir
-
     folder = models_dir() / "draft" / model_name
     return folder if (folder / "config.json").is_file() else None

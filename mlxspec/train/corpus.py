@@ -39,7 +39,7 @@ import numpy as np
 from mlx_lm.models.cache import BatchKVCache
 
 from ..taps import HiddenTap, output_head
-from .features import MANIFEST, _write_json, model_fingerprint
+from .features import MANIFEST, model_fingerprint, write_json
 
 CORPUS_VERSION = 1
 DEFAULT_TOPK = 32
@@ -128,7 +128,7 @@ def build_corpus(model: nn.Module, tokenizer, prompts: list[list[int]], director
         manifest["tokens"] += int(len(arrays["tokens"]))
         manifest["masked_tokens"] += int(arrays["mask"].sum())
         manifest["examples"] = hi
-        _write_json(directory / MANIFEST, manifest)
+        write_json(directory / MANIFEST, manifest)
         mx.clear_cache()
         yield CorpusProgress(hi, len(prompts), generated, time.perf_counter() - start, False)
         if time_budget_s is not None and time.perf_counter() - start > time_budget_s:
@@ -227,5 +227,5 @@ def _open_manifest(directory: Path, model, prompts: list[list[int]], settings: d
                              "use a fresh folder")
         return old
     directory.mkdir(parents=True, exist_ok=True)
-    _write_json(path, manifest)
+    write_json(path, manifest)
     return manifest

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..data import ROLES, Conversation, Prompt, Turn, _conversation, load_sharegpt
+from ..data import ROLES, Conversation, Prompt, Turn, conversation_from_record, load_sharegpt
 
 SHAREGPT = "sharegpt"
 HELDOUT_KIND = "heldout"
@@ -111,7 +111,7 @@ def _jsonl_conversation(line: str, where: str) -> Conversation:
                                  "and a string 'content'")
             turns.append(Turn(role, m["content"]))
         return Conversation(str(record.get("id", where)), tuple(turns))
-    conversation, problem = _conversation(record)
+    conversation, problem = conversation_from_record(record)
     if problem:
         raise ValueError(f'{where}: expected {{"messages": [{{"role", "content"}}]}} or '
                          f'{{"conversations": [{{"from", "value"}}]}} ({problem})')

@@ -46,8 +46,8 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
-from ..taps import output_head
-from .features import FeatureCache, _write_json
+from ..taps import model_body, output_head
+from .features import FeatureCache, write_json
 from .medusa import warmup_cosine
 
 STATE = "trainer_state.json"
@@ -275,9 +275,7 @@ def project_embeddings(embeddings: np.ndarray, hidden: int) -> np.ndarray:
 
 def target_embeddings(target: nn.Module) -> np.ndarray:
     """The target's input embedding matrix [V, D] in float32 (dequantized if needed)."""
-    from ..taps import _body
-
-    embed = _body(target).embed_tokens
+    embed = model_body(target).embed_tokens
     vocab = int(target.args.vocab_size)
     rows = [np.array(embed(mx.arange(i, min(i + 8192, vocab))).astype(mx.float32)) for i in range(0, vocab, 8192)]
     return np.concatenate(rows)
@@ -292,13 +290,11 @@ def init_draft(target: nn.Module, config: DraftTrainConfig) -> tuple[nn.Module, 
     Raises:
         ValueError: as ``draft_model_config``.
     """
-    from ..taps import _body
-
     model_config = draft_model_config(target, config)
     mx.random.seed(config.seed)
     model = build_draft(model_config)
     model.set_dtype(mx.float32)
-    _body(model).embed_tokens.weight = mx.array(project_embeddings(target_embeddings(target), config.hidden))
+    model_body(model).embed_tokens.weight = mx.array(project_embeddings(target_embeddings(target), config.hidden))
     mx.eval(model.parameters())
     return model, model_config
 
@@ -364,9 +360,7 @@ def _position_logprobs(model: nn.Module, tokens: mx.array, rows: mx.array, topk_
     With ``candidates`` [C] int32, q is normalised over those tokens only (tied embeddings), each
     logit counted exp(``log_weights`` [C]) times in the normaliser, and ``topk_ids`` index into them.
     """
-    from ..taps import _body
-
-    body = _body(model)
+    body = model_body(model)
     hidden = body(tokens)  # [B, T, H], final-normed
     hidden = hidden.reshape(-1, hidden.shape[-1])[rows]  # [P, H]: the LM head only where there is a label
     if candidates is None:
@@ -734,7 +728,7 @@ def _start(target, tokenizer, train: FeatureCache, output: Path, config: DraftTr
 def _checkpoint(output: Path, model, model_config: dict, tokenizer, optimizer, state: _State) -> None:
     save_draft(output, model, model_config, tokenizer)
     mx.save_safetensors(str(output / OPTIMIZER), dict(tree_flatten(optimizer.state)))
-    _write_json(output / STATE, asdict(state))
+    write_json(output / STATE, asdict(state))
 
 
 def copy_model_folder(source: str | Path, destination: str | Path) -> Path:

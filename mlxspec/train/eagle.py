@@ -46,7 +46,9 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
-from .features import FeatureCache, _write_json
+from ..heads.eagle import EagleConfig, EagleHead, load_eagle, save_eagle
+from ..taps import logits_width, model_body, output_head
+from .features import FeatureCache, model_fingerprint, write_json
 from .medusa import warmup_cosine
 
 STATE = "trainer_state.json"
@@ -214,8 +216,6 @@ def check_corpus(cache: FeatureCache, version: int, target: nn.Module | None = N
             ``topk_ids``/``topk_logprobs`` (a Medusa feature cache rather than a
             self-distillation corpus), or no ``aux`` features for EAGLE-3.
     """
-    from .features import model_fingerprint
-
     if target is not None and cache.manifest.get("model") not in (None, model_fingerprint(target)):
         raise ValueError(f"the corpus in {cache.directory} was made by another model than this target; "
                          "build one with this target (mlxspec train corpus --model ...)")
@@ -666,8 +666,6 @@ def evaluate(head, embed, cache: FeatureCache, config: EagleTrainConfig, *, lm_w
 
 def lm_head_matrix(target: nn.Module) -> mx.array:
     """The target's LM head as a [V, H] float32 matrix (tied, untied or quantized)."""
-    from ..taps import output_head
-
     H = int(target.args.hidden_size)
     return output_head(target)(mx.eye(H)).T.astype(mx.float32)
 
@@ -689,9 +687,6 @@ def init_head(target: nn.Module, config: EagleTrainConfig, *, aux_layers=None, d
         d2t: EAGLE-3 reduced vocabulary offsets [V_draft] (``draft_vocabulary``), or ``None``.
         feature_rms: EAGLE-3: RMS of each feature block in the corpus, [3], or ``None``.
     """
-    from ..drafters.draft_model import logits_width
-    from ..drafters.eagle import EagleConfig, EagleHead
-
     args = target.args
     vocab = int(logits_width(target))
     shape = EagleConfig(
@@ -743,13 +738,11 @@ def train_eagle(target: nn.Module, train: FeatureCache, heldout: FeatureCache | 
         ValueError: the corpus lacks what the version needs, ``output`` holds a run with other
             settings or data (when resuming), or ``resume`` is false and ``output`` holds a run.
     """
-    from ..taps import _body
-
     check_corpus(train, config.version, target)
     if heldout is not None:
         check_corpus(heldout, config.version, target)
     output = Path(output)
-    embed = _body(target).embed_tokens
+    embed = model_body(target).embed_tokens
     lm_weight = lm_head_matrix(target) if config.version == 1 else None
     plans = _plans(train, config)
     state, head, optimizer = _start(target, train, output, config, resume, sum(map(len, plans)))
@@ -828,9 +821,6 @@ def _end_epoch(epoch: int, losses: list[float], head, optimizer, heldout, output
 
 def _start(target, train: FeatureCache, output: Path, config: EagleTrainConfig, resume: bool, total_steps: int):
     """Fresh head and optimiser, or the ones checkpointed in ``output``."""
-    from ..drafters.draft_model import logits_width
-    from ..drafters.eagle import load_eagle
-
     schedule = warmup_cosine(config.learning_rate, config.warmup_steps, total_steps)
     optimizer = optim.AdamW(learning_rate=schedule, betas=[0.9, 0.95],
                             weight_decay=config.weight_decay)
@@ -863,16 +853,12 @@ def _start(target, train: FeatureCache, output: Path, config: EagleTrainConfig, 
 
 
 def _checkpoint(output: Path, head, optimizer, state: _State) -> None:
-    from ..drafters.eagle import save_eagle
-
     save_eagle(head, output)
     mx.save_safetensors(str(output / OPTIMIZER), dict(tree_flatten(optimizer.state)))
-    _write_json(output / STATE, asdict(state))
+    write_json(output / STATE, asdict(state))
 
 
 def _save_copy(folder: Path, head, dtype: str) -> None:
-    from ..drafters.eagle import EagleHead, save_eagle
-
     copy = EagleHead(head.config)
     copy.update(tree_map(lambda a: a.astype(getattr(mx, dtype)) if mx.issubdtype(a.dtype, mx.floating) else a,
                          head.parameters()))

@@ -28,6 +28,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
+from ..loading import default_cache_dir
 from ..taps import HiddenTap, output_head
 from .dataset import Example
 
@@ -41,8 +42,6 @@ greedy prediction of that token given the text up to t + k + 1 (a cheap self-dis
 
 def default_features_root() -> Path:
     """``$MLXSPEC_CACHE/features`` (default ``~/.cache/mlxspec/features``)."""
-    from ..loading import default_cache_dir
-
     return default_cache_dir() / "features"
 
 
@@ -156,7 +155,7 @@ def extract_features(model: nn.Module, examples: list[Example], directory: str |
         mx.clear_cache()
         _write_chunk(directory / info["file"], examples[lo:hi], np.concatenate(hidden), np.concatenate(greedy))
         info["complete"] = True
-        _write_json(directory / MANIFEST, manifest)
+        write_json(directory / MANIFEST, manifest)
 
 
 def _forward(model, tap: HiddenTap, lm_head, ex: Example) -> tuple[np.ndarray, np.ndarray]:
@@ -195,7 +194,7 @@ def _open_manifest(directory: Path, model, examples, chunks, chunk_tokens) -> di
         return old
     manifest["hidden_size"], manifest["vocab_size"] = _shape(model)
     directory.mkdir(parents=True, exist_ok=True)
-    _write_json(path, manifest)
+    write_json(path, manifest)
     return manifest
 
 
@@ -212,7 +211,8 @@ def _write_chunk(path: Path, examples: list[Example], hidden: np.ndarray, greedy
     os.replace(partial, path)
 
 
-def _write_json(path: Path, value: dict) -> None:
+def write_json(path: Path, value: dict) -> None:
+    """Write ``value`` as JSON to ``path`` atomically (a ``.partial`` file, then a rename)."""
     partial = path.with_name(path.name + ".partial")
     partial.write_text(json.dumps(value, indent=1) + "\n")
     os.replace(partial, path)
@@ -275,7 +275,7 @@ class FeatureCache:
     def chunk_positions(self, c: int, num_heads: int, arrays: dict | None = None) -> np.ndarray:
         """Positions t of chunk ``c`` where at least one of ``num_heads`` heads has a target."""
         arrays = arrays if arrays is not None else self.load_chunk(c)
-        return np.flatnonzero(_valid(arrays, num_heads).any(axis=0))
+        return np.flatnonzero(valid_targets(arrays, num_heads).any(axis=0))
 
     def steps_per_epoch(self, num_heads: int, batch_size: int) -> int:
         """Batches per epoch for ``batches(num_heads, batch_size)`` (reads only the small arrays)."""
@@ -299,7 +299,7 @@ class FeatureCache:
             order = np.random.default_rng([seed, epoch]).permutation(self.num_chunks)
         for c in order:
             arrays = self.load_chunk(int(c))
-            valid = _valid(arrays, num_heads)  # [K, N]
+            valid = valid_targets(arrays, num_heads)  # [K, N]
             positions = np.flatnonzero(valid.any(axis=0))
             if shuffle:
                 positions = np.random.default_rng([seed, epoch, int(c)]).permutation(positions)
@@ -307,8 +307,18 @@ class FeatureCache:
                 yield _batch(arrays, valid, positions[i : i + batch_size], num_heads, batch_size)
 
 
-def _valid(arrays: dict, num_heads: int) -> np.ndarray:
-    """[K, N] bool: head k at t has a target, i.e. t + k + 2 is an assistant token of t's example."""
+def valid_targets(arrays: dict, num_heads: int) -> np.ndarray:
+    """Which (head, position) pairs of a chunk have a training target.
+
+    Args:
+        arrays: A chunk's arrays (``FeatureCache.load_chunk``): ``mask`` [N] bool (assistant
+            tokens) and ``offsets`` [E + 1] (example boundaries).
+        num_heads: K, the heads to train.
+
+    Returns:
+        np.ndarray: [K, N] bool: head k at t has a target, i.e. t + k + 2 is an assistant token
+        of t's example.
+    """
     mask, offsets = arrays["mask"], arrays["offsets"]
     n = len(mask)
     ends = np.repeat(offsets[1:], np.diff(offsets))  # [N]: end of each position's example

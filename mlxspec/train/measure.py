@@ -22,10 +22,11 @@ tokens / generation seconds), so long answers weigh more than short ones.
 
 from __future__ import annotations
 
+import json
 import time
-from pathlib import Path
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -33,6 +34,7 @@ import numpy as np
 
 from ..data import Prompt
 from ..drafters.base import Draft, Drafter
+from ..generate import generate
 from ..metrics import CycleStats, GenerationStats
 from ..sampling import SamplingParams
 from ..taps import HiddenTap
@@ -157,8 +159,6 @@ def measure(model: nn.Module, tokenizer, contenders: list[Contender], prompts: l
     Yields:
         ``RunRecord`` per (prompt, temperature, configuration, mode).
     """
-    from ..generate import generate
-
     for i, prompt in enumerate(prompts):
         ids = list(tokenizer.apply_chat_template([{"role": "user", "content": prompt.text}],
                                                  add_generation_prompt=True))
@@ -272,9 +272,6 @@ def replay(drafter: Drafter, prompt: list[int], answer: list[int], features: dic
 
 def read_records(path) -> list[RunRecord]:
     """Records written by ``mlxspec train measure-medusa --output FILE`` (one JSON object per line)."""
-    import json
-    from dataclasses import fields
-
     names = {f.name for f in fields(GenerationStats)}
     records = []
     for line in open(path, encoding="utf-8"):

@@ -28,9 +28,9 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
-from ..drafters.medusa import MedusaConfig, MedusaHeads, load_medusa, save_medusa
-from ..taps import output_head
-from .features import LABELS, FeatureCache, _write_json
+from ..heads.medusa import MedusaConfig, MedusaHeads, load_medusa, save_medusa
+from ..taps import logits_width, output_head
+from .features import LABELS, FeatureCache, write_json
 
 STATE = "trainer_state.json"
 OPTIMIZER = "optimizer.safetensors"
@@ -170,8 +170,6 @@ def medusa_loss(heads: MedusaHeads, hidden: mx.array, labels: mx.array, valid: m
 
 def target_shape(target: nn.Module) -> tuple[int, int]:
     """The target's hidden size H and logits width V."""
-    from ..drafters.draft_model import logits_width
-
     return int(target.args.hidden_size), int(logits_width(target))
 
 
@@ -361,7 +359,7 @@ def _start(target, train: FeatureCache, output: Path, config: MedusaTrainConfig,
 def _checkpoint(output: Path, heads: MedusaHeads, optimizer, state: _State) -> None:
     save_medusa(output, heads)
     mx.save_safetensors(str(output / OPTIMIZER), dict(tree_flatten(optimizer.state)))
-    _write_json(output / STATE, asdict(state))
+    write_json(output / STATE, asdict(state))
 
 
 def _save_copy(folder: Path, heads: MedusaHeads, dtype: str) -> None:
