@@ -68,11 +68,12 @@ def test_quantized_draft_for_float32_target_is_greedy_exact(float32, quantized):
 
 
 def test_the_shipped_eagle_head_is_greedy_exact_and_accepts(float32):
-    from mlxspec.drafters.eagle import EagleDrafter, default_eagle_heads
+    from mlxspec.assets import shipped
+    from mlxspec.drafters.eagle import EagleDrafter
     from mlxspec.heads.eagle import load_eagle
 
     model, tokenizer = float32
-    head = load_eagle(default_eagle_heads("SmolLM2-135M-Instruct"), model)
+    head = load_eagle(shipped("eagle", "SmolLM2-135M-Instruct"), model)
     prompt = chat(tokenizer, "Explain in a few sentences why the sky is blue.")
     plain = generate(model, tokenizer, prompt, drafter="none", max_tokens=48, stop_tokens=set())
     taus = []

@@ -6,6 +6,7 @@ import argparse
 import sys
 from dataclasses import dataclass
 
+from ..assets import require_shipped, shipped
 from ..drafters import DRAFTERS, Drafter, make_drafter
 from ..drafters.ngram import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM
 from ..generate import AUTO, DEFAULT_MAX_TOKENS, DEFAULT_NUM_DRAFT_TOKENS
@@ -241,9 +242,7 @@ def shipped_draft(name: str) -> str:
     Raises:
         ValueError: none ships for it.
     """
-    from ..drafters.draft_model import default_draft
-
-    path = default_draft(name)
+    path = shipped("draft", name)
     if path is None:
         raise ValueError(f"--drafter draft needs a draft model: pass --draft-model PATH_OR_REPO (none ships for "
                          f"{name}; distil one with 'mlxspec train draft')")
@@ -253,11 +252,10 @@ def shipped_draft(name: str) -> str:
 def use_shipped_draft(args: argparse.Namespace) -> None:
     """``--drafter draft`` without ``--draft-model``: name the draft shipped for the target, if any
     (before ``check_args``, which refuses a draft drafter without a draft model)."""
-    from ..drafters.draft_model import default_draft
     from ..loading import model_name
 
     if args.drafter == "draft" and args.draft_model is None:
-        path = default_draft(model_name(args.model))
+        path = shipped("draft", model_name(args.model))
         args.draft_model = str(path) if path is not None else None
 
 
@@ -267,15 +265,11 @@ def load_heads(spec: str | None, model, model_name: str):
     Raises:
         ValueError, FileNotFoundError: no heads for this target, or heads that do not fit it.
     """
-    from ..drafters.medusa import default_heads
     from ..heads.medusa import load_medusa, medusa_folder
     from ..taps import logits_width
 
     base_name = model_name.split(" (")[0]
-    path = medusa_folder(spec) if spec else default_heads(base_name)
-    if path is None:
-        raise ValueError(f"no Medusa heads ship for {base_name}; pass --medusa-heads PATH_OR_REPO "
-                         "(or train some with 'mlxspec train medusa')")
+    path = medusa_folder(spec) if spec else require_shipped("medusa", base_name)
     return load_medusa(path, hidden_size=model.args.hidden_size, vocab_size=logits_width(model))
 
 
@@ -285,14 +279,10 @@ def load_eagle_head(spec: str | None, model, model_name: str):
     Raises:
         ValueError, FileNotFoundError: no head for this target, or a head that does not fit it.
     """
-    from ..drafters.eagle import default_eagle_heads
     from ..heads.eagle import load_eagle
 
     base_name = model_name.split(" (")[0]
-    path = spec if spec else default_eagle_heads(base_name)
-    if path is None:
-        raise ValueError(f"no EAGLE head ships for {base_name}; pass --eagle-heads PATH_OR_REPO "
-                         "(or train one with 'mlxspec train eagle')")
+    path = spec if spec else require_shipped("eagle", base_name)
     return load_eagle(path, model)
 
 

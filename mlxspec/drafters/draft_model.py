@@ -7,8 +7,6 @@ q for the rejection sampler. At temperature 0 it drafts greedily (q one-hot).
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
@@ -16,7 +14,6 @@ from mlx_lm.models.cache import make_prompt_cache
 from ..cache import check_rewindable, prefill, trim
 from ..sampling import SamplingParams, process_logits, sample
 from .base import Draft, Drafter
-from .medusa import models_dir
 
 
 def check_same_tokenizer(target_tokenizer, draft_tokenizer) -> None:
@@ -115,10 +112,3 @@ class DraftModelDrafter(Drafter):
         trim(self.cache, offset - valid)
         self._num_cached = valid
 
-
-def default_draft(model_name: str) -> Path | None:
-    """A draft model shipped in the repository's ``models/draft/<model_name>/`` (an mlx-lm folder,
-    e.g. one distilled with ``mlxspec train draft``; ``$MLXSPEC_MODELS`` overrides the ``models``
-    folder), or ``None``."""
-    folder = models_dir() / "draft" / model_name
-    return folder if (folder / "config.json").is_file() else None

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -21,15 +20,7 @@ from ..heads.eagle import EagleHead
 from ..taps import model_body, output_head
 from ..tree import Tree, read_eagle_tree, tree_from_choices
 from .base import Draft, Drafter
-from .medusa import models_dir
 from .ngram import lookup_continuation
-
-
-def default_eagle_heads(model_name: str) -> Path | None:
-    """Heads shipped in the repository's ``models/eagle/<model_name>/`` (``$MLXSPEC_MODELS``
-    overrides the ``models`` folder), or ``None``."""
-    folder = models_dir() / "eagle" / model_name
-    return folder if (folder / "model.safetensors").is_file() else None
 
 
 # --- the drafter ---------------------------------------------------------------------------

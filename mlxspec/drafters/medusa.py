@@ -9,28 +9,12 @@ and the output is distributed as the target's.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import mlx.core as mx
 
 from ..heads.medusa import MedusaHeads
 from ..sampling import SamplingParams
 from ..tree import MC_SIM_7B_63, Tree, tree_from_choices
 from .base import Draft, Drafter
-
-
-def default_heads(model_name: str) -> Path | None:
-    """Heads shipped in the repository's ``models/medusa/<model_name>/`` (``$MLXSPEC_MODELS``
-    overrides the ``models`` folder), or ``None``."""
-    folder = models_dir() / "medusa" / model_name
-    return folder if (folder / "medusa_lm_head.safetensors").is_file() else None
-
-
-def models_dir() -> Path:
-    """The ``models/`` assets folder: ``$MLXSPEC_MODELS``, else the one beside the package."""
-    import os
-
-    return Path(os.environ.get("MLXSPEC_MODELS") or Path(__file__).resolve().parents[2] / "models")
 
 
 class MedusaDrafter(Drafter):
