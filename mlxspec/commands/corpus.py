@@ -78,7 +78,7 @@ def run_corpus(args: argparse.Namespace) -> int:
         with tqdm(total=len(chosen), desc=f"corpus ({name})", unit="prompt", file=sys.stderr) as bar:
             for progress in build_corpus(model, tokenizer, chosen, output / name, max_new_tokens=args.max_new_tokens,
                                          batch_size=args.batch_size, topk=args.topk, time_budget_s=limit):
-                bar.update(progress.prompts_done - bar.n)
+                bar.update(progress.done - bar.n)
                 bar.set_postfix(tok_s=f"{progress.tokens_per_s:.0f}")
     manifest = json.loads((output / TRAIN / "manifest.json").read_text())
     info.update(wall_s=round(time.perf_counter() - t0, 1), answered=manifest["examples"],

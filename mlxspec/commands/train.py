@@ -285,7 +285,7 @@ def _extract(model, examples, name: str, args):
     total = sum(len(ex.tokens) for ex in examples)
     with tqdm(total=total, desc=f"features ({name})", unit="tok", file=sys.stderr) as bar:
         for progress in extract_features(model, examples, directory, chunk_tokens=args.chunk_tokens):
-            bar.update(progress.tokens_done - bar.n)
+            bar.update(progress.done - bar.n)
             bar.set_postfix(chunk=f"{progress.chunk + 1}/{progress.num_chunks}",
                             tok_s=f"{progress.tokens_per_s:.0f}")
     return FeatureCache(directory)

@@ -19,7 +19,8 @@ from .dataset import (
     tokenize_conversations,
     write_heldout_prompts,
 )
-from .features import Batch, ExtractProgress, FeatureCache, cache_dir_for, extract_features
+from .features import Batch, FeatureCache, cache_dir_for, extract_features
+from .store import StoreProgress
 from .medusa import EvalRecord, MedusaTrainConfig, StepRecord, evaluate, init_heads, medusa_loss, train_medusa
 
 __all__ = [
@@ -27,7 +28,7 @@ __all__ = [
     "DataReport",
     "EvalRecord",
     "Example",
-    "ExtractProgress",
+    "StoreProgress",
     "FeatureCache",
     "MedusaTrainConfig",
     "StepRecord",
