@@ -596,14 +596,9 @@ def train_draft(target: nn.Module, tokenizer, train: FeatureCache, heldout: Feat
     """Distil a draft model from the soft labels of ``train`` (``loop.fit`` on a ``DraftTask``).
 
     Args:
-        target: The target (its config and embeddings shape the draft; it is never run).
-        tokenizer: The target's tokenizer, saved with every checkpoint.
-        train: A corpus with soft labels (``mlxspec train corpus``, its ``train`` part).
-        heldout: A held-out corpus for the per-epoch scores, or ``None``: the last
-            ``config.heldout_examples`` examples of ``train`` are held out instead.
+        target, tokenizer, train, heldout, config: As ``DraftTask``.
         output: Checkpoint folder, itself an mlx-lm model folder (latest weights, float32) plus
             ``optimizer.safetensors`` and ``trainer_state.json``; ``epoch-<n>/`` per epoch (``save_dtype``).
-        config: Settings.
         resume: Continue from the checkpoint in ``output`` if there is one. Default: ``True``.
 
     Yields:

@@ -742,13 +742,10 @@ def train_eagle(target: nn.Module, train: FeatureCache, heldout: FeatureCache | 
     """Train an EAGLE-1 or EAGLE-3 head on a self-distillation corpus (``loop.fit`` on an ``EagleTask``).
 
     Args:
-        target: The frozen target (float32): its embedding, LM head and shape.
-        train: The training corpus (``mlxspec.train.corpus``).
-        heldout: A held-out corpus for the per-epoch agreement, or ``None``.
+        target, train, heldout, config: As ``EagleTask``.
         output: Checkpoint folder: ``config.json`` + ``model.safetensors`` (latest, float32,
             loadable by ``load_eagle``), ``optimizer.safetensors``, ``trainer_state.json``, and
             ``epoch-<n>/`` per epoch in ``save_dtype``.
-        config: Settings.
         resume: Continue from the checkpoint in ``output`` if there is one. Default: ``True``.
 
     Yields:

@@ -220,12 +220,9 @@ def train_medusa(target: nn.Module, train: FeatureCache, heldout: FeatureCache |
     """Train Medusa-1 heads on cached features, checkpointing into ``output`` (``loop.fit`` on a ``MedusaTask``).
 
     Args:
-        target: The frozen target (its LM head scores shared-head heads).
-        train: Training features.
-        heldout: Held-out features for the per-epoch accuracy, or ``None``.
+        target, train, heldout, config: As ``MedusaTask``.
         output: Checkpoint folder: ``config.json`` + ``medusa_lm_head.safetensors`` (latest, float32),
             ``optimizer.safetensors``, ``trainer_state.json``, and ``epoch-<n>/`` per epoch.
-        config: Settings.
         resume: Continue from the checkpoint in ``output`` if there is one. Default: ``True``.
 
     Yields:
