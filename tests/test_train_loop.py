@@ -177,3 +177,18 @@ def test_draft_killed_mid_epoch_resumes_to_the_same_weights(corpus, tmp_path):
     rest = [r for r in fit(DraftTask(model, tok, train, None, config), cut, config) if isinstance(r, StepRecord)]
     assert (rest[0].epoch, rest[0].step) == (0, 3)
     assert_same_run(whole, cut, "model.safetensors")
+
+
+def test_a_run_checkpointed_before_the_shared_loop_resumes(medusa, tmp_path):
+    """trainer_state.json of the per-method trainers named the data ``features``/``corpus`` and had no loss sum."""
+    model, train, _ = medusa
+    config = MedusaTrainConfig(**{**vars(MEDUSA), "epochs": 1})
+    list(fit(MedusaTask(model, train, None, config), tmp_path, config))
+    state = json.loads((tmp_path / loop.STATE).read_text())
+    state["features"] = state.pop("data")
+    del state["loss_sum"], state["config"]["max_steps"], state["config"]["grad_clip"]
+    (tmp_path / loop.STATE).write_text(json.dumps(state))
+    more = MedusaTrainConfig(**{**vars(MEDUSA), "epochs": 2})
+    records = list(fit(MedusaTask(model, train, None, more), tmp_path, more))
+    assert records[0].epoch == 1 and isinstance(records[-1], EvalRecord) and records[-1].epoch == 2
+    assert json.loads((tmp_path / loop.STATE).read_text())["data"] == str(train.directory.resolve())
