@@ -217,6 +217,9 @@ class AutoGamma:
         predicted_speedup: Predicted speedup of that choice (1 when falling back).
     """
 
+    #: The per-round choices are recorded in the stats (``GenerationStats.gamma_rounds``).
+    adaptive = True
+
     def __init__(self, costs: Costs, *, max_gamma: int = MAX_VERIFY_TOKENS - 1, margin: float = 0.03,
                  probe_every: int = 16, probe_gamma: int = 2, estimate: AcceptanceEstimate | None = None):
         if max_gamma < 1:

@@ -9,7 +9,8 @@ import json
 
 import pytest
 
-from mlxspec.bench import BASELINE, CONTROL, RunRecord, rounds_from_flags, make_systems, summarize
+from mlxspec.bench import BASELINE, CONTROL, RunRecord, make_systems, rounds_from_flags
+from mlxspec.bench_summary import summarize
 from mlxspec.cli import main
 from mlxspec.commands import bench as bench_command
 from mlxspec.costmodel import Costs

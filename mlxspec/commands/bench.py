@@ -9,8 +9,11 @@ import sys
 import time
 from pathlib import Path
 
-from ..generate import AUTO
-from .common import ArgumentParser, DTYPES, USER_ERRORS, fail
+from ..drafters import drafter_types, parse_specs
+from ..gamma import AUTO
+from ..loading import DTYPES
+from ..session import USER_ERRORS
+from .common import ArgumentParser, fail
 
 DEFAULT_GAMMAS = "auto,1,2,4,6,8"
 DEFAULT_TEMPS = "0,0.7"
@@ -34,7 +37,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                         help="draft model for mlx-lm speculative decoding and mlxspec's 'draft' drafter")
     parser.add_argument("--draft-dtype", choices=DTYPES, default=None, help="draft model dtype. Default: as stored")
     parser.add_argument("--drafters", default=None,
-                        help="comma-separated mlxspec drafters (draft, ngram, none). "
+                        help="comma-separated mlxspec drafter specs, each a name with optional options, e.g. "
+                             "'eagle,medusa:tree=small_15,ngram:max=3,none' (names: "
+                             f"{', '.join(drafter_types())}). "
                              "Default: draft,ngram,none with --draft-model, else ngram,none")
     parser.add_argument("--num-draft-tokens", default=DEFAULT_GAMMAS,
                         help=f"comma-separated γ sweep; 'auto' = automatic γ. Default: {DEFAULT_GAMMAS}")
@@ -123,28 +128,22 @@ def maybe_use_fast_blas(argv: list[str], mode: str) -> None:
     os.execve(sys.executable, command, {**os.environ, "LD_PRELOAD": preload, REEXEC_ENV: "1"})
 
 
-def _load(args, drafter_names: list[str]):
-    """Models, drafters and (cached or measured) costs."""
+def _load(args, specs: list):
+    """Models, drafters (by spec string) and (cached or measured) costs."""
     from ..bench import BenchModels
     from ..costmodel import load_or_calibrate
-    from ..drafters import make_drafter
-    from ..loading import describe, load
-
-    model, tokenizer = load(args.model, dtype=args.dtype)
-    draft_model = draft_tokenizer = None
-    names = {"target": describe(args.model, model), "draft": None}
-    if args.draft_model:
-        draft_model, draft_tokenizer = load(args.draft_model, dtype=args.draft_dtype)
-        names["draft"] = describe(args.draft_model, draft_model)
-    drafters = {name: make_drafter(name, target=model, tokenizer=tokenizer, draft_model=draft_model,
-                                   draft_tokenizer=draft_tokenizer) for name in drafter_names}
+    from ..session import ModelSpec, build_drafter, load_model
 
     def note(what: str) -> None:
         print(f"mlxspec bench: measuring {what} (once; cached)", file=sys.stderr, flush=True)
 
-    costs = {name: load_or_calibrate(model, d, on_measure=note, refresh=args.recalibrate)
+    target = load_model(ModelSpec(args.model, args.dtype))
+    draft = load_model(ModelSpec(args.draft_model, args.draft_dtype), role="draft model") if args.draft_model else None
+    names = {"target": target.display, "draft": draft.display if draft else None}
+    drafters = {str(spec): build_drafter(spec, target, draft, on_measure=note) for spec in specs}
+    costs = {name: load_or_calibrate(target.model, d, on_measure=note, refresh=args.recalibrate)
              for name, d in drafters.items() if name != "none"}
-    return BenchModels(model, tokenizer, draft_model, drafters, costs), names
+    return BenchModels(target.model, target.tokenizer, draft.model if draft else None, drafters, costs), names
 
 
 def _prompts(args, tokenizer) -> tuple[list[tuple[str, str, list[int]]], dict]:
@@ -195,7 +194,7 @@ def report(result: dict, runs: list, systems: list, costs: dict, args: argparse.
     """Summarise runs, print both tables, write the JSON (and plots)."""
     from dataclasses import asdict
 
-    from ..bench import format_table, summarize, write_plots
+    from ..bench_summary import format_table, summarize, write_plots
 
     rows = summarize(runs, systems, costs)
     print("\nBest fixed γ per system (*), auto γ and plain decoding:\n" + format_table(rows, compact=True))
@@ -240,11 +239,11 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     gammas, temps = parse_gammas(args.num_draft_tokens), parse_temps(args.temps)
     if args.max_tokens < 1 or args.num_prompts < 1:
         raise ValueError("--max-tokens and --num-prompts must be >= 1")
-    drafter_names = [d.strip() for d in (args.drafters or ("draft,ngram,none" if args.draft_model else "ngram,none"))
-                     .split(",") if d.strip()]
+    specs = parse_specs(args.drafters or ("draft,ngram,none" if args.draft_model else "ngram,none"))
+    drafter_names = [str(spec) for spec in specs]
     systems = make_systems(drafter_names, gammas, args.draft_model is not None, control=not args.no_control)
     started = time.time()
-    models, names = _load(args, drafter_names)
+    models, names = _load(args, specs)
     prompts, prompt_source = _prompts(args, models.tokenizer)
     info = {"command": ["mlxspec", "bench", *argv], "started": time.strftime("%Y-%m-%d %H:%M:%S"),
             "machine": machine_info(), "models": names,
