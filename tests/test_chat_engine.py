@@ -8,9 +8,9 @@ from pathlib import Path
 
 from mlx_lm.utils import save_config, save_model
 
-from app.app import SpecChatApp
-from app.engine import Engine, EngineConfig, chat_prompt, relay
-from app.messages import GenerationDone, StatsUpdated, TokensCommitted
+from mlxspec_app.app import SpecChatApp
+from mlxspec_app.engine import Engine, EngineConfig, chat_prompt, relay
+from mlxspec_app.messages import GenerationDone, StatsUpdated, TokensCommitted
 from conftest import byte_tokenizer, tiny_llama
 from mlxspec import generate
 from mlxspec.commands import chat

@@ -489,7 +489,7 @@ def test_eagle_from_the_command_line(capsys, tmp_path, tiny_model_dir):
 def test_chat_takes_the_eagle_flags(tmp_path, tiny_model_dir):
     from types import SimpleNamespace
 
-    from app.engine import Engine
+    from mlxspec_app.engine import Engine
     from mlxspec.commands import chat
     from mlxspec.session import LoadedModel, ModelSpec
 

@@ -36,7 +36,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
 
 def engine_config(args: argparse.Namespace):
     """The engine's settings from the parsed flags (raises ``ValueError`` on bad sampling flags)."""
-    from app.engine import EngineConfig
+    from mlxspec_app.engine import EngineConfig
 
     return EngineConfig(
         model=model_spec(args), draft_model=model_spec(args, draft=True), drafter=drafter_spec_from_args(args),
@@ -78,8 +78,8 @@ def main(argv: list[str] | None = None) -> int:
         return fail(str(e))
     except KeyboardInterrupt:
         return 130
-    from app.app import SpecChatApp
-    from app.engine import Engine
+    from mlxspec_app.app import SpecChatApp
+    from mlxspec_app.engine import Engine
 
     SpecChatApp(Engine(config), system=args.system).run()
     return 0

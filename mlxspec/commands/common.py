@@ -12,8 +12,13 @@ from ..gamma import AUTO
 from ..generate import DEFAULT_MAX_TOKENS, DEFAULT_NUM_DRAFT_TOKENS
 from ..loading import DTYPES
 from ..sampling import SamplingParams
-from ..session import LoadedModel, ModelSpec, draft_model_spec, load_model
+from ..session import USER_ERRORS, LoadedModel, ModelSpec, draft_model_spec, load_model
 from ..session import build_drafter as session_build_drafter
+
+
+__all__ = ["USER_ERRORS", "ArgumentParser", "LoadedModels", "add_drafter_args", "add_model_args", "add_sampling_args",
+           "build_drafter", "check_args", "drafter_spec_from_args", "fail", "load_models", "measuring_note",
+           "model_spec", "num_draft_tokens_arg", "sampling_from_args", "seed_arg", "typical_from_args"]
 
 
 class ArgumentParser(argparse.ArgumentParser):

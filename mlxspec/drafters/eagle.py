@@ -190,6 +190,8 @@ class EagleDrafter(Drafter):
             return
         known = self.cache[0].offset + (0 if self._pending is None else self._pending.shape[0])
         rows = ([0] + [node + 1 for node in accepted])[: max(num_committed - 1 - known, 0)]
+        if not rows:  # nothing new committed (e.g. a cost measurement's empty round)
+            return
         new = hidden[mx.array(rows)]  # [n, F]: the root's and each accepted node's feature
         self._pending = new if self._pending is None else mx.concatenate([self._pending, new])
 

@@ -37,7 +37,9 @@ class MedusaDrafter(Drafter):
 
     def __init__(self, heads: MedusaHeads, lm_head, choices: list[list[int]] | None = None):
         self.heads, self.lm_head = heads, lm_head
-        self.choices = choices if choices is not None else MC_SIM_7B_63
+        choices = choices if choices is not None else MC_SIM_7B_63
+        # a rank at or past the vocabulary has no token (tiny vocabularies); prefixes of kept paths stay
+        self.choices = [c for c in choices if max(c) < heads.config.vocab_size]
         self._trees: dict[int, tuple[Tree, mx.array, mx.array, int]] = {}
         self._hidden = None  # [H]: hidden state at the position before the root
 
