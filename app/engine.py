@@ -17,6 +17,8 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from collections.abc import Callable, Iterator
 
+import mlx.core as mx
+
 from mlxspec.drafters import DRAFTERS, DrafterSpec
 from mlxspec.gamma import gamma_policy
 from mlxspec.generate import stream_generate
@@ -249,8 +251,6 @@ class Engine:
     # Everything below runs in the engine thread.
 
     def _run(self, post: Post) -> None:
-        import mlx.core as mx
-
         with mx.stream(mx.new_thread_local_stream(mx.default_device())):
             while (request := self._requests.get()) is not None:
                 if isinstance(request, _Generate):

@@ -133,8 +133,8 @@ def test_reruns_with_openblas_when_the_reference_blas_is_loaded(monkeypatch):
     calls = []
     monkeypatch.delenv(bench_command.REEXEC_ENV, raising=False)
     monkeypatch.setattr("sys.platform", "linux")
-    monkeypatch.setattr("mlxspec.machine.blas_in_use", lambda: {"name": "reference BLAS"})
-    monkeypatch.setattr("mlxspec.machine.find_fast_blas", lambda: "/opt/libblas.so.3")
+    monkeypatch.setattr("mlxspec.commands.bench.blas_in_use", lambda: {"name": "reference BLAS"})
+    monkeypatch.setattr("mlxspec.commands.bench.find_fast_blas", lambda: "/opt/libblas.so.3")
     monkeypatch.setattr("os.execve", lambda exe, argv, env: calls.append((argv, env)))
     bench_command.maybe_use_fast_blas(["--max-tokens", "8"], "keep")
     assert calls == []

@@ -7,12 +7,20 @@ import json
 import os
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
+from tqdm import tqdm
+
+from ..bench import BenchModels, RunRecord, System, iter_runs, make_systems
+from ..bench_summary import format_table, summarize, write_plots
+from ..costmodel import Costs, load_or_calibrate
+from ..data import load_sharegpt, read_prompts_jsonl, sample_prompts
 from ..drafters import drafter_types, parse_specs
 from ..gamma import AUTO
 from ..loading import DTYPES
-from ..session import USER_ERRORS
+from ..machine import blas_in_use, find_fast_blas, machine_info
+from ..session import USER_ERRORS, ModelSpec, build_drafter, load_model
 from .common import ArgumentParser, fail
 
 DEFAULT_GAMMAS = "auto,1,2,4,6,8"
@@ -111,8 +119,6 @@ def maybe_use_fast_blas(argv: list[str], mode: str) -> None:
     """
     if mode != "auto" or not sys.platform.startswith("linux") or os.environ.get(REEXEC_ENV):
         return
-    from ..machine import blas_in_use, find_fast_blas
-
     if blas_in_use()["name"] != "reference BLAS":
         return
     fast = find_fast_blas()
@@ -130,10 +136,6 @@ def maybe_use_fast_blas(argv: list[str], mode: str) -> None:
 
 def _load(args, specs: list):
     """Models, drafters (by spec string) and (cached or measured) costs."""
-    from ..bench import BenchModels
-    from ..costmodel import load_or_calibrate
-    from ..session import ModelSpec, build_drafter, load_model
-
     def note(what: str) -> None:
         print(f"mlxspec bench: measuring {what} (once; cached)", file=sys.stderr, flush=True)
 
@@ -148,8 +150,6 @@ def _load(args, specs: list):
 
 def _prompts(args, tokenizer) -> tuple[list[tuple[str, str, list[int]]], dict]:
     """``(id, kind, ids)`` per prompt, and where they came from."""
-    from ..data import load_sharegpt, read_prompts_jsonl, sample_prompts
-
     def render(text: str) -> list[int]:
         if not tokenizer.has_chat_template:
             return tokenizer.encode(text)
@@ -192,10 +192,6 @@ def format_header(info: dict) -> str:
 
 def report(result: dict, runs: list, systems: list, costs: dict, args: argparse.Namespace) -> None:
     """Summarise runs, print both tables, write the JSON (and plots)."""
-    from dataclasses import asdict
-
-    from ..bench_summary import format_table, summarize, write_plots
-
     rows = summarize(runs, systems, costs)
     print("\nBest fixed γ per system (*), auto γ and plain decoding:\n" + format_table(rows, compact=True))
     print("\nEvery system (γ sweep), predicted vs measured speedup:\n" + format_table(rows))
@@ -208,9 +204,6 @@ def report(result: dict, runs: list, systems: list, costs: dict, args: argparse.
 
 def resummarize(args: argparse.Namespace) -> int:
     """``--from-json``: the tables of an earlier run, recomputed from its raw numbers."""
-    from ..bench import RunRecord, System
-    from ..costmodel import Costs
-
     result = json.loads(Path(args.from_json).read_text())
     derived = ("generation_tps", "prompt_tps")
     runs = [RunRecord(**{k: v for k, v in r.items() if k not in derived}) for r in result["runs"]]
@@ -222,13 +215,6 @@ def resummarize(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
-    from dataclasses import asdict
-
-    from tqdm import tqdm
-
-    from ..bench import iter_runs, make_systems
-    from ..machine import machine_info
-
     if args.plots:
         try:
             import matplotlib  # noqa: F401

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 
 from ..session import draft_model_spec
 from .common import (
@@ -48,8 +49,6 @@ def engine_config(args: argparse.Namespace):
 def checked_config(args: argparse.Namespace):
     """``engine_config`` after the checks ``mlxspec generate`` makes; ``--drafter draft`` without
     ``--draft-model`` takes the draft shipped for the target. Raises ``ValueError`` on bad flags."""
-    from dataclasses import replace
-
     check_args(args)
     config = engine_config(args)
     draft = draft_model_spec(config.drafter, config.draft_model, config.model, args.draft_dtype)
