@@ -1,14 +1,23 @@
-"""Load a llama-architecture GGUF file as an mlx-lm model and tokenizer.
+"""Load a GGUF file (llama.cpp's format) as an mlx-lm model and tokenizer.
 
-Weights come from ``mx.load``, which returns Q4_0, Q4_1 and Q8_0 tensors as MLX affine
-quantized (weight, scales, biases) triples with group size 32, and F32/F16 tensors as plain
-arrays. Those are the only tensor types accepted: ``mx.load`` silently converts some others
-(BF16, K-quants) to float16, so types are checked first from the file header.
+Tensors are read from the memory-mapped file, one at a time, by ``mlxspec.ggml_quants``:
 
-llama.cpp's converter permutes the rows of ``attn_q``/``attn_k`` so that RoPE can rotate
-interleaved pairs; the rows are permuted back here (quantization groups run along the input
-dimension, so scales and biases rows follow the weight rows), and the standard
-``mlx_lm.models.llama`` model runs unchanged.
+- F32, F16 and BF16 stay as they are;
+- affine formats on 32-element groups (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K) become MLX
+  quantized layers with group size 32 and 4, 5 or 8 bits, exactly (``mx.dequantize`` gives the
+  GGML values bit for bit);
+- formats on 16-element sub-blocks (Q2_K, Q3_K, Q6_K) are dequantized to float32 (exact), or
+  with ``requantize=True`` re-quantized to 8-bit groups of 32 (lossy, see ``requantize``);
+- with a float ``dtype`` every tensor is dequantized and cast.
+
+Any other tensor type is refused at load time, naming the tensor.
+
+Architectures (``general.architecture``) map onto mlx-lm model classes (``ARCHITECTURES``):
+``llama`` (and ``mistral``, the same graph) and ``qwen2``/``qwen3``. llama.cpp's converter permutes
+the rows of ``attn_q``/``attn_k`` of llama models only (``LlamaModel.permute`` in
+``convert_hf_to_gguf.py``; the other families use NEOX-style RoPE and keep Hugging Face order);
+those rows are permuted back here (quantization groups run along the input dimension, so scales
+and biases rows follow the weight rows), and mlx-lm's models run unchanged.
 
 The tokenizer is rebuilt from the metadata (``tokenizer.ggml.*``, byte-level BPE) with the
 ``tokenizers`` library; tokens of type CONTROL (3) become special tokens, so a chat template's
@@ -19,6 +28,7 @@ GGUF format: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md
 
 from __future__ import annotations
 
+import importlib
 import mmap
 import re
 import struct
@@ -30,8 +40,8 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from gguf import GGML_QUANT_SIZES, GGUF_MAGIC, GGMLQuantizationType, GGUFValueType
-from mlx_lm.models import llama
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, TokenizerWrapper
 from mlx_lm.utils import infer_quant_config
 from tokenizers import (
@@ -45,19 +55,44 @@ from tokenizers import (
 )
 from transformers import PreTrainedTokenizerFast
 
-from mlxspec.loading import _one_line, check_dtype, finish
-
-SUPPORTED_TYPES = (
-    GGMLQuantizationType.F32,
-    GGMLQuantizationType.F16,
-    GGMLQuantizationType.Q4_0,
-    GGMLQuantizationType.Q4_1,
-    GGMLQuantizationType.Q8_0,
+from mlxspec.ggml_quants import (
+    AFFINE_BITS,
+    FLOAT_TYPES,
+    GROUP_SIZE,
+    SUB_BLOCK_TYPES,
+    affine_triple,
+    dequantize_sub_blocks,
 )
+from mlxspec.weights import check_dtype, finish, one_line
+
+SUPPORTED_TYPES = (*FLOAT_TYPES, *AFFINE_BITS, *SUB_BLOCK_TYPES)
 """Tensor types ``load_gguf`` accepts."""
 
-SUPPORTED_ARCHITECTURES = ("llama",)
+
+@dataclass(frozen=True)
+class Architecture:
+    """How one ``general.architecture`` maps onto mlx-lm.
+
+    Attributes:
+        model_type (str): The mlx-lm module in ``mlx_lm.models`` (and ``config.json``'s model_type).
+        permuted_qk (bool): llama.cpp stored the q/k rows permuted for interleaved RoPE.
+        head_dim_arg (bool): The mlx-lm class takes ``head_dim`` (else it is hidden / heads).
+    """
+
+    model_type: str
+    permuted_qk: bool
+    head_dim_arg: bool = True
+
+
+ARCHITECTURES = {
+    "llama": Architecture("llama", permuted_qk=True),
+    "mistral": Architecture("llama", permuted_qk=True),
+    "qwen2": Architecture("qwen2", permuted_qk=False, head_dim_arg=False),
+    "qwen3": Architecture("qwen3", permuted_qk=False),
+}
 """Values of ``general.architecture`` ``load_gguf`` accepts."""
+
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 
 _TOP_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -69,13 +104,15 @@ _BLOCK_NAMES = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
-_TENSOR_NAME = re.compile(r"^(?:blk\.(\d+)\.)?(\w+)\.(weight|scales|biases)$")
+_TENSOR_NAME = re.compile(r"^(?:blk\.(\d+)\.)?(\w+)\.(weight|scales|biases|bias)$")
 
 # Scalar GGUF value types and their little-endian struct formats
 # (GGUF spec: "gguf_metadata_value_type").
@@ -116,10 +153,10 @@ _PRE_TOKENIZERS = {
     "smaug-bpe": _LLAMA3_SPLIT,
     "qwen2": _QWEN2_SPLIT,
 }
-_CONTROL, _USER_DEFINED = (
-    3,
-    4,
-)  # tokenizer.ggml.token_type values (llama.cpp's llama_token_type)
+_CONTROL, _USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values (llama.cpp's llama_token_type)
+# Control tokens that end generation wherever they appear (llama.cpp's end-of-generation list in
+# llama-vocab.cpp), besides the metadata's eos/eot/eom ids: ChatML's <|im_end|> and <|endoftext|>.
+_END_OF_GENERATION = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>")
 
 
 @dataclass(frozen=True)
@@ -127,38 +164,53 @@ class GGUFTensorInfo:
     """One entry of a GGUF header's tensor table.
 
     Attributes:
-        type (GGMLQuantizationType): Storage type, e.g. ``Q4_1``.
-        shape (tuple[int, ...]): Shape in row-major order (rows first), as ``mx.load`` returns it.
+        type (GGMLQuantizationType | int): Storage type, e.g. ``Q4_K``; a plain int when the type
+            is unknown to the ``gguf`` package.
+        shape (tuple[int, ...]): Shape in row-major order (rows first), e.g. [out, in].
+        offset (int): Absolute byte offset of the tensor's data in the file.
     """
 
-    type: GGMLQuantizationType
+    type: GGMLQuantizationType | int
     shape: tuple[int, ...]
+    offset: int = 0
 
 
 @dataclass(frozen=True)
 class GGUFHeader:
-    """What ``read_header`` reads: scalar metadata and the tensor table (no array values).
+    """What ``read_header`` reads: metadata and the tensor table (no tensor data).
 
     Attributes:
         scalars (dict[str, int | float | bool | str]): Metadata that are not arrays.
         tensors (dict[str, GGUFTensorInfo]): Tensor table, by GGUF tensor name.
+        arrays (dict[str, list]): Array metadata (tokens, merges, token types) when read with
+            ``arrays=True``, else empty.
     """
 
     scalars: dict
     tensors: dict
+    arrays: dict = None
+
+    @property
+    def metadata(self) -> dict:
+        """Scalars and arrays in one dict."""
+        return {**self.scalars, **(self.arrays or {})}
 
 
 def load_gguf(
-    path: str | Path, *, dtype: str | None = None
+    path: str | Path, *, dtype: str | None = None, requantize: bool = False
 ) -> tuple[nn.Module, TokenizerWrapper]:
-    """Load a llama GGUF file as an ``mlx_lm.models.llama.Model`` and its tokenizer.
+    """Load a GGUF file as an mlx-lm model (llama, qwen2 or qwen3 class) and its tokenizer.
 
     Args:
         path (str | Path): The ``.gguf`` file.
-        dtype (str | None): ``None`` keeps quantized tensors quantized (per-layer bits: e.g. a
-            Q8_0 embedding and Q4_1 linears) and F16/F32 tensors as they are; ``"float32"``,
-            ``"float16"`` or ``"bfloat16"`` dequantizes everything and casts to it.
-            Default: ``None``.
+        dtype (str | None): ``None`` keeps 32-group formats quantized (per-layer bits: e.g. a
+            Q8_0 embedding and Q4_K linears), F16/BF16/F32 tensors as they are, and Q2_K/Q3_K/Q6_K
+            tensors dequantized to float32; ``"float32"``, ``"float16"`` or ``"bfloat16"``
+            dequantizes everything and casts to it. Default: ``None``.
+        requantize (bool): With ``dtype=None``, re-quantize Q2_K/Q3_K/Q6_K tensors to MLX 8-bit
+            groups of 32 instead of float32 (4x less memory; lossy: each value moves by at most one
+            step of its group's 8-bit grid, (max - min) / 255 of the 32 values, which is about 0.5%
+            RMS relative error on weight-like data). Default: ``False``.
 
     Returns:
         tuple[nn.Module, TokenizerWrapper]: The model in eval mode with evaluated weights, and
@@ -167,41 +219,35 @@ def load_gguf(
     Raises:
         FileNotFoundError: ``path`` does not exist.
         ValueError: bad ``dtype``; not a GGUF file, or a corrupt or truncated one; a tensor type
-            other than F32, F16, Q4_0, Q4_1, Q8_0; an architecture other than llama; missing
+            outside ``SUPPORTED_TYPES``; an architecture outside ``ARCHITECTURES``; missing
             metadata or tensors; a tokenizer other than byte-level BPE (``gpt2``).
     """
     check_dtype(dtype)
     path = Path(path)
-    header = read_header(path)
-    _check_architecture(header, path)
+    header = read_header(path, arrays=True)
+    arch = _architecture(header, path)
     _check_tensor_types(header, path)
-    weights, metadata = _read_weights(path)
-    args = model_args(metadata, weights, path)
-    model = llama.Model(args)
-    weights = llama_weights(weights, args, path)
-    _quantize_like(model, weights)
-    try:
-        model.load_weights(list(weights.items()), strict=True)
-    except ValueError as e:
-        raise ValueError(
-            f"{path.name}: tensors do not fit a llama model: {_one_line(e)}"
-        ) from e
-    tokenizer = gguf_tokenizer(metadata, path)
+    config = model_config(header, path)
+    weights = read_tensors(path, header, dequantize=dtype is not None, requantize=requantize)
+    weights = mlx_lm_weights(weights, config, arch, path)
+    model = build_model(config, weights, path)
+    tokenizer = gguf_tokenizer(header.metadata, path)
     return finish(model, dtype), tokenizer
 
 
-def read_header(path: str | Path) -> GGUFHeader:
-    """Read a GGUF header: scalar metadata and the tensor table, skipping array values.
+def read_header(path: str | Path, *, arrays: bool = False) -> GGUFHeader:
+    """Read a GGUF header: metadata and the tensor table.
 
-    ``gguf.GGUFReader`` builds an object per token string and takes seconds on a 49k-token
-    vocabulary; this pass takes tens of milliseconds. It also checks that every tensor's data
-    lies inside the file.
+    ``gguf.GGUFReader`` builds an object per token string and takes seconds on a large
+    vocabulary; with ``arrays=False`` this pass skips array values and takes milliseconds. It also
+    checks that every tensor's data lies inside the file, so a file cut short fails here.
 
     Args:
         path (str | Path): The ``.gguf`` file.
+        arrays (bool): Also read array values (tokens, merges, token types). Default: ``False``.
 
     Returns:
-        GGUFHeader: Scalars and tensor infos.
+        GGUFHeader: Scalars, tensor infos and (if asked) arrays.
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
@@ -219,96 +265,158 @@ def read_header(path: str | Path) -> GGUFHeader:
     ):
         magic, version = struct.unpack_from("<II", buf.read(8).ljust(8, b"\0"))
         if magic != GGUF_MAGIC:
-            raise ValueError(
-                f"{path} is not a GGUF file (bad magic number); pass a .gguf file."
-            )
+            raise ValueError(f"{path} is not a GGUF file (bad magic number); pass a .gguf file.")
         if version not in (2, 3):
-            raise ValueError(
-                f"{path}: GGUF version {version} is not supported (only 2 and 3)."
-            )
+            raise ValueError(f"{path}: GGUF version {version} is not supported (only 2 and 3).")
         try:
-            return _parse_header(buf)
+            return _parse_header(buf, arrays)
         except (struct.error, ValueError, UnicodeDecodeError, OverflowError) as e:
-            raise ValueError(
-                f"{path} is corrupt or truncated ({_one_line(e)}); download it again."
-            ) from e
+            raise ValueError(f"{path} is corrupt or truncated ({one_line(e)}); download it again.") from e
 
 
 def gguf_type_label(path: str | Path) -> str | None:
-    """The dominant storage type of a GGUF's matrices, e.g. ``"Q4_1"``; ``None`` if unreadable."""
+    """The dominant storage type of a GGUF's quantized matrices (of all matrices if none is
+    quantized), e.g. ``"Q4_K"``; ``None`` if unreadable."""
     try:
         header = read_header(path)
     except (OSError, ValueError):
         return None
-    counts = Counter(t.type.name for t in header.tensors.values() if len(t.shape) == 2)
+    kinds = [t.type for t in header.tensors.values() if len(t.shape) == 2]
+    quantized = [k for k in kinds if k not in FLOAT_TYPES]  # name the quantization when there is one
+    counts = Counter(_type_name(k) for k in (quantized or kinds))
     return counts.most_common(1)[0][0] if counts else None
 
 
-def model_args(
-    metadata: dict, weights: dict[str, mx.array], path: Path
-) -> llama.ModelArgs:
-    """``mlx_lm.models.llama.ModelArgs`` from GGUF metadata.
+def read_tensors(
+    path: str | Path, header: GGUFHeader, *, dequantize: bool = False, requantize: bool = False
+) -> dict[str, mx.array]:
+    """Read every tensor from the memory-mapped file, one at a time (each evaluated before the next).
 
     Args:
-        metadata (dict): Metadata as ``mx.load(..., return_metadata=True)`` returns it.
-        weights (dict[str, mx.array]): Tensors by GGUF name (for the vocabulary size and
-            whether the output layer is tied to the embedding).
+        path (str | Path): The ``.gguf`` file.
+        header (GGUFHeader): Its header (``read_header``), with types already checked.
+        dequantize (bool): Return every tensor as floats (quantized ones as float32).
+            Default: ``False``.
+        requantize (bool): Without ``dequantize``, Q2_K/Q3_K/Q6_K become MLX 8-bit triples instead
+            of float32. Default: ``False``.
+
+    Returns:
+        dict[str, mx.array]: By GGUF name; a quantized ``X.weight`` also gives ``X.scales`` and
+        ``X.biases`` (MLX affine, group size 32), all with rows first, e.g. weight [out, in * bits / 32].
+
+    Raises:
+        ValueError: a quantized tensor that is not 2-D-compatible (rows not a whole number of blocks)
+            or not named ``*.weight``.
+    """
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    out = {}
+    for name, info in header.tensors.items():
+        arrays = _decode(data, info, name, dequantize=dequantize, requantize=requantize)
+        mx.eval(*arrays.values())
+        stem = name.removesuffix(".weight")
+        if len(arrays) > 1 and stem == name:
+            raise ValueError(f"quantized tensor '{name}' is not a weight; this file is not supported.")
+        out.update({(f"{stem}.{k}" if k != "weight" else name): v for k, v in arrays.items()})
+    del data
+    return out
+
+
+def _decode(data: np.memmap, info: GGUFTensorInfo, name: str, *, dequantize: bool, requantize: bool) -> dict:
+    """One tensor as {"weight"} (floats) or {"weight", "scales", "biases"} (MLX quantized)."""
+    kind, shape = info.type, info.shape
+    block, nbytes = GGML_QUANT_SIZES[kind]
+    cols, rows = shape[-1], prod(shape[:-1])
+    if cols % block:
+        raise ValueError(f"tensor '{name}' has rows of {cols} values, not whole {kind.name} blocks of {block}.")
+    raw = data[info.offset : info.offset + rows * (cols // block) * nbytes]
+    if kind in FLOAT_TYPES:
+        view = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16}
+        values = mx.array(raw.view(view.get(kind, np.uint16)))
+        if kind == GGMLQuantizationType.BF16:
+            values = mx.view(values, mx.bfloat16)
+        return {"weight": values.reshape(shape)}
+    raw = mx.array(raw).reshape(rows, -1)  # [R, bytes per row]
+    if kind in SUB_BLOCK_TYPES:
+        values = dequantize_sub_blocks(raw, kind, cols)  # [R, C] float32
+        if requantize and not dequantize:
+            weight, scales, biases = mx.quantize(values, group_size=GROUP_SIZE, bits=8)
+            return {"weight": weight, "scales": scales, "biases": biases}
+        return {"weight": values.reshape(shape)}
+    weight, scales, biases = affine_triple(raw, kind, cols)
+    if name == "token_embd.weight":  # an embedding dequantizes in its scales' dtype: float32 is exact
+        scales, biases = scales.astype(mx.float32), biases.astype(mx.float32)
+    if dequantize:
+        values = mx.dequantize(
+            weight, scales.astype(mx.float32), biases.astype(mx.float32),
+            group_size=GROUP_SIZE, bits=AFFINE_BITS[kind],
+        )
+        return {"weight": values.reshape(shape)}
+    return {"weight": weight, "scales": scales, "biases": biases}
+
+
+def model_config(header: GGUFHeader, path: Path) -> dict:
+    """The mlx-lm ``config.json`` a GGUF's metadata describes.
+
+    Args:
+        header (GGUFHeader): The file's header.
         path (Path): The file, for error messages.
 
     Returns:
-        llama.ModelArgs: With ``rope_traditional=False`` (q/k rows are un-permuted on load).
+        dict: ``model_type``, sizes, RoPE, norm epsilon, ``tie_word_embeddings`` (no ``output``
+        tensor) and ``rope_traditional=False`` (q/k rows are un-permuted on load).
 
     Raises:
-        ValueError: required metadata or the ``token_embd`` tensor is missing, or the file
-            uses a RoPE variant that is not supported.
+        ValueError: required metadata or the ``token_embd`` tensor is missing, the architecture
+            is unsupported, or the file uses a RoPE variant or head size the class cannot run.
     """
-    arch = str(metadata.get("general.architecture"))
+    metadata, arch_name = header.scalars, str(header.scalars.get("general.architecture"))
+    arch = _architecture(header, path)
 
     def get(key: str, default=None):
-        value = metadata.get(f"{arch}.{key}", default)
+        value = metadata.get(f"{arch_name}.{key}", default)
         if value is None:
-            raise ValueError(
-                f"{path.name} lacks metadata '{arch}.{key}'; the file is incomplete."
-            )
-        return value.item() if isinstance(value, mx.array) else value
+            raise ValueError(f"{path.name} lacks metadata '{arch_name}.{key}'; the file is incomplete.")
+        return value
 
-    if "token_embd.weight" not in weights:
-        raise ValueError(
-            f"{path.name} has no token_embd.weight tensor; the file is incomplete."
-        )
+    embedding = header.tensors.get("token_embd.weight")
+    if embedding is None:
+        raise ValueError(f"{path.name} has no token_embd.weight tensor; the file is incomplete.")
     hidden, n_heads = int(get("embedding_length")), int(get("attention.head_count"))
     head_dim = int(get("attention.key_length", hidden // n_heads))
     if int(get("rope.dimension_count", head_dim)) != head_dim:
+        raise ValueError(f"{path.name}: partial RoPE (rope.dimension_count != head size) is not supported.")
+    if not arch.head_dim_arg and head_dim != hidden // n_heads:
         raise ValueError(
-            f"{path.name}: partial RoPE (rope.dimension_count != head size) is not supported."
+            f"{path.name}: head size {head_dim} is not hidden size / heads, which mlx-lm's "
+            f"{arch.model_type} class assumes; this file is not supported."
         )
-    return llama.ModelArgs(
-        model_type="llama",
-        hidden_size=hidden,
-        num_hidden_layers=int(get("block_count")),
-        intermediate_size=int(get("feed_forward_length")),
-        num_attention_heads=n_heads,
-        num_key_value_heads=int(get("attention.head_count_kv", n_heads)),
-        head_dim=head_dim,
-        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
-        vocab_size=weights["token_embd.weight"].shape[0],
-        max_position_embeddings=int(get("context_length")),
-        rope_theta=float(get("rope.freq_base", 10000.0)),
-        rope_traditional=False,
-        rope_scaling=_rope_scaling(metadata, arch, path),
-        tie_word_embeddings="output.weight" not in weights,
-    )
+    config = {
+        "model_type": arch.model_type,
+        "hidden_size": hidden,
+        "num_hidden_layers": int(get("block_count")),
+        "intermediate_size": int(get("feed_forward_length")),
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": int(get("attention.head_count_kv", n_heads)),
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon")),
+        "vocab_size": embedding.shape[0],
+        "max_position_embeddings": int(get("context_length")),
+        "rope_theta": float(get("rope.freq_base", 10000.0)),
+        "rope_traditional": False,
+        "rope_scaling": _rope_scaling(metadata, arch_name, path),
+        "tie_word_embeddings": "output.weight" not in header.tensors,
+    }
+    if arch.head_dim_arg:
+        config["head_dim"] = head_dim
+    return config
 
 
-def llama_weights(
-    weights: dict[str, mx.array], args: llama.ModelArgs, path: Path
-) -> dict[str, mx.array]:
-    """Rename GGUF tensors to mlx-lm llama names and un-permute q/k rows.
+def mlx_lm_weights(weights: dict[str, mx.array], config: dict, arch: Architecture, path: Path) -> dict[str, mx.array]:
+    """Rename GGUF tensors to mlx-lm names and, for llama, un-permute q/k rows.
 
     Args:
-        weights (dict[str, mx.array]): From ``mx.load``; a quantized tensor ``X.weight`` comes
-            with ``X.scales`` and ``X.biases``, all with the output dimension as rows.
-        args (llama.ModelArgs): Head counts for the un-permutation.
+        weights (dict[str, mx.array]): From ``read_tensors``, by GGUF name.
+        config (dict): From ``model_config`` (head counts for the un-permutation).
+        arch (Architecture): Whether q/k rows are permuted.
         path (Path): The file, for error messages.
 
     Returns:
@@ -316,9 +424,9 @@ def llama_weights(
         ``model.layers.0.self_attn.q_proj.scales``.
 
     Raises:
-        ValueError: a tensor that has no place in a llama model (e.g. ``rope_freqs``).
+        ValueError: a tensor that has no place in these models (e.g. ``rope_freqs``).
     """
-    heads = {"attn_q": args.num_attention_heads, "attn_k": args.num_key_value_heads}
+    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     renamed = {}
     for name, value in weights.items():
         match = _TENSOR_NAME.match(name)
@@ -326,15 +434,31 @@ def llama_weights(
         table = _BLOCK_NAMES if block is not None else _TOP_NAMES
         if part not in table:
             raise ValueError(
-                f"{path.name}: tensor '{name}' has no place in a llama model (mlxspec maps "
-                "token_embd, output_norm, output and blk.N.attn_*/ffn_*); this variant is "
-                "not supported."
+                f"{path.name}: tensor '{name}' has no place in a {config['model_type']} model (mlxspec maps "
+                "token_embd, output_norm, output and blk.N.attn_*/ffn_*); this variant is not supported."
             )
-        if block is not None and part in heads:
+        if block is not None and part in heads and arch.permuted_qk:
             value = unpermute_rows(value, heads[part])
         prefix = f"model.layers.{block}." if block is not None else ""
         renamed[f"{prefix}{table[part]}.{suffix}"] = value
     return renamed
+
+
+def build_model(config: dict, weights: dict[str, mx.array], path: Path) -> nn.Module:
+    """The mlx-lm model of ``config["model_type"]`` holding ``weights`` (quantized layers where
+    ``weights`` has ``scales``, with the bits their shapes imply).
+
+    Raises:
+        ValueError: the tensors do not fit the model (missing, extra or mis-shaped).
+    """
+    module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+    model = module.Model(module.ModelArgs.from_dict(config))
+    _quantize_like(model, weights)
+    try:
+        model.load_weights(list(weights.items()), strict=True)
+    except ValueError as e:
+        raise ValueError(f"{path.name}: tensors do not fit a {config['model_type']} model: {one_line(e)}") from e
+    return model
 
 
 def unpermute_rows(x: mx.array, n_heads: int) -> mx.array:
@@ -360,13 +484,13 @@ def gguf_tokenizer(metadata: dict, path: Path) -> TokenizerWrapper:
     """Build the tokenizer a GGUF describes (byte-level BPE: ``tokenizer.ggml.model`` "gpt2").
 
     Args:
-        metadata (dict): Metadata as ``mx.load(..., return_metadata=True)`` returns it.
+        metadata (dict): GGUF metadata with arrays (``GGUFHeader.metadata``).
         path (Path): The file, for error messages.
 
     Returns:
         TokenizerWrapper: CONTROL tokens are special tokens and user-defined ones added tokens;
-        bos/eos/unk/pad and the chat template come from the metadata; eos ids include
-        ``eot_token_id`` when present; ``BPEStreamingDetokenizer`` streams text.
+        bos/eos/unk/pad and the chat template come from the metadata; eos ids are
+        ``end_of_generation_ids``; ``BPEStreamingDetokenizer`` streams text.
 
     Raises:
         ValueError: another tokenizer model (e.g. sentencepiece ``llama``) or missing tokens.
@@ -413,15 +537,25 @@ def gguf_tokenizer(metadata: dict, path: Path) -> TokenizerWrapper:
         if k == _CONTROL
     ]
     tokenizer.add_special_tokens({"additional_special_tokens": control})
-    eos_ids = [
-        _int(metadata, k)
-        for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
-    ]
-    return TokenizerWrapper(
-        tokenizer,
-        BPEStreamingDetokenizer,
-        eos_token_ids=[i for i in eos_ids if i is not None],
-    )
+    return TokenizerWrapper(tokenizer, BPEStreamingDetokenizer, eos_token_ids=end_of_generation_ids(metadata))
+
+
+def end_of_generation_ids(metadata: dict) -> list[int]:
+    """Token ids that end generation, as llama.cpp decides them (``llama-vocab.cpp``).
+
+    Args:
+        metadata (dict): GGUF metadata with arrays.
+
+    Returns:
+        list[int]: The eos, eot and eom ids the metadata names, plus every CONTROL token whose text
+        is a known end-of-turn marker (``<|im_end|>``, ``<|endoftext|>``, ``<|eot_id|>``, ...), in
+        id order.
+    """
+    keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+    ids = {i for i in (_int(metadata, k) for k in keys) if i is not None}
+    tokens = metadata.get("tokenizer.ggml.tokens") or []
+    ids.update(i for i, (t, k) in enumerate(zip(tokens, _token_types(metadata))) if k == _CONTROL and t in _END_OF_GENERATION)
+    return sorted(ids)
 
 
 _SPECIAL_IDS = {
@@ -490,35 +624,24 @@ def _quantize_like(model: nn.Module, weights: dict[str, mx.array]) -> None:
     nn.quantize(model, class_predicate=predicate)
 
 
-def _read_weights(path: Path) -> tuple[dict[str, mx.array], dict]:
-    try:
-        return mx.load(str(path), return_metadata=True)
-    except (RuntimeError, ValueError) as e:
-        raise ValueError(
-            f"Cannot read {path} ({_one_line(e)}); download it again."
-        ) from e
-
-
-def _check_architecture(header: GGUFHeader, path: Path) -> None:
+def _architecture(header: GGUFHeader, path: Path) -> Architecture:
     arch = header.scalars.get("general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
+    if arch not in ARCHITECTURES:
         raise ValueError(
             f"{path.name}: GGUF architecture {arch!r} is not supported (supported: "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)}); use an mlx-lm model folder for this model."
+            f"{', '.join(ARCHITECTURES)}); use an mlx-lm model folder for this model."
         )
+    return ARCHITECTURES[arch]
+
+
+def _type_name(kind: GGMLQuantizationType | int) -> str:
+    return kind.name if isinstance(kind, GGMLQuantizationType) else f"{kind} (unknown)"
 
 
 def _check_tensor_types(header: GGUFHeader, path: Path) -> None:
-    bad = [
-        (n, t.type.name)
-        for n, t in header.tensors.items()
-        if t.type not in SUPPORTED_TYPES
-    ]
+    bad = [(n, _type_name(t.type)) for n, t in header.tensors.items() if t.type not in SUPPORTED_TYPES]
     if bad:
-        (name, kind), more = (
-            bad[0],
-            f" (and {len(bad) - 1} more)" if len(bad) > 1 else "",
-        )
+        (name, kind), more = bad[0], f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
         allowed = ", ".join(t.name for t in SUPPORTED_TYPES)
         raise ValueError(
             f"{path.name}: tensor '{name}' has type {kind}{more}; mlxspec loads only {allowed} "
@@ -532,52 +655,54 @@ def _rope_scaling(metadata: dict, arch: str, path: Path) -> dict | None:
         return None
     factor = metadata.get(f"{arch}.rope.scaling.factor")
     if kind == "linear" and factor is not None:
-        return {
-            "type": "linear",
-            "factor": float(factor.item() if isinstance(factor, mx.array) else factor),
-        }
-    raise ValueError(
-        f"{path.name}: RoPE scaling {kind!r} is not supported (only linear)."
-    )
+        return {"type": "linear", "factor": float(factor)}
+    raise ValueError(f"{path.name}: RoPE scaling {kind!r} is not supported (only linear).")
 
 
-def _parse_header(buf) -> GGUFHeader:
+def _parse_header(buf, arrays: bool) -> GGUFHeader:
     """GGUF v2/v3 little-endian after magic and version: counts, key/values, tensor infos, data."""
     cur = _Cursor(buf)
     cur.pos = 8
     n_tensors, n_kv = cur.take("<Q"), cur.take("<Q")
-    scalars = {}
+    scalars, array_values = {}, {}
     for _ in range(n_kv):
         key, vtype = cur.string(), GGUFValueType(cur.take("<I"))
         if vtype == GGUFValueType.ARRAY:
-            cur.skip_array()
+            if arrays:
+                array_values[key] = cur.array()
+            else:
+                cur.skip_array()
         else:
-            scalars[key] = (
-                cur.string()
-                if vtype == GGUFValueType.STRING
-                else cur.take(_SCALAR_FORMATS[vtype])
-            )
+            scalars[key] = cur.string() if vtype == GGUFValueType.STRING else cur.take(_SCALAR_FORMATS[vtype])
     tensors = {}
     for _ in range(n_tensors):
         name, n_dims = cur.string(), cur.take("<I")
         dims = [cur.take("<Q") for _ in range(n_dims)]
-        tensors[name] = (
-            GGMLQuantizationType(cur.take("<I")),
-            tuple(reversed(dims)),
-            cur.take("<Q"),
-        )
+        kind = cur.take("<I")
+        kind = GGMLQuantizationType(kind) if kind in GGMLQuantizationType._value2member_map_ else kind
+        tensors[name] = (kind, tuple(reversed(dims)), cur.take("<Q"))
     alignment = int(scalars.get("general.alignment", 32))
-    _check_data_fits(tensors, -(-cur.pos // alignment) * alignment, len(buf))
-    return GGUFHeader(
-        scalars, {n: GGUFTensorInfo(t, s) for n, (t, s, _) in tensors.items()}
-    )
+    start = -(-cur.pos // alignment) * alignment
+    _check_data_fits(tensors, start, len(buf))
+    infos = {n: GGUFTensorInfo(t, s, start + o) for n, (t, s, o) in tensors.items()}
+    return GGUFHeader(scalars, infos, array_values)
 
 
 def _check_data_fits(tensors: dict, data_start: int, size: int) -> None:
     for name, (kind, shape, offset) in tensors.items():
+        if kind not in GGML_QUANT_SIZES:
+            continue  # unknown type: refused by name before any data is read
         block, nbytes = GGML_QUANT_SIZES[kind]
         if data_start + offset + prod(shape) // block * nbytes > size:
             raise ValueError(f"tensor '{name}' extends past the end of the file")
+
+
+_NUMPY_FORMATS = {
+    GGUFValueType.UINT8: "<u1", GGUFValueType.INT8: "<i1", GGUFValueType.UINT16: "<u2",
+    GGUFValueType.INT16: "<i2", GGUFValueType.UINT32: "<u4", GGUFValueType.INT32: "<i4",
+    GGUFValueType.FLOAT32: "<f4", GGUFValueType.BOOL: "?", GGUFValueType.UINT64: "<u8",
+    GGUFValueType.INT64: "<i8", GGUFValueType.FLOAT64: "<f8",
+}
 
 
 class _Cursor:
@@ -598,13 +723,25 @@ class _Cursor:
         self.pos += n
         return bytes(self.buf[self.pos - n : self.pos]).decode("utf-8")
 
+    def array(self) -> list:
+        """An array value: a list of str, of lists, or of Python numbers."""
+        vtype, n = GGUFValueType(self.take("<I")), self.take("<Q")
+        if vtype == GGUFValueType.STRING:
+            return [self.string() for _ in range(n)]
+        if vtype == GGUFValueType.ARRAY:
+            return [self.array() for _ in range(n)]
+        dtype = np.dtype(_NUMPY_FORMATS[vtype])
+        if self.pos + n * dtype.itemsize > len(self.buf):
+            raise ValueError("an array runs past the end of the file")
+        values = np.frombuffer(self.buf, dtype, count=n, offset=self.pos).tolist()
+        self.pos += n * dtype.itemsize
+        return values
+
     def skip_array(self) -> None:
         vtype, n = GGUFValueType(self.take("<I")), self.take("<Q")
         if vtype == GGUFValueType.STRING:
             unpack, buf, pos = struct.Struct("<Q").unpack_from, self.buf, self.pos
-            for _ in range(
-                n
-            ):  # the hot loop of the pass: 100k strings for a 49k vocabulary
+            for _ in range(n):  # the hot loop of the pass: 100k strings for a 49k vocabulary
                 pos += 8 + unpack(buf, pos)[0]
             self.pos = pos
         elif vtype == GGUFValueType.ARRAY:
@@ -617,8 +754,7 @@ class _Cursor:
 
 
 def _token_types(metadata: dict) -> list[int]:
-    types = metadata.get("tokenizer.ggml.token_type")
-    return types.tolist() if isinstance(types, mx.array) else list(types or [])
+    return list(metadata.get("tokenizer.ggml.token_type") or [])
 
 
 def _token(metadata: dict, tokens: list[str], key: str) -> str | None:
@@ -628,13 +764,8 @@ def _token(metadata: dict, tokens: list[str], key: str) -> str | None:
 
 def _int(metadata: dict, key: str) -> int | None:
     value = metadata.get(key)
-    return (
-        None
-        if value is None
-        else int(value.item() if isinstance(value, mx.array) else value)
-    )
+    return None if value is None else int(value)
 
 
 def _flag(metadata: dict, key: str) -> bool:
-    value = metadata.get(key)
-    return bool(value.item() if isinstance(value, mx.array) else value)
+    return bool(metadata.get(key))

