@@ -10,6 +10,7 @@ SUBCOMMANDS = {
     "chat": ("mlxspec.commands.chat", "terminal chat that shows speculation as it happens"),
     "train": ("mlxspec.commands.train", "train draft heads (Medusa) for a target and measure them"),
     "bench": ("mlxspec.commands.bench", "speed against plain decoding and mlx-lm's speculative decoding"),
+    "convert": ("mlxspec.commands.convert", "write any model spec (GGUF, named model, folder) as an mlx-lm folder"),
 }
 
 
