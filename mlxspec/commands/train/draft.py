@@ -19,7 +19,8 @@ from mlx.utils import tree_flatten
 
 from ...loading import describe, load
 from ...taps import model_body
-from ...train.draft import DraftEvalRecord, DraftTrainConfig, draft_step_ms, init_draft, train_draft
+from ...train.draft import draft_step_ms, init_draft, train_draft
+from ...train.draft_data import DraftEvalRecord, DraftTrainConfig
 from .shared import add_run_flags, make_config, open_corpus, say, train_with_progress
 
 HELP = "distil a small independent draft model (mlx-lm folder) from a corpus"

@@ -15,7 +15,8 @@ import time
 from pathlib import Path
 
 from ...loading import load
-from ...train.eagle import EagleEvalRecord, EagleTrainConfig, train_eagle
+from ...train.eagle import train_eagle
+from ...train.eagle_data import EagleEvalRecord, EagleTrainConfig
 from .shared import add_run_flags, make_config, open_corpus, say, train_with_progress
 
 HELP = "an EAGLE-1 or EAGLE-3 head on the frozen target, from a corpus"
