@@ -15,18 +15,16 @@ from mlxspec.drafters.eagle import EagleDrafter
 from mlxspec.generate import generate
 from mlxspec.heads.eagle import load_eagle
 from mlxspec.train.corpus import build_corpus
-from mlxspec.train.eagle import (
+from mlxspec.train.eagle import init_head, train_eagle, unroll
+from mlxspec.train.eagle_data import (
     EagleEvalRecord,
     EagleTrainConfig,
     draft_vocabulary,
-    init_head,
     make_batch,
     plan_epoch,
     sequence_batches,
     target_to_draft,
     token_counts,
-    train_eagle,
-    unroll,
 )
 from mlxspec.train.features import FeatureCache
 from mlxspec.train.loop import StepRecord

@@ -13,7 +13,8 @@ from test_train import alphabet_conversations, examples_of
 
 from mlxspec.train import loop
 from mlxspec.train.corpus import build_corpus
-from mlxspec.train.draft import DraftTask, DraftTrainConfig
+from mlxspec.train.draft import DraftTask
+from mlxspec.train.draft_data import DraftTrainConfig
 from mlxspec.train.features import FeatureCache, extract_features
 from mlxspec.train.loop import EvalRecord, StepRecord, fit
 from mlxspec.train.medusa import MedusaTask, MedusaTrainConfig

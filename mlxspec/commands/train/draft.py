@@ -19,47 +19,41 @@ from mlx.utils import tree_flatten
 
 from ...loading import describe, load
 from ...taps import model_body
-from ...train.draft import DraftEvalRecord, DraftTrainConfig, draft_step_ms, init_draft, train_draft
+from ...train.draft import draft_step_ms, init_draft, train_draft
+from ...train.draft_data import DraftEvalRecord, DraftTrainConfig
 from .shared import add_run_flags, make_config, open_corpus, say, train_with_progress
 
 HELP = "distil a small independent draft model (mlx-lm folder) from a corpus"
 DESCRIPTION = ("Train a small decoder of the target's family on the target's soft labels (KL on a corpus "
                "from 'mlxspec train corpus'); run the same command again to resume.")
 RUN_INFO = "run.json"
+#: The draft's flags: config field → help (see ``shared.add_config_flags``).
+FLAGS = {
+    "layers": "decoder layers of the draft",
+    "hidden": "hidden size of the draft; the target's embeddings are projected to it (SVD)",
+    "heads": ("attention heads. Default: hidden / the target's head size", {"type": int}),
+    "kv_heads": ("key/value heads. Default: the target's query/KV ratio where it divides", {"type": int}),
+    "intermediate_size": ("MLP width. Default: the target's ratio to the hidden size, a multiple of 64",
+                          {"type": int}),
+    "batch_tokens": "tokens per step, padding included",
+    "max_seq_length": "cut examples (prompt + answer) to this many tokens",
+    "heldout_examples": "with no validation corpus, hold out this many examples from the end of the corpus",
+    "train_vocab": "normalise the training loss over only the N tokens most frequent among the soft labels (0: the "
+                   "full vocabulary); the 49k-wide LM head and softmax dominate a CPU step. The draft keeps its "
+                   "full LM head and the held-out scores use it",
+    "negatives": "with --train-vocab: tokens sampled from the rest of the vocabulary each step, whose logits "
+                 "stand for the rest in the softmax (sampled softmax)",
+}
 
 
 def add_flags(p: argparse.ArgumentParser) -> None:
-    """The ``mlxspec train draft`` flags: the shared run flags, the corpus and the draft's shape."""
-    d = DraftTrainConfig()
-    add_run_flags(p, d, output_help="folder for checkpoints (itself an mlx-lm model folder, float32), epoch-N/ "
-                                    "copies and run info")
-    p.add_argument("--corpus", required=True,
-                   help="a corpus from 'mlxspec train corpus' (its train/ part is trained on, its validation/ "
-                        "part scores each epoch), or one corpus folder (the last --heldout-examples are held out)")
-    p.add_argument("--layers", type=int, default=d.layers, help=f"decoder layers of the draft. Default: {d.layers}")
-    p.add_argument("--hidden", type=int, default=d.hidden,
-                   help="hidden size of the draft; the target's embeddings are projected to it (SVD). "
-                        f"Default: {d.hidden}")
-    p.add_argument("--heads", type=int, default=None,
-                   help="attention heads. Default: hidden / the target's head size")
-    p.add_argument("--kv-heads", type=int, default=None,
-                   help="key/value heads. Default: the target's query/KV ratio where it divides")
-    p.add_argument("--intermediate-size", type=int, default=None,
-                   help="MLP width. Default: the target's ratio to the hidden size, a multiple of 64")
-    p.add_argument("--batch-tokens", type=int, default=d.batch_tokens,
-                   help=f"tokens per step, padding included. Default: {d.batch_tokens}")
-    p.add_argument("--max-seq-length", type=int, default=d.max_seq_length,
-                   help=f"cut examples (prompt + answer) to this many tokens. Default: {d.max_seq_length}")
-    p.add_argument("--heldout-examples", type=int, default=d.heldout_examples,
-                   help="with no validation corpus, hold out this many examples from the end of the corpus. "
-                        f"Default: {d.heldout_examples}")
-    p.add_argument("--train-vocab", type=int, default=d.train_vocab,
-                   help="normalise the training loss over only the N tokens most frequent among the soft labels "
-                        "(0: the full vocabulary); the 49k-wide LM head and softmax dominate a CPU step. The draft "
-                        "keeps its full LM head and the held-out scores use it. Default: 0")
-    p.add_argument("--negatives", type=int, default=d.negatives,
-                   help="with --train-vocab: tokens sampled from the rest of the vocabulary each step, whose "
-                        f"logits stand for the rest in the softmax (sampled softmax). Default: {d.negatives}")
+    """The ``mlxspec train draft`` flags: the shared run flags and the draft's shape."""
+    add_run_flags(p, DraftTrainConfig(), FLAGS,
+                  output_help="folder for checkpoints (itself an mlx-lm model folder, float32), epoch-N/ copies "
+                              "and run info",
+                  corpus_help="a corpus from 'mlxspec train corpus' (its train/ part is trained on, its "
+                              "validation/ part scores each epoch), or one corpus folder (the last "
+                              "--heldout-examples are held out)")
 
 
 def run(args: argparse.Namespace) -> int:

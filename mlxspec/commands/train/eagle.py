@@ -15,43 +15,38 @@ import time
 from pathlib import Path
 
 from ...loading import load
-from ...train.eagle import EagleEvalRecord, EagleTrainConfig, train_eagle
+from ...train.eagle import train_eagle
+from ...train.eagle_data import EagleEvalRecord, EagleTrainConfig
 from .shared import add_run_flags, make_config, open_corpus, say, train_with_progress
 
 HELP = "an EAGLE-1 or EAGLE-3 head on the frozen target, from a corpus"
 DESCRIPTION = ("Train an EAGLE-1 or EAGLE-3 draft head on a self-distillation corpus (mlxspec train corpus); "
                "run the same command again to resume.")
 TRAINING_RECORD = "training.json"
+#: The head's flags: config field → help (see ``shared.add_config_flags``).
+FLAGS = {
+    "version": ("1: EAGLE-1 (final-norm feature, target LM head, feature regression + 0.1 soft CE); "
+                "3: EAGLE-3 (three target layers, reduced vocabulary, training-time test)", {"choices": (1, 3)}),
+    "draft_vocab_size": "EAGLE-3 draft vocabulary: the most frequent answer tokens of the corpus (0: the whole "
+                        "target vocabulary)",
+    "ttt_steps": "EAGLE-3 training-time-test steps (the head's own outputs fed back)",
+    "step_decay": "weight of unrolled step k is DECAY**k",
+    "eval_steps": "unrolled steps scored on the held-out corpus",
+    "ce_weight": "EAGLE-1: weight of the soft cross-entropy next to the regression",
+    "noise": "EAGLE-1: uniform feature noise scale (0: none)",
+    "batch_tokens": "padded tokens per step (whole examples of similar length)",
+    "max_seq_length": "cut examples to this many tokens",
+}
 
 
 def add_flags(p: argparse.ArgumentParser) -> None:
-    """The ``mlxspec train eagle`` flags: the shared run flags, the corpus and the head."""
-    d = EagleTrainConfig()
-    add_run_flags(p, d, output_help="folder for the head (config.json + model.safetensors, EAGLE layout), "
-                                    "checkpoints and training.json")
-    p.add_argument("--corpus", required=True,
-                   help="corpus folder from 'mlxspec train corpus' (the target's own answers with its features, "
-                        "EAGLE-3 layer inputs and top-k log-probabilities); its validation part scores each epoch")
-    p.add_argument("--version", type=int, choices=(1, 3), default=d.version,
-                   help="1: EAGLE-1 (final-norm feature, target LM head, feature regression + 0.1 soft CE); "
-                        f"3: EAGLE-3 (three target layers, reduced vocabulary, training-time test). Default: {d.version}")
-    p.add_argument("--draft-vocab-size", type=int, default=d.draft_vocab_size,
-                   help="EAGLE-3 draft vocabulary: the most frequent answer tokens of the corpus (0: the whole "
-                        f"target vocabulary). Default: {d.draft_vocab_size}")
-    p.add_argument("--ttt-steps", type=int, default=d.ttt_steps,
-                   help=f"EAGLE-3 training-time-test steps (the head's own outputs fed back). Default: {d.ttt_steps}")
-    p.add_argument("--step-decay", type=float, default=d.step_decay,
-                   help=f"weight of unrolled step k is DECAY**k. Default: {d.step_decay:g}")
-    p.add_argument("--eval-steps", type=int, default=d.eval_steps,
-                   help=f"unrolled steps scored on the held-out corpus. Default: {d.eval_steps}")
-    p.add_argument("--ce-weight", type=float, default=d.ce_weight,
-                   help=f"EAGLE-1: weight of the soft cross-entropy next to the regression. Default: {d.ce_weight:g}")
-    p.add_argument("--noise", type=float, default=d.noise,
-                   help=f"EAGLE-1: uniform feature noise scale (0: none). Default: {d.noise:g}")
-    p.add_argument("--batch-tokens", type=int, default=d.batch_tokens,
-                   help=f"padded tokens per step (whole examples of similar length). Default: {d.batch_tokens}")
-    p.add_argument("--max-seq-length", type=int, default=d.max_seq_length,
-                   help=f"cut examples to this many tokens. Default: {d.max_seq_length}")
+    """The ``mlxspec train eagle`` flags: the shared run flags and the head."""
+    add_run_flags(p, EagleTrainConfig(), FLAGS,
+                  output_help="folder for the head (config.json + model.safetensors, EAGLE layout), checkpoints "
+                              "and training.json",
+                  corpus_help="corpus folder from 'mlxspec train corpus' (the target's own answers with its "
+                              "features, EAGLE-3 layer inputs and top-k log-probabilities); its validation part "
+                              "scores each epoch")
 
 
 def run(args: argparse.Namespace) -> int:

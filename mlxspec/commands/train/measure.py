@@ -12,10 +12,9 @@ import shlex
 from pathlib import Path
 
 from ...data import read_prompts_jsonl
-from ...loading import describe, load
+from ...session import ModelSpec, load_model
 from ...train.measure import Contender, markdown_table, measure, read_plain_runs
-from ...tree import read_tree
-from ..common import ArgumentParser, add_model_args, build_drafter
+from ..common import ArgumentParser, add_model_args, build_drafter, check_drafter_args
 from .shared import HELDOUT_PROMPTS, say
 
 HELP = "τ, acceptance and tokens/s of drafters on held-out prompts"
@@ -59,12 +58,12 @@ def run(args: argparse.Namespace) -> int:
     """``mlxspec train measure``: the drafter table for the README."""
     specs = [_contender_args(spec) for spec in (args.contender or DEFAULT_CONTENDERS)]
     prompts = read_prompts_jsonl(args.prompts)[: args.num_prompts]
-    model, tokenizer = load(args.model, dtype="float32")
+    target = load_model(ModelSpec(args.model, "float32"))
+    model, tokenizer = target.model, target.tokenizer
     unknown = set(args.replay_only) - {name for name, _ in specs}
     if unknown:
         raise ValueError(f"--replay-only names no contender: {', '.join(sorted(unknown))}")
-    contenders = [_contender(name, flags, model, tokenizer, describe(args.model, model), name not in args.replay_only)
-                  for name, flags in specs]
+    contenders = [_contender(name, flags, target, name not in args.replay_only) for name, flags in specs]
     plain_runs = read_plain_runs(args.plain_runs, max_tokens=args.max_tokens) if args.plain_runs else None
     records = []
     out = open(args.output, "w", encoding="utf-8") if args.output else None  # noqa: SIM115
@@ -101,15 +100,15 @@ def _contender_args(spec: str) -> tuple[str, argparse.Namespace]:
     parser = ArgumentParser(prog=f"mlxspec train measure --contender '{name}=...'")
     add_model_args(parser)
     args = parser.parse_args(shlex.split(flags))
-    read_tree(args.medusa_tree)
+    check_drafter_args(args)
     if args.typical_threshold is not None or args.typical_alpha is not None:
         raise ValueError(f"--contender {name!r}: typical acceptance is lossy; the table measures exact drafters only")
-    if args.drafter is None or args.drafter == "none" or args.num_draft_tokens < 1:
+    if args.drafter is None or args.drafter.name == "none" or args.num_draft_tokens < 1:
         raise ValueError(f"--contender {name!r}: name a drafter (--drafter ...) and a γ >= 1 "
                          "(plain decoding is always measured)")
     return name.strip(), args
 
 
-def _contender(name: str, args: argparse.Namespace, model, tokenizer, model_name: str, engine: bool):
-    drafter, _ = build_drafter(args, model, tokenizer, model_name)
+def _contender(name: str, args: argparse.Namespace, target, engine: bool):
+    drafter, _ = build_drafter(args, target)
     return Contender(name, drafter, args.num_draft_tokens, engine)

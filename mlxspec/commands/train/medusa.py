@@ -41,31 +41,27 @@ DEFAULT_MAX_SEQ_LENGTH = 1024
 DEFAULT_NUM_HELDOUT = 50
 DEFAULT_HELDOUT_TOKENS = 16_384
 RUN_INFO = "run.json"
+#: The heads' flags: config field → help (see ``shared.add_config_flags``).
+FLAGS = {
+    "num_heads": "Medusa heads; head k predicts token t + k + 2",
+    "num_layers": "residual blocks per head",
+    "own_lm_head": "give each head its own LM head (original format, initialised from the target's; V×H per "
+                   "head on disk) instead of sharing the target's frozen LM head",
+    "labels": ("training targets: the text's tokens (Medusa-1) or the target's greedy predictions of them "
+               "(self-distillation without generating)", {"choices": LABELS}),
+    "batch_size": "positions (assistant tokens) per step",
+    "train_vocab": "score the training loss over only this many most frequent label tokens (0: full "
+                   "vocabulary; a large speed-up on CPUs)",
+}
 
 
 def add_flags(p: argparse.ArgumentParser) -> None:
-    """The ``mlxspec train medusa`` flags: the shared run flags, the data and the heads."""
-    d = MedusaTrainConfig()
-    add_run_flags(p, d, output_help="folder for checkpoints (published Medusa layout), held-out prompts and run info")
+    """The ``mlxspec train medusa`` flags: the shared run flags, the heads and the data."""
+    add_run_flags(p, MedusaTrainConfig(), FLAGS,
+                  output_help="folder for checkpoints (published Medusa layout), held-out prompts and run info",
+                  corpus_help="train on a corpus from 'mlxspec train corpus' (the target's own answers) instead "
+                              "of --data; its validation part scores each epoch", corpus_required=False)
     add_data_flag(p)
-    p.add_argument("--corpus", default=None,
-                   help="train on a corpus from 'mlxspec train corpus' (the target's own answers) instead "
-                        "of --data; its validation part scores each epoch")
-    p.add_argument("--num-heads", type=int, default=d.num_heads,
-                   help=f"Medusa heads; head k predicts token t + k + 2. Default: {d.num_heads}")
-    p.add_argument("--num-layers", type=int, default=d.num_layers,
-                   help=f"residual blocks per head. Default: {d.num_layers}")
-    p.add_argument("--own-lm-head", action="store_true",
-                   help="give each head its own LM head (original format, initialised from the target's; "
-                        "V×H per head on disk) instead of sharing the target's frozen LM head")
-    p.add_argument("--labels", choices=LABELS, default=d.labels,
-                   help="training targets: the text's tokens (Medusa-1) or the target's greedy "
-                        f"predictions of them (self-distillation without generating). Default: {d.labels}")
-    p.add_argument("--batch-size", type=int, default=d.batch_size,
-                   help=f"positions (assistant tokens) per step. Default: {d.batch_size}")
-    p.add_argument("--train-vocab", type=int, default=d.train_vocab,
-                   help="score the training loss over only this many most frequent label tokens (0: full "
-                        "vocabulary; a large speed-up on CPUs). Default: 0")
     _data_flags(p)
 
 

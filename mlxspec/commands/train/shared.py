@@ -43,34 +43,63 @@ def add_data_flag(p: argparse.ArgumentParser) -> None:
                         "per line. Default: sharegpt")
 
 
-def add_run_flags(p: argparse.ArgumentParser, d: TrainConfig, *, output_help: str) -> None:
-    """The model, output, optimiser and run flags of a training method, with defaults from its config ``d``."""
+#: The shared run flags: config field → help, or (help, extra ``add_argument`` keywords).
+RUN_FLAGS = {
+    "epochs": "passes over the training data",
+    "max_steps": "stop after this many steps in all (the last epoch ends early, is scored and saved; the "
+                 "learning-rate schedule spans these steps); 0: the epochs decide",
+    "time_budget_s": ("minutes of training after which no new step starts (the epoch is then scored and saved; "
+                      "the same command continues). Default: none", {"type": float}),
+    "learning_rate": "peak AdamW learning rate (cosine decay to 0)",
+    "warmup_steps": "linear warm-up steps",
+    "weight_decay": "AdamW weight decay",
+    "grad_clip": "clip the gradient's global norm (0: off)",
+    "seed": "seed of the batch order, per-step randomness and initial weights (and of the train/held-out "
+            "split where there is one)",
+    "save_every": "also checkpoint every N steps of an epoch (0: after each epoch only)",
+    "max_eval_positions": "held-out positions scored per evaluation",
+    "save_dtype": ("dtype of the per-epoch copies in OUTPUT/epoch-N", {"choices": SAVE_DTYPES}),
+}
+
+
+def add_run_flags(p: argparse.ArgumentParser, d: TrainConfig, flags: dict, *, output_help: str, corpus_help: str,
+                  corpus_required: bool = True) -> None:
+    """A training method's flags: the model, output, corpus, the shared run flags, then the method's own.
+
+    Args:
+        p: The method's parser.
+        d: Its config with its defaults.
+        flags: Its own config flags (see ``add_config_flags``).
+        output_help, corpus_help: Help of ``--output`` and ``--corpus``.
+        corpus_required: Whether ``--corpus`` must be given (else it defaults to ``None``).
+    """
     add_model_flag(p)
     p.add_argument("--output", "-o", required=True, help=output_help)
-    p.add_argument("--epochs", type=int, default=d.epochs, help=f"passes over the training data. Default: {d.epochs}")
-    p.add_argument("--max-steps", type=int, default=d.max_steps,
-                   help="stop after this many steps in all (the last epoch ends early, is scored and saved; the "
-                        "learning-rate schedule spans these steps); 0: the epochs decide. Default: 0")
-    p.add_argument("--time-budget", type=float, default=None,
-                   help="minutes of training after which no new step starts (the epoch is then scored and "
-                        "saved; the same command continues). Default: none")
-    p.add_argument("--learning-rate", type=float, default=d.learning_rate,
-                   help=f"peak AdamW learning rate (cosine decay to 0). Default: {d.learning_rate:g}")
-    p.add_argument("--warmup-steps", type=int, default=d.warmup_steps,
-                   help=f"linear warm-up steps. Default: {d.warmup_steps}")
-    p.add_argument("--weight-decay", type=float, default=d.weight_decay,
-                   help=f"AdamW weight decay. Default: {d.weight_decay:g}")
-    p.add_argument("--grad-clip", type=float, default=d.grad_clip,
-                   help=f"clip the gradient's global norm (0: off). Default: {d.grad_clip:g}")
-    p.add_argument("--seed", type=int, default=d.seed,
-                   help="seed of the batch order, per-step randomness and initial weights (and of the "
-                        f"train/held-out split where there is one). Default: {d.seed}")
-    p.add_argument("--save-every", type=int, default=d.save_every,
-                   help="also checkpoint every N steps of an epoch (0: after each epoch only). Default: 0")
-    p.add_argument("--eval-positions", type=int, default=d.max_eval_positions,
-                   help=f"held-out positions scored per evaluation. Default: {d.max_eval_positions}")
-    p.add_argument("--save-dtype", choices=SAVE_DTYPES, default=d.save_dtype,
-                   help=f"dtype of the per-epoch copies in OUTPUT/epoch-N. Default: {d.save_dtype}")
+    p.add_argument("--corpus", required=corpus_required, default=None, help=corpus_help)
+    add_config_flags(p, d, RUN_FLAGS)
+    add_config_flags(p, d, flags)
+
+
+def add_config_flags(p: argparse.ArgumentParser, d: TrainConfig, flags: dict) -> None:
+    """One flag per entry of ``flags``: ``--kebab-name`` of the config field (``FLAG_NAMES`` where it differs),
+    its type and default from ``d`` (a bool field is a switch), and its help followed by the default.
+
+    Args:
+        p: The parser.
+        d: The method's config with its defaults.
+        flags: Field name → help, or (help, extra ``add_argument`` keywords: ``choices``, a ``type`` for
+            fields whose default is ``None``); a help that names its default itself gets none appended.
+    """
+    for name, spec in flags.items():
+        text, extra = (spec, {}) if isinstance(spec, str) else spec
+        flag, default = "--" + FLAG_NAMES.get(name, name).replace("_", "-"), getattr(d, name)
+        if isinstance(default, bool):
+            p.add_argument(flag, action="store_true", help=text)
+            continue
+        shown = f"{default:g}" if isinstance(default, float) else default
+        help_ = text if "Default:" in text else f"{text}. Default: {shown}"
+        typed = {} if isinstance(default, str) else {"type": type(default)}  # argparse reads str as it is
+        p.add_argument(flag, **{**typed, "default": default, "help": help_, **extra})
 
 
 def make_config(cls: type[TrainConfig], args: argparse.Namespace) -> TrainConfig:
