@@ -103,3 +103,16 @@ def test_code_cites_docs():
     """The re-pointed citations are there to check (the scan above is not vacuous)."""
     cited = {name for _, _, name, _ in _citations()}
     assert {"docs/acceptance.md", "docs/heads.md"} <= cited
+
+
+def test_ci_runs_the_readmes_test_command():
+    """.ci/run runs the README's quick-start test command verbatim."""
+    blocks = re.findall(r"^```bash\n(.*?)^```", (ROOT / "README.md").read_text(encoding="utf-8"), re.S | re.M)
+    commands = [line for b in blocks for line in b.splitlines() if "pytest" in line and "pip install" in line]
+    assert commands, "the README has no install-and-test command"
+    assert commands[0] in (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()
+
+
+def test_readme_is_a_front_page():
+    """At most 250 lines (issue 14): manuals, methods and results live in docs/."""
+    assert len((ROOT / "README.md").read_text(encoding="utf-8").splitlines()) <= 250
