@@ -27,8 +27,8 @@ __all__ = [
 ]
 
 
-def load(spec: str, *, dtype: str | None = None):
+def load(spec: str, *, dtype: str | None = None, requantize: bool = False):
     """Load a model and tokenizer; see ``mlxspec.loading.load``."""
     from .loading import load as _load
 
-    return _load(spec, dtype=dtype)
+    return _load(spec, dtype=dtype, requantize=requantize)
