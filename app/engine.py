@@ -17,9 +17,14 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from collections.abc import Callable, Iterator
 
-from mlxspec.drafters import DRAFTERS
+import mlx.core as mx
+
+from mlxspec.drafters import DRAFTERS, DrafterSpec
+from mlxspec.gamma import gamma_policy
+from mlxspec.generate import stream_generate
 from mlxspec.metrics import CycleStats, GenerationStats, TokenEvent
 from mlxspec.sampling import SamplingParams
+from mlxspec.session import USER_ERRORS, LoadedModel, ModelSpec, build_drafter, load_model
 
 from .messages import (
     EngineInfo,
@@ -35,6 +40,8 @@ from .messages import (
 
 #: Shortest time between two token batches, seconds (the UI needs no more than ~30 frames/s).
 FLUSH_S = 1 / 30
+#: γ when a requested one cannot be used.
+DEFAULT_NUM_DRAFT_TOKENS = 4
 #: Rounds kept for the τ sparkline.
 SPARKLINE_ROUNDS = 120
 
@@ -46,47 +53,37 @@ class EngineConfig:
     """What to load and how to generate; the ``mlxspec chat`` flags.
 
     Attributes:
-        model: Target model spec (see ``mlxspec.loading.load``).
-        draft_model: Draft model spec, or ``None``.
-        drafter: Drafter name; ``None`` = ``"draft"`` with a draft model, else ``"ngram"``.
-        num_draft_tokens: γ, tokens drafted per round.
-        dtype, draft_dtype: Float dtype to load the target / draft model in, or ``None``.
-        min_ngram, max_ngram: Suffix lengths of the n-gram drafter.
+        model: The target (a ``ModelSpec``, or the text of one).
+        draft_model: The draft model, or ``None``.
+        drafter: The drafter (a ``DrafterSpec`` or spec string); ``None`` = ``"draft"`` with a draft
+            model, else ``"ngram"``.
+        num_draft_tokens: γ, tokens drafted per round, or ``"auto"`` (``gamma.gamma_policy``).
         sampling: Temperature and filters.
         max_tokens: Most tokens per answer.
         seed: Seed for ``mx.random`` before each answer, or ``None``.
-        medusa_heads: Medusa heads spec, or ``None`` for the heads shipped for the target.
-        medusa_tree: Medusa tree preset or JSON file.
-        eagle_heads: EAGLE head spec, or ``None`` for the head shipped for the target.
-        eagle_depth, eagle_top_k, eagle_total_tokens, eagle_tree: EAGLE tree; ``None`` = the head's or EAGLE-2's.
-        eagle_ngram: Tokens of the n-gram branch merged into each EAGLE tree; ``None`` = the head's setting.
         typical: ``(threshold, alpha)`` for the LOSSY typical acceptance, or ``None``.
+        draft_dtype: The dtype of a draft model loaded later from the chat (F2). Default: as stored.
     """
 
-    model: str = "default"
-    draft_model: str | None = None
-    drafter: str | None = None
-    num_draft_tokens: int = 4
-    dtype: str | None = None
-    draft_dtype: str | None = None
-    min_ngram: int = 1
-    max_ngram: int = 4
+    model: ModelSpec | str = "default"
+    draft_model: ModelSpec | str | None = None
+    drafter: DrafterSpec | str | None = None
+    num_draft_tokens: int | str = 4
     sampling: SamplingParams = field(default_factory=SamplingParams)
     max_tokens: int = 256
     seed: int | None = None
-    medusa_heads: str | None = None
-    medusa_tree: str = "mc_sim_7b_63"
-    eagle_heads: str | None = None
-    eagle_depth: int | None = None
-    eagle_top_k: int | None = None
-    eagle_total_tokens: int | None = None
-    eagle_tree: str | None = None
-    eagle_ngram: int | None = None
     typical: tuple[float, float] | None = None
+    draft_dtype: str | None = None
 
-    @property
-    def drafter_kind(self) -> str:
-        return self.drafter or ("draft" if self.draft_model else "ngram")
+    def __post_init__(self):
+        if isinstance(self.model, str):
+            object.__setattr__(self, "model", ModelSpec(self.model))
+        if isinstance(self.draft_model, str):
+            object.__setattr__(self, "draft_model", ModelSpec(self.draft_model))
+        if isinstance(self.drafter, str):
+            object.__setattr__(self, "drafter", DrafterSpec.parse(self.drafter))
+        if self.drafter is None:
+            object.__setattr__(self, "drafter", DrafterSpec("draft" if self.draft_model else "ngram"))
 
 
 def relay(events: Iterator, request_id: int, post: Post, cancelled: threading.Event, *,
@@ -173,22 +170,18 @@ def chat_prompt(tokenizer, messages: list[dict]) -> str | list[int]:
 def one_line(error: BaseException) -> str:
     """An exception as one line for the chat; the type is named unless it is a user error."""
     text = " ".join(str(error).split()) or type(error).__name__
-    if isinstance(error, (ValueError, FileNotFoundError, NotADirectoryError, PermissionError)):
+    if isinstance(error, USER_ERRORS):
         return text
     return f"{type(error).__name__}: {text}"
 
 
 @dataclass
 class _Loaded:
-    model: object = None
-    tokenizer: object = None
-    model_name: str = ""
-    quantized: bool = False
-    draft_model: object = None
-    draft_tokenizer: object = None
-    draft_name: str | None = None
+    target: LoadedModel | None = None
+    draft: LoadedModel | None = None
     drafter: object = None
-    num_draft_tokens: int = 4
+    num_draft_tokens: int | str = 4
+    policy: object = None  # the γ policy of every answer until the next configure (auto learns across turns)
 
 
 @dataclass(frozen=True)
@@ -201,9 +194,9 @@ class _Generate:
 @dataclass(frozen=True)
 class _Configure:
     drafter: str | None
-    num_draft_tokens: int | None
-    model: str | None
-    draft_model: str | None
+    num_draft_tokens: int | str | None
+    model: ModelSpec | None
+    draft_model: ModelSpec | None
 
 
 class Engine:
@@ -223,7 +216,7 @@ class Engine:
 
     def start(self, post: Post) -> None:
         """Start the engine thread; it loads the configured models first."""
-        self._requests.put(_Configure(self.config.drafter_kind, self.config.num_draft_tokens,
+        self._requests.put(_Configure(self.config.drafter.name, self.config.num_draft_tokens,
                                       self.config.model, self.config.draft_model))
         self._thread = threading.Thread(target=self._run, args=(post,), name="mlxspec-engine", daemon=True)
         self._thread.start()
@@ -239,10 +232,13 @@ class Engine:
         if event is not None:
             event.set()
 
-    def configure(self, drafter: str | None = None, num_draft_tokens: int | None = None,
+    def configure(self, drafter: str | None = None, num_draft_tokens: int | str | None = None,
                   model: str | None = None, draft_model: str | None = None) -> None:
-        """Queue a switch of drafter, γ, target or draft model (``None`` keeps the current one)."""
-        self._requests.put(_Configure(drafter, num_draft_tokens, model, draft_model))
+        """Queue a switch of drafter, γ (an integer or ``"auto"``), target or draft model (specs
+        loaded in the configured dtypes; ``None`` keeps the current one)."""
+        c = self.config
+        self._requests.put(_Configure(drafter, num_draft_tokens, model and ModelSpec(model, c.model.dtype),
+                                      draft_model and ModelSpec(draft_model, c.draft_dtype)))
 
     def close(self, timeout_s: float = 2.0) -> None:
         """Cancel everything, stop the thread and wait up to ``timeout_s`` for it."""
@@ -255,8 +251,6 @@ class Engine:
     # Everything below runs in the engine thread.
 
     def _run(self, post: Post) -> None:
-        import mlx.core as mx
-
         with mx.stream(mx.new_thread_local_stream(mx.default_device())):
             while (request := self._requests.get()) is not None:
                 if isinstance(request, _Generate):
@@ -268,18 +262,16 @@ class Engine:
                     post(LoadFailed(f"Engine error: {one_line(e)}"))
 
     def _generate(self, post: Post, request: _Generate) -> None:
-        from mlxspec.generate import stream_generate
-
         state, config, rid = self._state, self.config, request.request_id
         try:
-            if state.model is None:
+            if state.target is None:
                 raise ValueError("no target model is loaded; press F2 and give one to load")
-            gamma = 0 if state.drafter.name == "none" else state.num_draft_tokens
+            gamma = state.policy.max_gamma
             if request.cancelled.is_set():  # stopped while queued: skip the prefill
                 return post(GenerationDone(rid, True, None, StatsSnapshot(state.drafter.name, gamma)))
             events = stream_generate(
-                state.model, state.tokenizer, chat_prompt(state.tokenizer, request.messages),
-                drafter=state.drafter, num_draft_tokens=gamma, max_tokens=config.max_tokens,
+                state.target.model, state.target.tokenizer, chat_prompt(state.target.tokenizer, request.messages),
+                drafter=state.drafter, num_draft_tokens=state.policy, max_tokens=config.max_tokens,
                 sampling=config.sampling, seed=config.seed, typical=config.typical,
             )
             relay(events, rid, post, request.cancelled, drafter=state.drafter.name, num_draft_tokens=gamma)
@@ -296,52 +288,48 @@ class Engine:
                                                  ("draft model", request.draft_model)) if spec]
         total = len(loads) + 1
         for step, (role, spec) in enumerate(loads, 1):
-            post(LoadProgress(f"Loading the {role} {spec}", step, total))
+            post(LoadProgress(f"Loading the {role} {spec.spec}", step, total))
             try:
-                self._load_into(state, role, spec)
+                loaded = load_model(spec)
             except Exception as e:  # keep what was loaded before; the UI shows the error
-                post(LoadFailed(f"Could not load the {role} {spec}: {one_line(e)}"))
+                post(LoadFailed(f"Could not load the {role} {spec.spec}: {one_line(e)}"))
                 if role == "target model":
                     return
-        if state.model is None:
+                continue
+            if role == "target model":
+                state.target = loaded
+            else:
+                state.draft = loaded
+        if state.target is None:
             return
-        kind = request.drafter or (state.drafter.name if state.drafter else "ngram")
-        post(LoadProgress(f"Building the {kind} drafter", total, total))
+        name = request.drafter or (state.drafter.name if state.drafter else "ngram")
+        post(LoadProgress(f"Building the {name} drafter", total, total))
+
+        def note(what: str) -> None:
+            post(LoadProgress(f"Measuring {what} on this machine (once; cached)", total, total))
+
         try:
-            state.drafter = self._make_drafter(kind, state)
+            state.drafter = self._make_drafter(name, state, note)
         except Exception as e:
             keep = state.drafter if state.drafter is not None and not request.model else None
-            state.drafter = keep or self._make_drafter("ngram", state)  # an old drafter may not fit a new target
-            post(LoadFailed(f"Cannot use the {kind} drafter: {one_line(e)}; keeping the {state.drafter.name} drafter"))
+            state.drafter = keep or self._make_drafter("ngram", state, note)  # an old drafter may not fit a new target
+            post(LoadFailed(f"Cannot use the {name} drafter: {one_line(e)}; keeping the {state.drafter.name} drafter"))
+        try:
+            state.policy = gamma_policy(state.num_draft_tokens, state.target.model, state.drafter, on_measure=note)
+        except Exception as e:
+            state.num_draft_tokens = DEFAULT_NUM_DRAFT_TOKENS
+            state.policy = gamma_policy(state.num_draft_tokens, state.target.model, state.drafter)
+            post(LoadFailed(f"Cannot use γ {request.num_draft_tokens}: {one_line(e)}; using "
+                            f"{DEFAULT_NUM_DRAFT_TOKENS}"))
         self._state = state
         post(EngineReady(self._info()))
 
-    def _load_into(self, state: _Loaded, role: str, spec: str) -> None:
-        from mlxspec.loading import describe, is_quantized, load
-
-        if role == "target model":
-            state.model, state.tokenizer = load(spec, dtype=self.config.dtype)
-            state.model_name, state.quantized = describe(spec, state.model), is_quantized(state.model)
-        else:
-            state.draft_model, state.draft_tokenizer = load(spec, dtype=self.config.draft_dtype)
-            state.draft_name = describe(spec, state.draft_model)
-
-    def _make_drafter(self, kind: str, state: _Loaded):
-        from mlxspec.commands.common import load_eagle_head, load_heads
-        from mlxspec.drafters import make_drafter
-
-        c = self.config
-        heads = load_heads(c.medusa_heads, state.model, state.model_name) if kind == "medusa" else None
-        eagle = load_eagle_head(c.eagle_heads, state.model, state.model_name) if kind == "eagle" else None
-        return make_drafter(kind, target=state.model, tokenizer=state.tokenizer,
-                            draft_model=state.draft_model, draft_tokenizer=state.draft_tokenizer,
-                            min_ngram=c.min_ngram, max_ngram=c.max_ngram,
-                            medusa_heads=heads, medusa_tree=c.medusa_tree, eagle_head=eagle,
-                            eagle_depth=c.eagle_depth, eagle_top_k=c.eagle_top_k,
-                            eagle_total_tokens=c.eagle_total_tokens, eagle_tree=c.eagle_tree,
-                            eagle_ngram=c.eagle_ngram)
+    def _make_drafter(self, name: str, state: _Loaded, on_measure=None):
+        """The configured spec for its own drafter name, defaults for any other."""
+        spec = self.config.drafter if self.config.drafter.name == name else DrafterSpec(name)
+        return build_drafter(spec, state.target, state.draft, on_measure)
 
     def _info(self) -> EngineInfo:
         s = self._state
-        return EngineInfo(s.model_name, s.quantized, s.draft_name, s.drafter.name,
+        return EngineInfo(s.target.display, s.target.quantized, s.draft.display if s.draft else None, s.drafter.name,
                           s.num_draft_tokens, DRAFTERS)

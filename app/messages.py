@@ -20,7 +20,7 @@ class EngineInfo:
         quantized: Whether the target has quantized layers.
         draft_name: Display name of the loaded draft model, or ``None``.
         drafter: Drafter in use (``"draft"``, ``"ngram"``, ``"none"``, ...).
-        num_draft_tokens: γ, tokens drafted per round.
+        num_draft_tokens: γ, tokens drafted per round, or ``"auto"``.
         drafters: Every drafter name the engine knows.
     """
 
@@ -28,7 +28,7 @@ class EngineInfo:
     quantized: bool
     draft_name: str | None
     drafter: str
-    num_draft_tokens: int
+    num_draft_tokens: int | str
     drafters: tuple[str, ...]
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from .drafters import Draft, Drafter, make_drafter
 from .generate import GenerationResult, generate, stream_generate
+from .loading import load
 from .metrics import CycleStats, GenerationStats, TokenEvent
 from .sampling import SamplingParams
 
@@ -26,9 +27,3 @@ __all__ = [
     "stream_generate",
 ]
 
-
-def load(spec: str, *, dtype: str | None = None, requantize: bool = False):
-    """Load a model and tokenizer; see ``mlxspec.loading.load``."""
-    from .loading import load as _load
-
-    return _load(spec, dtype=dtype, requantize=requantize)

@@ -217,6 +217,9 @@ class AutoGamma:
         predicted_speedup: Predicted speedup of that choice (1 when falling back).
     """
 
+    #: The per-round choices are recorded in the stats (``GenerationStats.gamma_rounds``).
+    adaptive = True
+
     def __init__(self, costs: Costs, *, max_gamma: int = MAX_VERIFY_TOKENS - 1, margin: float = 0.03,
                  probe_every: int = 16, probe_gamma: int = 2, estimate: AcceptanceEstimate | None = None):
         if max_gamma < 1:
@@ -287,7 +290,8 @@ def calibrate_draft(drafter, history: list[int], *, num_draft_tokens: int = 4, r
     drafter can be measured; one that reads the target's hidden states gets zeros of
     width ``hidden_size``. The drafter is left as after a round that kept nothing.
     """
-    zeros = (lambda n: [mx.zeros((n, hidden_size))]) if getattr(drafter, "needs_hidden", False) else (lambda n: [])
+    width = (hidden_size or 0) * max(1, len(getattr(drafter, "feature_layers", ())))  # EAGLE-3 reads 3 layers
+    zeros = (lambda n: [mx.zeros((n, width))]) if getattr(drafter, "needs_hidden", False) else (lambda n: [])
     drafter.prefill(history, *zeros(len(history) - 1))
     times = []
     for rep in range(reps + 1):

@@ -16,23 +16,21 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
-from .costmodel import AutoGamma, load_or_calibrate
 from .cache import DEFAULT_PREFILL_STEP_SIZE, check_compactable, check_rewindable, commit_path, prefill, tree_attention
-from .drafters import Draft, Drafter, NoDrafter, make_drafter
+from .drafters import Draft, Drafter, DrafterSpec, make_drafter
+from .gamma import FixedGamma, GammaPolicy, gamma_policy
 from .metrics import CycleStats, GenerationStats, TokenEvent
 from .sampling import SamplingParams, process_logits, warp
 from .taps import HiddenTap
 from .verify import verify_deterministic, verify_greedy, verify_sampled, verify_typical
 
 DEFAULT_NUM_DRAFT_TOKENS = 4
-#: ``num_draft_tokens`` value that picks γ per round from measured costs (``costmodel.AutoGamma``).
-AUTO = "auto"
 DEFAULT_MAX_TOKENS = 256
 #: A lazy drafter is timed exactly (one extra sync) on every this-many rounds.
 TIMING_EVERY = 8
@@ -59,6 +57,7 @@ class _Round:
     kinds: list[str]
     stats: CycleStats
     finish_reason: str | None
+    prefill_s: float = 0.0
 
 
 def encode_prompt(tokenizer, prompt: str | list[int]) -> list[int]:
@@ -90,7 +89,36 @@ def check_context(model: nn.Module, num_prompt_tokens: int) -> None:
         )
 
 
-def _verify(model, cache, history: list[int], draft: Draft, sampling: SamplingParams, typical=None):
+def make_verifier(sampling: SamplingParams, typical: tuple[float, float] | None = None) -> Callable:
+    """The acceptance rule of one generation, chosen once (as ``make_sampler`` chooses a sampler).
+
+    Greedy (``temp == 0``): the target's argmax path (``verify.verify_greedy``). Otherwise the exact
+    rule for the draft's q: one-hot (``verify_deterministic``) when a draft has no ``logprobs``, the
+    Leviathan/Chen residual rule (``verify_sampled``) when it has; or, only when ``typical`` is
+    given, Medusa's LOSSY typical acceptance (``verify_typical``).
+
+    Args:
+        sampling: The target's sampling settings.
+        typical: ``(threshold, alpha)`` for typical acceptance, or ``None`` (exact).
+
+    Returns:
+        Callable: ``rule(tokens [N + 1], tree, logits [N + 1, V], draft) -> (choice, next_tokens)``, lazy.
+    """
+    if sampling.greedy:
+        return lambda tokens, tree, logits, draft: verify_greedy(tokens, tree, logits)
+    if typical is not None:
+        return lambda tokens, tree, logits, draft: verify_typical(tokens, tree, logits, sampling.temp, *typical)
+
+    def exact(tokens, tree, logits, draft):
+        target_logprobs = warp(logits, sampling)
+        if draft.logprobs is None:
+            return verify_deterministic(tokens, tree, target_logprobs)
+        return verify_sampled(tokens, tree, draft.logprobs, target_logprobs)
+
+    return exact
+
+
+def _verify(model, cache, history: list[int], draft: Draft, sampling: SamplingParams, rule: Callable):
     """One target forward over [root, *draft] (tree mask, per-node positions) and the
     acceptance rule; returns lazy ``(choice, next_tokens)`` over root-first nodes."""
     tree = draft.tree
@@ -101,14 +129,7 @@ def _verify(model, cache, history: list[int], draft: Draft, sampling: SamplingPa
     if processors:
         paths = [tree.path_to(node) for node in range(tree.size + 1)]
         logits = process_logits(logits, mx.array(history, dtype=mx.int32), processors, draft.tokens, paths)
-    if sampling.greedy:
-        return verify_greedy(tokens, tree, logits)
-    if typical is not None:
-        return verify_typical(tokens, tree, logits, sampling.temp, *typical)
-    target_logprobs = warp(logits, sampling)
-    if draft.logprobs is None:
-        return verify_deterministic(tokens, tree, target_logprobs)
-    return verify_sampled(tokens, tree, draft.logprobs, target_logprobs)
+    return rule(tokens, tree, logits, draft)
 
 
 def _cut_at_stop(tokens: list[int], stop_tokens: set[int], room: int) -> tuple[int, str | None]:
@@ -126,40 +147,37 @@ def speculative_rounds(
     prompt: list[int],
     drafter: Drafter,
     *,
-    num_draft_tokens: int,
+    num_draft_tokens: int | GammaPolicy,
     max_tokens: int,
     sampling: SamplingParams,
     stop_tokens: set[int],
-    stats: GenerationStats,
+    rule: Callable | None = None,
     prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE,
     prompt_cache: list | None = None,
-    auto_gamma: AutoGamma | None = None,
-    typical: tuple[float, float] | None = None,
 ) -> Iterator[_Round]:
-    """Run rounds until a stop token or ``max_tokens``; yields each round's committed tokens.
+    """Prefill, then run rounds until a stop token or ``max_tokens``; yields each round's committed tokens.
 
-    Updates ``stats`` in place (prefill time, then per round). With ``auto_gamma``, γ
-    is its choice before each round (at most ``num_draft_tokens``) and it learns from
-    each round's stats.
+    γ is ``choose_gamma()`` of the policy (an integer is a ``FixedGamma``) before each round;
+    the caller updates the policy and the stats from each round's ``CycleStats`` (the first
+    round also carries the prefill time). ``rule`` defaults to ``make_verifier(sampling)``.
     """
+    policy = FixedGamma(num_draft_tokens) if isinstance(num_draft_tokens, int) else num_draft_tokens
+    rule = rule or make_verifier(sampling)
     cache = make_prompt_cache(model) if prompt_cache is None else prompt_cache
-    if num_draft_tokens > 0 and not isinstance(drafter, NoDrafter):
+    if policy.max_gamma > 0:
         (check_compactable if drafter.makes_trees else check_rewindable)(cache)
     tap = HiddenTap(model, layers=drafter.feature_layers) if drafter.needs_hidden else None
     start = time.perf_counter()
-    hidden = prefill(model, cache, prompt[:-1], prefill_step_size, hidden_tap=tap)
-    drafter.prefill(prompt, hidden)
-    stats.prompt_s = time.perf_counter() - start
-    start = time.perf_counter()
-    history, clock = list(prompt), _DraftClock(drafter.lazy)
+    drafter.prefill(prompt, prefill(model, cache, prompt[:-1], prefill_step_size, hidden_tap=tap))
+    prefill_s = time.perf_counter() - start
+    history, clock, generated = list(prompt), _DraftClock(drafter.lazy), 0
     for cycle in range(max_tokens):
-        room = max_tokens - stats.generation_tokens
+        room = max_tokens - generated
         t0 = time.perf_counter()
-        gamma = num_draft_tokens if auto_gamma is None else auto_gamma.choose_gamma()
-        draft = drafter.propose(history, min(gamma, room - 1), sampling)
+        draft = drafter.propose(history, min(policy.choose_gamma(), room - 1), sampling)
         clock.drafted(cycle, draft)
         t1 = time.perf_counter()
-        choice, next_tokens = _verify(model, cache, history, draft, sampling, typical)
+        choice, next_tokens = _verify(model, cache, history, draft, sampling, rule)
         hidden = tap.features()[0] if tap is not None else None  # [N + 1, F]
         mx.eval(choice, next_tokens, draft.tokens, hidden)  # the round's one blocking sync
         path, tokens, kinds = _accepted(draft, choice.tolist(), next_tokens.tolist())
@@ -168,18 +186,12 @@ def speculative_rounds(
         history += tokens[:keep]
         drafter.commit(len(history), [node - 1 for node in path[:keep]], hidden)
         draft_s, verify_s = clock.split(t0, t1, time.perf_counter(), draft.size)
-        depth = int(draft.tree.depths.max())
-        round_stats = CycleStats(cycle, draft.size, len(path), keep, draft_s, verify_s, depth)
-        stats.add_cycle(round_stats)
-        if auto_gamma is not None:
-            auto_gamma.update(round_stats)
-            stats.add_gamma(gamma)
-        stats.generation_s = time.perf_counter() - start
+        stats = CycleStats(cycle, draft.size, len(path), keep, draft_s, verify_s, int(draft.tree.depths.max()))
+        generated += keep
         if cycle % 64 == 63:
             mx.clear_cache()
-        yield _Round(tokens[:keep], kinds[:keep], round_stats, finish_reason)
+        yield _Round(tokens[:keep], kinds[:keep], stats, finish_reason, prefill_s if cycle == 0 else 0.0)
         if finish_reason:
-            stats.finish_reason = finish_reason
             return
 
 
@@ -224,8 +236,8 @@ def stream_generate(
     tokenizer,
     prompt: str | list[int],
     *,
-    drafter: Drafter | str = "none",
-    num_draft_tokens: int | str | AutoGamma = DEFAULT_NUM_DRAFT_TOKENS,
+    drafter: Drafter | DrafterSpec | str = "none",
+    num_draft_tokens: int | str | GammaPolicy = DEFAULT_NUM_DRAFT_TOKENS,
     max_tokens: int = DEFAULT_MAX_TOKENS,
     sampling: SamplingParams | None = None,
     seed: int | None = None,
@@ -243,12 +255,15 @@ def stream_generate(
         model: The target, an mlx-lm model.
         tokenizer: Its ``mlx_lm`` ``TokenizerWrapper``.
         prompt: Text (encoded as-is; apply a chat template first if wanted) or ids.
-        drafter: A ``Drafter`` or ``"ngram"`` / ``"none"``. Default: ``"none"``.
-        num_draft_tokens: γ, tokens drafted per round; ``0`` = plain decoding; ``"auto"``
-            picks γ before every round from this machine's measured costs and the running
-            acceptance, falling back to plain decoding when speculation is predicted to
-            lose (``costmodel.AutoGamma``; costs are measured once, in seconds, and cached);
-            or an ``AutoGamma`` to reuse (it keeps its acceptance estimate). Default: ``4``.
+        drafter: A ``Drafter``, or a ``DrafterSpec`` or spec string (``"ngram"``,
+            ``"eagle:depth=4"``; built with ``make_drafter(spec, model, tokenizer)``).
+            Default: ``"none"``.
+        num_draft_tokens: γ, tokens drafted per round; ``0`` = plain decoding; ``"auto"``:
+            the policy ``gamma.gamma_policy`` picks for this drafter, exactly as
+            ``mlxspec generate`` does (a tree drafter's own depth, else γ per round from this
+            machine's measured costs and the running acceptance, falling back to plain decoding
+            when speculation is predicted to lose; costs are measured once and cached); or a
+            policy object to reuse (an ``AutoGamma`` keeps its acceptance estimate). Default: ``4``.
         max_tokens: Most tokens to generate. Default: ``256``.
         sampling: Temperature, filters and logits processors. Default: greedy.
         seed: Seed for ``mx.random`` (drafting and acceptance draws), or ``None``.
@@ -266,14 +281,10 @@ def stream_generate(
         ``GenerationStats``.
 
     Raises:
-        ValueError: on an empty or too-long prompt, a seed outside [0, 2**64), ``num_draft_tokens < 0`` or a string other than ``"auto"``,
-            ``max_tokens < 1``, an unknown drafter name, or a target cache that
-            cannot be rewound while drafting.
+        ValueError: on an empty or too-long prompt, a seed outside [0, 2**64), ``num_draft_tokens < 0``
+            or a string other than ``"auto"``, ``max_tokens < 1``, a bad drafter spec, or a target
+            cache that cannot be rewound while drafting.
     """
-    if isinstance(num_draft_tokens, str) and num_draft_tokens != AUTO:
-        raise ValueError(f"num_draft_tokens must be an integer >= 0 or 'auto', got {num_draft_tokens!r}")
-    if isinstance(num_draft_tokens, int) and num_draft_tokens < 0:
-        raise ValueError(f"num_draft_tokens must be >= 0, got {num_draft_tokens}")
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
     if seed is not None and not (isinstance(seed, int) and 0 <= seed < 2**64):
@@ -281,29 +292,31 @@ def stream_generate(
     if typical is not None and not (0 < typical[0] <= 1 and typical[1] > 0):
         raise ValueError(f"typical acceptance needs 0 < threshold <= 1 and alpha > 0, got {typical}")
     sampling = sampling or SamplingParams()
-    if isinstance(drafter, str):
-        drafter = make_drafter(drafter)
-    auto_gamma = num_draft_tokens if isinstance(num_draft_tokens, AutoGamma) else None
-    if isinstance(drafter, NoDrafter):
-        num_draft_tokens, auto_gamma = 0, None
-    elif num_draft_tokens == AUTO:
-        auto_gamma = AutoGamma(load_or_calibrate(model, drafter))
-    if auto_gamma is not None:
-        num_draft_tokens = auto_gamma.max_gamma
+    drafter = make_drafter(drafter, model, tokenizer) if isinstance(drafter, (str, DrafterSpec)) else drafter
+    policy = gamma_policy(num_draft_tokens, model, drafter)
     ids = encode_prompt(tokenizer, prompt)
     check_context(model, len(ids))
     stop_tokens = set(tokenizer.eos_token_ids) if stop_tokens is None else set(stop_tokens)
     if seed is not None:
         mx.random.seed(seed)
     mx.reset_peak_memory()
-    stats = GenerationStats(drafter=drafter.name, num_draft_tokens=num_draft_tokens, prompt_tokens=len(ids))
+    stats = GenerationStats(drafter=drafter.name, num_draft_tokens=policy.max_gamma, prompt_tokens=len(ids))
     detokenizer = tokenizer.detokenizer
     rounds = speculative_rounds(
-        model, ids, drafter, num_draft_tokens=num_draft_tokens, max_tokens=max_tokens,
-        sampling=sampling, stop_tokens=stop_tokens, stats=stats, prefill_step_size=prefill_step_size,
-        prompt_cache=prompt_cache, auto_gamma=auto_gamma, typical=typical,
+        model, ids, drafter, num_draft_tokens=policy, max_tokens=max_tokens, sampling=sampling, stop_tokens=stop_tokens,
+        rule=make_verifier(sampling, typical), prefill_step_size=prefill_step_size, prompt_cache=prompt_cache,
     )
+    start = time.perf_counter()
     for round_ in rounds:
+        if round_.stats.cycle == 0:
+            stats.prompt_s, start = round_.prefill_s, start + round_.prefill_s
+        stats.add_cycle(round_.stats)
+        policy.update(round_.stats)
+        if policy.adaptive:
+            stats.add_gamma(policy.gamma)
+        stats.generation_s = time.perf_counter() - start
+        if round_.finish_reason:
+            stats.finish_reason = round_.finish_reason
         last = len(round_.tokens) - 1
         for i, (token, kind) in enumerate(zip(round_.tokens, round_.kinds)):
             if token not in stop_tokens:

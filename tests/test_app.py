@@ -10,11 +10,11 @@ import asyncio
 import queue
 import threading
 
-from app.app import SpecChatApp
-from app.engine import one_line, relay
-from app.messages import EngineInfo, EngineReady, GenerationFailed, LoadFailed, LoadProgress
-from app.screens import DrafterScreen, HelpScreen
-from app.widgets import ChatMessage, StatsPanel, TauSparkline
+from mlxspec_app.app import SpecChatApp
+from mlxspec_app.engine import one_line, relay
+from mlxspec_app.messages import EngineInfo, EngineReady, GenerationFailed, LoadFailed, LoadProgress
+from mlxspec_app.screens import DrafterScreen, HelpScreen
+from mlxspec_app.widgets import ChatMessage, StatsPanel, TauSparkline
 from mlxspec.metrics import CycleStats, GenerationStats, TokenEvent
 
 INFO = EngineInfo("tiny[b] (MLX, float32)", False, None, "ngram", 4, ("draft", "ngram", "none"))

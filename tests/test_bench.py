@@ -9,7 +9,8 @@ import json
 
 import pytest
 
-from mlxspec.bench import BASELINE, CONTROL, RunRecord, rounds_from_flags, make_systems, summarize
+from mlxspec.bench import BASELINE, CONTROL, RunRecord, make_systems, rounds_from_flags
+from mlxspec.bench_summary import summarize
 from mlxspec.cli import main
 from mlxspec.commands import bench as bench_command
 from mlxspec.costmodel import Costs
@@ -132,8 +133,8 @@ def test_reruns_with_openblas_when_the_reference_blas_is_loaded(monkeypatch):
     calls = []
     monkeypatch.delenv(bench_command.REEXEC_ENV, raising=False)
     monkeypatch.setattr("sys.platform", "linux")
-    monkeypatch.setattr("mlxspec.machine.blas_in_use", lambda: {"name": "reference BLAS"})
-    monkeypatch.setattr("mlxspec.machine.find_fast_blas", lambda: "/opt/libblas.so.3")
+    monkeypatch.setattr("mlxspec.commands.bench.blas_in_use", lambda: {"name": "reference BLAS"})
+    monkeypatch.setattr("mlxspec.commands.bench.find_fast_blas", lambda: "/opt/libblas.so.3")
     monkeypatch.setattr("os.execve", lambda exe, argv, env: calls.append((argv, env)))
     bench_command.maybe_use_fast_blas(["--max-tokens", "8"], "keep")
     assert calls == []
@@ -156,3 +157,32 @@ def test_tables_can_be_recomputed_from_the_json(bench_result, tmp_path, capsys):
     assert main(["bench", "--from-json", str(source), "--output", str(tmp_path / "again.json"), "--blas", "keep"]) == 0
     assert "| kind | temp | system |" in capsys.readouterr().out
     assert json.loads((tmp_path / "again.json").read_text())["summary"] == bench_result[1]["summary"]
+
+
+def test_bench_times_head_drafters_from_specs(tmp_path, tiny_model_dir, capsys, monkeypatch):
+    """``--drafters`` takes drafter specs, Medusa and EAGLE included (heads shipped for the tiny target)."""
+    from mlxspec.heads.eagle import save_eagle
+    from mlxspec.heads.medusa import save_medusa
+    from test_eagle import random_head
+    from test_medusa import random_heads
+
+    save_medusa(tmp_path / "models" / "medusa" / tiny_model_dir.name, random_heads(shared=True))
+    save_eagle(random_head(1), tmp_path / "models" / "eagle" / tiny_model_dir.name)
+    monkeypatch.setenv("MLXSPEC_MODELS", str(tmp_path / "models"))
+    monkeypatch.setenv("MLXSPEC_CACHE", str(tmp_path / "cache"))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "Copy: red green blue red green blue", "kind": "grounded"}) + "\n")
+    code = main(["bench", "--model", str(tiny_model_dir), "--drafters", "eagle,medusa:tree=small_15,ngram,none",
+                 "--prompts", str(prompts), "--num-draft-tokens", "auto,2", "--temps", "0", "--max-tokens", "8",
+                 "--no-control", "--output", str(tmp_path / "bench.json"), "--blas", "keep"])
+    assert code == 0, capsys.readouterr().err
+    result = json.loads((tmp_path / "bench.json").read_text())
+    assert [s["name"] for s in result["systems"]] == [
+        BASELINE, "mlxspec eagle γ=auto", "mlxspec eagle γ=2", "mlxspec medusa:tree=small_15 γ=auto",
+        "mlxspec medusa:tree=small_15 γ=2", "mlxspec ngram γ=auto", "mlxspec ngram γ=2", "mlxspec none"]
+    runs = {r["system"]: r for r in result["runs"]}
+    assert all(run["generation_tokens"] == 8 for run in runs.values())
+    assert len({run["output_sha"] for run in runs.values()}) == 1  # float32 greedy: every system agrees
+    assert sum(d for d, _ in runs["mlxspec eagle γ=2"]["rounds"]) > 0
+    assert main(["bench", "--drafters", "eagle:depth=0", "--blas", "keep"]) == 2
+    assert "--eagle-depth must be >= 1" in capsys.readouterr().err

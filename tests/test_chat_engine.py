@@ -8,9 +8,9 @@ from pathlib import Path
 
 from mlx_lm.utils import save_config, save_model
 
-from app.app import SpecChatApp
-from app.engine import Engine, EngineConfig, chat_prompt, relay
-from app.messages import GenerationDone, StatsUpdated, TokensCommitted
+from mlxspec_app.app import SpecChatApp
+from mlxspec_app.engine import Engine, EngineConfig, chat_prompt, relay
+from mlxspec_app.messages import GenerationDone, StatsUpdated, TokensCommitted
 from conftest import byte_tokenizer, tiny_llama
 from mlxspec import generate
 from mlxspec.commands import chat
@@ -115,8 +115,8 @@ def test_chat_command_rejects_bad_flags_before_starting_the_app(capsys):
 def test_chat_takes_the_draft_shipped_for_the_default_model():
     args = chat.setup_arg_parser().parse_args(["--drafter", "draft"])
     config = chat.checked_config(args)
-    assert config.drafter_kind == "draft"
-    assert Path(config.draft_model).resolve() == (ROOT / "models" / "draft" / "SmolLM2-135M-Instruct").resolve()
+    assert config.drafter.name == "draft"
+    assert Path(config.draft_model.spec).resolve() == (ROOT / "models" / "draft" / "SmolLM2-135M-Instruct").resolve()
 
 
 def test_chat_flags_become_the_engine_config():
@@ -124,8 +124,9 @@ def test_chat_flags_become_the_engine_config():
         ["--model", "m", "--draft-model", "d", "--num-draft-tokens", "6", "--temp", "0.7", "--seed", "1",
          "--dtype", "float32", "--system", "hi", "-m", "99"])
     config = chat.engine_config(args)
-    assert (config.model, config.draft_model, config.drafter_kind, config.num_draft_tokens) == ("m", "d", "draft", 6)
-    assert (config.sampling.temp, config.seed, config.dtype, config.max_tokens) == (0.7, 1, "float32", 99)
+    assert (config.model.spec, config.draft_model.spec, config.drafter.name, config.num_draft_tokens) == \
+        ("m", "d", "draft", 6)
+    assert (config.sampling.temp, config.seed, config.model.dtype, config.max_tokens) == (0.7, 1, "float32", 99)
     assert args.system == "hi"
 
 
@@ -134,5 +135,6 @@ def test_medusa_flags_reach_the_engine_config():
         ["--drafter", "medusa", "--medusa-heads", "h", "--medusa-tree", "small_15",
          "--typical-threshold", "0.09", "--typical-alpha", "0.3"])
     config = chat.engine_config(args)
-    assert (config.drafter_kind, config.medusa_heads, config.medusa_tree) == ("medusa", "h", "small_15")
+    assert (config.drafter.name, config.drafter.options.heads, config.drafter.options.tree) == \
+        ("medusa", "h", "small_15")
     assert config.typical == (0.09, 0.3)

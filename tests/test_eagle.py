@@ -20,7 +20,6 @@ from mlxspec.drafters import make_drafter
 from mlxspec.drafters.eagle import EagleDrafter
 from mlxspec.generate import speculative_rounds
 from mlxspec.heads.eagle import EagleConfig, EagleHead, load_eagle, save_eagle
-from mlxspec.metrics import GenerationStats
 from mlxspec.taps import HiddenTap
 from stats import chi_square
 
@@ -180,7 +179,7 @@ def _sample_first_two(target, drafter, params, n=600) -> Counter:
     for _ in range(n):
         tokens = []
         for round_ in speculative_rounds(target, SAMPLE_PROMPT, drafter, num_draft_tokens=3, max_tokens=3,
-                                         sampling=params, stop_tokens=set(), stats=GenerationStats()):
+                                         sampling=params, stop_tokens=set()):
             tokens += round_.tokens
         counts[tuple(tokens[:2])] += 1
     return counts
@@ -441,13 +440,13 @@ def test_heads_that_do_not_fit_are_refused(tmp_path):
     (tmp_path / "v3" / "config.json").write_text(json.dumps({**json.loads((tmp_path / "v3" / "config.json")
                                                                           .read_text()), "aux_layers": [0, 1, 5]}))
     with pytest.raises(ValueError, match="reads layers \\[0, 1, 5\\] but the target has 2 decoder layers"):
-        make_drafter("eagle", target=tiny_llama(), eagle_head=load_eagle(tmp_path / "v3", tiny_llama()))
+        EagleDrafter(load_eagle(tmp_path / "v3", tiny_llama()), tiny_llama())
     with pytest.raises(FileNotFoundError, match="no EAGLE weights"):
         load_eagle(tmp_path, tiny_llama())
     mx.save_safetensors(str(tmp_path / "model.safetensors"), {"x": mx.zeros(3)})
     with pytest.raises(ValueError, match="not an EAGLE head"):
         load_eagle(tmp_path, tiny_llama())
-    with pytest.raises(ValueError, match="needs an EAGLE head"):
+    with pytest.raises(ValueError, match="no eagle weights given and the target's name is unknown; pass --eagle-heads"):
         make_drafter("eagle", target=tiny_llama())
     with pytest.raises(ValueError, match="top_k >= 1"):
         EagleDrafter(random_head(1), tiny_llama(), top_k=0)
@@ -490,15 +489,15 @@ def test_eagle_from_the_command_line(capsys, tmp_path, tiny_model_dir):
 def test_chat_takes_the_eagle_flags(tmp_path, tiny_model_dir):
     from types import SimpleNamespace
 
-    from app.engine import Engine
+    from mlxspec_app.engine import Engine
     from mlxspec.commands import chat
+    from mlxspec.session import LoadedModel, ModelSpec
 
     save_eagle(random_head(1), tmp_path / "head")
     args = chat.setup_arg_parser().parse_args(["--model", str(tiny_model_dir), "--drafter", "eagle", "--eagle-heads",
                                                str(tmp_path / "head"), "--eagle-top-k", "2", "--eagle-depth", "3"])
-    state = SimpleNamespace(model=tiny_llama(), tokenizer=byte_tokenizer(), model_name="tiny", draft_model=None,
-                            draft_tokenizer=None)
-    drafter = Engine(chat.engine_config(args))._make_drafter("eagle", state)
+    target = LoadedModel(tiny_llama(), byte_tokenizer(), ModelSpec("tiny"), "tiny", "tiny (MLX, float32)", False)
+    drafter = Engine(chat.engine_config(args))._make_drafter("eagle", SimpleNamespace(target=target, draft=None))
     assert isinstance(drafter, EagleDrafter) and (drafter.top_k, drafter.depth, drafter.total_tokens) == (2, 3, 60)
 
 
@@ -532,10 +531,10 @@ def test_eagle3_with_the_full_vocabulary_ignores_identity_d2t(tmp_path):
 def test_top_k_wider_than_the_draft_vocabulary_is_clamped():
     target = tiny_llama(seed=0, vocab_size=V, sharpen=3.0)
     drafter = EagleDrafter(random_head(1, vocab=V), target, top_k=10, depth=3, total_tokens=100)
-    stats = GenerationStats()
     rounds = list(speculative_rounds(target, SAMPLE_PROMPT, drafter, num_draft_tokens=3, max_tokens=12,
-                                     sampling=SamplingParams(), stop_tokens=set(), stats=stats))
-    assert drafter.top_k == V and sum(len(r.tokens) for r in rounds) == 12 and stats.drafted > 0
+                                     sampling=SamplingParams(), stop_tokens=set()))
+    assert drafter.top_k == V and sum(len(r.tokens) for r in rounds) == 12
+    assert sum(r.stats.num_drafted for r in rounds) > 0
 
 
 # --- automatic tree size from measured costs --------------------------------------------------

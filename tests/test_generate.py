@@ -12,7 +12,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors
 
 from conftest import byte_tokenizer, tiny_llama
-from mlxspec import GenerationStats, SamplingParams, TokenEvent, generate, make_drafter, stream_generate
+from mlxspec import SamplingParams, TokenEvent, generate, make_drafter, stream_generate
 from mlxspec.drafters import check_same_tokenizer
 from mlxspec.generate import speculative_rounds
 
@@ -104,7 +104,7 @@ def test_draft_cache_tracks_committed_tokens(target, tokenizer):
     history = list(PROMPT)
     for round_ in speculative_rounds(
         target, PROMPT, drafter, num_draft_tokens=4, max_tokens=60, sampling=SamplingParams(temp=1.0),
-        stop_tokens=set(), stats=GenerationStats(),
+        stop_tokens=set(),
     ):
         history += round_.tokens
         assert drafter.cache[0].offset <= len(history) - 1

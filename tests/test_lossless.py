@@ -19,7 +19,6 @@ import pytest
 from conftest import tiny_llama
 from mlxspec.drafters import Draft, make_drafter
 from mlxspec.generate import speculative_rounds
-from mlxspec.metrics import GenerationStats
 from mlxspec.sampling import SamplingParams, warp
 from stats import chi_square
 
@@ -70,7 +69,7 @@ def sample_joint(model, drafter, params: SamplingParams, n: int = N_SAMPLES) -> 
     for _ in range(n):
         tokens = []
         rounds = speculative_rounds(model, PROMPT, drafter, num_draft_tokens=3, max_tokens=2,
-                                    sampling=params, stop_tokens=set(), stats=GenerationStats())
+                                    sampling=params, stop_tokens=set())
         for round_ in rounds:
             tokens += round_.tokens
         counts[tuple(tokens)] += 1

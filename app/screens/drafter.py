@@ -21,7 +21,7 @@ class DrafterChoice:
     """What the user picked; ``None`` model specs keep the loaded models."""
 
     drafter: str
-    num_draft_tokens: int
+    num_draft_tokens: int | str
     draft_model: str | None = None
     model: str | None = None
 
@@ -47,8 +47,9 @@ class DrafterScreen(ModalScreen[DrafterChoice | None]):
                 for kind in info.drafters:
                     label = kind if kind != "draft" or info.draft_name else "draft (give a draft model below)"
                     yield RadioButton(label, value=kind == info.drafter, name=kind, id=f"drafter-{kind}")
-            yield Label("γ, tokens drafted per round (0 = plain decoding)", classes="caption")
-            yield Input(str(info.num_draft_tokens), type="integer", id="gamma")
+            yield Label("γ, tokens drafted per round (0 = plain decoding; auto = picked each round)",
+                        classes="caption")
+            yield Input(str(info.num_draft_tokens), id="gamma")
             yield Label(f"Load a draft model (empty keeps {info.draft_name or 'none'})", classes="caption", markup=False)
             yield Input(placeholder="path, .gguf, Hugging Face repo or 'default'", id="draft-spec")
             yield Label("Load another target model (empty keeps the current one)", classes="caption")
@@ -75,12 +76,13 @@ class DrafterScreen(ModalScreen[DrafterChoice | None]):
         """The picked settings, or an error message saying what to fix."""
         pressed = self.query_one(RadioSet).pressed_button
         kind = pressed.name if pressed is not None else self.info.drafter
+        text = self.query_one("#gamma", Input).value.strip().lower()
         try:
-            gamma = int(self.query_one("#gamma", Input).value)
+            gamma = text if text == "auto" else int(text)
         except ValueError:
             gamma = -1
-        if not 0 <= gamma <= MAX_DRAFT_TOKENS:
-            return f"γ must be a whole number from 0 to {MAX_DRAFT_TOKENS}"
+        if gamma != "auto" and not 0 <= gamma <= MAX_DRAFT_TOKENS:
+            return f"γ must be 'auto' or a whole number from 0 to {MAX_DRAFT_TOKENS}"
         draft_spec = self.query_one("#draft-spec", Input).value.strip() or None
         model_spec = self.query_one("#model-spec", Input).value.strip() or None
         if kind == "draft" and not (draft_spec or self.info.draft_name):

@@ -7,10 +7,21 @@ import json
 import os
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
-from ..generate import AUTO
-from .common import ArgumentParser, DTYPES, USER_ERRORS, fail
+from tqdm import tqdm
+
+from ..bench import BenchModels, RunRecord, System, iter_runs, make_systems
+from ..bench_summary import format_table, summarize, write_plots
+from ..costmodel import Costs, load_or_calibrate
+from ..data import load_sharegpt, read_prompts_jsonl, sample_prompts
+from ..drafters import drafter_types, parse_specs
+from ..gamma import AUTO
+from ..loading import DTYPES
+from ..machine import blas_in_use, find_fast_blas, machine_info
+from ..session import USER_ERRORS, ModelSpec, build_drafter, load_model
+from .common import ArgumentParser, fail
 
 DEFAULT_GAMMAS = "auto,1,2,4,6,8"
 DEFAULT_TEMPS = "0,0.7"
@@ -34,7 +45,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                         help="draft model for mlx-lm speculative decoding and mlxspec's 'draft' drafter")
     parser.add_argument("--draft-dtype", choices=DTYPES, default=None, help="draft model dtype. Default: as stored")
     parser.add_argument("--drafters", default=None,
-                        help="comma-separated mlxspec drafters (draft, ngram, none). "
+                        help="comma-separated mlxspec drafter specs, each a name with optional options, e.g. "
+                             "'eagle,medusa:tree=small_15,ngram:max=3,none' (names: "
+                             f"{', '.join(drafter_types())}). "
                              "Default: draft,ngram,none with --draft-model, else ngram,none")
     parser.add_argument("--num-draft-tokens", default=DEFAULT_GAMMAS,
                         help=f"comma-separated γ sweep; 'auto' = automatic γ. Default: {DEFAULT_GAMMAS}")
@@ -106,8 +119,6 @@ def maybe_use_fast_blas(argv: list[str], mode: str) -> None:
     """
     if mode != "auto" or not sys.platform.startswith("linux") or os.environ.get(REEXEC_ENV):
         return
-    from ..machine import blas_in_use, find_fast_blas
-
     if blas_in_use()["name"] != "reference BLAS":
         return
     fast = find_fast_blas()
@@ -123,34 +134,22 @@ def maybe_use_fast_blas(argv: list[str], mode: str) -> None:
     os.execve(sys.executable, command, {**os.environ, "LD_PRELOAD": preload, REEXEC_ENV: "1"})
 
 
-def _load(args, drafter_names: list[str]):
-    """Models, drafters and (cached or measured) costs."""
-    from ..bench import BenchModels
-    from ..costmodel import load_or_calibrate
-    from ..drafters import make_drafter
-    from ..loading import describe, load
-
-    model, tokenizer = load(args.model, dtype=args.dtype)
-    draft_model = draft_tokenizer = None
-    names = {"target": describe(args.model, model), "draft": None}
-    if args.draft_model:
-        draft_model, draft_tokenizer = load(args.draft_model, dtype=args.draft_dtype)
-        names["draft"] = describe(args.draft_model, draft_model)
-    drafters = {name: make_drafter(name, target=model, tokenizer=tokenizer, draft_model=draft_model,
-                                   draft_tokenizer=draft_tokenizer) for name in drafter_names}
-
+def _load(args, specs: list):
+    """Models, drafters (by spec string) and (cached or measured) costs."""
     def note(what: str) -> None:
         print(f"mlxspec bench: measuring {what} (once; cached)", file=sys.stderr, flush=True)
 
-    costs = {name: load_or_calibrate(model, d, on_measure=note, refresh=args.recalibrate)
+    target = load_model(ModelSpec(args.model, args.dtype))
+    draft = load_model(ModelSpec(args.draft_model, args.draft_dtype), role="draft model") if args.draft_model else None
+    names = {"target": target.display, "draft": draft.display if draft else None}
+    drafters = {str(spec): build_drafter(spec, target, draft, on_measure=note) for spec in specs}
+    costs = {name: load_or_calibrate(target.model, d, on_measure=note, refresh=args.recalibrate)
              for name, d in drafters.items() if name != "none"}
-    return BenchModels(model, tokenizer, draft_model, drafters, costs), names
+    return BenchModels(target.model, target.tokenizer, draft.model if draft else None, drafters, costs), names
 
 
 def _prompts(args, tokenizer) -> tuple[list[tuple[str, str, list[int]]], dict]:
     """``(id, kind, ids)`` per prompt, and where they came from."""
-    from ..data import load_sharegpt, read_prompts_jsonl, sample_prompts
-
     def render(text: str) -> list[int]:
         if not tokenizer.has_chat_template:
             return tokenizer.encode(text)
@@ -193,10 +192,6 @@ def format_header(info: dict) -> str:
 
 def report(result: dict, runs: list, systems: list, costs: dict, args: argparse.Namespace) -> None:
     """Summarise runs, print both tables, write the JSON (and plots)."""
-    from dataclasses import asdict
-
-    from ..bench import format_table, summarize, write_plots
-
     rows = summarize(runs, systems, costs)
     print("\nBest fixed γ per system (*), auto γ and plain decoding:\n" + format_table(rows, compact=True))
     print("\nEvery system (γ sweep), predicted vs measured speedup:\n" + format_table(rows))
@@ -209,9 +204,6 @@ def report(result: dict, runs: list, systems: list, costs: dict, args: argparse.
 
 def resummarize(args: argparse.Namespace) -> int:
     """``--from-json``: the tables of an earlier run, recomputed from its raw numbers."""
-    from ..bench import RunRecord, System
-    from ..costmodel import Costs
-
     result = json.loads(Path(args.from_json).read_text())
     derived = ("generation_tps", "prompt_tps")
     runs = [RunRecord(**{k: v for k, v in r.items() if k not in derived}) for r in result["runs"]]
@@ -223,13 +215,6 @@ def resummarize(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
-    from dataclasses import asdict
-
-    from tqdm import tqdm
-
-    from ..bench import iter_runs, make_systems
-    from ..machine import machine_info
-
     if args.plots:
         try:
             import matplotlib  # noqa: F401
@@ -240,11 +225,11 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     gammas, temps = parse_gammas(args.num_draft_tokens), parse_temps(args.temps)
     if args.max_tokens < 1 or args.num_prompts < 1:
         raise ValueError("--max-tokens and --num-prompts must be >= 1")
-    drafter_names = [d.strip() for d in (args.drafters or ("draft,ngram,none" if args.draft_model else "ngram,none"))
-                     .split(",") if d.strip()]
+    specs = parse_specs(args.drafters or ("draft,ngram,none" if args.draft_model else "ngram,none"))
+    drafter_names = [str(spec) for spec in specs]
     systems = make_systems(drafter_names, gammas, args.draft_model is not None, control=not args.no_control)
     started = time.time()
-    models, names = _load(args, drafter_names)
+    models, names = _load(args, specs)
     prompts, prompt_source = _prompts(args, models.tokenizer)
     info = {"command": ["mlxspec", "bench", *argv], "started": time.strftime("%Y-%m-%d %H:%M:%S"),
             "machine": machine_info(), "models": names,

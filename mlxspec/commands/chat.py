@@ -3,18 +3,24 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 
+from ..session import draft_model_spec
 from .common import (
-    ArgumentParser,
     USER_ERRORS,
+    ArgumentParser,
     add_model_args,
     add_sampling_args,
     check_args,
+    drafter_spec_from_args,
     fail,
+    model_spec,
     sampling_from_args,
     typical_from_args,
-    use_shipped_draft,
 )
+
+#: γ of the chat unless --num-draft-tokens says otherwise.
+DEFAULT_NUM_DRAFT_TOKENS = 4
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
@@ -23,7 +29,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         description="Chat in the terminal with lossless speculative decoding: accepted draft tokens "
                     "green, resampled tokens red, live τ and α. F1 in the app lists the keys.",
     )
-    add_model_args(parser)
+    add_model_args(parser, allow_auto=True, default_gamma=DEFAULT_NUM_DRAFT_TOKENS)
     parser.add_argument("--system", default=None, help="system prompt put before the conversation")
     add_sampling_args(parser)
     return parser
@@ -31,25 +37,22 @@ def setup_arg_parser() -> argparse.ArgumentParser:
 
 def engine_config(args: argparse.Namespace):
     """The engine's settings from the parsed flags (raises ``ValueError`` on bad sampling flags)."""
-    from app.engine import EngineConfig
+    from mlxspec_app.engine import EngineConfig
 
     return EngineConfig(
-        model=args.model, draft_model=args.draft_model, drafter=args.drafter,
-        num_draft_tokens=args.num_draft_tokens, dtype=args.dtype, draft_dtype=args.draft_dtype,
-        min_ngram=args.ngram_min, max_ngram=args.ngram_max, sampling=sampling_from_args(args),
-        max_tokens=args.max_tokens, seed=args.seed, medusa_heads=args.medusa_heads,
-        medusa_tree=args.medusa_tree, typical=typical_from_args(args), eagle_heads=args.eagle_heads,
-        eagle_depth=args.eagle_depth, eagle_top_k=args.eagle_top_k, eagle_total_tokens=args.eagle_total_tokens,
-        eagle_tree=args.eagle_tree, eagle_ngram=args.eagle_ngram,
+        model=model_spec(args), draft_model=model_spec(args, draft=True), drafter=drafter_spec_from_args(args),
+        num_draft_tokens=args.num_draft_tokens, sampling=sampling_from_args(args), max_tokens=args.max_tokens,
+        seed=args.seed, typical=typical_from_args(args), draft_dtype=args.draft_dtype,
     )
 
 
 def checked_config(args: argparse.Namespace):
     """``engine_config`` after the checks ``mlxspec generate`` makes; ``--drafter draft`` without
     ``--draft-model`` takes the draft shipped for the target. Raises ``ValueError`` on bad flags."""
-    use_shipped_draft(args)
     check_args(args)
-    return engine_config(args)
+    config = engine_config(args)
+    draft = draft_model_spec(config.drafter, config.draft_model, config.model, args.draft_dtype)
+    return replace(config, draft_model=draft)
 
 
 def fetch_default_model(args: argparse.Namespace) -> None:
@@ -74,8 +77,8 @@ def main(argv: list[str] | None = None) -> int:
         return fail(str(e))
     except KeyboardInterrupt:
         return 130
-    from app.app import SpecChatApp
-    from app.engine import Engine
+    from mlxspec_app.app import SpecChatApp
+    from mlxspec_app.engine import Engine
 
     SpecChatApp(Engine(config), system=args.system).run()
     return 0

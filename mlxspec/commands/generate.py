@@ -6,19 +6,20 @@ import argparse
 import json
 import sys
 
-from ..generate import AUTO, stream_generate
+from ..gamma import gamma_policy
+from ..generate import stream_generate
 from ..metrics import GenerationStats, TokenEvent
 from .common import (
-    ArgumentParser,
     USER_ERRORS,
+    ArgumentParser,
     add_model_args,
     add_sampling_args,
     check_args,
     fail,
     load_models,
+    measuring_note,
     sampling_from_args,
     typical_from_args,
-    use_shipped_draft,
 )
 
 
@@ -76,21 +77,6 @@ def _gamma_summary(stats: GenerationStats) -> str:
     return text
 
 
-#: Depth a tree drafter gets under ``--num-draft-tokens auto`` (all of Medusa's mc_sim_7b_63).
-TREE_DEPTH = 4
-
-
-def _auto_gamma(loaded, quiet: bool):
-    """An ``AutoGamma`` from cached or freshly measured costs (saying so unless ``quiet``)."""
-    from ..costmodel import AutoGamma, load_or_calibrate
-
-    def note(what: str) -> None:
-        print(f"mlxspec: measuring {what} on this machine for --num-draft-tokens auto (once; cached)",
-              file=sys.stderr, flush=True)
-
-    return AutoGamma(load_or_calibrate(loaded.model, loaded.drafter, on_measure=None if quiet else note))
-
-
 def _read_prompt(args) -> str:
     if args.prompt is not None and args.prompt != "-":
         return args.prompt
@@ -100,21 +86,16 @@ def _read_prompt(args) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    use_shipped_draft(args)
     check_args(args)
     prompt_text = _read_prompt(args)
-    loaded = load_models(args)
+    loaded = load_models(args, on_measure=None if args.json else measuring_note("the automatic EAGLE tree size"))
     prompt = build_prompt(loaded.tokenizer, prompt_text, args.system, not args.no_chat_template)
-    gamma = args.num_draft_tokens
-    if gamma == AUTO and loaded.drafter.makes_trees:
-        # the cost model prices chains; a tree keeps its own shape (EAGLE: its depth, or its n-gram branch's)
-        gamma = getattr(loaded.drafter, "tree_depth", None) or getattr(loaded.drafter, "depth", TREE_DEPTH)
-    elif gamma == AUTO and loaded.drafter.name != "none":
-        gamma = _auto_gamma(loaded, quiet=args.json)
+    note = None if args.json else measuring_note("--num-draft-tokens auto")
+    policy = gamma_policy(args.num_draft_tokens, loaded.model, loaded.drafter, on_measure=note)
+    typical = typical_from_args(args)
     events = stream_generate(
-        loaded.model, loaded.tokenizer, prompt, drafter=loaded.drafter,
-        num_draft_tokens=gamma, max_tokens=args.max_tokens,
-        sampling=sampling_from_args(args), seed=args.seed, typical=typical_from_args(args),
+        loaded.model, loaded.tokenizer, prompt, drafter=loaded.drafter, num_draft_tokens=policy,
+        max_tokens=args.max_tokens, sampling=sampling_from_args(args), seed=args.seed, typical=typical,
     )
     text = []
     for event in events:
@@ -125,15 +106,16 @@ def run(args: argparse.Namespace) -> int:
         elif isinstance(event, GenerationStats):
             stats = event
     if args.json:
-        record = {"model": loaded.model_name, "draft_model": loaded.draft_name, "text": "".join(text),
-                  "num_draft_tokens_requested": args.num_draft_tokens, "temp": args.temp, "top_p": args.top_p,
-                  "top_k": args.top_k, "min_p": args.min_p, "repetition_penalty": args.repetition_penalty,
-                  "typical": typical_from_args(args), "seed": args.seed, **stats.to_dict()}
+        record = {"model": loaded.target.display, "draft_model": loaded.draft.display if loaded.draft else None,
+                  "text": "".join(text), "num_draft_tokens_requested": args.num_draft_tokens, "temp": args.temp,
+                  "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p,
+                  "repetition_penalty": args.repetition_penalty, "typical": typical, "seed": args.seed,
+                  **stats.to_dict()}
         print(json.dumps(record))
     else:
         print()
         print(format_stats(stats), file=sys.stderr)
-        if typical_from_args(args):
+        if typical:
             print("Verification: Medusa typical acceptance (LOSSY: not distributed as the target)", file=sys.stderr)
     return 0
 

@@ -99,6 +99,13 @@ class Drafter(ABC):
     #: the residual streams entering those decoder layers, concatenated (EAGLE-3: 3 H wide).
     feature_layers: tuple[int, ...] = ()
 
+    @property
+    def tree_depth(self) -> int | None:
+        """Deepest node a round drafts when the drafter sizes its own rounds (a tree keeps its
+        shape), or ``None``: then ``--num-draft-tokens auto`` prices γ with the cost model
+        (``gamma.gamma_policy``). Default: ``None``."""
+        return None
+
     def prefill(self, prompt: list[int], hidden: mx.array | None = None) -> None:
         """Take in the prompt before the first round. ``hidden``: the target's features
         (``feature_layers``) for ``prompt[:-1]``, [L - 1, F], when ``needs_hidden``. Default: nothing."""
@@ -113,11 +120,3 @@ class Drafter(ABC):
         target's features (``feature_layers``) at the verified nodes, root first, [N + 1, F],
         when ``needs_hidden``. Default: nothing."""
 
-
-class NoDrafter(Drafter):
-    """Plain decoding through the speculative loop: nothing is ever drafted."""
-
-    name = "none"
-
-    def propose(self, history, num_draft_tokens, sampling):
-        return Draft.empty()

@@ -7,13 +7,17 @@ q for the rejection sampler. At temperature 0 it drafts greedily (q one-hot).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..cache import check_rewindable, prefill, trim
 from ..sampling import SamplingParams, process_logits, sample
+from ..taps import logits_width
 from .base import Draft, Drafter
+from .registry import DrafterContext, DrafterType, register
 
 
 def check_same_tokenizer(target_tokenizer, draft_tokenizer) -> None:
@@ -112,3 +116,23 @@ class DraftModelDrafter(Drafter):
         trim(self.cache, offset - valid)
         self._num_cached = valid
 
+
+
+@dataclass(frozen=True)
+class DraftOptions:
+    """``--drafter draft``: the draft model itself is ``--draft-model`` (and ``--draft-dtype``),
+    since mlx-lm's own speculative decoding in ``mlxspec bench`` uses it too."""
+
+
+def build(options: DraftOptions, context: DrafterContext) -> DraftModelDrafter:
+    """Raises ``ValueError`` without a draft model or with one whose tokenizer differs from the target's."""
+    if context.draft_model is None:
+        raise ValueError("--drafter draft needs a draft model: pass --draft-model PATH_OR_REPO")
+    if context.draft_tokenizer is not None:
+        check_same_tokenizer(context.tokenizer, context.draft_tokenizer)
+    return DraftModelDrafter(context.draft_model, logits_width(context.target), len(context.tokenizer))
+
+
+DRAFTER = register(DrafterType("draft", DraftOptions, build,
+                               "an independent small LM with the target's tokenizer (Leviathan et al. 2023)",
+                               order=10))

@@ -16,10 +16,11 @@ from mlx_lm.models.cache import KVCache
 
 from ..cache import TreeRoPE
 from ..costmodel import load_or_calibrate
-from ..heads.eagle import EagleHead
+from ..heads.eagle import EagleHead, load_eagle
 from ..taps import model_body, output_head
 from ..tree import Tree, read_eagle_tree, tree_from_choices
 from .base import Draft, Drafter
+from .registry import DrafterContext, DrafterType, at_least, int_or_auto, option, register
 from .ngram import lookup_continuation
 
 
@@ -189,6 +190,8 @@ class EagleDrafter(Drafter):
             return
         known = self.cache[0].offset + (0 if self._pending is None else self._pending.shape[0])
         rows = ([0] + [node + 1 for node in accepted])[: max(num_committed - 1 - known, 0)]
+        if not rows:  # nothing new committed (e.g. a cost measurement's empty round)
+            return
         new = hidden[mx.array(rows)]  # [n, F]: the root's and each accepted node's feature
         self._pending = new if self._pending is None else mx.concatenate([self._pending, new])
 
@@ -353,3 +356,52 @@ class _StaticPlan:
             child_ranks = ranks[below].tolist()
             self.steps.append(_Level([int(np.searchsorted(here, n)) for n in feed], feat_rows, ancestors,
                                      [row[parents[c]] for c in below], child_ranks, max(child_ranks) + 1))
+
+
+_SHIPPED = "the shipped head's setting, else "
+
+
+@dataclass(frozen=True)
+class EagleOptions:
+    """``--drafter eagle`` (spec ``eagle:heads=PATH,depth=4,top_k=1,ngram=6``); ``None`` = the head's
+    shipped ``draft_tree`` entry, else EAGLE-2's defaults (``EagleDrafter``).
+
+    Raises:
+        ValueError, FileNotFoundError: a size below its least value, or an unknown or bad tree.
+    """
+
+    heads: str | None = option(None, "EAGLE-1/2/3 head: a folder (config.json + model.safetensors or pytorch_model.bin), "
+                                     "a weights file, or a Hugging Face repo id",
+                               default_help="the head shipped in models/eagle/ for the target")
+    depth: int | None = option(None, "deepest EAGLE draft node (the tree's γ; --num-draft-tokens caps it)",
+                               parse=int, default_help=_SHIPPED + f"{DEFAULT_DEPTH} (EAGLE-2)")
+    top_k: int | None = option(None, "EAGLE children per expanded node and frontier width; 1 drafts a chain",
+                               parse=int, default_help=_SHIPPED + f"{DEFAULT_TOP_K} (EAGLE-2)")
+    total_tokens: int | str | None = option(
+        None, "EAGLE tree nodes per verify forward, root included, or 'auto': each round keeps the nodes with the "
+              f"best predicted tokens/s from this machine's measured verify cost (at most {AUTO_MAX_TOTAL_TOKENS})",
+        parse=int_or_auto, default_help=_SHIPPED + f"{DEFAULT_TOTAL_TOKENS} (EAGLE-2)")
+    tree: str | None = option(None, "EAGLE tree: 'dynamic' (EAGLE-2), 'eagle1_25' (EAGLE-1's static tree) or a JSON "
+                                    "file of rank paths (a rank indexes the draft's top-k at the parent)",
+                              default_help=_SHIPPED + "dynamic")
+    ngram: int | None = option(None, "also merge the n-gram prompt lookup's continuation (up to N tokens, capped by "
+                                     "the depth) into each EAGLE tree as one more branch; 0 = EAGLE alone",
+                               parse=int, default_help=_SHIPPED + "0")
+
+    def __post_init__(self):
+        for name, least in (("depth", 1), ("top_k", 1), ("total_tokens", 2), ("ngram", 0)):
+            at_least(least, getattr(self, name), f"--eagle-{name.replace('_', '-')}")
+        read_eagle_tree(self.tree)
+
+
+def build(options: EagleOptions, context: DrafterContext) -> EagleDrafter:
+    """Raises ``ValueError``/``FileNotFoundError``: no head for the target, or a head that does not fit it."""
+    head = load_eagle(context.asset("eagle", options.heads), context.target)
+    return EagleDrafter(head, context.target, depth=options.depth, top_k=options.top_k,
+                        total_tokens=options.total_tokens, tree=options.tree, costs=context.verify_costs,
+                        ngram=options.ngram)
+
+
+DRAFTER = register(DrafterType("eagle", EagleOptions, build,
+                               "an EAGLE-1/2/3 head on the target's features, dynamic or static trees "
+                               "(Li et al. 2024)", order=40))

@@ -9,12 +9,16 @@ and the output is distributed as the target's.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import mlx.core as mx
 
-from ..heads.medusa import MedusaHeads
+from ..heads.medusa import MedusaHeads, load_medusa, medusa_folder
 from ..sampling import SamplingParams
-from ..tree import MC_SIM_7B_63, Tree, tree_from_choices
+from ..taps import logits_width, output_head
+from ..tree import DEFAULT_TREE, MC_SIM_7B_63, TREE_PRESETS, Tree, read_tree, tree_from_choices
 from .base import Draft, Drafter
+from .registry import DrafterContext, DrafterType, option, register
 
 
 class MedusaDrafter(Drafter):
@@ -33,9 +37,16 @@ class MedusaDrafter(Drafter):
 
     def __init__(self, heads: MedusaHeads, lm_head, choices: list[list[int]] | None = None):
         self.heads, self.lm_head = heads, lm_head
-        self.choices = choices if choices is not None else MC_SIM_7B_63
+        choices = choices if choices is not None else MC_SIM_7B_63
+        # a rank at or past the vocabulary has no token (tiny vocabularies); prefixes of kept paths stay
+        self.choices = [c for c in choices if max(c) < heads.config.vocab_size]
         self._trees: dict[int, tuple[Tree, mx.array, mx.array, int]] = {}
         self._hidden = None  # [H]: hidden state at the position before the root
+
+    @property
+    def tree_depth(self) -> int:
+        """The tree's depth, capped by the number of heads."""
+        return min(max(map(len, self.choices), default=0), self.heads.config.medusa_num_heads)
 
     def _tree(self, depth: int):
         if depth not in self._trees:
@@ -63,3 +74,32 @@ class MedusaDrafter(Drafter):
     def commit(self, num_committed, accepted, hidden=None):
         if hidden is not None:
             self._hidden = hidden[accepted[-1] + 1 if accepted else 0]
+
+
+@dataclass(frozen=True)
+class MedusaOptions:
+    """``--drafter medusa`` (spec ``medusa:heads=PATH,tree=small_15``).
+
+    Raises:
+        ValueError, FileNotFoundError: an unknown tree preset or a bad tree file.
+    """
+
+    heads: str | None = option(None, "Medusa heads: a folder, a medusa_lm_head.safetensors/.pt file, or a Hugging "
+                                     "Face repo id", default_help="the heads shipped in models/medusa/ for the target")
+    tree: str = option(DEFAULT_TREE, f"Medusa tree: a preset ({', '.join(TREE_PRESETS)}) or a JSON file of rank paths")
+
+    def __post_init__(self):
+        read_tree(self.tree)
+
+
+def build(options: MedusaOptions, context: DrafterContext) -> MedusaDrafter:
+    """Raises ``ValueError``/``FileNotFoundError``: no heads for the target, or heads that do not fit it."""
+    path = context.asset("medusa", options.heads and str(medusa_folder(options.heads)))
+    target = context.target
+    heads = load_medusa(path, hidden_size=target.args.hidden_size, vocab_size=logits_width(target))
+    return MedusaDrafter(heads, output_head(target), read_tree(options.tree))
+
+
+DRAFTER = register(DrafterType("medusa", MedusaOptions, build,
+                               "Medusa heads on the target's last hidden state, a static tree (Cai et al. 2024)",
+                               order=30))

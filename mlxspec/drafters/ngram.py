@@ -6,10 +6,13 @@ speculator. No model; proposals are deterministic (q is one-hot).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from .base import Draft, Drafter
+from .registry import DrafterType, option, register
 
 DEFAULT_MIN_NGRAM = 1
 DEFAULT_MAX_NGRAM = 4
@@ -63,3 +66,28 @@ class NgramDrafter(Drafter):
     def propose(self, history, num_draft_tokens, sampling):
         found = lookup_continuation(np.asarray(history), num_draft_tokens, self.min_ngram, self.max_ngram)
         return Draft.chain(found.tolist())
+
+
+@dataclass(frozen=True)
+class NgramOptions:
+    """``--drafter ngram`` (spec ``ngram:min=1,max=4``).
+
+    Raises:
+        ValueError: unless ``1 <= min <= max``.
+    """
+
+    min: int = option(DEFAULT_MIN_NGRAM, "shortest suffix the n-gram drafter matches", parse=int)
+    max: int = option(DEFAULT_MAX_NGRAM, "longest suffix the n-gram drafter matches", parse=int)
+
+    def __post_init__(self):
+        if not 1 <= self.min <= self.max:
+            raise ValueError(f"n-gram sizes need 1 <= min <= max, got min={self.min}, max={self.max} "
+                             "(--ngram-min, --ngram-max)")
+
+
+def build(options: NgramOptions, context) -> NgramDrafter:
+    return NgramDrafter(options.min, options.max)
+
+
+DRAFTER = register(DrafterType("ngram", NgramOptions, build,
+                               "prompt lookup: drafts what followed the last n tokens earlier on; no model", order=20))

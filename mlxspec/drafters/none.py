@@ -1,0 +1,26 @@
+"""``--drafter none``: plain decoding through the speculative loop (nothing is ever drafted)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .base import Draft, Drafter
+from .registry import DrafterType, register
+
+
+class NoDrafter(Drafter):
+    """Plain decoding through the speculative loop: nothing is ever drafted."""
+
+    name = "none"
+
+    def propose(self, history, num_draft_tokens, sampling):
+        return Draft.empty()
+
+
+@dataclass(frozen=True)
+class NoOptions:
+    """``--drafter none`` takes no options."""
+
+
+DRAFTER = register(DrafterType("none", NoOptions, lambda options, context: NoDrafter(),
+                               "plain decoding (one target step per token), through the same loop", order=90))

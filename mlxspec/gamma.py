@@ -1,0 +1,89 @@
+"""γ policies: how many tokens each round drafts, chosen once per generation by ``gamma_policy``.
+
+The CLI, the chat and the Python API all call ``gamma_policy``, so ``--num-draft-tokens auto``
+and ``stream_generate(..., num_draft_tokens="auto")`` mean the same thing for every drafter:
+
+- a drafter that sizes its own rounds (a tree drafter's ``tree_depth``) drafts to that depth;
+- any other drafter gets ``costmodel.AutoGamma``: γ per round from this machine's measured costs
+  and the running acceptance, falling back to plain decoding when speculation would lose;
+- ``--drafter none`` and ``0`` are plain decoding; an integer is a fixed γ.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from .costmodel import AutoGamma, Costs, load_or_calibrate
+from .drafters import Drafter
+
+#: ``num_draft_tokens`` value that lets the policy choose.
+AUTO = "auto"
+
+
+class FixedGamma:
+    """The same γ every round.
+
+    Args:
+        gamma: Tokens drafted per round (0 = plain decoding).
+
+    Raises:
+        ValueError: ``gamma < 0``.
+    """
+
+    #: Whether the per-round choice is recorded in the stats (it is the same every round).
+    adaptive = False
+
+    def __init__(self, gamma: int):
+        if gamma < 0:
+            raise ValueError(f"num_draft_tokens must be >= 0, got {gamma}")
+        self.max_gamma = self.gamma = gamma
+
+    def choose_gamma(self) -> int:
+        """γ for the next round."""
+        return self.gamma
+
+    def update(self, cycle) -> None:
+        """Nothing to learn."""
+
+    def __eq__(self, other) -> bool:
+        return type(other) is FixedGamma and other.gamma == self.gamma
+
+    def __repr__(self) -> str:
+        return f"FixedGamma({self.gamma})"
+
+
+GammaPolicy = FixedGamma | AutoGamma
+"""What the round loop asks before each round (``choose_gamma``) and tells after it (``update``)."""
+
+
+def gamma_policy(num_draft_tokens: int | str | GammaPolicy, model, drafter: Drafter, *,
+                 costs: Costs | None = None, on_measure: Callable[[str], None] | None = None) -> GammaPolicy:
+    """The γ policy for one generation.
+
+    Args:
+        num_draft_tokens: An integer γ >= 0, ``"auto"``, or a policy to reuse as it is (an
+            ``AutoGamma`` keeps its acceptance estimate across answers).
+        model: The target (its verify cost is measured for ``"auto"``).
+        drafter: The drafter the rounds use.
+        costs: Measured ``Costs`` to use for ``"auto"`` instead of the cached or measured ones.
+        on_measure: Told before a cost measurement that was not cached. Default: none.
+
+    Returns:
+        GammaPolicy: ``FixedGamma`` or ``AutoGamma``.
+
+    Raises:
+        ValueError: a negative γ, or a string other than ``"auto"``.
+    """
+    if isinstance(num_draft_tokens, (FixedGamma, AutoGamma)):
+        return num_draft_tokens
+    if isinstance(num_draft_tokens, str) and num_draft_tokens != AUTO:
+        raise ValueError(f"num_draft_tokens must be an integer >= 0 or 'auto', got {num_draft_tokens!r}")
+    if isinstance(num_draft_tokens, int) and num_draft_tokens < 0:
+        raise ValueError(f"num_draft_tokens must be >= 0, got {num_draft_tokens}")
+    if drafter.name == "none":
+        return FixedGamma(0)
+    if num_draft_tokens != AUTO:
+        return FixedGamma(num_draft_tokens)
+    if drafter.tree_depth is not None:  # the cost model prices chains; a tree keeps its own shape
+        return FixedGamma(drafter.tree_depth)
+    return AutoGamma(costs if costs is not None else load_or_calibrate(model, drafter, on_measure=on_measure))

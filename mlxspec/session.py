@@ -1,0 +1,118 @@
+"""From specs to a ready target, draft model and drafter: what ``generate``, ``chat`` and ``bench`` share.
+
+A model is named by a ``ModelSpec`` (what ``loading.load`` takes, plus a dtype), a drafter by a
+``DrafterSpec``. ``load_model`` keeps a model's name (for shipped heads and drafts) apart from
+its display string; ``draft_model_spec`` finds the draft model a draft drafter needs (given, or
+shipped for the target); ``build_drafter`` builds the drafter for loaded models.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .assets import shipped
+from .drafters import Drafter, DrafterSpec, make_drafter
+from .loading import DTYPES, describe, is_quantized, load, model_name
+
+#: Errors a user can cause (bad files, bad flags): shown as one line, never a traceback.
+USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, PermissionError)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model to load.
+
+    Attributes:
+        spec: What ``loading.load`` takes: an mlx-lm folder, a Hugging Face repo id, a ``.gguf``
+            file or ``"default"``.
+        dtype: ``None`` keeps the stored dtypes; ``"float32"``/``"float16"``/``"bfloat16"`` dequantizes.
+
+    Raises:
+        ValueError: an empty spec or an unknown dtype.
+    """
+
+    spec: str = "default"
+    dtype: str | None = None
+
+    def __post_init__(self):
+        if not self.spec:
+            raise ValueError("the model spec is empty; pass a folder, a .gguf file, a repo id or 'default'")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
+
+    @property
+    def name(self) -> str:
+        """The model's name without format or quantization (``loading.model_name``)."""
+        return model_name(self.spec)
+
+
+@dataclass
+class LoadedModel:
+    """A loaded model with its identity.
+
+    Attributes:
+        model, tokenizer: From ``loading.load``.
+        spec: What it was loaded from.
+        name: Its name for shipped assets, e.g. ``"SmolLM2-135M-Instruct"``.
+        display: Its name with format and weights, e.g. ``"SmolLM2-135M-Instruct (GGUF Q4_1, quantized)"``.
+        quantized: Whether any layer is quantized.
+    """
+
+    model: object
+    tokenizer: object
+    spec: ModelSpec
+    name: str
+    display: str
+    quantized: bool
+
+
+def load_model(spec: ModelSpec | str, role: str | None = None) -> LoadedModel:
+    """Load a model named by ``spec``.
+
+    Args:
+        spec: A ``ModelSpec`` or the text of one (stored dtypes).
+        role: Prefixes errors, e.g. ``"draft model"`` → ``"draft model: No such file ..."``.
+
+    Raises:
+        ValueError, FileNotFoundError: as ``loading.load``.
+    """
+    spec = ModelSpec(spec) if isinstance(spec, str) else spec
+    try:
+        model, tokenizer = load(spec.spec, dtype=spec.dtype)
+    except USER_ERRORS as e:
+        if role is None:
+            raise
+        raise type(e)(f"{role}: {e}") from e
+    return LoadedModel(model, tokenizer, spec, spec.name, describe(spec.spec, model), is_quantized(model))
+
+
+def draft_model_spec(drafter: DrafterSpec, given: ModelSpec | None, target: ModelSpec,
+                     dtype: str | None = None) -> ModelSpec | None:
+    """The draft model to load for ``drafter``: the one given, else (``draft`` drafter only) the one
+    shipped in ``models/draft/<target name>/`` (in ``dtype``), else ``None``.
+
+    Raises:
+        ValueError: a ``draft`` drafter with no draft model given and none shipped for the target.
+    """
+    if given is not None:
+        return given
+    if drafter.name != "draft":
+        return None
+    path = shipped("draft", target.name)
+    if path is None:
+        raise ValueError(f"--drafter draft needs a draft model: pass --draft-model PATH_OR_REPO (none ships for "
+                         f"{target.name}; distil one with 'mlxspec train draft')")
+    return ModelSpec(str(path), dtype)
+
+
+def build_drafter(spec: DrafterSpec, target: LoadedModel, draft: LoadedModel | None = None,
+                  on_measure: Callable[[str], None] | None = None) -> Drafter:
+    """``make_drafter`` for loaded models (the target's name finds shipped heads).
+
+    Raises:
+        ValueError, FileNotFoundError: as ``make_drafter``.
+    """
+    return make_drafter(spec, target.model, target.tokenizer, target_name=target.name,
+                        draft_model=draft.model if draft else None, draft_tokenizer=draft.tokenizer if draft else None,
+                        on_measure=on_measure)

@@ -1,0 +1,194 @@
+"""The drafter registry: every registered drafter is greedy-identical and lossless (so a new drafter
+is covered by adding it), spec strings and generated flags, ``auto`` means one policy everywhere, and
+a new drafter is one file (a toy "repeat the last token" drafter registered here)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import pytest
+
+from conftest import byte_tokenizer, tiny_llama
+from mlxspec import generate, make_drafter
+from mlxspec.cli import main
+from mlxspec.costmodel import AutoGamma, Costs
+from mlxspec.drafters import DRAFTERS, Draft, Drafter, DrafterSpec, DrafterType, drafter_types, parse_specs, registry
+from mlxspec.gamma import FixedGamma
+from mlxspec.heads.eagle import save_eagle
+from mlxspec.heads.medusa import save_medusa
+from test_eagle import random_head
+from test_generate import plain_greedy
+from test_lossless import V, exact_joint, sample_joint
+from test_medusa import random_heads
+from stats import chi_square
+
+PROMPT = [10, 20, 30, 40, 10, 20, 30, 41, 50, 60]
+
+
+def ship_heads(root, name: str, vocab: int) -> None:
+    """Random Medusa and EAGLE heads as the assets shipped for a target called ``name``."""
+    save_medusa(root / "medusa" / name, random_heads(vocab=vocab, shared=True))
+    save_eagle(random_head(1, vocab=vocab), root / "eagle" / name)
+
+
+@pytest.fixture(scope="module")
+def models_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    ship_heads(root, "tiny", 264)
+    ship_heads(root, "tiny8", V)
+    return root
+
+
+@pytest.fixture(autouse=True)
+def shipped_assets(models_dir, monkeypatch):
+    monkeypatch.setenv("MLXSPEC_MODELS", str(models_dir))
+
+
+def build(name: str, target, tokenizer, draft_model, target_name: str) -> Drafter:
+    """What ``mlxspec generate --drafter NAME`` builds: the registered type with its default options."""
+    return make_drafter(name, target, tokenizer, target_name=target_name, draft_model=draft_model)
+
+
+@pytest.mark.parametrize("name", DRAFTERS)
+def test_every_registered_drafter_is_greedy_identical(name):
+    target, tokenizer = tiny_llama(seed=0, sharpen=4.0), byte_tokenizer()
+    drafter = build(name, target, tokenizer, tiny_llama(seed=3), "tiny")
+    result = generate(target, tokenizer, PROMPT, drafter=drafter, num_draft_tokens=4, max_tokens=80, stop_tokens=set())
+    assert result.tokens == plain_greedy(target, PROMPT, 80)
+    assert result.stats.drafter == name
+    if name != "none":
+        assert result.stats.drafted > 0, "the drafter never proposed anything, so nothing was tested"
+
+
+@pytest.mark.parametrize("name", DRAFTERS)
+def test_every_registered_drafter_is_lossless_at_temperature_1(name):
+    """Chi-square of the first two sampled tokens against the exact joint (see test_lossless)."""
+    from mlxspec.sampling import SamplingParams
+
+    target = tiny_llama(seed=0, vocab_size=V, sharpen=3.0)
+    drafter = build(name, target, list(range(V)), tiny_llama(seed=7, vocab_size=V, sharpen=3.0), "tiny8")
+    params = SamplingParams(temp=1.0)
+    stat, critical = chi_square(sample_joint(target, drafter, params), exact_joint(target, params))
+    assert stat < critical, f"chi-square {stat:.1f} >= {critical:.1f}"
+
+
+def test_spec_strings_round_trip_and_refuse_bad_input():
+    specs = parse_specs("eagle:depth=4,top-k=1,ngram=6,medusa:tree=small_15,ngram,none")
+    assert [str(s) for s in specs] == ["eagle:depth=4,top_k=1,ngram=6", "medusa:tree=small_15", "ngram", "none"]
+    assert DrafterSpec.parse(str(specs[0])) == specs[0]
+    assert specs[0].options.total_tokens is None and specs[0].replace(total_tokens="auto").options.total_tokens == "auto"
+    for text, message in [("nope", "unknown drafter 'nope'"), ("eagle:depth=0", "--eagle-depth must be >= 1"),
+                          ("eagle:size=3", "the eagle drafter takes heads, depth"), ("ngram:min", "KEY=VALUE"),
+                          ("ngram:min=x", "invalid literal"), ("medusa:tree=nope", "unknown Medusa tree"), ("", "no drafter")]:
+        with pytest.raises(ValueError, match=message):
+            parse_specs(text)
+
+
+def test_every_option_has_a_flag_with_help(capsys):
+    from mlxspec.commands.generate import setup_arg_parser
+
+    text = setup_arg_parser().format_help()
+    for kind in drafter_types().values():
+        assert kind.summary in " ".join(text.split())
+        for field in kind.options.__dataclass_fields__.values():
+            assert f"--{kind.name}-{field.name.replace('_', '-')}" in text and field.metadata["help"]
+
+
+# --- auto: one policy for the CLI and the API ---------------------------------------------------
+
+
+FAKE_COSTS = Costs([0.010 + 0.001 * k for k in range(16)], 0.001)
+
+
+@pytest.mark.parametrize("name", DRAFTERS)
+def test_auto_is_the_same_policy_in_the_api_and_the_cli(name, tmp_path, tiny_model_dir, tiny_draft_dir, monkeypatch,
+                                                         capsys):
+    import sys
+
+    import mlxspec.commands.generate as command
+    import mlxspec.gamma as gamma
+
+    engine = sys.modules["mlxspec.generate"]  # the package's ``generate`` is the function
+
+    ship_heads(tmp_path, tiny_model_dir.name, 264)
+    monkeypatch.setenv("MLXSPEC_MODELS", str(tmp_path))
+    monkeypatch.setattr(gamma, "load_or_calibrate", lambda *a, **k: FAKE_COSTS)
+    chosen = {}
+
+    def recording(where):
+        def policy(*args, **kwargs):
+            chosen[where] = gamma.gamma_policy(*args, **kwargs)
+            return chosen[where]
+        return policy
+
+    monkeypatch.setattr(command, "gamma_policy", recording("cli"))
+    monkeypatch.setattr(engine, "gamma_policy", recording("api"))
+    assert main(["generate", "--model", str(tiny_model_dir), "--draft-model", str(tiny_draft_dir), "--drafter", name,
+                 "--prompt", "hi", "--max-tokens", "8", "--json"]) == 0, capsys.readouterr().err
+    from mlxspec.session import build_drafter, load_model
+
+    target, draft = load_model(str(tiny_model_dir)), load_model(str(tiny_draft_dir))
+    drafter = build_drafter(DrafterSpec(name), target, draft)
+    generate(target.model, target.tokenizer, "hi", drafter=drafter, num_draft_tokens="auto", max_tokens=8)
+    cli, api = chosen["cli"], chosen["api"]
+    assert type(cli) is type(api) and cli.max_gamma == api.max_gamma
+    if name == "none":
+        assert cli == FixedGamma(0)
+    elif drafter.tree_depth is not None:
+        assert cli == FixedGamma(drafter.tree_depth)
+    else:
+        assert isinstance(api, AutoGamma) and api.costs == cli.costs == FAKE_COSTS
+
+
+# --- a new drafter is one file -------------------------------------------------------------------
+# Everything below is what a drafter module holds (here in a test, registered for the test only).
+
+
+class RepeatDrafter(Drafter):
+    """Drafts the last committed token ``times`` times (a toy: right only on runs of one token)."""
+
+    name = "repeat"
+
+    def __init__(self, times: int):
+        self.times = times
+
+    def propose(self, history, num_draft_tokens, sampling):
+        return Draft.chain([history[-1]] * min(self.times, num_draft_tokens))
+
+
+@dataclass(frozen=True)
+class RepeatOptions:
+    times: int = registry.option(2, "how often to repeat the last token", parse=int)
+
+    def __post_init__(self):
+        registry.at_least(1, self.times, "--repeat-times")
+
+
+REPEAT = DrafterType("repeat", RepeatOptions, lambda options, context: RepeatDrafter(options.times),
+                     "repeats the last token (a test toy)")
+
+
+def test_a_new_drafter_is_one_registration(monkeypatch, capsys, tiny_model_dir):
+    monkeypatch.setitem(registry._TYPES, "repeat", REPEAT)
+    target, tokenizer = tiny_llama(seed=0, sharpen=4.0), byte_tokenizer()
+    prompt = [7, 7, 7, 7, 8, 9]
+    result = generate(target, tokenizer, prompt, drafter="repeat:times=3", num_draft_tokens=4, max_tokens=40,
+                      stop_tokens=set())
+    assert result.tokens == plain_greedy(target, prompt, 40) and result.stats.drafter == "repeat"
+    assert result.stats.drafted > 0
+    base = ["generate", "--model", str(tiny_model_dir), "--prompt", "aaaa", "--max-tokens", "10", "--json"]
+    assert main([*base, "--drafter", "repeat", "--repeat-times", "3", "--num-draft-tokens", "3"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["drafter"] == "repeat" and record["num_draft_tokens"] == 3
+    assert main([*base, "--drafter", "repeat", "--repeat-times", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--repeat-times must be >= 1, got 0" in err
+    assert main([*base, "--drafter", "repeat:times=2"]) == 0 and json.loads(capsys.readouterr().out)["drafter"] == "repeat"
+
+
+def test_registering_a_taken_name_is_refused():
+    ngram = drafter_types()["ngram"]
+    with pytest.raises(ValueError, match="already registered"):
+        registry.register(DrafterType("ngram", RepeatOptions, lambda o, c: RepeatDrafter(1), "another ngram"))
+    assert drafter_types()["ngram"] is ngram and registry.register(ngram) is ngram
