@@ -123,7 +123,7 @@ def relay(events: Iterator, request_id: int, post: Post, cancelled: threading.Ev
                     spans.append((event.text, event.kind))
             elif isinstance(event, CycleStats):
                 totals.add_cycle(event)
-                taus.append(event.num_accepted + 1)
+                taus.append(event.num_emitted)
                 if cancelled.is_set() or time.monotonic() - last_flush >= flush_s:
                     flush()
                     last_flush = time.monotonic()

@@ -20,9 +20,17 @@ from collections.abc import Callable, Iterator
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import make_prompt_cache
 
-from .cache import DEFAULT_PREFILL_STEP_SIZE, check_compactable, check_rewindable, commit_path, prefill, tree_attention
+from .cache import (
+    DEFAULT_PREFILL_STEP_SIZE,
+    PromptCache,
+    as_prompt_cache,
+    check_compactable,
+    check_rewindable,
+    commit_path,
+    prefill,
+    tree_attention,
+)
 from .drafters import Draft, Drafter, DrafterSpec, make_drafter
 from .gamma import FixedGamma, GammaPolicy, gamma_policy
 from .metrics import CycleStats, GenerationStats, TokenEvent
@@ -153,7 +161,7 @@ def speculative_rounds(
     stop_tokens: set[int],
     rule: Callable | None = None,
     prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE,
-    prompt_cache: list | None = None,
+    prompt_cache: PromptCache | list | None = None,
 ) -> Iterator[_Round]:
     """Prefill, then run rounds until a stop token or ``max_tokens``; yields each round's committed tokens.
 
@@ -163,12 +171,13 @@ def speculative_rounds(
     """
     policy = FixedGamma(num_draft_tokens) if isinstance(num_draft_tokens, int) else num_draft_tokens
     rule = rule or make_verifier(sampling)
-    cache = make_prompt_cache(model) if prompt_cache is None else prompt_cache
+    store = as_prompt_cache(model, prompt_cache)
+    cache = store.layers
     if policy.max_gamma > 0:
         (check_compactable if drafter.makes_trees else check_rewindable)(cache)
     tap = HiddenTap(model, layers=drafter.feature_layers) if drafter.needs_hidden else None
     start = time.perf_counter()
-    drafter.prefill(prompt, prefill(model, cache, prompt[:-1], prefill_step_size, hidden_tap=tap))
+    drafter.prefill(prompt, _prefill(model, store, prompt, drafter, tap, prefill_step_size))
     prefill_s = time.perf_counter() - start
     history, clock, generated = list(prompt), _DraftClock(drafter.lazy), 0
     for cycle in range(max_tokens):
@@ -182,17 +191,29 @@ def speculative_rounds(
         mx.eval(choice, next_tokens, draft.tokens, hidden)  # the round's one blocking sync
         path, tokens, kinds = _accepted(draft, choice.tolist(), next_tokens.tolist())
         keep, finish_reason = _cut_at_stop(tokens, stop_tokens, room)
-        commit_path(cache, len(history) - 1, ([0] + path)[:keep])
+        kept = ([0] + path)[:keep]  # root-first nodes whose positions stay in the cache
+        commit_path(cache, len(history) - 1, kept, written=draft.size + 1)
+        store.add(history[-1:] + tokens[: keep - 1], hidden[mx.array(kept)] if store.feature_layers is not None else None)
         history += tokens[:keep]
         drafter.commit(len(history), [node - 1 for node in path[:keep]], hidden)
         draft_s, verify_s = clock.split(t0, t1, time.perf_counter(), draft.size)
-        stats = CycleStats(cycle, draft.size, len(path), keep, draft_s, verify_s, int(draft.tree.depths.max()))
+        stats = CycleStats(cycle, draft.size, min(len(path), keep), keep, draft_s, verify_s,
+                           int(draft.tree.depths.max()))
         generated += keep
         if cycle % 64 == 63:
             mx.clear_cache()
         yield _Round(tokens[:keep], kinds[:keep], stats, finish_reason, prefill_s if cycle == 0 else 0.0)
         if finish_reason:
             return
+
+
+def _prefill(model, store: PromptCache, prompt: list[int], drafter: Drafter, tap, step_size: int):
+    """Prefill what ``store`` does not hold of ``prompt[:-1]``; the features of all of it for the drafter."""
+    reused = store.reuse(prompt, drafter.feature_layers if drafter.needs_hidden else None)
+    new = prompt[reused:-1]
+    hidden = prefill(model, store.layers, new, step_size, hidden_tap=tap)
+    store.add(new, hidden if tap is not None and new else None)
+    return store.features if tap is not None else None
 
 
 def _accepted(draft: Draft, choice: list[int], next_tokens: list[int]) -> tuple[list[int], list[int], list[str]]:
@@ -269,8 +290,10 @@ def stream_generate(
         seed: Seed for ``mx.random`` (drafting and acceptance draws), or ``None``.
         stop_tokens: Ids that end generation. Default: the tokenizer's EOS ids.
         prefill_step_size: Prompt tokens per prefill forward. Default: ``2048``.
-        prompt_cache: An empty cache from ``make_prompt_cache(model)`` to fill in place
-            (afterwards it holds prompt + output except the last token), or ``None``.
+        prompt_cache: A ``cache.PromptCache`` to reuse across requests (the common prefix of
+            what it holds and this prompt is kept, only the rest is prefilled; afterwards it holds
+            prompt + output except the last token); or an empty mlx-lm cache list to fill in
+            place; or ``None`` (a fresh cache).
         typical: ``(threshold, alpha)`` turns on Medusa's typical acceptance at
             ``temp > 0`` — LOSSY, the output is no longer distributed as the target's
             (``verify.verify_typical``). Default: ``None`` (exact).
@@ -282,8 +305,8 @@ def stream_generate(
 
     Raises:
         ValueError: on an empty or too-long prompt, a seed outside [0, 2**64), ``num_draft_tokens < 0``
-            or a string other than ``"auto"``, ``max_tokens < 1``, a bad drafter spec, or a target
-            cache that cannot be rewound while drafting.
+            or a string other than ``"auto"``, ``max_tokens < 1``, a bad drafter spec, a target
+            cache that cannot be rewound while drafting, or a cache list that already holds tokens.
     """
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")

@@ -1,0 +1,146 @@
+"""Exact on every target cache: sliding-window targets (greedy identity over 4× the window, every
+drafter), checked trims, prompt caches reused across requests, plain decoding on recurrent caches,
+and stats that count what was emitted."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models import llama, mamba
+from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+
+from conftest import byte_tokenizer, tiny_llama
+from mlxspec import generate
+from mlxspec.cache import PromptCache, rewindable, speculative_cache, trim
+from mlxspec.drafters import DRAFTERS, Draft, Drafter
+from test_generate import plain_greedy
+from test_registry import build, models_dir, shipped_assets  # noqa: F401 (fixtures: heads shipped for "tiny")
+
+WINDOW = 8
+PROMPT = list(range(30, 50))  # 20 tokens: the window wraps during the prefill
+
+
+def sliding_llama(seed: int = 0) -> llama.Model:
+    """A tiny llama whose first layer attends within a sliding window (mlx-lm's RotatingKVCache)."""
+    mx.random.seed(seed)
+    args = llama.ModelArgs(
+        model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4,
+        num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=264, max_position_embeddings=4096,
+        tie_word_embeddings=False, layer_types=["sliding_attention", "full_attention"], sliding_window=WINDOW,
+    )
+    model = llama.Model(args)
+    model.lm_head.weight = model.lm_head.weight * 4.0
+    mx.eval(model.parameters())
+    return model
+
+
+class AlwaysWrong(Drafter):
+    """Drafts tokens the target never picks first (its argmax plus one), so every round rejects."""
+
+    name = "wrong"
+
+    def __init__(self, model):
+        self.model = model
+
+    def propose(self, history, num_draft_tokens, sampling):
+        logits = self.model(mx.array(history)[None])[0, -1]
+        return Draft.chain([(int(mx.argmax(logits)) + 1) % 264] * num_draft_tokens)
+
+
+def test_sliding_window_target_with_an_always_wrong_drafter_is_greedy_identical():
+    target = sliding_llama()
+    assert any(type(c) is RotatingKVCache for c in make_prompt_cache(target))  # mlx-lm's own cache rotates
+    result = generate(target, byte_tokenizer(), PROMPT, drafter=AlwaysWrong(target), num_draft_tokens=3,
+                      max_tokens=4 * WINDOW, stop_tokens=set())
+    assert result.tokens == plain_greedy(target, PROMPT, 4 * WINDOW)
+    assert result.stats.drafted > 0 and result.stats.accepted == 0
+
+
+@pytest.mark.parametrize("name", DRAFTERS)
+def test_every_drafter_is_greedy_identical_on_a_sliding_window_target(name):
+    target, tokenizer = sliding_llama(), byte_tokenizer()
+    drafter = build(name, target, tokenizer, tiny_llama(seed=3), "tiny")
+    result = generate(target, tokenizer, PROMPT, drafter=drafter, num_draft_tokens=4, max_tokens=4 * WINDOW,
+                      stop_tokens=set())
+    assert result.tokens == plain_greedy(target, PROMPT, 4 * WINDOW)
+
+
+def test_sliding_window_draft_model_is_rewound_too():
+    target, tokenizer = tiny_llama(seed=0, sharpen=4.0), byte_tokenizer()
+    drafter = build("draft", target, tokenizer, sliding_llama(seed=5), "tiny")
+    result = generate(target, tokenizer, PROMPT, drafter=drafter, num_draft_tokens=4, max_tokens=40,
+                      stop_tokens=set())
+    assert result.tokens == plain_greedy(target, PROMPT, 40) and result.stats.drafted > 0
+
+
+def test_caches_that_cannot_be_rewound_exactly_are_refused_or_fail_loudly():
+    with pytest.raises(ValueError, match="keeps its first 4 tokens"):
+        rewindable(RotatingKVCache(WINDOW, keep=4))
+    assert type(speculative_cache(sliding_llama())[0]) is KVCache
+    wrapped = make_prompt_cache(sliding_llama())
+    sliding_llama()(mx.array(PROMPT)[None], cache=wrapped)  # 20 tokens into a window of 8: it wrapped
+    with pytest.raises(RuntimeError, match="removed 0 of 3 rejected positions"):
+        trim(wrapped, 3)
+
+
+def tiny_mamba():
+    mx.random.seed(0)
+    args = mamba.ModelArgs(model_type="mamba", vocab_size=264, hidden_size=64, intermediate_size=128, state_size=8,
+                           num_hidden_layers=2, conv_kernel=4, use_bias=False, use_conv_bias=True, time_step_rank=8)
+    model = mamba.Model(args)
+    mx.eval(model.parameters())
+    return model
+
+
+def test_plain_decoding_runs_on_a_recurrent_cache_and_drafting_is_refused():
+    model, tokenizer = tiny_mamba(), byte_tokenizer()
+    result = generate(model, tokenizer, PROMPT, drafter="none", max_tokens=12, stop_tokens=set())
+    assert result.tokens == plain_greedy(model, PROMPT, 12)
+    with pytest.raises(ValueError, match="cannot be rewound"):
+        generate(model, tokenizer, PROMPT, drafter="ngram", max_tokens=4)
+
+
+# --- prompt caches reused across requests ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", DRAFTERS)
+def test_a_prompt_cache_is_reused_across_turns_exactly(name):
+    target, tokenizer = tiny_llama(seed=0, sharpen=4.0), byte_tokenizer()
+    drafter = build(name, target, tokenizer, tiny_llama(seed=3), "tiny")
+    store = PromptCache(target)
+    first = generate(target, tokenizer, PROMPT, drafter=drafter, num_draft_tokens=3, max_tokens=12,
+                     stop_tokens=set(), prompt_cache=store)
+    assert store.tokens == PROMPT + first.tokens[:-1]
+    turn = PROMPT + first.tokens + [61, 62, 63]  # the conversation so far and a follow-up
+    assert store.reuse(turn, drafter.feature_layers if drafter.needs_hidden else None) == len(PROMPT) + 12 - 1
+    second = generate(target, tokenizer, turn, drafter=drafter, num_draft_tokens=3, max_tokens=12,
+                      stop_tokens=set(), prompt_cache=store)
+    assert second.tokens == plain_greedy(target, turn, 12)
+    other = [5, 6, 7, 8, 9]  # nothing in common: everything is trimmed and prefilled again
+    third = generate(target, tokenizer, other, drafter=drafter, num_draft_tokens=3, max_tokens=8,
+                     stop_tokens=set(), prompt_cache=store)
+    assert third.tokens == plain_greedy(target, other, 8) and store.tokens == other + third.tokens[:-1]
+
+
+def test_a_used_cache_list_is_refused():
+    target, tokenizer = tiny_llama(seed=0), byte_tokenizer()
+    cache = make_prompt_cache(target)
+    generate(target, tokenizer, PROMPT, max_tokens=4, prompt_cache=cache)
+    assert cache[0].offset == len(PROMPT) + 3
+    with pytest.raises(ValueError, match="already holds tokens from an earlier request"):
+        generate(target, tokenizer, PROMPT, max_tokens=4, prompt_cache=cache)
+
+
+# --- stats count what was emitted -------------------------------------------------------------------
+
+
+def test_a_stop_inside_accepted_drafts_counts_only_what_was_emitted():
+    target, tokenizer = tiny_llama(seed=0, sharpen=4.0), byte_tokenizer()
+    reference = plain_greedy(target, PROMPT, 40)
+    stop = reference[5]
+    drafter = build("draft", target, tokenizer, target, "tiny")  # the target as its own draft: all accepted
+    result = generate(target, tokenizer, PROMPT, drafter=drafter, num_draft_tokens=8, max_tokens=40,
+                      stop_tokens={stop})
+    s = result.stats
+    assert result.tokens == reference[: reference.index(stop) + 1] and s.finish_reason == "stop"
+    assert s.accepted <= s.generation_tokens and s.tau == s.generation_tokens / s.cycles
