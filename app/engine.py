@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 
 import mlx.core as mx
 
+from mlxspec.cache import PromptCache
 from mlxspec.drafters import DRAFTERS, DrafterSpec
 from mlxspec.gamma import gamma_policy
 from mlxspec.generate import stream_generate
@@ -63,6 +64,7 @@ class EngineConfig:
         seed: Seed for ``mx.random`` before each answer, or ``None``.
         typical: ``(threshold, alpha)`` for the LOSSY typical acceptance, or ``None``.
         draft_dtype: The dtype of a draft model loaded later from the chat (F2). Default: as stored.
+        stop: Stop strings that end an answer (``stops.StopStrings``). Default: none.
     """
 
     model: ModelSpec | str = "default"
@@ -74,6 +76,7 @@ class EngineConfig:
     seed: int | None = None
     typical: tuple[float, float] | None = None
     draft_dtype: str | None = None
+    stop: tuple[str, ...] = ()
 
     def __post_init__(self):
         if isinstance(self.model, str):
@@ -182,6 +185,7 @@ class _Loaded:
     drafter: object = None
     num_draft_tokens: int | str = 4
     policy: object = None  # the γ policy of every answer until the next configure (auto learns across turns)
+    prompt_cache: PromptCache | None = None  # the target's cache, reused across the turns of the conversation
 
 
 @dataclass(frozen=True)
@@ -272,10 +276,13 @@ class Engine:
             events = stream_generate(
                 state.target.model, state.target.tokenizer, chat_prompt(state.target.tokenizer, request.messages),
                 drafter=state.drafter, num_draft_tokens=state.policy, max_tokens=config.max_tokens,
-                sampling=config.sampling, seed=config.seed, typical=config.typical,
+                sampling=config.sampling, seed=config.seed, typical=config.typical, stop=config.stop,
+                prompt_cache=state.prompt_cache,
             )
             relay(events, rid, post, request.cancelled, drafter=state.drafter.name, num_draft_tokens=gamma)
         except Exception as e:  # the thread must survive any failure; the UI shows it
+            if state.target is not None:  # a round may have stopped half-way: start the cache afresh
+                state.prompt_cache = PromptCache(state.target.model)
             post(GenerationFailed(rid, one_line(e)))
         finally:
             self._cancels.pop(rid, None)
@@ -297,7 +304,7 @@ class Engine:
                     return
                 continue
             if role == "target model":
-                state.target = loaded
+                state.target, state.prompt_cache = loaded, PromptCache(loaded.model)
             else:
                 state.draft = loaded
         if state.target is None:

@@ -36,6 +36,7 @@ from .gamma import FixedGamma, GammaPolicy, gamma_policy
 from .metrics import CycleStats, GenerationStats, TokenEvent
 from .sampling import SamplingParams, process_logits, warp
 from .taps import HiddenTap
+from .stops import HeldText, StopStrings, check_stops
 from .verify import verify_deterministic, verify_greedy, verify_sampled, verify_typical
 
 DEFAULT_NUM_DRAFT_TOKENS = 4
@@ -162,12 +163,14 @@ def speculative_rounds(
     rule: Callable | None = None,
     prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE,
     prompt_cache: PromptCache | list | None = None,
+    stop_strings: StopStrings | None = None,
 ) -> Iterator[_Round]:
     """Prefill, then run rounds until a stop token or ``max_tokens``; yields each round's committed tokens.
 
     γ is ``choose_gamma()`` of the policy (an integer is a ``FixedGamma``) before each round;
     the caller updates the policy and the stats from each round's ``CycleStats`` (the first
     round also carries the prefill time). ``rule`` defaults to ``make_verifier(sampling)``.
+    ``stop_strings`` cuts a round at the token that completes a stop string, before the commit.
     """
     policy = FixedGamma(num_draft_tokens) if isinstance(num_draft_tokens, int) else num_draft_tokens
     rule = rule or make_verifier(sampling)
@@ -191,6 +194,8 @@ def speculative_rounds(
         mx.eval(choice, next_tokens, draft.tokens, hidden)  # the round's one blocking sync
         path, tokens, kinds = _accepted(draft, choice.tolist(), next_tokens.tolist())
         keep, finish_reason = _cut_at_stop(tokens, stop_tokens, room)
+        if stop_strings is not None and (cut := stop_strings.cut([t for t in tokens[:keep] if t not in stop_tokens])):
+            keep, finish_reason = cut, "stop"
         kept = ([0] + path)[:keep]  # root-first nodes whose positions stay in the cache
         commit_path(cache, len(history) - 1, kept, written=draft.size + 1)
         store.add(history[-1:] + tokens[: keep - 1], hidden[mx.array(kept)] if store.feature_layers is not None else None)
@@ -264,8 +269,9 @@ def stream_generate(
     seed: int | None = None,
     stop_tokens: set[int] | None = None,
     prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE,
-    prompt_cache: list | None = None,
+    prompt_cache: PromptCache | list | None = None,
     typical: tuple[float, float] | None = None,
+    stop: list[str] | tuple[str, ...] | None = None,
 ) -> Iterator[TokenEvent | CycleStats | GenerationStats]:
     """Generate with speculative decoding, streaming what each round commits.
 
@@ -297,6 +303,9 @@ def stream_generate(
         typical: ``(threshold, alpha)`` turns on Medusa's typical acceptance at
             ``temp > 0`` — LOSSY, the output is no longer distributed as the target's
             (``verify.verify_typical``). Default: ``None`` (exact).
+        stop: Stop strings: generation ends at the first one in the output text, which ends just
+            before it (``stops.StopStrings``; exact across tokens accepted in one round, and the
+            cache holds exactly what was emitted). Default: none.
 
     Yields:
         ``TokenEvent`` per committed token (text deltas never split a multi-byte
@@ -306,7 +315,8 @@ def stream_generate(
     Raises:
         ValueError: on an empty or too-long prompt, a seed outside [0, 2**64), ``num_draft_tokens < 0``
             or a string other than ``"auto"``, ``max_tokens < 1``, a bad drafter spec, a target
-            cache that cannot be rewound while drafting, or a cache list that already holds tokens.
+            cache that cannot be rewound while drafting, a cache list that already holds tokens, or an
+            empty stop string.
     """
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
@@ -315,19 +325,25 @@ def stream_generate(
     if typical is not None and not (0 < typical[0] <= 1 and typical[1] > 0):
         raise ValueError(f"typical acceptance needs 0 < threshold <= 1 and alpha > 0, got {typical}")
     sampling = sampling or SamplingParams()
+    stops = check_stops(stop)
     drafter = make_drafter(drafter, model, tokenizer) if isinstance(drafter, (str, DrafterSpec)) else drafter
-    policy = gamma_policy(num_draft_tokens, model, drafter)
     ids = encode_prompt(tokenizer, prompt)
     check_context(model, len(ids))
+    store = as_prompt_cache(model, prompt_cache)
+    if drafter.name != "none" and num_draft_tokens != 0:  # before any cost measurement for "auto"
+        (check_compactable if drafter.makes_trees else check_rewindable)(store.layers)
+    policy = gamma_policy(num_draft_tokens, model, drafter)
     stop_tokens = set(tokenizer.eos_token_ids) if stop_tokens is None else set(stop_tokens)
     if seed is not None:
         mx.random.seed(seed)
     mx.reset_peak_memory()
     stats = GenerationStats(drafter=drafter.name, num_draft_tokens=policy.max_gamma, prompt_tokens=len(ids))
-    detokenizer = tokenizer.detokenizer
+    detokenizer, held = tokenizer.detokenizer, HeldText(stops)
+    stopper = StopStrings(tokenizer, stops) if stops else None
     rounds = speculative_rounds(
         model, ids, drafter, num_draft_tokens=policy, max_tokens=max_tokens, sampling=sampling, stop_tokens=stop_tokens,
-        rule=make_verifier(sampling, typical), prefill_step_size=prefill_step_size, prompt_cache=prompt_cache,
+        rule=make_verifier(sampling, typical), prefill_step_size=prefill_step_size, prompt_cache=store,
+        stop_strings=stopper,
     )
     start = time.perf_counter()
     for round_ in rounds:
@@ -344,9 +360,11 @@ def stream_generate(
         for i, (token, kind) in enumerate(zip(round_.tokens, round_.kinds)):
             if token not in stop_tokens:
                 detokenizer.add_token(token)
-            if round_.finish_reason and i == last:
+            final = bool(round_.finish_reason) and i == last
+            if final:
                 detokenizer.finalize()
-            yield TokenEvent(token, detokenizer.last_segment, kind, round_.stats.cycle)
+            text = held.push(detokenizer.last_segment, final, stopper.text_end if stopper else None)
+            yield TokenEvent(token, text, kind, round_.stats.cycle)
         yield round_.stats
     stats.peak_memory_gb = mx.get_peak_memory() / 1e9
     yield stats

@@ -144,3 +144,48 @@ def test_a_stop_inside_accepted_drafts_counts_only_what_was_emitted():
     s = result.stats
     assert result.tokens == reference[: reference.index(stop) + 1] and s.finish_reason == "stop"
     assert s.accepted <= s.generation_tokens and s.tau == s.generation_tokens / s.cycles
+
+
+# --- stop strings ----------------------------------------------------------------------------------
+
+
+def scripted(answer: str):
+    from test_generate import ScriptedModel
+
+    tokenizer = byte_tokenizer()
+    prompt = tokenizer.encode("Q: ")
+    script = prompt + tokenizer.encode(answer) + [tokenizer.eos_token_id]
+    return tokenizer, prompt, ScriptedModel(script, 264), ScriptedModel(script, 264)
+
+
+@pytest.mark.parametrize("gamma", [12, 1])
+def test_stop_strings_end_the_output_exactly(gamma):
+    """γ 12: "END" is completed inside one round of accepted drafts; γ 1: across rounds, and the held
+    tail ("EN" of "ENjoy") is released once it cannot be a stop string any more."""
+    from mlxspec import TokenEvent, stream_generate
+    from mlxspec.drafters import DraftModelDrafter
+
+    tokenizer, prompt, model, draft = scripted("ENjoy 42. END and then more text")
+    store = PromptCache(model)
+    drafter = DraftModelDrafter(draft, 264, len(tokenizer))  # the script itself: every draft is accepted
+    events = list(stream_generate(model, tokenizer, prompt, drafter=drafter, num_draft_tokens=gamma, max_tokens=60,
+                                  stop=["zzz", "END"], prompt_cache=store))
+    tokens = [e for e in events if isinstance(e, TokenEvent)]
+    stats = events[-1]
+    assert "".join(e.text for e in tokens) == "ENjoy 42. " and stats.finish_reason == "stop"
+    assert tokenizer.decode([e.token for e in tokens]) == "ENjoy 42. END"  # nothing generated after it
+    assert store.tokens == prompt + [e.token for e in tokens][:-1]  # the cache holds exactly what was emitted
+    assert not any("E" in e.text for e in tokens[6:])  # no part of the stop string was ever streamed
+    if gamma == 12:
+        assert tokens[-1].cycle == tokens[-3].cycle and stats.cycles == 1
+
+
+def test_bad_stop_strings_are_refused(capsys, tiny_model_dir):
+    from mlxspec.cli import main
+
+    tokenizer, prompt, model, _ = scripted("abc")
+    with pytest.raises(ValueError, match="stop strings must be non-empty"):
+        generate(model, tokenizer, prompt, stop=[""])
+    assert main(["generate", "--model", str(tiny_model_dir), "--prompt", "hi", "--stop", ""]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "stop strings must be non-empty" in err

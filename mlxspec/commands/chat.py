@@ -42,7 +42,7 @@ def engine_config(args: argparse.Namespace):
     return EngineConfig(
         model=model_spec(args), draft_model=model_spec(args, draft=True), drafter=drafter_spec_from_args(args),
         num_draft_tokens=args.num_draft_tokens, sampling=sampling_from_args(args), max_tokens=args.max_tokens,
-        seed=args.seed, typical=typical_from_args(args), draft_dtype=args.draft_dtype,
+        seed=args.seed, typical=typical_from_args(args), draft_dtype=args.draft_dtype, stop=tuple(args.stop or ()),
     )
 
 

@@ -96,6 +96,7 @@ def run(args: argparse.Namespace) -> int:
     events = stream_generate(
         loaded.model, loaded.tokenizer, prompt, drafter=loaded.drafter, num_draft_tokens=policy,
         max_tokens=args.max_tokens, sampling=sampling_from_args(args), seed=args.seed, typical=typical,
+        stop=args.stop,
     )
     text = []
     for event in events:
@@ -110,6 +111,7 @@ def run(args: argparse.Namespace) -> int:
                   "text": "".join(text), "num_draft_tokens_requested": args.num_draft_tokens, "temp": args.temp,
                   "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p,
                   "repetition_penalty": args.repetition_penalty, "typical": typical, "seed": args.seed,
+                  "stop": args.stop,
                   **stats.to_dict()}
         print(json.dumps(record))
     else:
