@@ -25,7 +25,7 @@ from mlxspec.gamma import gamma_policy
 from mlxspec.generate import stream_generate
 from mlxspec.metrics import CycleStats, GenerationStats, TokenEvent
 from mlxspec.sampling import SamplingParams
-from mlxspec.session import USER_ERRORS, LoadedModel, ModelSpec, build_drafter, load_model
+from mlxspec.session import USER_ERRORS, LoadedModel, ModelSpec, build_drafter, check_fits, load_model
 
 from .messages import (
     EngineInfo,
@@ -244,13 +244,21 @@ class Engine:
         self._requests.put(_Configure(drafter, num_draft_tokens, model and ModelSpec(model, c.model.dtype),
                                       draft_model and ModelSpec(draft_model, c.draft_dtype)))
 
-    def close(self, timeout_s: float = 2.0) -> None:
-        """Cancel everything, stop the thread and wait up to ``timeout_s`` for it."""
+    def close(self, timeout_s: float = 30.0) -> bool:
+        """Cancel everything, stop the thread and wait up to ``timeout_s`` for it (an answer stops
+        after its current round; a long prefill cannot be interrupted). Returns whether it stopped."""
         for event in list(self._cancels.values()):
             event.set()
         self._requests.put(None)
         if self._thread is not None:
             self._thread.join(timeout_s)
+            return not self._thread.is_alive()
+        return True
+
+    @property
+    def running(self) -> bool:
+        """Whether the engine thread is still alive (after ``close``: it did not stop in time)."""
+        return self._thread is not None and self._thread.is_alive()
 
     # Everything below runs in the engine thread.
 
@@ -317,9 +325,10 @@ class Engine:
 
         try:
             state.drafter = self._make_drafter(name, state, note)
+            check_fits(state.target, state.drafter)
         except Exception as e:
             keep = state.drafter if state.drafter is not None and not request.model else None
-            state.drafter = keep or self._make_drafter("ngram", state, note)  # an old drafter may not fit a new target
+            state.drafter = keep or self._fallback(state, note)  # an old drafter may not fit a new target
             post(LoadFailed(f"Cannot use the {name} drafter: {one_line(e)}; keeping the {state.drafter.name} drafter"))
         try:
             state.policy = gamma_policy(state.num_draft_tokens, state.target.model, state.drafter, on_measure=note)
@@ -330,6 +339,15 @@ class Engine:
                             f"{DEFAULT_NUM_DRAFT_TOKENS}"))
         self._state = state
         post(EngineReady(self._info()))
+
+    def _fallback(self, state: _Loaded, on_measure):
+        """The n-gram drafter, or plain decoding on a target whose cache cannot be rewound."""
+        drafter = self._make_drafter("ngram", state, on_measure)
+        try:
+            check_fits(state.target, drafter)
+        except ValueError:
+            drafter = self._make_drafter("none", state, on_measure)
+        return drafter
 
     def _make_drafter(self, name: str, state: _Loaded, on_measure=None):
         """The configured spec for its own drafter name, defaults for any other."""

@@ -260,6 +260,7 @@ class PromptCache:
         self.tokens: list[int] = []
         self.features: mx.array | None = None
         self.feature_layers: tuple[int, ...] | None = None
+        self.reused = 0  # tokens the last request found in the cache
 
     def reuse(self, prompt: list[int], feature_layers: tuple[int, ...] | None) -> int:
         """Keep the longest common prefix of ``tokens`` and ``prompt[:-1]``; return its length.
@@ -280,6 +281,7 @@ class PromptCache:
         self.tokens = self.tokens[:common]
         self.features = self.features[:common] if self.features is not None and feature_layers else None
         self.feature_layers = feature_layers
+        self.reused = common
         return common
 
     def add(self, tokens: list[int], features: mx.array | None) -> None:

@@ -67,6 +67,7 @@ class _Round:
     stats: CycleStats
     finish_reason: str | None
     prefill_s: float = 0.0
+    cached_tokens: int = 0
 
 
 def encode_prompt(tokenizer, prompt: str | list[int]) -> list[int]:
@@ -84,13 +85,18 @@ def encode_prompt(tokenizer, prompt: str | list[int]) -> list[int]:
     return list(prompt)
 
 
+def context_length(model: nn.Module) -> int | None:
+    """The model's context window in tokens (``max_position_embeddings``), or ``None`` if it names none."""
+    return getattr(getattr(model, "args", None), "max_position_embeddings", None)
+
+
 def check_context(model: nn.Module, num_prompt_tokens: int) -> None:
     """Refuse a prompt that does not fit the model's context window.
 
     Raises:
         ValueError: naming both lengths.
     """
-    limit = getattr(getattr(model, "args", None), "max_position_embeddings", None)
+    limit = context_length(model)
     if limit and num_prompt_tokens >= limit:
         raise ValueError(
             f"the prompt has {num_prompt_tokens} tokens but the model's context is {limit}; "
@@ -181,7 +187,7 @@ def speculative_rounds(
     tap = HiddenTap(model, layers=drafter.feature_layers) if drafter.needs_hidden else None
     start = time.perf_counter()
     drafter.prefill(prompt, _prefill(model, store, prompt, drafter, tap, prefill_step_size))
-    prefill_s = time.perf_counter() - start
+    prefill_s, cached = time.perf_counter() - start, store.reused
     history, clock, generated = list(prompt), _DraftClock(drafter.lazy), 0
     for cycle in range(max_tokens):
         room = max_tokens - generated
@@ -207,7 +213,7 @@ def speculative_rounds(
         generated += keep
         if cycle % 64 == 63:
             mx.clear_cache()
-        yield _Round(tokens[:keep], kinds[:keep], stats, finish_reason, prefill_s if cycle == 0 else 0.0)
+        yield _Round(tokens[:keep], kinds[:keep], stats, finish_reason, prefill_s if cycle == 0 else 0.0, cached)
         if finish_reason:
             return
 
@@ -329,6 +335,8 @@ def stream_generate(
     drafter = make_drafter(drafter, model, tokenizer) if isinstance(drafter, (str, DrafterSpec)) else drafter
     ids = encode_prompt(tokenizer, prompt)
     check_context(model, len(ids))
+    limit = context_length(model)
+    max_tokens = min(max_tokens, limit - len(ids)) if limit else max_tokens  # never past the context
     store = as_prompt_cache(model, prompt_cache)
     if drafter.name != "none" and num_draft_tokens != 0:  # before any cost measurement for "auto"
         (check_compactable if drafter.makes_trees else check_rewindable)(store.layers)
@@ -349,6 +357,7 @@ def stream_generate(
     for round_ in rounds:
         if round_.stats.cycle == 0:
             stats.prompt_s, start = round_.prefill_s, start + round_.prefill_s
+            stats.cached_tokens = round_.cached_tokens
         stats.add_cycle(round_.stats)
         policy.update(round_.stats)
         if policy.adaptive:

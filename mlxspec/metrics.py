@@ -68,6 +68,7 @@ class GenerationStats:
         num_draft_tokens: γ requested per round.
         prompt_tokens: Prompt length in tokens.
         prompt_s: Prefill wall time, seconds.
+        cached_tokens: Prompt tokens found in a reused ``PromptCache`` (not prefilled again).
         generation_tokens: Tokens committed (including a final stop token).
         generation_s: Wall time from the end of prefill to the last token, seconds.
         cycles: Verify rounds run.
@@ -92,6 +93,7 @@ class GenerationStats:
     num_draft_tokens: int = 0
     prompt_tokens: int = 0
     prompt_s: float = 0.0
+    cached_tokens: int = 0
     generation_tokens: int = 0
     generation_s: float = 0.0
     cycles: int = 0
@@ -149,8 +151,10 @@ class GenerationStats:
 
     @property
     def prompt_tps(self) -> float:
-        """Prefill speed, tokens/s."""
-        return self.prompt_tokens / self.prompt_s if self.prompt_s > 0 else 0.0
+        """Prefill speed over the tokens actually prefilled, tokens/s (the prompt's last token is the
+        first round's input, and reused tokens are not prefilled; 0 when nothing was)."""
+        prefilled = self.prompt_tokens - 1 - self.cached_tokens
+        return prefilled / self.prompt_s if prefilled > 0 and self.prompt_s > 0 else 0.0
 
     @property
     def generation_tps(self) -> float:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 from dataclasses import replace
 
 from ..session import draft_model_spec
@@ -72,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     args = setup_arg_parser().parse_args(argv)
     try:
         config = checked_config(args)
+        if not (sys.stdin.isatty() and sys.stdout.isatty()):
+            raise ValueError("mlxspec chat needs a terminal; to answer from a script use 'mlxspec generate'")
         fetch_default_model(args)
     except USER_ERRORS as e:
         return fail(str(e))
@@ -80,5 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     from mlxspec_app.app import SpecChatApp
     from mlxspec_app.engine import Engine
 
-    SpecChatApp(Engine(config), system=args.system).run()
+    engine = Engine(config)
+    SpecChatApp(engine, system=args.system).run()
+    if engine.running:  # still inside MLX (a long prefill): exit now, as the C++ runtime would abort at exit
+        sys.stdout.flush()
+        os._exit(0)
     return 0
