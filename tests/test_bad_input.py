@@ -138,3 +138,30 @@ def test_fuzz_random_files_headers_and_flags(capsys, tmp_path, tiny_model_dir):
         name = rng.choice(sorted(flags))
         one_line_error(capsys, ["generate", "--model", str(tiny_model_dir), "--prompt", "hi", name,
                                 rng.choice(flags[name])])
+
+
+def test_messages_name_what_is_missing_and_the_fix(tmp_path):
+    import mlx.core as mx
+
+    from mlxspec.loading import load
+
+    folder = save_tiny_model(tmp_path / "m", tiny_llama(), byte_tokenizer())
+    weights = next(folder.glob("*.safetensors"))
+    arrays = mx.load(str(weights))
+    missing = sorted(arrays)[0]
+    arrays.pop(missing)
+    mx.save_safetensors(str(weights), arrays)
+    with pytest.raises(ValueError, match=f"Missing 1 parameters: {missing}.*download it again"):
+        load(str(folder))
+    other = save_tiny_model(tmp_path / "t", tiny_llama(), byte_tokenizer())
+    (other / "tokenizer.json").unlink()
+    with pytest.raises(ValueError, match="Cannot load the tokenizer.*needs the model's tokenizer files"):
+        load(str(other))
+    for path in other.glob("*.safetensors"):
+        path.unlink()
+    with pytest.raises(ValueError, match="No safetensors found.*mlxspec convert"):
+        load(str(other))
+    short = tmp_path / "short.gguf"
+    short.write_bytes(b"GGUF")
+    with pytest.raises(ValueError, match="cut off: 4 bytes, shorter than a GGUF header"):
+        load(str(short))
