@@ -85,8 +85,14 @@ def main(argv: list[str] | None = None) -> int:
     from mlxspec_app.engine import Engine
 
     engine = Engine(config)
-    SpecChatApp(engine, system=args.system).run()
-    if engine.running:  # still inside MLX (a long prefill): exit now, as the C++ runtime would abort at exit
-        sys.stdout.flush()
-        os._exit(0)
-    return 0
+    SpecChatApp(engine, system=args.system).run()  # closes the engine when it exits
+    exit_now(0)
+
+
+def exit_now(status: int) -> None:
+    """End the process without running C++ static destructors: MLX's stream threads may still be
+    winding down after an answer stopped mid-round, and destroying them then aborts the process
+    ("terminate called without an active exception")."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
