@@ -151,7 +151,7 @@ def commit_path(cache: Sequence, start: int, keep: list[int], written: int | Non
     """Keep the verified positions ``start + keep[i]`` as the contiguous slots ``start + i``.
 
     A chain keeps a prefix, which is a trim; an accepted tree path is gathered into place
-    (heads.md 6.4: MLX evaluates the gathered rows before the assignment, so they do not alias).
+    (docs/heads.md 6.4: MLX evaluates the gathered rows before the assignment, so they do not alias).
 
     Args:
         cache: Per-layer caches after a verify forward wrote positions ``start, start + 1, ...``.
@@ -181,7 +181,7 @@ def commit_path(cache: Sequence, start: int, keep: list[int], written: int | Non
 
 class TreeRoPE(nn.Module):
     """Rotates each tree node at its own position: nodes go on the batch axis, where
-    ``mx.fast.rope`` takes one offset per row (DESIGN.md, checked on mlx 0.32.4)."""
+    ``mx.fast.rope`` takes one offset per row (docs/heads.md 6.3, checked on mlx 0.32.4)."""
 
     def __init__(self, rope, depths: mx.array):
         super().__init__()
