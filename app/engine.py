@@ -170,9 +170,22 @@ def chat_prompt(tokenizer, messages: list[dict]) -> str | list[int]:
     return "\n\n".join(m["content"] for m in messages) + "\n\n"
 
 
+#: Command-line advice in library errors, as it reads in the chat (where F2 switches drafters and models).
+CHAT_WORDING = (
+    ("pass --draft-model PATH_OR_REPO", "give a draft model in F2 (or start the chat with --draft-model)"),
+    ("pass --medusa-heads PATH_OR_REPO", "start the chat with --medusa-heads PATH_OR_REPO"),
+    ("pass --eagle-heads PATH_OR_REPO", "start the chat with --eagle-heads PATH_OR_REPO"),
+    ("or --drafter none", "or choose the none drafter in F2"),
+    ("use --drafter none", "choose the none drafter in F2"),
+)
+
+
 def one_line(error: BaseException) -> str:
-    """An exception as one line for the chat; the type is named unless it is a user error."""
+    """An exception as one line for the chat; the type is named unless it is a user error, and
+    command-line advice is reworded for the chat (``CHAT_WORDING``)."""
     text = " ".join(str(error).split()) or type(error).__name__
+    for flag_advice, chat_advice in CHAT_WORDING:
+        text = text.replace(flag_advice, chat_advice)
     if isinstance(error, USER_ERRORS):
         return text
     return f"{type(error).__name__}: {text}"

@@ -189,3 +189,28 @@ def test_bad_stop_strings_are_refused(capsys, tiny_model_dir):
     assert main(["generate", "--model", str(tiny_model_dir), "--prompt", "hi", "--stop", ""]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "stop strings must be non-empty" in err
+
+
+def test_the_chat_engine_refuses_drafting_on_a_recurrent_target_at_load_time(tmp_path):
+    """Loaded as "Ready" with a drafter it could not use, every message failed; now it falls back."""
+    import queue
+
+    from conftest import save_tiny_model
+    from mlxspec_app.engine import Engine, EngineConfig
+    from mlxspec_app.messages import EngineReady, GenerationDone, GenerationFailed, LoadFailed
+
+    folder = save_tiny_model(tmp_path / "mamba", tiny_mamba(), byte_tokenizer())
+    posted: queue.Queue = queue.Queue()
+    engine = Engine(EngineConfig(model=str(folder), drafter="ngram", max_tokens=6))
+    engine.start(posted.put)
+    messages = []
+    while not any(isinstance(m, EngineReady) for m in messages):
+        messages.append(posted.get(timeout=60))
+    failed = [m for m in messages if isinstance(m, LoadFailed)]
+    assert failed and "cannot be rewound" in failed[0].error and "none drafter in F2" in failed[0].error
+    assert messages[-1].info.drafter == "none"
+    engine.generate(1, [{"role": "user", "content": "hi"}])
+    while not isinstance(message := posted.get(timeout=60), (GenerationDone, GenerationFailed)):
+        pass
+    engine.close()
+    assert isinstance(message, GenerationDone) and message.stats.tokens == 6
