@@ -100,6 +100,19 @@ def test_plain_decoding_runs_on_a_recurrent_cache_and_drafting_is_refused():
         generate(model, tokenizer, PROMPT, drafter="ngram", max_tokens=4)
 
 
+def test_checks_come_before_any_cost_measurement(monkeypatch):
+    import mlxspec.gamma as gamma
+
+    def no_measuring(*args, **kwargs):
+        raise AssertionError("costs were measured before the checks")
+
+    monkeypatch.setattr(gamma, "load_or_calibrate", no_measuring)
+    with pytest.raises(ValueError, match="cannot be rewound"):
+        generate(tiny_mamba(), byte_tokenizer(), PROMPT, drafter="ngram", num_draft_tokens="auto", max_tokens=4)
+    with pytest.raises(ValueError, match="context is 4096"):
+        generate(tiny_llama(), byte_tokenizer(), list(range(4100)), drafter="ngram", num_draft_tokens="auto")
+
+
 # --- prompt caches reused across requests ---------------------------------------------------------
 
 
