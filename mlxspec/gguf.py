@@ -267,6 +267,9 @@ def read_header(path: str | Path, *, arrays: bool = False) -> GGUFHeader:
         magic, version = struct.unpack_from("<II", buf.read(8).ljust(8, b"\0"))
         if magic != GGUF_MAGIC:
             raise ValueError(f"{path} is not a GGUF file (bad magic number); pass a .gguf file.")
+        if len(buf) < 24:  # magic, version and the two counts
+            raise ValueError(f"{path} is cut off: {len(buf)} bytes, shorter than a GGUF header (24); "
+                             "download it again.")
         if version not in (2, 3):
             raise ValueError(f"{path}: GGUF version {version} is not supported (only 2 and 3).")
         try:
