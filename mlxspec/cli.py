@@ -11,6 +11,7 @@ SUBCOMMANDS = {
     "train": ("mlxspec.commands.train", "train draft heads (Medusa) for a target and measure them"),
     "verify": ("mlxspec.commands.verify", "check that speculation samples exactly as the target (a G-test)"),
     "bench": ("mlxspec.commands.bench", "speed against plain decoding and mlx-lm's speculative decoding"),
+    "convert": ("mlxspec.commands.convert", "write any model spec (GGUF, named model, folder) as an mlx-lm folder"),
 }
 
 

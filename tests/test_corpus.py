@@ -23,7 +23,7 @@ def test_batched_corpus_equals_single_runs(tmp_path):
     model, tokenizer = tiny_llama(seed=3, num_layers=4, sharpen=4.0), byte_tokenizer()
     prompts = _prompts(tokenizer, ["hi", "a longer prompt here", "xyz", "what is up with padding?"])
     records = list(build_corpus(model, tokenizer, prompts, tmp_path, max_new_tokens=12, batch_size=3, topk=5))
-    assert [r.prompts_done for r in records] == [3, 4]
+    assert [r.done for r in records] == [3, 4]
     cache = FeatureCache(tmp_path)
     assert cache.num_chunks == 2 and cache.manifest["aux_layers"] == list(default_aux_layers(4))
     fresh = tiny_llama(seed=3, num_layers=4, sharpen=4.0)

@@ -136,8 +136,8 @@ def test_feature_cache_resumes_and_replays_the_same_batches(tiny, tmp_path):
     with pytest.raises(ValueError, match="unfinished"):
         FeatureCache(interrupted)
     resumed = list(extract_features(model, examples, interrupted, chunk_tokens=300))
-    assert resumed[0].tokens_computed == 0  # chunk 0 was skipped, not recomputed
-    assert resumed[-1].tokens_done == sum(len(ex.tokens) for ex in examples) > resumed[-1].tokens_computed
+    assert resumed[0].computed == 0  # chunk 0 was skipped, not recomputed
+    assert resumed[-1].done == sum(len(ex.tokens) for ex in examples) > resumed[-1].computed
     list(extract_features(model, examples, fresh, chunk_tokens=300))
     a, b = FeatureCache(interrupted), FeatureCache(fresh)
     assert a.num_chunks >= 3

@@ -19,16 +19,9 @@ from mlxspec.drafters import make_drafter
 from mlxspec.generate import generate
 from mlxspec.sampling import SamplingParams
 from mlxspec.train.corpus import build_corpus
-from mlxspec.train.draft import (
-    DraftTrainConfig,
-    EvalRecord,
-    StepRecord,
-    draft_model_config,
-    init_draft,
-    project_embeddings,
-    train_draft,
-    training_vocab,
-)
+from mlxspec.train.draft import draft_model_config, init_draft, project_embeddings, train_draft
+from mlxspec.train.draft_data import DraftTrainConfig, training_vocab
+from mlxspec.train.loop import EvalRecord, StepRecord
 from mlxspec.train.features import FeatureCache
 
 WORDS = ["apple", "river", "blue", "sky", "seven", "cloud", "stone", "fast", "green", "moon", "why", "how"]
@@ -180,7 +173,7 @@ def test_cli_output_is_an_mlx_lm_folder_for_both_generators(capsys, corpus, tmp_
     assert json.loads(stdout)["text"] == json.loads(run_generate(capsys, *base, "--drafter", "none")[1])["text"]
     # --drafter draft without --draft-model takes the draft shipped under models/draft/<target name>/
     code, _, err = run_generate(capsys, *base, "--drafter", "draft")
-    assert code == 2 and "needs a draft model" in err and "none ships for" not in err
+    assert code == 2 and "needs a draft model" in err and f"none ships for {tiny_model_dir.name}" in err
     monkeypatch.setenv("MLXSPEC_MODELS", str(tmp_path / "models"))
     (tmp_path / "models" / "draft").mkdir(parents=True)
     folder.rename(tmp_path / "models" / "draft" / tiny_model_dir.name)

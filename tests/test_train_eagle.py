@@ -15,21 +15,19 @@ from mlxspec.drafters.eagle import EagleDrafter
 from mlxspec.generate import generate
 from mlxspec.heads.eagle import load_eagle
 from mlxspec.train.corpus import build_corpus
-from mlxspec.train.eagle import (
+from mlxspec.train.eagle import init_head, train_eagle, unroll
+from mlxspec.train.eagle_data import (
     EagleEvalRecord,
-    EagleStepRecord,
     EagleTrainConfig,
     draft_vocabulary,
-    init_head,
     make_batch,
     plan_epoch,
     sequence_batches,
     target_to_draft,
     token_counts,
-    train_eagle,
-    unroll,
 )
 from mlxspec.train.features import FeatureCache
+from mlxspec.train.loop import StepRecord
 
 
 def _prompts(tok, n: int, seed: int) -> list[list[int]]:
@@ -171,7 +169,7 @@ def trained(request, tiny, corpus, tmp_path_factory):
 
 def test_training_lowers_the_loss_and_beats_chance(trained):
     _, records, _ = trained
-    steps = [r for r in records if isinstance(r, EagleStepRecord)]
+    steps = [r for r in records if isinstance(r, StepRecord)]
     evals = [r for r in records if isinstance(r, EagleEvalRecord)]
     assert [e.epoch for e in evals] == [0, 1, 2, 3]
     assert np.mean([s.loss for s in steps[-4:]]) < 0.7 * np.mean([s.loss for s in steps[:4]])
@@ -188,11 +186,11 @@ def test_resuming_mid_run_gives_the_same_head(tiny, corpus, tmp_path):
     whole, cut = tmp_path / "whole", tmp_path / "cut"
     list(train_eagle(model, corpus[0], None, whole, config))
     for record in train_eagle(model, corpus[0], None, cut, config):
-        if isinstance(record, EagleStepRecord) and record.epoch == 1 and record.step == 4:
+        if isinstance(record, StepRecord) and record.epoch == 1 and record.step == 4:
             break  # a checkpoint was written at this step
     state = json.loads((cut / "trainer_state.json").read_text())
     assert (state["epoch"], state["step"]) == (1, 4)
-    rest = [r for r in train_eagle(model, corpus[0], None, cut, config) if isinstance(r, EagleStepRecord)]
+    rest = [r for r in train_eagle(model, corpus[0], None, cut, config) if isinstance(r, StepRecord)]
     assert rest[0].epoch == 1 and rest[0].step == 5
     a, b = mx.load(str(whole / "model.safetensors")), mx.load(str(cut / "model.safetensors"))
     assert set(a) == set(b) and {"d2t", "t2d", "fc.weight", "lm_head.weight"} <= set(a)

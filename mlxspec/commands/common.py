@@ -17,7 +17,7 @@ from ..session import build_drafter as session_build_drafter
 
 
 __all__ = ["USER_ERRORS", "ArgumentParser", "LoadedModels", "add_drafter_args", "add_model_args", "add_sampling_args",
-           "build_drafter", "check_args", "drafter_spec_from_args", "fail", "load_models", "measuring_note",
+           "build_drafter", "check_args", "check_drafter_args", "drafter_spec_from_args", "fail", "load_models", "measuring_note",
            "model_spec", "num_draft_tokens_arg", "sampling_from_args", "seed_arg", "typical_from_args"]
 
 
@@ -161,9 +161,14 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     sampling_from_args(args)
     typical_from_args(args)
+    check_drafter_args(args)
+    draft_model_spec(drafter_spec_from_args(args), model_spec(args, draft=True), model_spec(args), args.draft_dtype)
+
+
+def check_drafter_args(args: argparse.Namespace) -> None:
+    """Validate every drafter's flags, even those of drafters not chosen (raises ``ValueError`` naming the flag)."""
     for name in drafter_types():
         drafter_spec_from_args(args, name)
-    draft_model_spec(drafter_spec_from_args(args), model_spec(args, draft=True), model_spec(args), args.draft_dtype)
 
 
 def model_spec(args: argparse.Namespace, draft: bool = False) -> ModelSpec | None:

@@ -1,9 +1,11 @@
-"""Head training: conversations → cached target features → Medusa heads (EAGLE reuses the first two).
+"""Head and draft training: conversations → cached target features or a corpus → a task on one loop.
 
 - ``dataset``: sources (ShareGPT, JSONL), the assistant-token loss mask, the held-out split.
 - ``corpus``: the target's own greedy answers with its features, in one batched pass.
+- ``store``: the chunked on-disk format both of those write (manifest, atomic chunks, progress).
 - ``features``: the frozen target's hidden states, cached on disk in chunks and streamed.
-- ``medusa``: Medusa-1 training and held-out accuracy.
+- ``loop``: the one training loop (``fit``: state, resume, AdamW schedule, checkpoints, records).
+- ``medusa``, ``eagle``, ``draft``: each method as a small task on the loop.
 - ``measure``: τ, acceptance per depth and tokens/s of trained heads on held-out prompts.
 """
 
@@ -19,22 +21,29 @@ from .dataset import (
     tokenize_conversations,
     write_heldout_prompts,
 )
-from .features import Batch, ExtractProgress, FeatureCache, cache_dir_for, extract_features
-from .medusa import EvalRecord, MedusaTrainConfig, StepRecord, evaluate, init_heads, medusa_loss, train_medusa
+from .features import Batch, FeatureCache, cache_dir_for, extract_features
+from .loop import EvalRecord, StepRecord, Task, TrainConfig, fit
+from .medusa import MedusaEvalRecord, MedusaTask, MedusaTrainConfig, evaluate, init_heads, medusa_loss, train_medusa
+from .store import StoreProgress
 
 __all__ = [
     "Batch",
     "DataReport",
     "EvalRecord",
     "Example",
-    "ExtractProgress",
     "FeatureCache",
+    "MedusaEvalRecord",
+    "MedusaTask",
     "MedusaTrainConfig",
     "StepRecord",
+    "StoreProgress",
+    "Task",
+    "TrainConfig",
     "assistant_mask",
     "cache_dir_for",
     "evaluate",
     "extract_features",
+    "fit",
     "heldout_prompts",
     "init_heads",
     "medusa_loss",

@@ -27,10 +27,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
@@ -39,7 +37,7 @@ import numpy as np
 from mlx_lm.models.cache import BatchKVCache
 
 from ..taps import HiddenTap, output_head
-from .features import MANIFEST, model_fingerprint, write_json
+from .store import MANIFEST, StoreProgress, model_fingerprint, open_manifest, write_chunk, write_json
 
 CORPUS_VERSION = 1
 DEFAULT_TOPK = 32
@@ -50,34 +48,10 @@ def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
     return (min(2, num_layers - 1), num_layers // 2, max(num_layers - 3, 0))
 
 
-@dataclass(frozen=True)
-class CorpusProgress:
-    """Progress of ``build_corpus``, yielded after each batch.
-
-    Attributes:
-        prompts_done: Prompts answered so far (this call and earlier ones).
-        prompts_total: Prompts planned.
-        tokens: Answer tokens generated in this call.
-        elapsed_s: Seconds since this call started.
-        cached: Whether the batch was already on disk.
-    """
-
-    prompts_done: int
-    prompts_total: int
-    tokens: int
-    elapsed_s: float
-    cached: bool
-
-    @property
-    def tokens_per_s(self) -> float:
-        """Answer tokens per second in this call."""
-        return self.tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
-
-
 def build_corpus(model: nn.Module, tokenizer, prompts: list[list[int]], directory: str | Path, *,
                  max_new_tokens: int = 256, batch_size: int = 32, topk: int = DEFAULT_TOPK,
                  aux_layers: tuple[int, ...] | None = None,
-                 time_budget_s: float | None = None) -> Iterator[CorpusProgress]:
+                 time_budget_s: float | None = None) -> Iterator[StoreProgress]:
     """Answer ``prompts`` greedily with the target and store its features (see the module doc).
 
     Args:
@@ -94,7 +68,7 @@ def build_corpus(model: nn.Module, tokenizer, prompts: list[list[int]], director
             batch is always answered). Default: no limit.
 
     Yields:
-        ``CorpusProgress`` after each batch.
+        ``StoreProgress`` in prompts after each batch (``computed``: answer tokens generated in this call).
 
     Raises:
         ValueError: if ``directory`` holds a corpus of another model, other prompts or settings,
@@ -112,17 +86,16 @@ def build_corpus(model: nn.Module, tokenizer, prompts: list[list[int]], director
     lm_head = output_head(model)
     eos = sorted(getattr(tokenizer, "eos_token_ids", ()) or ())
     start, generated = time.perf_counter(), 0
+    num_chunks = -(-len(prompts) // batch_size)
     for b, lo in enumerate(range(0, len(prompts), batch_size)):
         hi = min(lo + batch_size, len(prompts))
         if b < len(manifest["chunks"]):
-            yield CorpusProgress(hi, len(prompts), generated, time.perf_counter() - start, True)
+            yield StoreProgress(b, num_chunks, hi, len(prompts), generated, time.perf_counter() - start, True)
             continue
         arrays = _answer_batch(model, tap, lm_head, prompts[lo:hi], eos, max_new_tokens, topk, aux_layers)
         generated += int(arrays["mask"].sum())
         name = f"chunk-{b:05d}.npz"
-        partial = directory / f"chunk-{b:05d}.partial.npz"
-        np.savez(partial, **arrays)
-        os.replace(partial, directory / name)
+        write_chunk(directory / name, arrays)
         manifest["chunks"].append({"file": name, "examples": [lo, hi], "tokens": int(len(arrays["tokens"])),
                                    "complete": True})
         manifest["tokens"] += int(len(arrays["tokens"]))
@@ -130,7 +103,7 @@ def build_corpus(model: nn.Module, tokenizer, prompts: list[list[int]], director
         manifest["examples"] = hi
         write_json(directory / MANIFEST, manifest)
         mx.clear_cache()
-        yield CorpusProgress(hi, len(prompts), generated, time.perf_counter() - start, False)
+        yield StoreProgress(b, num_chunks, hi, len(prompts), generated, time.perf_counter() - start, False)
         if time_budget_s is not None and time.perf_counter() - start > time_budget_s:
             return
 
@@ -219,13 +192,4 @@ def _open_manifest(directory: Path, model, prompts: list[list[int]], settings: d
         "prompts": len(prompts), "examples": 0, "tokens": 0, "masked_tokens": 0,
         "topk": settings["topk"], "aux_layers": settings["aux_layers"], "settings": settings, "chunks": [],
     }
-    path = directory / MANIFEST
-    if path.is_file():
-        old = json.loads(path.read_text())
-        if (old.get("model"), old.get("data")) != (manifest["model"], manifest["data"]):
-            raise ValueError(f"{directory} holds a corpus of another model, other prompts or settings; "
-                             "use a fresh folder")
-        return old
-    directory.mkdir(parents=True, exist_ok=True)
-    write_json(path, manifest)
-    return manifest
+    return open_manifest(directory, manifest, "a corpus of another model, other prompts or settings")

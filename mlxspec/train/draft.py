@@ -20,8 +20,8 @@ agree, otherwise projected onto the top-H principal directions (uncentred SVD: t
 approximation of the embedding matrix) — the draft's logits then start as a low-rank approximation of
 the target's for a hidden state in the same subspace.
 
-``train_draft`` is a generator of records (no printing), like ``medusa.train_medusa``: a ``StepRecord``
-per batch and an ``EvalRecord`` before training and after every epoch. The held-out estimate of α
+``DraftTask`` is this method on the shared loop (``loop.fit``); ``train_draft`` runs it and yields the
+loop's records, with a ``DraftEvalRecord`` before training and after every epoch. The held-out estimate of α
 (Leviathan et al. 2023, section 3.1: α = E[Σ_x min(p(x), q(x))] for sampling at temperature 1) uses the
 soft labels, so it sums over the target's top K only: a lower bound of the true value. Top-1
 agreement (the draft's argmax equals the target's) is α for greedy decoding. The output folder is an
@@ -33,161 +33,32 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
-import shutil
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
-import mlx.optimizers as optim
 import numpy as np
-from mlx.utils import tree_flatten, tree_map, tree_unflatten
+from mlx.utils import tree_map
 
 from ..taps import model_body, output_head
-from .features import FeatureCache, write_json
-from .medusa import warmup_cosine
-
-STATE = "trainer_state.json"
-OPTIMIZER = "optimizer.safetensors"
-CORPUS_KEYS = ("tokens", "mask", "offsets", "topk_ids", "topk_logprobs")
-#: Settings that must match to resume a run.
-RESUME_KEYS = ("layers", "hidden", "heads", "kv_heads", "intermediate_size", "batch_tokens", "max_seq_length",
-               "seed", "heldout_examples", "train_vocab")
-
-
-@dataclass(frozen=True)
-class DraftTrainConfig:
-    """Settings of a draft-model distillation run.
-
-    Attributes:
-        layers: Decoder layers of the draft.
-        hidden: Hidden size H of the draft.
-        heads: Attention heads (``None``: H / the target's head size, at least 1).
-        kv_heads: Key/value heads (``None``: keep the target's query/KV ratio where it divides).
-        intermediate_size: MLP width (``None``: the target's ratio to H, rounded to a multiple of 64).
-        epochs: Passes over the training corpus.
-        batch_tokens: Tokens per step, padding included (B × T ≤ this; one example may exceed it alone).
-        max_seq_length: Examples are cut to this many tokens (prompt + answer).
-        learning_rate: Peak AdamW learning rate (linear warm-up, cosine decay to 0).
-        warmup_steps: Linear warm-up steps.
-        weight_decay: AdamW weight decay.
-        seed: Seed of the batch order and of the draft's initial layers.
-        save_every: Also checkpoint every this many steps (0: only after each epoch).
-        max_steps: Stop after this many steps in all (0: no limit); the schedule decays over them.
-        time_budget_s: Start no new step after this many seconds of training in this call (the epoch then
-            ends early, is scored and saved); ``None``: no limit.
-        max_eval_positions: Held-out positions scored per evaluation.
-        heldout_examples: With no held-out corpus, hold out this many examples from the end of the
-            training corpus (never trained on).
-        save_dtype: dtype of the per-epoch copies in ``epoch-<n>/`` (the resume checkpoint is float32).
-        train_vocab: Normalise q in the *training* loss over only the this-many tokens that appear most
-            often among the corpus's soft labels, plus ``negatives`` tokens drawn uniformly from the rest
-            each step (0: the full vocabulary). Sampled softmax (Jean et al. 2015, arXiv 1412.2007): the
-            rest's share of the normaliser is estimated from the sample (each sampled logit counts
-            (V − C) / negatives times), so their logits are still pushed down; the LM head and softmax,
-            most of a step on a CPU, shrink by about V / (C + negatives). Soft labels outside the set
-            are dropped and the rest renormalised. The draft keeps its full LM head; the held-out
-            scores use the full vocabulary.
-        negatives: Tokens sampled per step from outside the training vocabulary (with ``train_vocab``).
-    """
-
-    layers: int = 4
-    hidden: int = 256
-    heads: int | None = None
-    kv_heads: int | None = None
-    intermediate_size: int | None = None
-    epochs: int = 1
-    batch_tokens: int = 2048
-    max_seq_length: int = 512
-    learning_rate: float = 1e-3
-    warmup_steps: int = 20
-    weight_decay: float = 0.0
-    seed: int = 0
-    save_every: int = 0
-    max_steps: int = 0
-    time_budget_s: float | None = None
-    max_eval_positions: int = 4096
-    heldout_examples: int = 32
-    save_dtype: str = "float16"
-    train_vocab: int = 0
-    negatives: int = 2048
-
-    def __post_init__(self):
-        for name in ("layers", "hidden", "epochs", "batch_tokens", "max_seq_length", "max_eval_positions"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        for name in ("heads", "kv_heads", "intermediate_size"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ValueError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_steps", "save_every", "warmup_steps", "heldout_examples", "train_vocab",
-                     "negatives"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
-        if self.learning_rate <= 0:
-            raise ValueError(f"learning-rate must be > 0, got {self.learning_rate}")
-        if self.save_dtype not in ("float16", "bfloat16", "float32"):
-            raise ValueError(f"save-dtype must be float16, bfloat16 or float32, got {self.save_dtype!r}")
-
-
-@dataclass(frozen=True)
-class StepRecord:
-    """One optimiser step.
-
-    Attributes:
-        epoch: Epoch index, from 0.
-        step: Steps done in this epoch (1-based).
-        steps_per_epoch: Steps in an epoch.
-        loss: Mean KL(p̃ || q) over the batch's answer positions, nats.
-        positions: Answer positions in the batch (those with soft labels).
-        tokens: Tokens the draft ran over, padding included (B × T).
-        step_s: Wall time of the step, seconds.
-    """
-
-    epoch: int
-    step: int
-    steps_per_epoch: int
-    loss: float
-    positions: int
-    tokens: int
-    step_s: float
-
-
-@dataclass(frozen=True)
-class EvalRecord:
-    """Held-out scores after ``epoch`` epochs (0 = before training).
-
-    Attributes:
-        epoch: Epochs finished (a budget-stopped epoch counts).
-        kl: Mean KL(p̃ || q), nats, p̃ the renormalised top-K soft labels.
-        alpha: Mean Σ_{x in top K} min(p(x), q(x)): expected acceptance at temperature 1 under the target,
-            top-K approximate (a lower bound: the tail beyond the K soft labels is left out).
-        top1: Fraction of positions where the draft's argmax equals the target's (α at temperature 0).
-        positions: Held-out positions scored.
-        train_loss: Mean training loss over the epoch (``None`` before training).
-        checkpoint: Folder of this epoch's draft model (``None`` before training).
-    """
-
-    epoch: int
-    kl: float
-    alpha: float
-    top1: float
-    positions: int
-    train_loss: float | None = None
-    checkpoint: str | None = None
-
-
-@dataclass
-class _State:
-    config: dict
-    corpus: str
-    epoch: int = 0
-    step: int = 0
-    global_step: int = 0
-    history: list[dict] = field(default_factory=list)
-
+from .features import FeatureCache
+from .draft_data import (
+    RESUME_KEYS,
+    DraftEvalRecord,
+    DraftTrainConfig,
+    epoch_batches,
+    example_ranges,
+    load_corpus_chunk,
+    make_batch,
+    pack_examples,
+    split_heldout,
+    steps_per_epoch,
+    training_vocab,
+)
+from .loop import EvalRecord, StepRecord, fit
 
 # --- the draft model ---------------------------------------------------------------------------------
 
@@ -419,7 +290,7 @@ def evaluate(model: nn.Module, cache: FeatureCache, *, examples: dict[int, list[
         max_positions: Stop after this many positions (whole batches).
 
     Returns:
-        EvalRecord: with ``epoch`` 0 (the caller sets it).
+        DraftEvalRecord: with ``epoch`` 0 (the caller sets it).
     """
     totals = mx.zeros((4,))
     for c in sorted(examples) if examples is not None else range(cache.num_chunks):
@@ -434,166 +305,14 @@ def evaluate(model: nn.Module, cache: FeatureCache, *, examples: dict[int, list[
             break
     kl, alpha, top1, n = totals.tolist()
     n_safe = max(n, 1.0)
-    return EvalRecord(0, kl / n_safe, alpha / n_safe, top1 / n_safe, int(n))
+    return DraftEvalRecord(kl / n_safe, alpha / n_safe, top1 / n_safe, int(n))
 
 
-# --- data ----------------------------------------------------------------------------------------------
+# --- the task on the shared loop --------------------------------------------------------------------
 
 
-def load_corpus_chunk(cache: FeatureCache, c: int) -> dict[str, np.ndarray]:
-    """The arrays of chunk ``c`` a draft needs (not the large hidden-state features).
-
-    Raises:
-        ValueError: the folder is not a corpus with soft labels (``mlxspec train corpus``).
-    """
-    with np.load(cache.directory / cache.manifest["chunks"][c]["file"]) as data:
-        missing = [k for k in CORPUS_KEYS if k not in data.files]
-        if missing:
-            raise ValueError(f"{cache.directory} has no soft labels ({', '.join(missing)} missing); build a corpus "
-                             "with 'mlxspec train corpus'")
-        return {k: data[k] for k in CORPUS_KEYS}
-
-
-def example_ranges(arrays: dict, max_seq_length: int) -> list[tuple[int, int]]:
-    """``(start, end)`` token ranges of the chunk's examples, cut to ``max_seq_length``, that keep at
-    least one loss position (a token t whose next token is an answer token)."""
-    offsets, mask = arrays["offsets"], arrays["mask"]
-    out = []
-    for lo, end in zip(offsets[:-1].tolist(), offsets[1:].tolist()):
-        hi = min(end, lo + max_seq_length)
-        if mask[lo + 1 : min(hi + 1, end)].any():  # row t predicts token t + 1
-            out.append((lo, hi))
-    return out
-
-
-def pack_examples(ranges: list[tuple[int, int]], batch_tokens: int) -> list[list[tuple[int, int]]]:
-    """Consecutive groups with (examples × longest) ≤ ``batch_tokens`` (an example alone may exceed it)."""
-    groups, current, longest = [], [], 0
-    for lo, hi in ranges:
-        n = hi - lo
-        if current and max(longest, n) * (len(current) + 1) > batch_tokens:
-            groups.append(current)
-            current, longest = [], 0
-        current.append((lo, hi))
-        longest = max(longest, n)
-    if current:
-        groups.append(current)
-    return groups
-
-
-def plan_epoch(ranges: list[tuple[int, int]], batch_tokens: int, rng: np.random.Generator,
-               window: int = 64) -> list[list[tuple[int, int]]]:
-    """Shuffle the examples, sort each window of ``window`` by length (less padding), pack, shuffle the batches."""
-    order = [ranges[i] for i in rng.permutation(len(ranges))]
-    sorted_ = []
-    for i in range(0, len(order), window):
-        sorted_.extend(sorted(order[i : i + window], key=lambda r: r[1] - r[0]))
-    groups = pack_examples(sorted_, batch_tokens)
-    return [groups[i] for i in rng.permutation(len(groups))]
-
-
-def make_batch(arrays: dict, group: list[tuple[int, int]], remap: np.ndarray | None = None) -> dict[str, mx.array]:
-    """Right-padded tokens [B, T], the loss rows [P] and their soft labels for one group of examples.
-
-    A row t of an example is a loss position when token t + 1 is an answer token (its soft labels
-    are then finite); labels beyond an example's cut are still the target's (they need no input).
-    With ``remap`` ([V] int32: id → index in the training vocabulary, -1 outside it) the ids become
-    indices, labels outside are dropped, and ``target_probs`` is renormalised over the rest.
-    """
-    T = max(hi - lo for lo, hi in group)
-    tokens = np.zeros((len(group), T), dtype=np.int32)
-    rows = []
-    n = len(arrays["mask"])
-    for b, (lo, hi) in enumerate(group):
-        tokens[b, : hi - lo] = arrays["tokens"][lo:hi]
-        end = int(arrays["offsets"][np.searchsorted(arrays["offsets"], lo, side="right")])
-        t = np.arange(lo, hi)
-        ok = (t + 1 < end) & arrays["mask"][np.minimum(t + 1, n - 1)]
-        ok &= np.isfinite(arrays["topk_logprobs"][t, 0])
-        rows.append(np.stack([t[ok], b * T + (t[ok] - lo)]))
-    rows = np.concatenate(rows, axis=1)
-    logp = arrays["topk_logprobs"][rows[0]].astype(np.float32)  # [P, K]
-    raw = np.exp(logp)
-    ids = arrays["topk_ids"][rows[0]].astype(np.int32)
-    kept = raw
-    if remap is not None:
-        ids = remap[ids]
-        kept = np.where(ids >= 0, raw, 0.0)
-        ids = np.maximum(ids, 0)
-    total = kept.sum(axis=-1, keepdims=True)
-    return {
-        "tokens": mx.array(tokens),
-        "rows": mx.array(rows[1].astype(np.int32)),
-        "topk_ids": mx.array(ids),
-        "target_raw_probs": mx.array(raw),
-        "target_probs": mx.array(kept / np.maximum(total, 1e-30)),
-        "weights": mx.array((total[:, 0] > 0).astype(np.float32)),
-    }
-
-
-def training_vocab(cache: FeatureCache, size: int, vocab_size: int) -> np.ndarray:
-    """The ``size`` token ids that appear most often among the soft labels of ``cache``, sorted, [C] int32."""
-    counts = np.zeros(vocab_size, dtype=np.int64)
-    for c in range(cache.num_chunks):
-        arrays = load_corpus_chunk(cache, c)
-        ok = np.isfinite(arrays["topk_logprobs"].astype(np.float32))
-        counts += np.bincount(arrays["topk_ids"][ok], minlength=vocab_size)[:vocab_size]
-    return np.sort(np.argsort(-counts, kind="stable")[: min(size, vocab_size)]).astype(np.int32)
-
-
-def split_heldout(cache: FeatureCache, heldout_examples: int, max_seq_length: int) -> dict[int, list[tuple[int, int]]]:
-    """The last ``heldout_examples`` examples of the corpus (by chunk, ranges as ``example_ranges``)."""
-    out: dict[int, list[tuple[int, int]]] = {}
-    left = heldout_examples
-    for c in range(cache.num_chunks - 1, -1, -1):
-        if left <= 0:
-            break
-        ranges = example_ranges(load_corpus_chunk(cache, c), max_seq_length)
-        take = ranges[max(0, len(ranges) - left) :]
-        out[c] = take
-        left -= len(take)
-    return out
-
-
-def _train_ranges(arrays: dict, c: int, config: DraftTrainConfig, held: dict) -> list[tuple[int, int]]:
-    excluded = set(held.get(c, []))
-    return [r for r in example_ranges(arrays, config.max_seq_length) if r not in excluded]
-
-
-def steps_per_epoch(cache: FeatureCache, config: DraftTrainConfig, held: dict | None = None, epoch: int = 0) -> int:
-    """Batches in epoch ``epoch`` over ``cache`` (minus held-out examples); reads only the small arrays.
-
-    The count can differ a little between epochs: each epoch packs a new shuffle of the examples.
-    """
-    held = held or {}
-    steps = 0
-    for c in range(cache.num_chunks):
-        with np.load(cache.directory / cache.manifest["chunks"][c]["file"]) as data:
-            arrays = {k: data[k] for k in ("mask", "offsets")}
-        steps += len(_chunk_plan(arrays, c, config, held, epoch))
-    return steps
-
-
-def _chunk_plan(arrays: dict, c: int, config: DraftTrainConfig, held: dict, epoch: int):
-    rng = np.random.default_rng([config.seed, epoch, c])
-    return plan_epoch(_train_ranges(arrays, c, config, held), config.batch_tokens, rng)
-
-
-def _epoch_batches(cache: FeatureCache, config: DraftTrainConfig, held: dict, epoch: int):
-    """(arrays, group) in the seeded order of ``epoch``: chunks permuted, then batches inside a chunk."""
-    order = np.random.default_rng([config.seed, epoch]).permutation(cache.num_chunks)
-    for c in order:
-        arrays = load_corpus_chunk(cache, int(c))
-        for group in _chunk_plan(arrays, int(c), config, held, epoch):
-            yield arrays, group
-
-
-# --- training ------------------------------------------------------------------------------------------
-
-
-def train_draft(target: nn.Module, tokenizer, train: FeatureCache, heldout: FeatureCache | None, output: str | Path,
-                config: DraftTrainConfig, *, resume: bool = True) -> Iterator[StepRecord | EvalRecord]:
-    """Distil a draft model from the soft labels of ``train``, checkpointing into ``output``.
+class DraftTask:
+    """Draft distillation on ``loop.fit``: a small decoder trained on the soft labels of a corpus.
 
     Args:
         target: The target (its config and embeddings shape the draft; it is never run).
@@ -601,85 +320,91 @@ def train_draft(target: nn.Module, tokenizer, train: FeatureCache, heldout: Feat
         train: A corpus with soft labels (``mlxspec train corpus``, its ``train`` part).
         heldout: A held-out corpus for the per-epoch scores, or ``None``: the last
             ``config.heldout_examples`` examples of ``train`` are held out instead.
+        config: Settings.
+
+    Raises:
+        ValueError: the corpus has no soft labels.
+    """
+
+    resume_keys = RESUME_KEYS
+    compile = False  # batches are whole examples of varying length
+
+    def __init__(self, target: nn.Module, tokenizer, train: FeatureCache, heldout: FeatureCache | None,
+                 config: DraftTrainConfig):
+        self.target, self.tokenizer, self.train, self.heldout, self.config = target, tokenizer, train, heldout, config
+        self.data = str(train.directory.resolve())
+        self.held = {} if heldout is not None or not config.heldout_examples else split_heldout(
+            train, config.heldout_examples, config.max_seq_length)
+        self.remap = self.keep = self.rest = None
+        if config.train_vocab:
+            vocab_size = int(target.args.vocab_size)
+            self.keep = training_vocab(train, config.train_vocab, vocab_size)
+            self.remap = np.full(vocab_size, -1, dtype=np.int32)
+            self.remap[self.keep] = np.arange(len(self.keep), dtype=np.int32)
+            self.rest = np.flatnonzero(self.remap < 0).astype(np.int32)
+        self.model_config: dict = {}
+
+    def init(self) -> nn.Module:
+        model, self.model_config = init_draft(self.target, self.config)
+        return model
+
+    def load(self, folder: Path) -> nn.Module:
+        self.model_config = json.loads((folder / "config.json").read_text())
+        self.model_config.pop("eos_token_id", None)
+        model = build_draft(self.model_config)
+        model.load_weights(str(folder / "model.safetensors"))
+        mx.eval(model.parameters())
+        return model
+
+    def save(self, model: nn.Module, folder: Path, dtype: str | None) -> None:
+        save_draft(folder, model, self.model_config, self.tokenizer, dtype)
+
+    def steps_in_epoch(self, epoch: int) -> int:
+        return steps_per_epoch(self.train, self.config, self.held, epoch)
+
+    def batches(self, model, epoch: int, start: int) -> Iterator[dict[str, mx.array]]:
+        for i, (arrays, group) in enumerate(epoch_batches(self.train, self.config, self.held, epoch)):
+            if i >= start:
+                yield make_batch(arrays, group, self.remap)
+
+    def loss(self, model: nn.Module):
+        return lambda *inputs: (distill_loss(model, *inputs), mx.zeros((0,)))
+
+    def inputs(self, batch: dict[str, mx.array], global_step: int) -> tuple:
+        candidates, log_weights = _candidates(self.keep, self.rest, self.config, global_step)
+        return (batch["tokens"], batch["rows"], batch["topk_ids"], batch["target_probs"], batch["weights"],
+                candidates, log_weights)
+
+    def counts(self, batch: dict[str, mx.array]) -> tuple[int, int]:
+        return int(batch["rows"].size), int(batch["tokens"].size)
+
+    def evaluate(self, model: nn.Module) -> DraftEvalRecord | None:
+        c = self.config
+        sizes = {"batch_tokens": c.batch_tokens, "max_seq_length": c.max_seq_length,
+                 "max_positions": c.max_eval_positions}
+        if self.heldout is not None:
+            return evaluate(model, self.heldout, **sizes)
+        return evaluate(model, self.train, examples=self.held, **sizes) if self.held else None
+
+
+def train_draft(target: nn.Module, tokenizer, train: FeatureCache, heldout: FeatureCache | None, output: str | Path,
+                config: DraftTrainConfig, *, resume: bool = True) -> Iterator[StepRecord | EvalRecord]:
+    """Distil a draft model from the soft labels of ``train`` (``loop.fit`` on a ``DraftTask``).
+
+    Args:
+        target, tokenizer, train, heldout, config: As ``DraftTask``.
         output: Checkpoint folder, itself an mlx-lm model folder (latest weights, float32) plus
             ``optimizer.safetensors`` and ``trainer_state.json``; ``epoch-<n>/`` per epoch (``save_dtype``).
-        config: Settings.
         resume: Continue from the checkpoint in ``output`` if there is one. Default: ``True``.
 
     Yields:
-        ``EvalRecord`` before training (fresh runs) and after each epoch; ``StepRecord`` per step.
+        ``DraftEvalRecord`` before training (with held-out data) and after each epoch (a bare
+        ``EvalRecord`` with nothing held out); ``StepRecord`` per step.
 
     Raises:
-        ValueError: ``output`` holds a run with other settings or another corpus (when resuming), or
-            ``resume`` is false and ``output`` already holds a run; the corpus has no soft labels or no
-            training examples.
+        ValueError: as ``DraftTask`` and ``loop.fit``.
     """
-    output = Path(output)
-    held = {} if heldout is not None or not config.heldout_examples else split_heldout(
-        train, config.heldout_examples, config.max_seq_length)
-    per_epoch = [steps_per_epoch(train, config, held, epoch) for epoch in range(config.epochs)]
-    if per_epoch[0] == 0:
-        raise ValueError(f"the corpus in {train.directory} has no training examples with answer tokens")
-    total = sum(per_epoch)
-    total = min(total, config.max_steps) if config.max_steps else total
-    state, model, model_config, optimizer = _start(target, tokenizer, train, output, config, resume, total)
-
-    def score() -> EvalRecord:
-        if heldout is not None:
-            return evaluate(model, heldout, batch_tokens=config.batch_tokens, max_seq_length=config.max_seq_length,
-                            max_positions=config.max_eval_positions)
-        if held:
-            return evaluate(model, train, examples=held, batch_tokens=config.batch_tokens,
-                            max_seq_length=config.max_seq_length, max_positions=config.max_eval_positions)
-        return EvalRecord(0, math.nan, math.nan, math.nan, 0)
-
-    if state.global_step == 0 and not state.history:
-        record = score()
-        state.history.append(asdict(record))
-        yield record
-    remap = keep = rest = None
-    if config.train_vocab:
-        vocab_size = int(model_config["vocab_size"])
-        keep = training_vocab(train, config.train_vocab, vocab_size)
-        remap = np.full(vocab_size, -1, dtype=np.int32)
-        remap[keep] = np.arange(len(keep), dtype=np.int32)
-        rest = np.flatnonzero(remap < 0).astype(np.int32)
-    loss_and_grad = nn.value_and_grad(model, distill_loss)
-    started = time.perf_counter()
-    for epoch in range(state.epoch, config.epochs):
-        if state.global_step >= total:
-            break
-        losses = []
-        for i, (arrays, group) in enumerate(_epoch_batches(train, config, held, epoch)):
-            if i < state.step:  # resuming inside an epoch: same order, skip what was done
-                continue
-            if state.global_step >= total:
-                break
-            if config.time_budget_s is not None and time.perf_counter() - started > config.time_budget_s:
-                break
-            t0 = time.perf_counter()
-            batch = make_batch(arrays, group, remap)
-            candidates, log_weights = _candidates(keep, rest, config, state.global_step)
-            loss, grads = loss_and_grad(model, batch["tokens"], batch["rows"], batch["topk_ids"],
-                                        batch["target_probs"], batch["weights"], candidates, log_weights)
-            optimizer.update(model, grads)
-            mx.eval(loss, model.parameters(), optimizer.state)
-            losses.append(loss.item())
-            state.step, state.global_step = i + 1, state.global_step + 1
-            if config.save_every and state.global_step % config.save_every == 0:
-                _checkpoint(output, model, model_config, tokenizer, optimizer, state)
-            yield StepRecord(epoch, i + 1, per_epoch[epoch], losses[-1], int(batch["rows"].size),
-                             int(batch["tokens"].size), time.perf_counter() - t0)
-        state.epoch, state.step = epoch + 1, 0
-        folder = save_draft(output / f"epoch-{epoch + 1}", model, model_config, tokenizer, config.save_dtype)
-        record = score()
-        record = dataclasses.replace(record, epoch=epoch + 1, checkpoint=str(folder),
-                                     train_loss=sum(losses) / len(losses) if losses else None)
-        state.history.append(asdict(record))
-        _checkpoint(output, model, model_config, tokenizer, optimizer, state)
-        yield record
-        if config.time_budget_s is not None and time.perf_counter() - started > config.time_budget_s:
-            break
+    return fit(DraftTask(target, tokenizer, train, heldout, config), output, config, resume=resume)
 
 
 def _candidates(keep, rest, config: DraftTrainConfig, step: int):
@@ -693,49 +418,3 @@ def _candidates(keep, rest, config: DraftTrainConfig, step: int):
     sample = np.random.default_rng([config.seed, step, 7]).choice(rest, size=n, replace=False)
     log_weights = np.concatenate([np.zeros(len(keep)), np.full(n, np.log(len(rest) / n))]).astype(np.float32)
     return mx.array(np.concatenate([keep, sample]).astype(np.int32)), mx.array(log_weights)
-
-
-def _start(target, tokenizer, train: FeatureCache, output: Path, config: DraftTrainConfig, resume: bool,
-           total_steps: int):
-    """Fresh draft and optimiser, or the ones checkpointed in ``output``."""
-    schedule = warmup_cosine(config.learning_rate, config.warmup_steps, total_steps)
-    optimizer = optim.AdamW(learning_rate=schedule, weight_decay=config.weight_decay)
-    fresh = _State(asdict(config), str(train.directory.resolve()))
-    path = output / STATE
-    if not path.is_file():
-        model, model_config = init_draft(target, config)
-        optimizer.init(model.trainable_parameters())
-        return fresh, model, model_config, optimizer
-    if not resume:
-        raise ValueError(f"{output} already holds a training run; resume it or pass a fresh --output")
-    state = _State(**json.loads(path.read_text()))
-    changed = [k for k in RESUME_KEYS if state.config.get(k) != fresh.config[k]]
-    if changed or state.corpus != fresh.corpus:
-        what = ", ".join(k.replace("_", "-") for k in changed) or "corpus"
-        raise ValueError(f"{output} holds a run with a different {what}; use the same settings to resume, "
-                         "or pass a fresh --output")
-    state.config = fresh.config
-    model_config = json.loads((output / "config.json").read_text())
-    model_config.pop("eos_token_id", None)
-    model = build_draft(model_config)
-    model.load_weights(str(output / "model.safetensors"))
-    mx.eval(model.parameters())
-    optimizer.init(model.trainable_parameters())
-    optimizer.state = tree_unflatten(list(mx.load(str(output / OPTIMIZER)).items()))
-    return state, model, model_config, optimizer
-
-
-def _checkpoint(output: Path, model, model_config: dict, tokenizer, optimizer, state: _State) -> None:
-    save_draft(output, model, model_config, tokenizer)
-    mx.save_safetensors(str(output / OPTIMIZER), dict(tree_flatten(optimizer.state)))
-    write_json(output / STATE, asdict(state))
-
-
-def copy_model_folder(source: str | Path, destination: str | Path) -> Path:
-    """Copy an mlx-lm model folder's files (weights, config, tokenizer; no training state) to ``destination``."""
-    source, destination = Path(source), Path(destination)
-    destination.mkdir(parents=True, exist_ok=True)
-    for path in source.iterdir():
-        if path.is_file() and path.name not in (STATE, OPTIMIZER):
-            shutil.copy2(path, destination / path.name)
-    return destination

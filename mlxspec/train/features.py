@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -26,14 +25,13 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx.utils import tree_flatten
 
 from ..loading import default_cache_dir
 from ..taps import HiddenTap, output_head
 from .dataset import Example
+from .store import MANIFEST, StoreProgress, model_fingerprint, open_manifest, write_chunk, write_json
 
 DEFAULT_CHUNK_TOKENS = 32_768
-MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
 LABELS = ("data", "target")
 """Label sources: ``data`` = the text's own token t + k + 2 (Medusa-1); ``target`` = the target's
@@ -43,17 +41,6 @@ greedy prediction of that token given the text up to t + k + 1 (a cheap self-dis
 def default_features_root() -> Path:
     """``$MLXSPEC_CACHE/features`` (default ``~/.cache/mlxspec/features``)."""
     return default_cache_dir() / "features"
-
-
-def model_fingerprint(model: nn.Module) -> str:
-    """A short hash of a model's parameter names, shapes, dtypes and leading values."""
-    sha = hashlib.sha256(type(model).__module__.encode())
-    # names as if no tap were installed (a tap wraps modules under ".inner")
-    params = sorted((name.replace(".inner.", "."), value) for name, value in tree_flatten(model.parameters()))
-    for name, value in params:
-        sha.update(f"{name}:{value.shape}:{value.dtype};".encode())
-        sha.update(np.asarray(value.reshape(-1)[:1024].astype(mx.float32)).tobytes())
-    return sha.hexdigest()[:16]
 
 
 def data_fingerprint(examples: list[Example], chunk_tokens: int) -> str:
@@ -86,34 +73,8 @@ def cache_dir_for(model: nn.Module, examples: list[Example], *, root: str | Path
     return root / model_fingerprint(model) / data_fingerprint(examples, chunk_tokens)
 
 
-@dataclass(frozen=True)
-class ExtractProgress:
-    """Progress of ``extract_features``, yielded after each example and each skipped chunk.
-
-    Attributes:
-        chunk: Index of the chunk being written.
-        num_chunks: Chunks in the plan.
-        tokens_done: Tokens whose features exist (cached before or computed now).
-        tokens_total: Tokens in the plan.
-        tokens_computed: Tokens run through the target in this call.
-        elapsed_s: Seconds since the call started.
-    """
-
-    chunk: int
-    num_chunks: int
-    tokens_done: int
-    tokens_total: int
-    tokens_computed: int
-    elapsed_s: float
-
-    @property
-    def tokens_per_s(self) -> float:
-        """Extraction speed in this call, tokens/s."""
-        return self.tokens_computed / self.elapsed_s if self.elapsed_s > 0 else 0.0
-
-
 def extract_features(model: nn.Module, examples: list[Example], directory: str | Path, *,
-                     chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> Iterator[ExtractProgress]:
+                     chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> Iterator[StoreProgress]:
     """Run the frozen target over ``examples`` and store its features in ``directory``.
 
     Chunks already on disk are skipped, so calling this again after an interruption resumes.
@@ -125,7 +86,7 @@ def extract_features(model: nn.Module, examples: list[Example], directory: str |
         chunk_tokens: Tokens per chunk (about). Default: ``32768``.
 
     Yields:
-        ``ExtractProgress`` after each example and each chunk found on disk.
+        ``StoreProgress`` in tokens after each example and each chunk found on disk.
 
     Raises:
         ValueError: if ``directory`` holds a cache of other data or another model.
@@ -142,7 +103,7 @@ def extract_features(model: nn.Module, examples: list[Example], directory: str |
         info = manifest["chunks"][c]
         if info["complete"] and (directory / info["file"]).is_file():
             done += info["tokens"]
-            yield ExtractProgress(c, len(chunks), done, total, computed, time.perf_counter() - start)
+            yield StoreProgress(c, len(chunks), done, total, computed, time.perf_counter() - start, True)
             continue
         hidden, greedy = [], []
         for ex in examples[lo:hi]:
@@ -151,7 +112,7 @@ def extract_features(model: nn.Module, examples: list[Example], directory: str |
             greedy.append(g)
             done += len(ex.tokens)
             computed += len(ex.tokens)
-            yield ExtractProgress(c, len(chunks), done, total, computed, time.perf_counter() - start)
+            yield StoreProgress(c, len(chunks), done, total, computed, time.perf_counter() - start, False)
         mx.clear_cache()
         _write_chunk(directory / info["file"], examples[lo:hi], np.concatenate(hidden), np.concatenate(greedy))
         info["complete"] = True
@@ -173,13 +134,13 @@ def _forward(model, tap: HiddenTap, lm_head, ex: Example) -> tuple[np.ndarray, n
 
 
 def _open_manifest(directory: Path, model, examples, chunks, chunk_tokens) -> dict:
-    path = directory / MANIFEST
+    hidden_size, vocab_size = _shape(model)
     manifest = {
         "version": FORMAT_VERSION,
         "model": model_fingerprint(model),
         "data": data_fingerprint(examples, chunk_tokens),
-        "hidden_size": None,
-        "vocab_size": None,
+        "hidden_size": hidden_size,
+        "vocab_size": vocab_size,
         "examples": len(examples),
         "tokens": sum(len(ex.tokens) for ex in examples),
         "masked_tokens": int(sum(ex.mask.sum() for ex in examples)),
@@ -187,15 +148,7 @@ def _open_manifest(directory: Path, model, examples, chunks, chunk_tokens) -> di
                     "tokens": int(sum(len(ex.tokens) for ex in examples[lo:hi])), "complete": False}
                    for c, (lo, hi) in enumerate(chunks)],
     }
-    if path.is_file():
-        old = json.loads(path.read_text())
-        if (old.get("model"), old.get("data")) != (manifest["model"], manifest["data"]):
-            raise ValueError(f"{directory} holds features of another model or data set; use a fresh folder")
-        return old
-    manifest["hidden_size"], manifest["vocab_size"] = _shape(model)
-    directory.mkdir(parents=True, exist_ok=True)
-    write_json(path, manifest)
-    return manifest
+    return open_manifest(directory, manifest, "features of another model or data set")
 
 
 def _shape(model) -> tuple[int | None, int | None]:
@@ -205,17 +158,8 @@ def _shape(model) -> tuple[int | None, int | None]:
 
 def _write_chunk(path: Path, examples: list[Example], hidden: np.ndarray, greedy: np.ndarray) -> None:
     offsets = np.cumsum([0] + [len(ex.tokens) for ex in examples]).astype(np.int64)
-    partial = path.with_name(path.stem + ".partial.npz")
-    np.savez(partial, hidden=hidden, tokens=np.concatenate([ex.tokens for ex in examples]),
-             mask=np.concatenate([ex.mask for ex in examples]), greedy=greedy, offsets=offsets)
-    os.replace(partial, path)
-
-
-def write_json(path: Path, value: dict) -> None:
-    """Write ``value`` as JSON to ``path`` atomically (a ``.partial`` file, then a rename)."""
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(json.dumps(value, indent=1) + "\n")
-    os.replace(partial, path)
+    write_chunk(path, {"hidden": hidden, "tokens": np.concatenate([ex.tokens for ex in examples]),
+                       "mask": np.concatenate([ex.mask for ex in examples]), "greedy": greedy, "offsets": offsets})
 
 
 @dataclass(frozen=True)
@@ -272,6 +216,19 @@ class FeatureCache:
         with np.load(self.directory / self.manifest["chunks"][c]["file"]) as data:
             return {k: data[k] for k in data.files}
 
+    def load_arrays(self, c: int, names: tuple[str, ...]) -> dict[str, np.ndarray]:
+        """Only the arrays ``names`` of chunk ``c`` (npz members load on access: skip the large features).
+
+        Raises:
+            ValueError: the chunk lacks some of them (the folder is another kind of store).
+        """
+        with np.load(self.directory / self.manifest["chunks"][c]["file"]) as data:
+            missing = [k for k in names if k not in data.files]
+            if missing:
+                raise ValueError(f"{self.directory} has no {', '.join(missing)}: it is not the kind of store "
+                                 "this needs (a corpus from 'mlxspec train corpus' has every array)")
+            return {k: data[k] for k in names}
+
     def chunk_positions(self, c: int, num_heads: int, arrays: dict | None = None) -> np.ndarray:
         """Positions t of chunk ``c`` where at least one of ``num_heads`` heads has a target."""
         arrays = arrays if arrays is not None else self.load_chunk(c)
@@ -281,22 +238,23 @@ class FeatureCache:
         """Batches per epoch for ``batches(num_heads, batch_size)`` (reads only the small arrays)."""
         steps = 0
         for c in range(self.num_chunks):
-            with np.load(self.directory / self.manifest["chunks"][c]["file"]) as data:
-                arrays = {k: data[k] for k in ("mask", "offsets")}
+            arrays = self.load_arrays(c, ("mask", "offsets"))
             steps += -(-len(self.chunk_positions(c, num_heads, arrays)) // batch_size)
         return steps
 
     def batches(self, num_heads: int, batch_size: int, *, epoch: int = 0, seed: int = 0,
-                shuffle: bool = True) -> Iterator[Batch]:
+                shuffle: bool = True, start: int = 0) -> Iterator[Batch]:
         """Batches of ``batch_size`` positions; each chunk's last batch is padded (``valid`` = 0).
 
         With ``shuffle`` the chunk order and the positions inside a chunk are permuted by a
         generator seeded with (seed, epoch[, chunk]), so the same arguments always give the
-        same batches. Without it, positions come in cache order.
+        same batches. Without it, positions come in cache order. The first ``start`` batches
+        are skipped without being built (a resumed epoch).
         """
         order = np.arange(self.num_chunks)
         if shuffle:
             order = np.random.default_rng([seed, epoch]).permutation(self.num_chunks)
+        index = 0
         for c in order:
             arrays = self.load_chunk(int(c))
             valid = valid_targets(arrays, num_heads)  # [K, N]
@@ -304,7 +262,9 @@ class FeatureCache:
             if shuffle:
                 positions = np.random.default_rng([seed, epoch, int(c)]).permutation(positions)
             for i in range(0, len(positions), batch_size):
-                yield _batch(arrays, valid, positions[i : i + batch_size], num_heads, batch_size)
+                index += 1
+                if index > start:
+                    yield _batch(arrays, valid, positions[i : i + batch_size], num_heads, batch_size)
 
 
 def valid_targets(arrays: dict, num_heads: int) -> np.ndarray:

@@ -7,40 +7,34 @@ has a target: assistant tokens only). The residual blocks start at zero and each
 the target's LM head (shared, frozen: the default, a few MB on disk) or in its own copy of it
 (``own_lm_head``, the original format). AdamW with linear warm-up and cosine decay.
 
-``train_medusa`` is a generator of records (no printing): a ``StepRecord`` per batch and an
-``EvalRecord`` (held-out top-1 accuracy per head) before training and after every epoch. It
-checkpoints into its output folder (published layout + ``config.json``, optimizer state and
-``trainer_state.json``) after every epoch and every ``save_every`` steps, and resumes from there.
+``MedusaTask`` is this method on the shared loop (``loop.fit``): fresh heads, their published layout
+on disk, batches of cached feature positions, the loss and the held-out accuracy; ``train_medusa``
+runs it and yields the loop's records (a ``MedusaEvalRecord`` per evaluation).
 """
 
 from __future__ import annotations
 
-import json
-import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
-from functools import partial
+from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
-import mlx.optimizers as optim
 import numpy as np
-from mlx.utils import tree_flatten, tree_map, tree_unflatten
+from mlx.utils import tree_map
 
 from ..heads.medusa import MedusaConfig, MedusaHeads, load_medusa, save_medusa
 from ..taps import logits_width, output_head
-from .features import LABELS, FeatureCache, write_json
+from .features import LABELS, Batch, FeatureCache
+from .loop import EvalRecord, StepRecord, TrainConfig, fit
 
-STATE = "trainer_state.json"
-OPTIMIZER = "optimizer.safetensors"
-#: Settings that must match to resume a run.
-RESUME_KEYS = ("num_heads", "num_layers", "own_lm_head", "labels", "batch_size", "seed", "train_vocab")
+#: Settings that must match to resume a run (with the loop's own).
+RESUME_KEYS = ("num_heads", "num_layers", "own_lm_head", "labels", "batch_size", "train_vocab")
 
 
 @dataclass(frozen=True)
-class MedusaTrainConfig:
-    """Settings of a Medusa-1 run.
+class MedusaTrainConfig(TrainConfig):
+    """Settings of a Medusa-1 run: the loop's (``TrainConfig``) and these.
 
     Attributes:
         num_heads: K heads (head k predicts token t + k + 2).
@@ -49,15 +43,8 @@ class MedusaTrainConfig:
             otherwise heads share the target's frozen LM head.
         labels: ``"data"`` (the text's tokens, Medusa-1) or ``"target"`` (the target's greedy
             predictions of the same tokens; see ``features.LABELS``).
-        epochs: Passes over the training features.
         batch_size: Positions per step.
         learning_rate: Peak learning rate (Medusa uses 1e-3).
-        warmup_steps: Linear warm-up steps before the cosine decay to 0.
-        weight_decay: AdamW weight decay.
-        seed: Seed of the batch order.
-        save_every: Also checkpoint every this many steps (0: only after each epoch).
-        max_eval_positions: Held-out positions scored per evaluation.
-        save_dtype: dtype of the per-epoch copies in ``epoch-<n>/`` (the resume checkpoint is float32).
         train_vocab: Score the training loss over only the this-many most frequent label tokens of the
             training data (0: the full vocabulary). The softmax over a 49k vocabulary dominates a step
             on a CPU; restricting it is the sampled-softmax idea (Jean et al. 2015, arXiv 1412.2007)
@@ -69,84 +56,37 @@ class MedusaTrainConfig:
     num_layers: int = 1
     own_lm_head: bool = False
     labels: str = "data"
-    epochs: int = 1
     batch_size: int = 256
     learning_rate: float = 1e-3
-    warmup_steps: int = 20
-    weight_decay: float = 0.0
-    seed: int = 0
-    save_every: int = 0
-    max_eval_positions: int = 4096
-    save_dtype: str = "float16"
     train_vocab: int = 0
 
     def __post_init__(self):
+        super().__post_init__()
         if self.labels not in LABELS:
             raise ValueError(f"labels must be one of {', '.join(LABELS)}, got {self.labels!r}")
-        for name in ("num_heads", "num_layers", "epochs", "batch_size"):
+        for name in ("num_heads", "num_layers", "batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if self.learning_rate <= 0:
-            raise ValueError(f"learning-rate must be > 0, got {self.learning_rate}")
         if self.train_vocab < 0:
             raise ValueError(f"train-vocab must be >= 0 (0: full vocabulary), got {self.train_vocab}")
 
 
 @dataclass(frozen=True)
-class StepRecord:
-    """One optimiser step.
-
-    Attributes:
-        epoch: Epoch index, from 0.
-        step: Steps done in this epoch (1-based).
-        steps_per_epoch: Steps in an epoch.
-        loss: Summed loss over heads (nats).
-        head_losses: Per-head mean cross-entropy (nats), [K].
-        positions: Positions in the batch that carry a target.
-        step_s: Wall time of the step, seconds.
-    """
-
-    epoch: int
-    step: int
-    steps_per_epoch: int
-    loss: float
-    head_losses: list[float]
-    positions: int
-    step_s: float
-
-
-@dataclass(frozen=True)
-class EvalRecord:
+class MedusaEvalRecord(EvalRecord):
     """Held-out accuracy after ``epoch`` epochs (0 = before training).
 
     Attributes:
-        epoch: Epochs finished.
         accuracy: Top-1 accuracy per head against the text's token t + k + 2, [K].
         target_accuracy: Top-1 agreement per head with the target's greedy token, [K] (what
             greedy verification accepts, with the text as context).
         target_top10: The target's greedy token is in the head's top 10, [K] (tree ranks < 10).
         positions: Held-out positions scored.
-        train_loss: Mean training loss over the epoch (``None`` before training).
-        checkpoint: Folder of this epoch's heads (``None`` before training).
     """
 
-    epoch: int
     accuracy: list[float]
     target_accuracy: list[float]
     target_top10: list[float]
     positions: int
-    train_loss: float | None = None
-    checkpoint: str | None = None
-
-
-@dataclass
-class _State:
-    config: dict
-    features: str
-    epoch: int = 0
-    step: int = 0
-    global_step: int = 0
-    history: list[dict] = field(default_factory=list)
 
 
 def medusa_loss(heads: MedusaHeads, hidden: mx.array, labels: mx.array, valid: mx.array, lm_head) -> tuple:
@@ -190,7 +130,7 @@ def init_heads(target: nn.Module, config: MedusaTrainConfig) -> MedusaHeads:
 
 
 def evaluate(heads: MedusaHeads, lm_head, cache: FeatureCache, *, batch_size: int = 256,
-             max_positions: int = 4096) -> EvalRecord:
+             max_positions: int = 4096) -> MedusaEvalRecord:
     """Top-1 accuracy per head on the first ``max_positions`` positions of ``cache`` (in cache order)."""
     k = heads.config.medusa_num_heads
     totals = mx.zeros((4, k))  # counts, data top-1, target top-1, target top-10
@@ -208,62 +148,91 @@ def evaluate(heads: MedusaHeads, lm_head, cache: FeatureCache, *, batch_size: in
         mx.eval(totals)
         seen += int(batch.valid.max(axis=0).sum().item())
     counts, data, target, top10 = mx.maximum(totals, 1e-9).tolist()
-    return EvalRecord(0, [a / n for a, n in zip(data, counts)], [a / n for a, n in zip(target, counts)],
-                      [a / n for a, n in zip(top10, counts)], seen)
+    return MedusaEvalRecord([a / n for a, n in zip(data, counts)], [a / n for a, n in zip(target, counts)],
+                            [a / n for a, n in zip(top10, counts)], seen)
 
 
-def train_medusa(target: nn.Module, train: FeatureCache, heldout: FeatureCache | None, output: str | Path,
-                 config: MedusaTrainConfig, *, resume: bool = True) -> Iterator[StepRecord | EvalRecord]:
-    """Train Medusa-1 heads on cached features, checkpointing into ``output``.
+class MedusaTask:
+    """Medusa-1 on ``loop.fit``: heads over cached features of the frozen ``target``.
 
     Args:
         target: The frozen target (its LM head scores shared-head heads).
         train: Training features.
         heldout: Held-out features for the per-epoch accuracy, or ``None``.
+        config: Settings.
+    """
+
+    resume_keys = RESUME_KEYS
+    compile = True  # every batch is padded to batch_size: one graph
+
+    def __init__(self, target: nn.Module, train: FeatureCache, heldout: FeatureCache | None,
+                 config: MedusaTrainConfig):
+        self.target, self.train, self.heldout, self.config = target, train, heldout, config
+        self.data = str(train.directory.resolve())
+        self.lm_head = output_head(target)
+        self.remap, self.train_head = _training_vocab(target, train, config)
+
+    def init(self) -> MedusaHeads:
+        return init_heads(self.target, self.config)
+
+    def load(self, folder: Path) -> MedusaHeads:
+        hidden_size, vocab_size = target_shape(self.target)
+        return load_medusa(folder, hidden_size=hidden_size, vocab_size=vocab_size)
+
+    def save(self, heads: MedusaHeads, folder: Path, dtype: str | None) -> None:
+        if dtype is not None:
+            copy = MedusaHeads(heads.config)
+            copy.update(tree_map(lambda a: a.astype(getattr(mx, dtype)), heads.parameters()))
+            heads = copy
+        save_medusa(folder, heads)
+
+    def steps_in_epoch(self, epoch: int) -> int:
+        return self.train.steps_per_epoch(self.config.num_heads, self.config.batch_size)
+
+    def batches(self, heads, epoch: int, start: int) -> Iterator[Batch]:
+        c = self.config
+        return self.train.batches(c.num_heads, c.batch_size, epoch=epoch, seed=c.seed, start=start)
+
+    def loss(self, heads: MedusaHeads):
+        return lambda hidden, labels, valid: medusa_loss(heads, hidden, labels, valid, self.train_head)
+
+    def inputs(self, batch: Batch, global_step: int) -> tuple[mx.array, mx.array, mx.array]:
+        labels, valid = batch.labels if self.config.labels == "data" else batch.greedy_labels, batch.valid
+        if self.remap is not None:
+            labels = self.remap[labels]
+            valid = valid * (labels >= 0)
+            labels = mx.maximum(labels, 0)
+        return batch.hidden, labels, valid
+
+    def counts(self, batch: Batch) -> tuple[int, int]:
+        positions = int(batch.valid.max(axis=0).sum().item())
+        return positions, positions
+
+    def evaluate(self, heads: MedusaHeads) -> MedusaEvalRecord | None:
+        if self.heldout is None:
+            return None
+        return evaluate(heads, self.lm_head, self.heldout, batch_size=self.config.batch_size,
+                        max_positions=self.config.max_eval_positions)
+
+
+def train_medusa(target: nn.Module, train: FeatureCache, heldout: FeatureCache | None, output: str | Path,
+                 config: MedusaTrainConfig, *, resume: bool = True) -> Iterator[StepRecord | EvalRecord]:
+    """Train Medusa-1 heads on cached features, checkpointing into ``output`` (``loop.fit`` on a ``MedusaTask``).
+
+    Args:
+        target, train, heldout, config: As ``MedusaTask``.
         output: Checkpoint folder: ``config.json`` + ``medusa_lm_head.safetensors`` (latest, float32),
             ``optimizer.safetensors``, ``trainer_state.json``, and ``epoch-<n>/`` per epoch.
-        config: Settings.
         resume: Continue from the checkpoint in ``output`` if there is one. Default: ``True``.
 
     Yields:
-        ``EvalRecord`` before training (fresh runs) and after each epoch; ``StepRecord`` per step.
+        ``MedusaEvalRecord`` before training (fresh runs with held-out data) and after each epoch (a bare
+        ``EvalRecord`` without held-out data); ``StepRecord`` per step (``parts``: per-head losses).
 
     Raises:
-        ValueError: ``output`` holds a run with other settings or features (when resuming), or
-            ``resume`` is false and ``output`` already holds a run.
+        ValueError: as ``loop.fit``.
     """
-    output = Path(output)
-    lm_head = output_head(target)
-    per_epoch = train.steps_per_epoch(config.num_heads, config.batch_size)
-    state, heads, optimizer = _start(target, train, output, config, resume, per_epoch * config.epochs)
-    if state.global_step == 0 and heldout is not None and not state.history:
-        record = evaluate(heads, lm_head, heldout, batch_size=config.batch_size,
-                          max_positions=config.max_eval_positions)
-        state.history.append(asdict(record))
-        yield record
-    remap, train_head = _training_vocab(target, train, config)
-    step = _compiled_step(heads, optimizer, train_head)
-    for epoch in range(state.epoch, config.epochs):
-        losses = []
-        batches = train.batches(config.num_heads, config.batch_size, epoch=epoch, seed=config.seed)
-        for i, batch in enumerate(batches):
-            if i < state.step:  # resuming inside an epoch: same order, skip what was done
-                continue
-            t0 = time.perf_counter()
-            labels, valid = batch.labels if config.labels == "data" else batch.greedy_labels, batch.valid
-            if remap is not None:
-                labels = remap[labels]
-                valid = valid * (labels >= 0)
-                labels = mx.maximum(labels, 0)
-            loss, per_head = step(batch.hidden, labels, valid)
-            mx.eval(loss, per_head, heads.parameters(), optimizer.state)
-            losses.append(loss.item())
-            state.step, state.global_step = i + 1, state.global_step + 1
-            if config.save_every and state.step % config.save_every == 0:
-                _checkpoint(output, heads, optimizer, state)
-            yield StepRecord(epoch, i + 1, per_epoch, losses[-1], per_head.tolist(),
-                             int(batch.valid.max(axis=0).sum().item()), time.perf_counter() - t0)
-        yield _end_epoch(epoch, losses, heads, optimizer, lm_head, heldout, output, config, state)
+    return fit(MedusaTask(target, train, heldout, config), output, config, resume=resume)
 
 
 def _training_vocab(target: nn.Module, train: FeatureCache, config: MedusaTrainConfig):
@@ -286,83 +255,3 @@ def _training_vocab(target: nn.Module, train: FeatureCache, config: MedusaTrainC
     rows = lm_head(mx.eye(int(target.args.hidden_size))).T[mx.array(keep)].astype(mx.float32)  # [V', H]
     mx.eval(rows)
     return mx.array(remap), lambda h: h @ rows.T
-
-
-def _compiled_step(heads: MedusaHeads, optimizer, lm_head):
-    """One AdamW step on a batch, compiled; returns (loss, per-head losses)."""
-    loss_and_grad = nn.value_and_grad(heads, partial(medusa_loss, lm_head=lm_head))
-    state = [heads.state, optimizer.state]
-
-    @partial(mx.compile, inputs=state, outputs=state)
-    def step(hidden, labels, valid):
-        (loss, per_head), grads = loss_and_grad(heads, hidden, labels, valid)
-        optimizer.update(heads, grads)
-        return loss, per_head
-
-    return step
-
-
-def _end_epoch(epoch: int, losses: list[float], heads, optimizer, lm_head, heldout, output: Path,
-               config: MedusaTrainConfig, state: _State) -> EvalRecord:
-    """Save ``epoch-<n>/``, score the held-out set, checkpoint; the epoch's ``EvalRecord``."""
-    state.epoch, state.step = epoch + 1, 0
-    folder = output / f"epoch-{epoch + 1}"
-    _save_copy(folder, heads, config.save_dtype)
-    record = EvalRecord(0, [], [], [], 0)
-    if heldout is not None:
-        record = evaluate(heads, lm_head, heldout, batch_size=config.batch_size,
-                          max_positions=config.max_eval_positions)
-    mean_loss = sum(losses) / len(losses) if losses else None
-    record = EvalRecord(epoch + 1, record.accuracy, record.target_accuracy, record.target_top10,
-                        record.positions, mean_loss, str(folder))
-    state.history.append(asdict(record))
-    _checkpoint(output, heads, optimizer, state)
-    return record
-
-
-def warmup_cosine(learning_rate: float, warmup_steps: int, total_steps: int):
-    """Linear warm-up from 0 over ``warmup_steps`` (capped below ``total_steps``), then cosine decay to 0
-    over the remaining steps: the schedule every trainer here uses."""
-    warmup = min(warmup_steps, max(total_steps - 1, 0))
-    decay = optim.cosine_decay(learning_rate, max(total_steps - warmup, 1))
-    if warmup == 0:
-        return decay
-    return optim.join_schedules([optim.linear_schedule(0.0, learning_rate, warmup), decay], [warmup])
-
-
-def _start(target, train: FeatureCache, output: Path, config: MedusaTrainConfig, resume: bool, total_steps: int):
-    """Fresh heads and optimiser, or the ones checkpointed in ``output``."""
-    schedule = warmup_cosine(config.learning_rate, config.warmup_steps, total_steps)
-    optimizer = optim.AdamW(learning_rate=schedule, weight_decay=config.weight_decay)
-    fresh = _State(asdict(config), str(train.directory.resolve()))
-    path = output / STATE
-    if not path.is_file():
-        heads = init_heads(target, config)
-        optimizer.init(heads.trainable_parameters())
-        return fresh, heads, optimizer
-    if not resume:
-        raise ValueError(f"{output} already holds a training run; resume it or pass a fresh --output")
-    state = _State(**json.loads(path.read_text()))
-    changed = [k for k in RESUME_KEYS if state.config.get(k) != fresh.config[k]]
-    if changed or state.features != fresh.features:
-        what = ", ".join(changed) or "the training features"
-        raise ValueError(f"{output} holds a run with different {what}; use the same settings to resume, "
-                         "or pass a fresh --output")
-    state.config = fresh.config
-    hidden_size, vocab_size = target_shape(target)
-    heads = load_medusa(output, hidden_size=hidden_size, vocab_size=vocab_size)
-    optimizer.init(heads.trainable_parameters())
-    optimizer.state = tree_unflatten(list(mx.load(str(output / OPTIMIZER)).items()))
-    return state, heads, optimizer
-
-
-def _checkpoint(output: Path, heads: MedusaHeads, optimizer, state: _State) -> None:
-    save_medusa(output, heads)
-    mx.save_safetensors(str(output / OPTIMIZER), dict(tree_flatten(optimizer.state)))
-    write_json(output / STATE, asdict(state))
-
-
-def _save_copy(folder: Path, heads: MedusaHeads, dtype: str) -> None:
-    copy = MedusaHeads(heads.config)
-    copy.update(tree_map(lambda a: a.astype(getattr(mx, dtype)), heads.parameters()))
-    save_medusa(folder, copy)

@@ -1,0 +1,109 @@
+"""``mlxspec convert SRC OUT``: any model spec to an mlx-lm folder that ``mlx_lm.load`` opens unchanged.
+
+SRC is anything ``mlxspec.load`` takes (a GGUF file, a named model such as ``qwen2.5-coder-1.5b``,
+an mlx-lm folder, a Hugging Face repo id). OUT gets ``config.json`` (with a per-layer
+``quantization`` section when layers stay quantized, and the end-of-turn ids as
+``eos_token_id``), ``model*.safetensors`` and the tokenizer files with the chat template. Without
+``--dtype`` quantized layers stay quantized exactly as loaded (a GGUF's Q4_K stays 4-bit with the
+same values); with it everything is dequantized and cast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from collections import Counter
+from pathlib import Path
+
+import mlx.nn as nn
+
+from ..weights import DTYPES, QUANTIZED_TYPES
+from .common import USER_ERRORS, ArgumentParser, fail
+
+
+def setup_arg_parser() -> argparse.ArgumentParser:
+    """The ``mlxspec convert`` flags."""
+    parser = ArgumentParser(prog="mlxspec convert", description=__doc__.splitlines()[0].split(": ", 1)[1])
+    parser.add_argument("src", metavar="SRC",
+                        help="model: a .gguf file, a named model (e.g. qwen2.5-coder-1.5b), an mlx-lm folder "
+                             "or a Hugging Face repo id")
+    parser.add_argument("out", metavar="OUT", help="the mlx-lm folder to write (must not exist, or be empty)")
+    parser.add_argument("--dtype", choices=DTYPES, default=None,
+                        help="dequantize everything and cast to this dtype. Default: keep quantized layers "
+                             "quantized and the other weights as stored")
+    parser.add_argument("--requantize", action="store_true",
+                        help="GGUF Q2_K/Q3_K/Q6_K tensors: re-quantize to 8-bit groups of 32 (lossy) instead "
+                             "of dequantizing them to float32")
+    return parser
+
+
+def quantization_config(model: nn.Module) -> dict | None:
+    """The ``quantization`` section of ``config.json`` for ``model``'s quantized layers.
+
+    Args:
+        model (nn.Module): A loaded mlx-lm model.
+
+    Returns:
+        dict | None: The most common group size and bits at the top, and one entry per quantized
+        layer path (``{"group_size", "bits", "mode"}``) so mixed-bit models load exactly; ``None``
+        when no layer is quantized.
+    """
+    layers = {
+        path: {"group_size": m.group_size, "bits": m.bits, "mode": getattr(m, "mode", "affine")}
+        for path, m in model.named_modules()
+        if isinstance(m, QUANTIZED_TYPES)
+    }
+    if not layers:
+        return None
+    common = Counter((q["group_size"], q["bits"]) for q in layers.values()).most_common(1)[0][0]
+    return {"group_size": common[0], "bits": common[1], "mode": "affine", **dict(sorted(layers.items()))}
+
+
+def convert(src: str, out: str | Path, *, dtype: str | None = None, requantize: bool = False) -> Path:
+    """Load ``src`` with ``mlxspec.load`` and write it as an mlx-lm folder.
+
+    Args:
+        src (str): Any model spec ``mlxspec.load`` accepts.
+        out (str | Path): The folder to write; created, and must be empty if it exists.
+        dtype (str | None): As in ``mlxspec.load``: ``None`` keeps quantized layers. Default: ``None``.
+        requantize (bool): As in ``mlxspec.load``. Default: ``False``.
+
+    Returns:
+        Path: ``out``.
+
+    Raises:
+        ValueError: ``out`` is a non-empty folder or a file; ``src`` cannot be loaded (see
+            ``mlxspec.load``).
+        FileNotFoundError: ``src`` does not exist.
+    """
+    from mlx_lm.utils import save_config, save_model
+
+    from ..loading import load
+
+    out = Path(out).expanduser()
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"{out} already exists and is not an empty folder; pass a new folder for OUT.")
+    model, tokenizer = load(src, dtype=dtype, requantize=requantize)
+    config = {k: v for k, v in dataclasses.asdict(model.args).items() if v is not None}
+    if quantization := quantization_config(model):
+        config["quantization"] = quantization
+    eos = sorted(tokenizer.eos_token_ids)
+    if eos:
+        config["eos_token_id"] = eos if len(eos) > 1 else eos[0]
+    out.mkdir(parents=True, exist_ok=True)
+    save_model(out, model)
+    save_config(config, out / "config.json")
+    tokenizer.save_pretrained(str(out))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``mlxspec convert``; returns the exit status (2 on a user error)."""
+    args = setup_arg_parser().parse_args(argv)
+    try:
+        out = convert(args.src, args.out, dtype=args.dtype, requantize=args.requantize)
+    except USER_ERRORS as e:
+        return fail(str(e))
+    print(f"mlxspec: wrote {out} (load it with mlx_lm.load({str(out)!r}) or --model {out})", file=sys.stderr)
+    return 0
