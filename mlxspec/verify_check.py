@@ -33,6 +33,7 @@ from .cache import prefill, tree_attention
 from .drafters import Draft, Drafter
 from .generate import make_verifier, speculative_rounds
 from .sampling import SamplingParams, process_logits, warp
+from .tree import Tree
 
 DEFAULT_SAMPLES = 2000
 DEFAULT_TOKENS = 3
@@ -294,6 +295,16 @@ def _copy_cache(cache: list) -> list:
     return copies
 
 
+def _state_logits(model, cache: list, last_prompt_token: int, state: list[int], draft: Draft) -> mx.array:
+    """Target logits at the root (``state[-1]``, else the prompt's last token) and each draft node,
+    [N + 1, V], from one forward: the sampled tokens as a chain with the draft tree hanging below."""
+    s, offset = len(state), len(state) - 1
+    parents = tuple(range(-1, s - 1)) + tuple(p + s if p >= 0 else offset for p in draft.tree.parents)
+    tokens = mx.concatenate([mx.array([last_prompt_token, *state], dtype=mx.int32), draft.tokens])
+    with tree_attention(model, cache, Tree(parents)):
+        return model(tokens[None], cache=cache)[0, s:]
+
+
 def _round_tokens(draft: Draft, choice: list[int], next_tokens: list[int]) -> tuple[list[int], int]:
     path = draft.tree.walk(choice)
     drafted = draft.tokens.tolist() if draft.size else []
@@ -305,8 +316,9 @@ def sample_batched(model, prompt: list[int], drafter: Drafter, sampling: Samplin
     """The same samples as ``sample_engine`` for a ``batchable`` drafter, sharing work between samples.
 
     All samples at one prefix get the drafter's one proposal and one target forward over
-    ``[root, *draft]`` (tree mask and positions as in the engine, from a copy of the prompt's
-    cache); each sample then makes its own acceptance draws with ``rule``.
+    ``[prompt[-1], *prefix, *draft]`` from a copy of the prompt's cache (the prefix as a chain with the
+    draft tree below it: tree mask and positions as in the engine); each sample then makes its own
+    acceptance draws with ``rule``.
     """
     base = make_prompt_cache(model)
     prefill(model, base, prompt[:-1])
@@ -319,11 +331,8 @@ def sample_batched(model, prompt: list[int], drafter: Drafter, sampling: Samplin
             continue
         history, room = prompt + list(state), num_tokens - len(state)
         draft = drafter.propose(history, min(num_draft_tokens, room - 1), sampling)
-        cache = _copy_cache(base)
-        prefill(model, cache, history[len(prompt) - 1 : -1])
+        logits = _state_logits(model, _copy_cache(base), prompt[-1], list(state), draft)  # [N + 1, V]
         tokens = mx.concatenate([mx.array(history[-1:], dtype=mx.int32), draft.tokens])  # [N + 1]
-        with tree_attention(model, cache, draft.tree):
-            logits = model(tokens[None], cache=cache)[0]  # [N + 1, V]
         processors = sampling.processors()
         if processors:
             paths = [draft.tree.path_to(node) for node in range(draft.size + 1)]
