@@ -12,7 +12,7 @@ this machine's measured verify curve. Of the two stores' trees, the one whose ke
 higher in total (the expected accepted tokens) is drafted, the longer match breaking ties.
 
 Children are a deterministic function of the stores, so drafts carry ``logprobs = None`` and the
-engine verifies them with the exact one-hot tree rule (heads.md 2.4): the output is distributed as
+engine verifies them with the exact one-hot tree rule (docs/acceptance.md 2.4): the output is distributed as
 the target's at any temperature, and equals plain greedy decoding at temperature 0.
 
 The paper indexes the stores with suffix trees. The same query (every occurrence of the longest
