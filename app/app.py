@@ -162,8 +162,11 @@ class SpecChatApp(App):
         kept = self._answer is not None and self._answer.text
         self._finish_answer(failed=True)
         if not kept and self.history and self.history[-1]["role"] == "user":
-            self.history.pop()  # the model never answered it: do not send it twice
-            message.error += " (your message was not added to the conversation)"
+            unsent = self.history.pop()  # the model never answered it: do not send it twice
+            prompt = self.query_one("#prompt", Input)
+            if not prompt.value:  # give it back, so nothing typed is lost
+                prompt.value = unsent["content"]
+            message.error += " (your message was not added to the conversation; it is back in the input)"
         self.chat_log.add("error", f"Generation failed: {message.error}")
         self.generating = False
 

@@ -19,12 +19,13 @@ from collections.abc import Callable, Iterator
 
 import mlx.core as mx
 
+from mlxspec.cache import PromptCache
 from mlxspec.drafters import DRAFTERS, DrafterSpec
 from mlxspec.gamma import gamma_policy
 from mlxspec.generate import stream_generate
 from mlxspec.metrics import CycleStats, GenerationStats, TokenEvent
 from mlxspec.sampling import SamplingParams
-from mlxspec.session import USER_ERRORS, LoadedModel, ModelSpec, build_drafter, load_model
+from mlxspec.session import USER_ERRORS, LoadedModel, ModelSpec, build_drafter, check_fits, load_model
 
 from .messages import (
     EngineInfo,
@@ -63,6 +64,7 @@ class EngineConfig:
         seed: Seed for ``mx.random`` before each answer, or ``None``.
         typical: ``(threshold, alpha)`` for the LOSSY typical acceptance, or ``None``.
         draft_dtype: The dtype of a draft model loaded later from the chat (F2). Default: as stored.
+        stop: Stop strings that end an answer (``stops.StopStrings``). Default: none.
     """
 
     model: ModelSpec | str = "default"
@@ -74,6 +76,7 @@ class EngineConfig:
     seed: int | None = None
     typical: tuple[float, float] | None = None
     draft_dtype: str | None = None
+    stop: tuple[str, ...] = ()
 
     def __post_init__(self):
         if isinstance(self.model, str):
@@ -123,7 +126,7 @@ def relay(events: Iterator, request_id: int, post: Post, cancelled: threading.Ev
                     spans.append((event.text, event.kind))
             elif isinstance(event, CycleStats):
                 totals.add_cycle(event)
-                taus.append(event.num_accepted + 1)
+                taus.append(event.num_emitted)
                 if cancelled.is_set() or time.monotonic() - last_flush >= flush_s:
                     flush()
                     last_flush = time.monotonic()
@@ -167,9 +170,22 @@ def chat_prompt(tokenizer, messages: list[dict]) -> str | list[int]:
     return "\n\n".join(m["content"] for m in messages) + "\n\n"
 
 
+#: Command-line advice in library errors, as it reads in the chat (where F2 switches drafters and models).
+CHAT_WORDING = (
+    ("pass --draft-model PATH_OR_REPO", "give a draft model in F2 (or start the chat with --draft-model)"),
+    ("pass --medusa-heads PATH_OR_REPO", "start the chat with --medusa-heads PATH_OR_REPO"),
+    ("pass --eagle-heads PATH_OR_REPO", "start the chat with --eagle-heads PATH_OR_REPO"),
+    ("or --drafter none", "or choose the none drafter in F2"),
+    ("use --drafter none", "choose the none drafter in F2"),
+)
+
+
 def one_line(error: BaseException) -> str:
-    """An exception as one line for the chat; the type is named unless it is a user error."""
+    """An exception as one line for the chat; the type is named unless it is a user error, and
+    command-line advice is reworded for the chat (``CHAT_WORDING``)."""
     text = " ".join(str(error).split()) or type(error).__name__
+    for flag_advice, chat_advice in CHAT_WORDING:
+        text = text.replace(flag_advice, chat_advice)
     if isinstance(error, USER_ERRORS):
         return text
     return f"{type(error).__name__}: {text}"
@@ -182,6 +198,7 @@ class _Loaded:
     drafter: object = None
     num_draft_tokens: int | str = 4
     policy: object = None  # the γ policy of every answer until the next configure (auto learns across turns)
+    prompt_cache: PromptCache | None = None  # the target's cache, reused across the turns of the conversation
 
 
 @dataclass(frozen=True)
@@ -240,13 +257,21 @@ class Engine:
         self._requests.put(_Configure(drafter, num_draft_tokens, model and ModelSpec(model, c.model.dtype),
                                       draft_model and ModelSpec(draft_model, c.draft_dtype)))
 
-    def close(self, timeout_s: float = 2.0) -> None:
-        """Cancel everything, stop the thread and wait up to ``timeout_s`` for it."""
+    def close(self, timeout_s: float = 30.0) -> bool:
+        """Cancel everything, stop the thread and wait up to ``timeout_s`` for it (an answer stops
+        after its current round; a long prefill cannot be interrupted). Returns whether it stopped."""
         for event in list(self._cancels.values()):
             event.set()
         self._requests.put(None)
         if self._thread is not None:
             self._thread.join(timeout_s)
+            return not self._thread.is_alive()
+        return True
+
+    @property
+    def running(self) -> bool:
+        """Whether the engine thread is still alive (after ``close``: it did not stop in time)."""
+        return self._thread is not None and self._thread.is_alive()
 
     # Everything below runs in the engine thread.
 
@@ -272,10 +297,13 @@ class Engine:
             events = stream_generate(
                 state.target.model, state.target.tokenizer, chat_prompt(state.target.tokenizer, request.messages),
                 drafter=state.drafter, num_draft_tokens=state.policy, max_tokens=config.max_tokens,
-                sampling=config.sampling, seed=config.seed, typical=config.typical,
+                sampling=config.sampling, seed=config.seed, typical=config.typical, stop=config.stop,
+                prompt_cache=state.prompt_cache,
             )
             relay(events, rid, post, request.cancelled, drafter=state.drafter.name, num_draft_tokens=gamma)
         except Exception as e:  # the thread must survive any failure; the UI shows it
+            if state.target is not None:  # a round may have stopped half-way: start the cache afresh
+                state.prompt_cache = PromptCache(state.target.model)
             post(GenerationFailed(rid, one_line(e)))
         finally:
             self._cancels.pop(rid, None)
@@ -297,7 +325,7 @@ class Engine:
                     return
                 continue
             if role == "target model":
-                state.target = loaded
+                state.target, state.prompt_cache = loaded, PromptCache(loaded.model)
             else:
                 state.draft = loaded
         if state.target is None:
@@ -310,9 +338,10 @@ class Engine:
 
         try:
             state.drafter = self._make_drafter(name, state, note)
+            check_fits(state.target, state.drafter)
         except Exception as e:
             keep = state.drafter if state.drafter is not None and not request.model else None
-            state.drafter = keep or self._make_drafter("ngram", state, note)  # an old drafter may not fit a new target
+            state.drafter = keep or self._fallback(state, note)  # an old drafter may not fit a new target
             post(LoadFailed(f"Cannot use the {name} drafter: {one_line(e)}; keeping the {state.drafter.name} drafter"))
         try:
             state.policy = gamma_policy(state.num_draft_tokens, state.target.model, state.drafter, on_measure=note)
@@ -323,6 +352,15 @@ class Engine:
                             f"{DEFAULT_NUM_DRAFT_TOKENS}"))
         self._state = state
         post(EngineReady(self._info()))
+
+    def _fallback(self, state: _Loaded, on_measure):
+        """The n-gram drafter, or plain decoding on a target whose cache cannot be rewound."""
+        drafter = self._make_drafter("ngram", state, on_measure)
+        try:
+            check_fits(state.target, drafter)
+        except ValueError:
+            drafter = self._make_drafter("none", state, on_measure)
+        return drafter
 
     def _make_drafter(self, name: str, state: _Loaded, on_measure=None):
         """The configured spec for its own drafter name, defaults for any other."""

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+from .cache import PromptCache
 from .drafters import Draft, Drafter, make_drafter
 from .generate import GenerationResult, generate, stream_generate
 from .loading import load
@@ -19,6 +20,7 @@ __all__ = [
     "Drafter",
     "GenerationResult",
     "GenerationStats",
+    "PromptCache",
     "SamplingParams",
     "TokenEvent",
     "generate",

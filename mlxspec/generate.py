@@ -20,14 +20,23 @@ from collections.abc import Callable, Iterator
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import make_prompt_cache
 
-from .cache import DEFAULT_PREFILL_STEP_SIZE, check_compactable, check_rewindable, commit_path, prefill, tree_attention
+from .cache import (
+    DEFAULT_PREFILL_STEP_SIZE,
+    PromptCache,
+    as_prompt_cache,
+    check_compactable,
+    check_rewindable,
+    commit_path,
+    prefill,
+    tree_attention,
+)
 from .drafters import Draft, Drafter, DrafterSpec, make_drafter
 from .gamma import FixedGamma, GammaPolicy, gamma_policy
 from .metrics import CycleStats, GenerationStats, TokenEvent
 from .sampling import SamplingParams, process_logits, warp
 from .taps import HiddenTap
+from .stops import HeldText, StopStrings, check_stops
 from .verify import verify_deterministic, verify_greedy, verify_sampled, verify_typical
 
 DEFAULT_NUM_DRAFT_TOKENS = 4
@@ -58,6 +67,7 @@ class _Round:
     stats: CycleStats
     finish_reason: str | None
     prefill_s: float = 0.0
+    cached_tokens: int = 0
 
 
 def encode_prompt(tokenizer, prompt: str | list[int]) -> list[int]:
@@ -75,13 +85,18 @@ def encode_prompt(tokenizer, prompt: str | list[int]) -> list[int]:
     return list(prompt)
 
 
+def context_length(model: nn.Module) -> int | None:
+    """The model's context window in tokens (``max_position_embeddings``), or ``None`` if it names none."""
+    return getattr(getattr(model, "args", None), "max_position_embeddings", None)
+
+
 def check_context(model: nn.Module, num_prompt_tokens: int) -> None:
     """Refuse a prompt that does not fit the model's context window.
 
     Raises:
         ValueError: naming both lengths.
     """
-    limit = getattr(getattr(model, "args", None), "max_position_embeddings", None)
+    limit = context_length(model)
     if limit and num_prompt_tokens >= limit:
         raise ValueError(
             f"the prompt has {num_prompt_tokens} tokens but the model's context is {limit}; "
@@ -153,23 +168,26 @@ def speculative_rounds(
     stop_tokens: set[int],
     rule: Callable | None = None,
     prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE,
-    prompt_cache: list | None = None,
+    prompt_cache: PromptCache | list | None = None,
+    stop_strings: StopStrings | None = None,
 ) -> Iterator[_Round]:
     """Prefill, then run rounds until a stop token or ``max_tokens``; yields each round's committed tokens.
 
     γ is ``choose_gamma()`` of the policy (an integer is a ``FixedGamma``) before each round;
     the caller updates the policy and the stats from each round's ``CycleStats`` (the first
     round also carries the prefill time). ``rule`` defaults to ``make_verifier(sampling)``.
+    ``stop_strings`` cuts a round at the token that completes a stop string, before the commit.
     """
     policy = FixedGamma(num_draft_tokens) if isinstance(num_draft_tokens, int) else num_draft_tokens
     rule = rule or make_verifier(sampling)
-    cache = make_prompt_cache(model) if prompt_cache is None else prompt_cache
+    store = as_prompt_cache(model, prompt_cache)
+    cache = store.layers
     if policy.max_gamma > 0:
         (check_compactable if drafter.makes_trees else check_rewindable)(cache)
     tap = HiddenTap(model, layers=drafter.feature_layers) if drafter.needs_hidden else None
     start = time.perf_counter()
-    drafter.prefill(prompt, prefill(model, cache, prompt[:-1], prefill_step_size, hidden_tap=tap))
-    prefill_s = time.perf_counter() - start
+    drafter.prefill(prompt, _prefill(model, store, prompt, drafter, tap, prefill_step_size))
+    prefill_s, cached = time.perf_counter() - start, store.reused
     history, clock, generated = list(prompt), _DraftClock(drafter.lazy), 0
     for cycle in range(max_tokens):
         room = max_tokens - generated
@@ -182,17 +200,31 @@ def speculative_rounds(
         mx.eval(choice, next_tokens, draft.tokens, hidden)  # the round's one blocking sync
         path, tokens, kinds = _accepted(draft, choice.tolist(), next_tokens.tolist())
         keep, finish_reason = _cut_at_stop(tokens, stop_tokens, room)
-        commit_path(cache, len(history) - 1, ([0] + path)[:keep])
+        if stop_strings is not None and (cut := stop_strings.cut([t for t in tokens[:keep] if t not in stop_tokens])):
+            keep, finish_reason = cut, "stop"
+        kept = ([0] + path)[:keep]  # root-first nodes whose positions stay in the cache
+        commit_path(cache, len(history) - 1, kept, written=draft.size + 1)
+        store.add(history[-1:] + tokens[: keep - 1], hidden[mx.array(kept)] if store.feature_layers is not None else None)
         history += tokens[:keep]
         drafter.commit(len(history), [node - 1 for node in path[:keep]], hidden)
         draft_s, verify_s = clock.split(t0, t1, time.perf_counter(), draft.size)
-        stats = CycleStats(cycle, draft.size, len(path), keep, draft_s, verify_s, int(draft.tree.depths.max()))
+        stats = CycleStats(cycle, draft.size, min(len(path), keep), keep, draft_s, verify_s,
+                           int(draft.tree.depths.max()))
         generated += keep
         if cycle % 64 == 63:
             mx.clear_cache()
-        yield _Round(tokens[:keep], kinds[:keep], stats, finish_reason, prefill_s if cycle == 0 else 0.0)
+        yield _Round(tokens[:keep], kinds[:keep], stats, finish_reason, prefill_s if cycle == 0 else 0.0, cached)
         if finish_reason:
             return
+
+
+def _prefill(model, store: PromptCache, prompt: list[int], drafter: Drafter, tap, step_size: int):
+    """Prefill what ``store`` does not hold of ``prompt[:-1]``; the features of all of it for the drafter."""
+    reused = store.reuse(prompt, drafter.feature_layers if drafter.needs_hidden else None)
+    new = prompt[reused:-1]
+    hidden = prefill(model, store.layers, new, step_size, hidden_tap=tap)
+    store.add(new, hidden if tap is not None and new else None)
+    return store.features if tap is not None else None
 
 
 def _accepted(draft: Draft, choice: list[int], next_tokens: list[int]) -> tuple[list[int], list[int], list[str]]:
@@ -243,8 +275,9 @@ def stream_generate(
     seed: int | None = None,
     stop_tokens: set[int] | None = None,
     prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE,
-    prompt_cache: list | None = None,
+    prompt_cache: PromptCache | list | None = None,
     typical: tuple[float, float] | None = None,
+    stop: list[str] | tuple[str, ...] | None = None,
 ) -> Iterator[TokenEvent | CycleStats | GenerationStats]:
     """Generate with speculative decoding, streaming what each round commits.
 
@@ -269,11 +302,16 @@ def stream_generate(
         seed: Seed for ``mx.random`` (drafting and acceptance draws), or ``None``.
         stop_tokens: Ids that end generation. Default: the tokenizer's EOS ids.
         prefill_step_size: Prompt tokens per prefill forward. Default: ``2048``.
-        prompt_cache: An empty cache from ``make_prompt_cache(model)`` to fill in place
-            (afterwards it holds prompt + output except the last token), or ``None``.
+        prompt_cache: A ``cache.PromptCache`` to reuse across requests (the common prefix of
+            what it holds and this prompt is kept, only the rest is prefilled; afterwards it holds
+            prompt + output except the last token); or an empty mlx-lm cache list to fill in
+            place; or ``None`` (a fresh cache).
         typical: ``(threshold, alpha)`` turns on Medusa's typical acceptance at
             ``temp > 0`` — LOSSY, the output is no longer distributed as the target's
             (``verify.verify_typical``). Default: ``None`` (exact).
+        stop: Stop strings: generation ends at the first one in the output text, which ends just
+            before it (``stops.StopStrings``; exact across tokens accepted in one round, and the
+            cache holds exactly what was emitted). Default: none.
 
     Yields:
         ``TokenEvent`` per committed token (text deltas never split a multi-byte
@@ -282,8 +320,9 @@ def stream_generate(
 
     Raises:
         ValueError: on an empty or too-long prompt, a seed outside [0, 2**64), ``num_draft_tokens < 0``
-            or a string other than ``"auto"``, ``max_tokens < 1``, a bad drafter spec, or a target
-            cache that cannot be rewound while drafting.
+            or a string other than ``"auto"``, ``max_tokens < 1``, a bad drafter spec, a target
+            cache that cannot be rewound while drafting, a cache list that already holds tokens, or an
+            empty stop string.
     """
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
@@ -292,24 +331,33 @@ def stream_generate(
     if typical is not None and not (0 < typical[0] <= 1 and typical[1] > 0):
         raise ValueError(f"typical acceptance needs 0 < threshold <= 1 and alpha > 0, got {typical}")
     sampling = sampling or SamplingParams()
+    stops = check_stops(stop)
     drafter = make_drafter(drafter, model, tokenizer) if isinstance(drafter, (str, DrafterSpec)) else drafter
-    policy = gamma_policy(num_draft_tokens, model, drafter)
     ids = encode_prompt(tokenizer, prompt)
     check_context(model, len(ids))
+    limit = context_length(model)
+    max_tokens = min(max_tokens, limit - len(ids)) if limit else max_tokens  # never past the context
+    store = as_prompt_cache(model, prompt_cache)
+    if drafter.name != "none" and num_draft_tokens != 0:  # before any cost measurement for "auto"
+        (check_compactable if drafter.makes_trees else check_rewindable)(store.layers)
+    policy = gamma_policy(num_draft_tokens, model, drafter)
     stop_tokens = set(tokenizer.eos_token_ids) if stop_tokens is None else set(stop_tokens)
     if seed is not None:
         mx.random.seed(seed)
     mx.reset_peak_memory()
     stats = GenerationStats(drafter=drafter.name, num_draft_tokens=policy.max_gamma, prompt_tokens=len(ids))
-    detokenizer = tokenizer.detokenizer
+    detokenizer, held = tokenizer.detokenizer, HeldText(stops)
+    stopper = StopStrings(tokenizer, stops) if stops else None
     rounds = speculative_rounds(
         model, ids, drafter, num_draft_tokens=policy, max_tokens=max_tokens, sampling=sampling, stop_tokens=stop_tokens,
-        rule=make_verifier(sampling, typical), prefill_step_size=prefill_step_size, prompt_cache=prompt_cache,
+        rule=make_verifier(sampling, typical), prefill_step_size=prefill_step_size, prompt_cache=store,
+        stop_strings=stopper,
     )
     start = time.perf_counter()
     for round_ in rounds:
         if round_.stats.cycle == 0:
             stats.prompt_s, start = round_.prefill_s, start + round_.prefill_s
+            stats.cached_tokens = round_.cached_tokens
         stats.add_cycle(round_.stats)
         policy.update(round_.stats)
         if policy.adaptive:
@@ -321,9 +369,11 @@ def stream_generate(
         for i, (token, kind) in enumerate(zip(round_.tokens, round_.kinds)):
             if token not in stop_tokens:
                 detokenizer.add_token(token)
-            if round_.finish_reason and i == last:
+            final = bool(round_.finish_reason) and i == last
+            if final:
                 detokenizer.finalize()
-            yield TokenEvent(token, detokenizer.last_segment, kind, round_.stats.cycle)
+            text = held.push(detokenizer.last_segment, final, stopper.text_end if stopper else None)
+            yield TokenEvent(token, text, kind, round_.stats.cycle)
         yield round_.stats
     stats.peak_memory_gb = mx.get_peak_memory() / 1e9
     yield stats

@@ -65,6 +65,24 @@ def affine_triple(raw: mx.array, kind: T, cols: int) -> tuple[mx.array, mx.array
     return pack(codes, AFFINE_BITS[kind]), scales, biases
 
 
+def dequantize_affine(raw: mx.array, kind: T, cols: int) -> mx.array:
+    """An affine 32-group format as float32 values, without packing (``scale * code + bias``).
+
+    Args:
+        raw (mx.array): Row bytes, shape [R, bytes per row], uint8.
+        kind (GGMLQuantizationType): One of ``AFFINE_BITS``.
+        cols (int): C, values per row.
+
+    Returns:
+        mx.array: Values, shape [R, C], float32; the same as ``mx.dequantize`` of ``affine_triple``.
+    """
+    codes, scales, biases = _DECODERS[kind](_blocks(raw, kind, cols))
+    rows = raw.shape[0]
+    codes = codes.reshape(rows, -1, GROUP_SIZE).astype(mx.float32)  # [R, C/32, 32]
+    values = codes * scales.reshape(rows, -1, 1) + biases.reshape(rows, -1, 1)
+    return values.reshape(rows, cols)
+
+
 def dequantize_sub_blocks(raw: mx.array, kind: T, cols: int) -> mx.array:
     """A 16-element sub-block format (Q2_K, Q3_K, Q6_K) as float32 values.
 

@@ -61,6 +61,7 @@ from mlxspec.ggml_quants import (
     GROUP_SIZE,
     SUB_BLOCK_TYPES,
     affine_triple,
+    dequantize_affine,
     dequantize_sub_blocks,
 )
 from mlxspec.weights import check_dtype, finish, one_line
@@ -266,6 +267,9 @@ def read_header(path: str | Path, *, arrays: bool = False) -> GGUFHeader:
         magic, version = struct.unpack_from("<II", buf.read(8).ljust(8, b"\0"))
         if magic != GGUF_MAGIC:
             raise ValueError(f"{path} is not a GGUF file (bad magic number); pass a .gguf file.")
+        if len(buf) < 24:  # magic, version and the two counts
+            raise ValueError(f"{path} is cut off: {len(buf)} bytes, shorter than a GGUF header (24); "
+                             "download it again.")
         if version not in (2, 3):
             raise ValueError(f"{path}: GGUF version {version} is not supported (only 2 and 3).")
         try:
@@ -321,6 +325,10 @@ def read_tensors(
     return out
 
 
+_CHUNK_VALUES = 1 << 23
+"""Values decoded at a time: bounds the transient arrays of a large tensor (tens of bytes a value)."""
+
+
 def _decode(data: np.memmap, info: GGUFTensorInfo, name: str, *, dequantize: bool, requantize: bool) -> dict:
     """One tensor as {"weight"} (floats) or {"weight", "scales", "biases"} (MLX quantized)."""
     kind, shape = info.type, info.shape
@@ -335,22 +343,33 @@ def _decode(data: np.memmap, info: GGUFTensorInfo, name: str, *, dequantize: boo
         if kind == GGMLQuantizationType.BF16:
             values = mx.view(values, mx.bfloat16)
         return {"weight": values.reshape(shape)}
-    raw = mx.array(raw).reshape(rows, -1)  # [R, bytes per row]
+    raw = raw.reshape(rows, -1)  # [R, bytes per row], still the mapped file
+    step = max(1, _CHUNK_VALUES // cols)
+    parts = []
+    for start in range(0, rows, step):  # row chunks: only one chunk's bytes and transients in memory
+        part = _decode_rows(mx.array(raw[start : start + step]), kind, cols, dequantize, requantize)
+        if name == "token_embd.weight" and "scales" in part:
+            # an embedding dequantizes in its scales' dtype, and only float32 holds the values exactly
+            part["scales"], part["biases"] = part["scales"].astype(mx.float32), part["biases"].astype(mx.float32)
+        mx.eval(*part.values())
+        parts.append(part)
+    out = {k: mx.concatenate([p[k] for p in parts]) if len(parts) > 1 else parts[0][k] for k in parts[0]}
+    if "scales" not in out:
+        out["weight"] = out["weight"].reshape(shape)
+    return out
+
+
+def _decode_rows(raw: mx.array, kind: GGMLQuantizationType, cols: int, dequantize: bool, requantize: bool) -> dict:
+    """Rows [r, bytes] of a quantized tensor: float32 values [r, C] or an MLX triple."""
     if kind in SUB_BLOCK_TYPES:
-        values = dequantize_sub_blocks(raw, kind, cols)  # [R, C] float32
+        values = dequantize_sub_blocks(raw, kind, cols)  # [r, C] float32
         if requantize and not dequantize:
             weight, scales, biases = mx.quantize(values, group_size=GROUP_SIZE, bits=8)
             return {"weight": weight, "scales": scales, "biases": biases}
-        return {"weight": values.reshape(shape)}
-    weight, scales, biases = affine_triple(raw, kind, cols)
-    if name == "token_embd.weight":  # an embedding dequantizes in its scales' dtype: float32 is exact
-        scales, biases = scales.astype(mx.float32), biases.astype(mx.float32)
+        return {"weight": values}
     if dequantize:
-        values = mx.dequantize(
-            weight, scales.astype(mx.float32), biases.astype(mx.float32),
-            group_size=GROUP_SIZE, bits=AFFINE_BITS[kind],
-        )
-        return {"weight": values.reshape(shape)}
+        return {"weight": dequantize_affine(raw, kind, cols)}
+    weight, scales, biases = affine_triple(raw, kind, cols)
     return {"weight": weight, "scales": scales, "biases": biases}
 
 

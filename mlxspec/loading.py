@@ -142,13 +142,29 @@ def load_folder(
         )
     try:
         model, config = load_model(path, trust_remote_code=False)
-    except (FileNotFoundError, ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"Cannot load the model in {name}: {one_line(e)}") from e
+    except (FileNotFoundError, ValueError, KeyError, TypeError, RuntimeError) as e:
+        raise ValueError(f"Cannot load the model in {name}: {_detail(e)}; {_WEIGHTS_FIX}") from e
     try:
         tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"Cannot load the tokenizer in {name}: {one_line(e)}") from e
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError) as e:
+        raise ValueError(f"Cannot load the tokenizer in {name}: {_detail(e)}; the folder needs the model's "
+                         "tokenizer files (tokenizer.json, or tokenizer.model with tokenizer_config.json)") from e
     return finish(model, dtype), tokenizer
+
+
+_WEIGHTS_FIX = ("the folder needs complete model*.safetensors weights matching its config.json (download it again, "
+               "or make one with mlxspec convert / mlx_lm.convert)")
+
+
+def _detail(e: BaseException) -> str:
+    """An error's first line, with the line after it when the first only announces a list ("...: ")."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    if not lines:
+        return type(e).__name__
+    text = lines[0].rstrip(".")
+    if text.endswith(":") and len(lines) > 1:
+        text = f"{text} {lines[1]}"[:240].rstrip(".,")
+    return text
 
 
 def describe(spec: str, model: nn.Module) -> str:

@@ -1,9 +1,9 @@
 """Records the engine yields: per-token events, per-round stats, run totals.
 
 Acceptance rate α = accepted drafts / drafted tokens. Acceptance length τ =
-tokens produced per verify round = accepted + 1 (the resampled or bonus token
-counts), averaged over rounds. Both are counted before a stop token or
-``max_tokens`` cuts the last round short.
+tokens emitted per verify round (accepted + 1: the resampled or bonus token
+counts), averaged over rounds. A round cut short by a stop or ``max_tokens`` counts
+only what it emitted, so ``accepted`` never exceeds the tokens generated.
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ class CycleStats:
         cycle: Round index, from 0.
         num_drafted: Tokens proposed (γ for a full chain; fewer when the drafter
             found nothing or ``max_tokens`` is near).
-        num_accepted: Drafts the target kept.
+        num_accepted: Drafts the target kept and the round emitted (a stop or ``max_tokens``
+            inside the accepted drafts cuts this too).
         num_emitted: Tokens committed this round after stops (<= num_accepted + 1).
         draft_s: Seconds spent drafting (estimated for lazy drafters, see ``GenerationStats``).
         verify_s: Seconds spent in the target forward, acceptance and commit.
@@ -67,6 +68,7 @@ class GenerationStats:
         num_draft_tokens: γ requested per round.
         prompt_tokens: Prompt length in tokens.
         prompt_s: Prefill wall time, seconds.
+        cached_tokens: Prompt tokens found in a reused ``PromptCache`` (not prefilled again).
         generation_tokens: Tokens committed (including a final stop token).
         generation_s: Wall time from the end of prefill to the last token, seconds.
         cycles: Verify rounds run.
@@ -91,6 +93,7 @@ class GenerationStats:
     num_draft_tokens: int = 0
     prompt_tokens: int = 0
     prompt_s: float = 0.0
+    cached_tokens: int = 0
     generation_tokens: int = 0
     generation_s: float = 0.0
     cycles: int = 0
@@ -138,8 +141,8 @@ class GenerationStats:
 
     @property
     def tau(self) -> float:
-        """Acceptance length τ = mean tokens per verify round (accepted + 1)."""
-        return (self.accepted + self.cycles) / self.cycles if self.cycles else 0.0
+        """Acceptance length τ = mean tokens emitted per verify round (accepted + 1 on uncut rounds)."""
+        return self.generation_tokens / self.cycles if self.cycles else 0.0
 
     @property
     def acceptance_per_position(self) -> list[float]:
@@ -148,8 +151,10 @@ class GenerationStats:
 
     @property
     def prompt_tps(self) -> float:
-        """Prefill speed, tokens/s."""
-        return self.prompt_tokens / self.prompt_s if self.prompt_s > 0 else 0.0
+        """Prefill speed over the tokens actually prefilled, tokens/s (the prompt's last token is the
+        first round's input, and reused tokens are not prefilled; 0 when nothing was)."""
+        prefilled = self.prompt_tokens - 1 - self.cached_tokens
+        return prefilled / self.prompt_s if prefilled > 0 and self.prompt_s > 0 else 0.0
 
     @property
     def generation_tps(self) -> float:

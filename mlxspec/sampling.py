@@ -25,6 +25,10 @@ from mlx_lm.sample_utils import (
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 
 
+#: Smallest positive temperature: logits / temp stays well inside float32 for any logits.
+MIN_TEMP = 1e-6
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How tokens are drawn. Validated on construction.
@@ -57,6 +61,9 @@ class SamplingParams:
         checks = [
             (math.isfinite(self.temp) and self.temp >= 0,
              f"temp must be >= 0 and finite (--temp; 0 = greedy), got {self.temp}"),
+            (self.temp == 0 or self.temp >= MIN_TEMP,
+             f"temp must be 0 (greedy) or at least {MIN_TEMP:g} (--temp; below it 1/temp overflows the float32 "
+             f"logits), got {self.temp}"),
             (0 < self.top_p <= 1, f"top_p must be in (0, 1] (--top-p; 1 = off), got {self.top_p}"),
             (isinstance(self.top_k, int) and self.top_k >= 0,
              f"top_k must be an integer >= 0 (--top-k; 0 = off), got {self.top_k}"),

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .assets import shipped
+from .cache import check_compactable, check_rewindable, speculative_cache
 from .drafters import Drafter, DrafterSpec, make_drafter
 from .loading import DTYPES, describe, is_quantized, load, model_name
 
@@ -116,3 +117,13 @@ def build_drafter(spec: DrafterSpec, target: LoadedModel, draft: LoadedModel | N
     return make_drafter(spec, target.model, target.tokenizer, target_name=target.name,
                         draft_model=draft.model if draft else None, draft_tokenizer=draft.tokenizer if draft else None,
                         on_measure=on_measure)
+
+
+def check_fits(target: LoadedModel, drafter: Drafter) -> None:
+    """Refuse, at load time, a drafter the target's cache cannot serve (plain decoding always fits).
+
+    Raises:
+        ValueError: the target's cache cannot be rewound (or, for a tree drafter, compacted).
+    """
+    if drafter.name != "none":
+        (check_compactable if drafter.makes_trees else check_rewindable)(speculative_cache(target.model))

@@ -125,7 +125,7 @@ def sibling_tokens(tokens: mx.array, children: np.ndarray) -> tuple[mx.array, mx
     Returns:
         tuple[mx.array, mx.array]: sibling tokens [N + 1, C] int32 (0 in padding) and a
         [N + 1, C] bool mask that is False for padding and for a token already offered by an
-        earlier sibling (rule 2.4 skips those).
+        earlier sibling (docs/acceptance.md 2.4 skips those).
     """
     slots = mx.array(np.maximum(children, 0))
     tok = tokens[slots]  # [N + 1, C]
@@ -209,7 +209,7 @@ def read_tree(spec: str) -> list[list[int]]:
 
 
 #: EAGLE-1's static tree (SafeAILab/EAGLE v1 ``choices.py``, confusingly also named ``mc_sim_7b_63``;
-#: heads.md 4.4): 25 nodes, depth 5; a rank indexes the draft's top-k at the PARENT node.
+#: docs/heads.md 4.4): 25 nodes, depth 5; a rank indexes the draft's top-k at the PARENT node.
 EAGLE1_TREE = [
     [0], [1], [2], [3], [0, 0], [0, 1], [0, 2], [1, 0], [1, 1], [2, 0], [2, 1], [3, 0], [0, 0, 0], [0, 0, 1],
     [0, 0, 2], [0, 1, 0], [0, 1, 1], [0, 2, 0], [0, 2, 1], [1, 0, 0], [0, 0, 0, 0], [0, 0, 0, 1], [0, 0, 0, 2],

@@ -79,7 +79,7 @@ def _without(logprobs: mx.array, sib: mx.array, valid: mx.array) -> mx.array:
 def verify_deterministic(tokens: mx.array, tree: Tree, target_logprobs: mx.array) -> tuple[mx.array, mx.array]:
     """Exact verification of deterministic drafts (q one-hot): n-gram, greedy or top-k children.
 
-    heads.md rule 2.4 (EAGLE-2 arXiv 2406.16858; SpecInfer arXiv 2305.09781, section 4.2 with
+    docs/acceptance.md 2.4 (EAGLE-2 arXiv 2406.16858; SpecInfer arXiv 2305.09781, section 4.2 with
     one-hot q): at a node, sibling x_j is tried in order and accepted with probability
     r(x_j), where r is p with the earlier rejected siblings removed and renormalised; if
     all are rejected the next token comes from that r; a leaf emits a bonus token from p.
@@ -114,7 +114,7 @@ def verify_sampled(
 
     Chain: Leviathan et al. 2023 (arXiv 2211.17192) section 2.3 / Algorithm 1 and Chen et
     al. 2023 (arXiv 2302.01318) Algorithm 2. Tree: SpecInfer (arXiv 2305.09781) section 4.2,
-    heads.md rule 2.3. At a node, with r := p, child x_j drawn from q_j is accepted with
+    docs/acceptance.md 2.3. At a node, with r := p, child x_j drawn from q_j is accepted with
     probability min(1, r(x_j) / q_j(x_j)); on rejection r := norm(max(r - q_j, 0)) and the next
     sibling is tried; if all are rejected the resampled token comes from r; a leaf emits a
     bonus token from p. Siblings drawn without replacement must carry their adjusted q_j
@@ -161,7 +161,7 @@ def verify_typical(
 ) -> tuple[mx.array, mx.array]:
     """Medusa's typical acceptance — LOSSY: the output is not distributed as p.
 
-    Cai et al. 2024 (arXiv 2401.10774), section 2.3.1; heads.md rule 2.7. With
+    Cai et al. 2024 (arXiv 2401.10774), section 2.3.1; docs/acceptance.md 2.7. With
     p = softmax(logits / temp) at the parent, node x is accepted iff
     p(x) > min(threshold, alpha · exp(-H(p))), H(p) = -Σ p log(p + 1e-5), and all its
     ancestors are; the deepest accepted node wins, ties broken by the larger Σ log p

@@ -243,6 +243,7 @@ def test_generation_and_load_errors_show_in_chat_and_keep_history():
             await wait_for(pilot, lambda: len(messages(app, "error")) == 2)
             assert "context is 8192" in messages(app, "error")[1].text
             assert "not added" in messages(app, "error")[1].text
+            assert app.query_one("#prompt").value == "three"  # the unanswered message is back in the input
             # The failed "three" is not in the history; the rest is intact.
             assert [m["content"] for m in app.history] == ["one", "Hello world, café! Bye", "two", "Hello wor"]
             await pilot.press("f2")

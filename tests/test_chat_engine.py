@@ -93,6 +93,7 @@ def test_real_engine_thread_answers_like_plain_greedy_decoding(tmp_path):
     history, spans, errors, info = asyncio.run(body())
     assert [m["role"] for m in history] == ["user", "assistant"] * 2
     assert "missing" in errors[0] and "needs a draft model" in errors[1]
+    assert "give a draft model in F2" in errors[1] and "pass --draft-model" not in errors[1]  # chat wording
     assert (info.drafter, info.draft_name) == ("ngram", None)
     reference, reference_tokenizer = load(str(tmp_path))
     conversation = [{"role": "system", "content": "Be brief."}]

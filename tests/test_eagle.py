@@ -29,7 +29,7 @@ AUX = (0, 1, 1)  # the tiny targets have 2 layers
 
 
 def draft_ids(vocab=264, draft_vocab=DRAFT_VOCAB, seed=0) -> np.ndarray:
-    """The sorted target ids of a reduced draft vocabulary (u_0 < u_1 < ..., heads.md 5.4)."""
+    """The sorted target ids of a reduced draft vocabulary (u_0 < u_1 < ..., docs/heads.md 5.4)."""
     return np.sort(np.random.default_rng(seed).choice(vocab, draft_vocab, replace=False))
 
 
@@ -98,7 +98,7 @@ def _sequential_logprobs(head, target, features, tokens, path_tokens):
 @pytest.mark.parametrize("version", [1, 3])
 def test_dynamic_tree_equals_sequential_expansion(version):
     """Every expanded node's children are its top-k under a from-scratch forward of its path, and
-    the expanded nodes at each depth are the k best by cumulative log-probability (heads.md 4.5)."""
+    the expanded nodes at each depth are the k best by cumulative log-probability (docs/heads.md 4.5)."""
     target = tiny_llama(seed=0, sharpen=4.0)
     head, k, depth = random_head(version, scale=4.0), 3, 3
     drafter = EagleDrafter(head, target, depth=depth, top_k=k, total_tokens=1000)  # keeps every candidate
@@ -132,7 +132,7 @@ def test_dynamic_tree_equals_sequential_expansion(version):
 @pytest.mark.parametrize("version", [1, 3])
 def test_static_tree_equals_sequential_ranks(version):
     """EAGLE-1's static tree: node [r0, ..., rd] is the rd-th best child of node [r0, ..., rd-1]
-    under a from-scratch forward of its path (ranks at the parent, heads.md 4.4)."""
+    under a from-scratch forward of its path (ranks at the parent, docs/heads.md 4.4)."""
     from mlxspec.tree import EAGLE1_TREE, tree_from_choices
 
     target = tiny_llama(seed=0, sharpen=4.0)
@@ -162,7 +162,7 @@ def test_total_tokens_keeps_the_best_connected_subtree():
     target(mx.array(PROMPT[:-1])[None])
     drafter.prefill(PROMPT, tap.features()[0])
     draft = drafter.propose(PROMPT, 4, SamplingParams())
-    assert draft.size == 8 and draft.logprobs is None  # deterministic children: rule 2.4
+    assert draft.size == 8 and draft.logprobs is None  # deterministic children: docs/acceptance.md 2.4
     assert all(p < i for i, p in enumerate(draft.tree.parents))
 
 

@@ -131,6 +131,23 @@ def test_float32_load_holds_exactly_the_reference_values(typed):
         np.testing.assert_array_equal(np.array(params[name]), w, err_msg=name)
 
 
+@pytest.mark.parametrize("which", ["kept", "float32", "requantized"])
+def test_decoding_in_row_chunks_changes_nothing(typed, monkeypatch, which):
+    import mlxspec.gguf
+
+    monkeypatch.setattr(mlxspec.gguf, "_CHUNK_VALUES", 3 * 256)  # 3-row chunks of 256-value rows, or 1 row
+    options = {"kept": {}, "float32": {"dtype": "float32"}, "requantized": {"requantize": True}}[which]
+    model, _ = load_gguf(typed["path"], **options)
+    expected = dict(tree_flatten(typed[which].parameters()))
+    got = dict(tree_flatten(model.parameters()))
+    assert set(got) == set(expected)
+    for name, value in got.items():
+        assert value.dtype == expected[name].dtype, name
+        np.testing.assert_array_equal(np.array(value.astype(mx.float32) if value.dtype == mx.bfloat16 else value),
+                                      np.array(expected[name].astype(mx.float32) if value.dtype == mx.bfloat16
+                                               else expected[name]), err_msg=name)
+
+
 def test_logits_equal_mlx_lm_llama_on_the_reference_weights(typed, tokenizer):
     reference = gf.reference_model("llama", typed["reference"], DIMS, tokenizer.get_vocab_size(), tied=False)
     expected = np.array(reference(TOKENS))  # [1, T, V]

@@ -140,7 +140,7 @@ def test_the_batch_plan_is_seeded_so_resuming_replays_it(corpus):
 @pytest.mark.parametrize("version", [1, 3])
 def test_unrolled_step_k_is_what_a_chain_draft_sees(tiny, version):
     """Step k at position j equals the head run with a KV cache: the prefix 0..j with the target's
-    features, then k chain steps each feeding its own previous output (heads.md 5.6)."""
+    features, then k chain steps each feeding its own previous output (docs/heads.md 5.6)."""
     model, _ = tiny
     head = init_head(model, EagleTrainConfig(version=version, draft_vocab_size=0))
     embed = model.model.embed_tokens

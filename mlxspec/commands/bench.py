@@ -204,11 +204,15 @@ def report(result: dict, runs: list, systems: list, costs: dict, args: argparse.
 
 def resummarize(args: argparse.Namespace) -> int:
     """``--from-json``: the tables of an earlier run, recomputed from its raw numbers."""
-    result = json.loads(Path(args.from_json).read_text())
-    derived = ("generation_tps", "prompt_tps")
-    runs = [RunRecord(**{k: v for k, v in r.items() if k not in derived}) for r in result["runs"]]
-    systems = [System(**s) for s in result["systems"]]
-    costs = {name: Costs(**c) for name, c in result["costs"].items()}
+    try:
+        result = json.loads(Path(args.from_json).read_text())
+        derived = ("generation_tps", "prompt_tps")
+        runs = [RunRecord(**{k: v for k, v in r.items() if k not in derived}) for r in result["runs"]]
+        systems = [System(**s) for s in result["systems"]]
+        costs = {name: Costs(**c) for name, c in result["costs"].items()}
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"--from-json {args.from_json} is not the JSON of an earlier 'mlxspec bench' run "
+                         f"({type(e).__name__}: {e}); pass the file its --output wrote") from None
     print(format_header(result), flush=True)
     report(result, runs, systems, costs, args)
     return 0

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 from dataclasses import replace
 
 from ..session import draft_model_spec
@@ -42,7 +44,7 @@ def engine_config(args: argparse.Namespace):
     return EngineConfig(
         model=model_spec(args), draft_model=model_spec(args, draft=True), drafter=drafter_spec_from_args(args),
         num_draft_tokens=args.num_draft_tokens, sampling=sampling_from_args(args), max_tokens=args.max_tokens,
-        seed=args.seed, typical=typical_from_args(args), draft_dtype=args.draft_dtype,
+        seed=args.seed, typical=typical_from_args(args), draft_dtype=args.draft_dtype, stop=tuple(args.stop or ()),
     )
 
 
@@ -72,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     args = setup_arg_parser().parse_args(argv)
     try:
         config = checked_config(args)
+        if not (sys.stdin.isatty() and sys.stdout.isatty()):
+            raise ValueError("mlxspec chat needs a terminal; to answer from a script use 'mlxspec generate'")
         fetch_default_model(args)
     except USER_ERRORS as e:
         return fail(str(e))
@@ -80,5 +84,15 @@ def main(argv: list[str] | None = None) -> int:
     from mlxspec_app.app import SpecChatApp
     from mlxspec_app.engine import Engine
 
-    SpecChatApp(Engine(config), system=args.system).run()
-    return 0
+    engine = Engine(config)
+    SpecChatApp(engine, system=args.system).run()  # closes the engine when it exits
+    exit_now(0)
+
+
+def exit_now(status: int) -> None:
+    """End the process without running C++ static destructors: MLX's stream threads may still be
+    winding down after an answer stopped mid-round, and destroying them then aborts the process
+    ("terminate called without an active exception")."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)

@@ -12,6 +12,7 @@ from ..gamma import AUTO
 from ..generate import DEFAULT_MAX_TOKENS, DEFAULT_NUM_DRAFT_TOKENS
 from ..loading import DTYPES
 from ..sampling import SamplingParams
+from ..stops import check_stops
 from ..session import USER_ERRORS, LoadedModel, ModelSpec, draft_model_spec, load_model
 from ..session import build_drafter as session_build_drafter
 
@@ -141,6 +142,8 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repetition-penalty", type=float, default=None,
                         help="mlx-lm's repetition penalty (> 0; 1 = off). Default: off")
     parser.add_argument("--seed", type=seed_arg, default=None, help="random seed in [0, 2**64). Default: none")
+    parser.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                        help="end the answer at this text, which is not printed; repeat for several. Default: none")
 
 
 def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
@@ -161,6 +164,7 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     sampling_from_args(args)
     typical_from_args(args)
+    check_stops(getattr(args, "stop", None))
     check_drafter_args(args)
     draft_model_spec(drafter_spec_from_args(args), model_spec(args, draft=True), model_spec(args), args.draft_dtype)
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from ..gamma import gamma_policy
-from ..generate import stream_generate
+from ..generate import context_length, encode_prompt, stream_generate
 from ..metrics import GenerationStats, TokenEvent
 from .common import (
     USER_ERRORS,
@@ -53,7 +54,8 @@ def format_stats(stats: GenerationStats) -> str:
     per_position = " ".join(f"{rate:.2f}" for rate in stats.acceptance_per_position) or "-"
     lines = [
         "=" * 10,
-        f"Prompt: {stats.prompt_tokens} tokens, {stats.prompt_tps:.1f} tokens/s",
+        f"Prompt: {stats.prompt_tokens} tokens" + (f", {stats.cached_tokens} reused from the cache" if stats.cached_tokens
+                                                  else "") + (f", {stats.prompt_tps:.1f} tokens/s" if stats.prompt_tps else ""),
         f"Generation: {stats.generation_tokens} tokens, {stats.generation_tps:.1f} tokens/s "
         f"(finish: {stats.finish_reason})",
         f"Drafter: {stats.drafter}, γ = {_gamma_summary(stats)}; cycles: {stats.cycles}",
@@ -77,25 +79,56 @@ def _gamma_summary(stats: GenerationStats) -> str:
     return text
 
 
-def _read_prompt(args) -> str:
+def read_prompt(args) -> str:
+    """The prompt text from ``--prompt`` or standard input.
+
+    Raises:
+        ValueError: no prompt, a closed standard input, text that is not UTF-8, or only whitespace.
+    """
     if args.prompt is not None and args.prompt != "-":
-        return args.prompt
-    if args.prompt is None and sys.stdin.isatty():
+        text = args.prompt
+    elif sys.stdin is None or sys.stdin.closed:
+        raise ValueError("no prompt: standard input is closed; pass --prompt TEXT")
+    elif args.prompt is None and sys.stdin.isatty():
         raise ValueError("no prompt: pass --prompt TEXT or pipe it on standard input")
-    return sys.stdin.read()
+    else:
+        data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read().encode()
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"the prompt on standard input is not UTF-8 text (byte {e.start}); "
+                             "convert it, e.g. with iconv -t utf-8") from None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # undecodable bytes in argv arrive as surrogates
+        raise ValueError("the prompt is not valid UTF-8 text; pass it as UTF-8") from None
+    if not text.strip():
+        raise ValueError("the prompt is empty; give some text with --prompt or on standard input")
+    return text
+
+
+def _note_context_cap(model, tokenizer, prompt, max_tokens: int) -> None:
+    """Say on stderr when the model's context cuts the answer shorter than --max-tokens."""
+    limit = context_length(model)
+    num = len(encode_prompt(tokenizer, prompt))
+    if limit and num < limit < num + max_tokens:
+        print(f"mlxspec: note: the model's context is {limit} tokens, so the answer stops after "
+              f"{limit - num} (the prompt has {num})", file=sys.stderr)
 
 
 def run(args: argparse.Namespace) -> int:
     check_args(args)
-    prompt_text = _read_prompt(args)
+    prompt_text = read_prompt(args)
     loaded = load_models(args, on_measure=None if args.json else measuring_note("the automatic EAGLE tree size"))
     prompt = build_prompt(loaded.tokenizer, prompt_text, args.system, not args.no_chat_template)
+    _note_context_cap(loaded.model, loaded.tokenizer, prompt, args.max_tokens)
     note = None if args.json else measuring_note("--num-draft-tokens auto")
     policy = gamma_policy(args.num_draft_tokens, loaded.model, loaded.drafter, on_measure=note)
     typical = typical_from_args(args)
     events = stream_generate(
         loaded.model, loaded.tokenizer, prompt, drafter=loaded.drafter, num_draft_tokens=policy,
         max_tokens=args.max_tokens, sampling=sampling_from_args(args), seed=args.seed, typical=typical,
+        stop=args.stop,
     )
     text = []
     for event in events:
@@ -110,6 +143,7 @@ def run(args: argparse.Namespace) -> int:
                   "text": "".join(text), "num_draft_tokens_requested": args.num_draft_tokens, "temp": args.temp,
                   "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p,
                   "repetition_penalty": args.repetition_penalty, "typical": typical, "seed": args.seed,
+                  "stop": args.stop,
                   **stats.to_dict()}
         print(json.dumps(record))
     else:
@@ -130,3 +164,6 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader went away (| head): stop quietly, as other tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0

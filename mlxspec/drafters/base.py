@@ -51,7 +51,7 @@ class Draft:
 
         The branch follows existing nodes while their tokens match and continues as new nodes
         from the first mismatch, so siblings stay distinct and the result is still a tree with
-        deterministic children (heads.md rule 2.4). Only for deterministic drafts.
+        deterministic children (docs/acceptance.md 2.4). Only for deterministic drafts.
 
         Args:
             branch: Token ids [K] following the root.

@@ -11,9 +11,8 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import make_prompt_cache
 
-from ..cache import check_rewindable, prefill, trim
+from ..cache import check_rewindable, prefill, speculative_cache, trim
 from ..sampling import SamplingParams, process_logits, sample
 from ..taps import logits_width
 from .base import Draft, Drafter
@@ -67,13 +66,13 @@ class DraftModelDrafter(Drafter):
         self.model = model
         self.vocab_size = vocab_size
         self.num_real_tokens = min(num_real_tokens, vocab_size)
-        self.cache = make_prompt_cache(model)
+        self.cache = speculative_cache(model)
         check_rewindable(self.cache, role="draft")
         self._num_cached = 0  # committed tokens in the cache
         self._round_start = 0  # committed tokens when the last round was proposed
 
     def prefill(self, prompt, hidden=None):
-        self.cache = make_prompt_cache(self.model)
+        self.cache = speculative_cache(self.model)
         prefill(self.model, self.cache, prompt[:-1])
         self._num_cached = len(prompt) - 1
 

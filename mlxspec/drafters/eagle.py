@@ -26,7 +26,7 @@ from .ngram import lookup_continuation
 
 # --- the drafter ---------------------------------------------------------------------------
 
-#: EAGLE-2 defaults (heads.md 4.5: the evaluation scripts' ``--total-token 60 --depth 5 --top-k 10``;
+#: EAGLE-2 defaults (docs/heads.md 4.5: the evaluation scripts' ``--total-token 60 --depth 5 --top-k 10``;
 #: EAGLE's ``depth`` counts expansions, so the deepest draft node is at depth 6).
 DEFAULT_DEPTH = 6
 DEFAULT_TOP_K = 10
@@ -89,16 +89,16 @@ class TreeBudget:
 class EagleDrafter(Drafter):
     """EAGLE-2 dynamic draft trees (EAGLE-1/2 or EAGLE-3 head); ``top_k = 1`` drafts a chain.
 
-    Li et al. 2024, EAGLE-2 (arXiv 2406.16858) section 4 (heads.md 4.5): from the draft's
+    Li et al. 2024, EAGLE-2 (arXiv 2406.16858) section 4 (docs/heads.md 4.5): from the draft's
     output at the root, expand the ``top_k`` best frontier nodes by cumulative draft
     log-probability, ``depth - 1`` times (the frontier nodes of one step share one draft
     position and see only their ancestors), rerank all ``top_k + (depth - 1) top_k²``
     candidates and keep the best ``total_tokens - 1`` as the tree. Children are a deterministic
     function of the context (``Draft.logprobs = None``), so the engine verifies with the
-    exact one-hot rule (heads.md 2.4): distributed as the target at any temperature, and plain
+    exact one-hot rule (docs/acceptance.md 2.4): distributed as the target at any temperature, and plain
     greedy decoding at temperature 0.
 
-    The head's KV cache holds committed draft positions only (heads.md 4.6): each round it takes
+    The head's KV cache holds committed draft positions only (docs/heads.md 4.6): each round it takes
     in the pairs (feature of committed position m, token m + 1) it has not seen, then trims every
     speculative entry away again. A chain (``top_k = 1``) and a static tree (EAGLE-1's rank paths,
     ``tree``) stay lazy until the engine's one sync; a dynamic branching tree needs one host read
@@ -114,7 +114,7 @@ class EagleDrafter(Drafter):
             ``"auto"``: each round keeps the number of nodes with the best predicted tokens per
             second on this machine (``TreeBudget``; the target's verify cost is measured once per
             machine and cached, see ``costmodel.load_or_calibrate``), at most 64.
-        tree: ``None``/``"dynamic"``, or a static tree of rank paths (EAGLE-1, heads.md 4.4): a
+        tree: ``None``/``"dynamic"``, or a static tree of rank paths (EAGLE-1, docs/heads.md 4.4): a
             preset (``"eagle1_25"``), a list such as ``[[0], [1], [0, 0]]`` or a JSON file; a rank
             indexes the draft's top-k at the parent. ``top_k``/``total_tokens`` then do not apply.
         (Each default: the head's ``config.draft_tree`` entry, else EAGLE-2's ``6``, ``10``, ``60``,
@@ -273,7 +273,7 @@ class EagleDrafter(Drafter):
         return Draft(mx.concatenate(tokens), plan.tree)
 
     def _expand(self, root_out: mx.array, depth: int, committed: int):
-        """The candidate list of heads.md 4.5 step 3: scores [C], target ids [C], parent flat index [C] (-1 = root)."""
+        """The candidate list of docs/heads.md 4.5 step 3: scores [C], target ids [C], parent flat index [C] (-1 = root)."""
         k = self.top_k
         scores, ids = self._top(root_out[None], k)  # [1, k]
         all_scores, all_ids, all_parents = [scores[0]], [ids[0]], [mx.full((k,), -1, dtype=mx.int32)]
@@ -299,7 +299,7 @@ class EagleDrafter(Drafter):
         return mx.concatenate(all_scores), mx.concatenate(all_ids), mx.concatenate(all_parents)
 
     def _rerank(self, scores: mx.array, ids: mx.array, parents: mx.array) -> Draft:
-        """Keep the best ``total_tokens - 1`` candidates as a tree (heads.md 4.5 steps 4-5)."""
+        """Keep the best ``total_tokens - 1`` candidates as a tree (docs/heads.md 4.5 steps 4-5)."""
         if self.budget is not None:  # sizes the tree from the scores: one host read of them
             host = np.array(scores)
             order = np.argsort(-host, kind="stable")

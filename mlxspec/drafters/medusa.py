@@ -3,7 +3,7 @@
 Cai et al. 2024, "Medusa" (arXiv 2401.10774), sections 2.1 (heads) and 2.3 (tree
 attention). Each round the heads' (``mlxspec.heads.medusa``) top-k tokens fill a static
 tree of rank paths (``mc_sim_7b_63`` by default, see ``mlxspec.tree``); the drafts are
-deterministic, so verification is the exact tree rule for one-hot q (heads.md rule 2.4)
+deterministic, so verification is the exact tree rule for one-hot q (docs/acceptance.md 2.4)
 and the output is distributed as the target's.
 """
 

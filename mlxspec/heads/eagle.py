@@ -8,7 +8,7 @@ predicts f_{j+1}; the target's own LM head turns that into draft logits. EAGLE-2
 section 3) feeds the residual stream entering three target layers (low, mid, high) through
 fc 3H → H, a "midlayer" that attends over concat(input_layernorm(embed), hidden_norm(h))
 (2H wide), its own final norm and a reduced-vocabulary LM head whose ids map to the target's
-with the offset table ``d2t``: target id = draft id + d2t[draft id] (heads.md 5.2-5.4).
+with the offset table ``d2t``: target id = draft id + d2t[draft id] (docs/heads.md 5.2-5.4).
 
 Parameter names equal the published checkpoint layouts (``fc.*``, ``layers.0.*`` for EAGLE-1/2;
 ``fc.*``, ``midlayer.*``, ``norm.*``, ``lm_head.*``, ``d2t``, ``t2d`` for EAGLE-3), so loading
@@ -33,7 +33,7 @@ from ..loading import hub_folder, looks_like_repo_id
 from ..pickle_reader import load_torch_weights
 from ..taps import logits_width, model_body
 
-#: EAGLE-1/2 and EAGLE-3 draft RoPE base when the head's config has none (heads.md 5.2, pitfall 11).
+#: EAGLE-1/2 and EAGLE-3 draft RoPE base when the head's config has none (docs/heads.md 5.2).
 DEFAULT_ROPE_THETA = 10000.0
 
 
@@ -56,7 +56,7 @@ class EagleConfig:
         qkv_bias: q/k/v projections have biases (Qwen2 drafts: ``qkv_bias``; ``attention_bias`` sets both).
         o_proj_bias: The attention output projection has a bias (HF ``attention_bias``).
         norm_before_residual: EAGLE-3 variant whose residual is hidden_norm(h) instead of h.
-        aux_layers: EAGLE-3 target layers whose INPUT residual stream is the feature (heads.md 5.1
+        aux_layers: EAGLE-3 target layers whose INPUT residual stream is the feature (docs/heads.md 5.1
             convention "input to decoder layer idx"); ``None`` = (2, N // 2, N - 3) for N target layers.
         draft_tree: The tree this head drafts by default, ``{"depth", "top_k", "total_tokens", "tree", "ngram"}``
             (any subset; measured by whoever ships the head); flags override it. ``None`` = EAGLE-2's.
@@ -109,7 +109,7 @@ class EagleConfig:
         absent), ``bias`` (EAGLE-1/2 fc bias, default true), ``qkv_bias``/``attention_bias``,
         ``norm_before_residual``, ``target_hidden_size`` and the aux layer ids: our
         ``aux_layers`` (inputs of layers) or ``eagle_config.eagle_aux_hidden_state_layer_ids``
-        (outputs of layers, so +1 here, heads.md 5.1).
+        (outputs of layers, so +1 here, docs/heads.md 5.1).
 
         Raises:
             ValueError: a required field is missing.
@@ -145,7 +145,7 @@ class EagleConfig:
                 "eagle_version": self.version, **out}
 
     def llama_args(self) -> llama.ModelArgs:
-        """mlx-lm llama arguments for the one draft decoder layer (no RoPE scaling: heads.md 4.3)."""
+        """mlx-lm llama arguments for the one draft decoder layer (no RoPE scaling: docs/heads.md 4.3)."""
         return llama.ModelArgs(
             model_type="llama", hidden_size=self.hidden_size, num_hidden_layers=1,
             intermediate_size=self.intermediate_size, num_attention_heads=self.num_attention_heads,
@@ -228,7 +228,7 @@ class EagleHead(nn.Module):
         """One draft-layer forward: predicted next features.
 
         Draft position j pairs the feature of target position j with the token at j + 1
-        (heads.md 4.1, pitfall 7).
+        (docs/heads.md 4.1).
 
         Args:
             features (mx.array): [B, T, F]. EAGLE-1/2: the target's final normalised hidden
@@ -268,7 +268,7 @@ class EagleHead(nn.Module):
         return self.lm_head(self.norm(hidden))
 
     def target_ids(self, draft_ids: mx.array) -> mx.array:
-        """Draft-vocabulary ids -> target ids: ``id + d2t[id]`` (d2t is an OFFSET, heads.md 5.4)."""
+        """Draft-vocabulary ids -> target ids: ``id + d2t[id]`` (d2t is an OFFSET, docs/heads.md 5.4)."""
         if not self.config.reduced_vocab:
             return draft_ids
         return draft_ids + self.d2t[draft_ids]
@@ -301,7 +301,7 @@ def _canonical(weights: dict) -> tuple[dict, int]:
     EAGLE-1/2: ``fc.*``, ``layers.0.*`` (``embed_tokens`` dropped: the target's is shared).
     EAGLE-3: ``fc.weight``, ``midlayer.*``, ``norm``, ``lm_head``, ``d2t``, ``t2d``.
     speculators / vLLM EAGLE-3: ``layers.0.*`` for the midlayer and ``draft_id_to_target_id``
-    (still an offset, heads.md 5.7). A ``model.`` prefix (vLLM) is dropped.
+    (still an offset, docs/heads.md 5.7). A ``model.`` prefix (vLLM) is dropped.
     """
     weights = {k.removeprefix("model."): v for k, v in weights.items()}
     weights = {k: v for k, v in weights.items() if not k.startswith("embed_tokens.")}

@@ -11,7 +11,7 @@ second pass over the text is needed:
 - ``hidden`` [N, H] float16: the final normalised hidden state at each position (it predicts
   token t + 1; Medusa and EAGLE-1/2 features);
 - ``aux`` [N, 3, H] float16: the residual stream entering the decoder layers listed in the
-  manifest's ``aux_layers`` (EAGLE-3's low/mid/high features, heads.md 5.1 convention);
+  manifest's ``aux_layers`` (EAGLE-3's low/mid/high features, docs/heads.md 5.1 convention);
 - ``greedy`` [N] int32: the target's argmax at t (-1 where token t + 1 is not an answer token);
 - ``topk_ids`` [N, K] int32, ``topk_logprobs`` [N, K] float16: the target's K most likely next
   tokens and their log-probabilities (temperature 1, normalised over the full vocabulary) at t;
@@ -44,7 +44,7 @@ DEFAULT_TOPK = 32
 
 
 def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
-    """EAGLE-3's feature layers: the inputs of decoder layers 2, N // 2 and N - 3 (heads.md 5.1)."""
+    """EAGLE-3's feature layers: the inputs of decoder layers 2, N // 2 and N - 3 (docs/heads.md 5.1)."""
     return (min(2, num_layers - 1), num_layers // 2, max(num_layers - 3, 0))
 
 

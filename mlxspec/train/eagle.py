@@ -6,9 +6,9 @@ residual stream entering three target layers (EAGLE-3's low/middle/high features
 greedy next token and its top-K log-softmax (the distribution of token t + 1). The head sees
 whole examples, attends causally over them like the target, and is scored only where the token
 it predicts is an assistant token. Draft position j pairs the feature of token j with token
-j + 1 and predicts token j + 2 (heads.md 4.1).
+j + 1 and predicts token j + 2 (docs/heads.md 4.1).
 
-- **EAGLE-1** (Li et al. 2024, arXiv 2401.15077, section 4; heads.md 4.7): predict f_{j+1} from
+- **EAGLE-1** (Li et al. 2024, arXiv 2401.15077, section 4; docs/heads.md 4.7): predict f_{j+1} from
   fc(concat(emb(x_{j+1}), f_j + noise)); loss = SmoothL1(f̂_{j+1}, f_{j+1}) + 0.1 · soft CE of the
   target's LM head on f̂_{j+1} against the target's distribution. Two approximations keep the
   49152-wide LM head affordable on a CPU, both exact in the limit K → V: the target's
@@ -16,14 +16,14 @@ j + 1 and predicts token j + 2 (heads.md 4.1).
   self-distilled answer), and the head's softmax runs over the union of the batch's top-K ids
   instead of the whole vocabulary (a sampled softmax whose negatives are the other positions'
   likely tokens). Feature noise U(-0.5, 0.5) · 0.2 · 512 / T as in the reference trainer.
-- **EAGLE-3** (Li et al. 2025, arXiv 2503.01840, section 3; heads.md 5.6): training-time test.
+- **EAGLE-3** (Li et al. 2025, arXiv 2503.01840, section 3; docs/heads.md 5.6): training-time test.
   Step 0 reads fc(low, mid, high); step k > 0 reads the head's own step k - 1 output at the same
   position and the next token, attends to the step-0 keys of positions <= j plus its own
   keys from steps 1..k at position j (RoPE position j + k), exactly what a chain draft sees at
   inference. Loss Σ_k 0.8^k · soft CE over the reduced draft vocabulary against the target's
   top-K restricted to it and renormalised, on positions whose target argmax is drafteable.
   The draft vocabulary is the ``draft_vocab_size`` most frequent assistant tokens of the
-  training examples (``draft_vocabulary``: d2t as offsets, t2d as a mask; heads.md 5.4).
+  training examples (``draft_vocabulary``: d2t as offsets, t2d as a mask; docs/heads.md 5.4).
 
 ``EagleTask`` is this method on the shared loop (``loop.fit``); ``train_eagle`` runs it and yields
 the loop's records, with an ``EagleEvalRecord`` (held-out top-1 agreement with the target's greedy
@@ -61,7 +61,7 @@ from .loop import EvalRecord, StepRecord, fit
 
 
 class _TTTAttention(nn.Module):
-    """The head's attention at unrolled step k (heads.md 5.6): queries at position j (RoPE j + k)
+    """The head's attention at unrolled step k (docs/heads.md 5.6): queries at position j (RoPE j + k)
     see the step-0 keys of positions <= j and the step-1..k keys of position j itself.
 
     Wraps the head's own mlx-lm ``Attention`` (its projections, RoPE and scale); ``memory``
@@ -115,7 +115,7 @@ def unroll(head, embed, features: mx.array, tokens: mx.array, steps: int,
            noise: mx.array | None = None) -> list[mx.array]:
     """The head's outputs at ``steps`` unrolled steps over whole sequences (training-time test).
 
-    Li et al. 2025 (EAGLE-3, arXiv 2503.01840) section 3.3; heads.md 5.6. Step 0 is the head's
+    Li et al. 2025 (EAGLE-3, arXiv 2503.01840) section 3.3; docs/heads.md 5.6. Step 0 is the head's
     ordinary causal forward over (features, tokens[:, :T]); step k > 0 reads the step k - 1
     outputs as features and tokens[:, k : k + T], and position j attends to the step-0 keys of
     positions <= j plus its own keys from steps 1..k (what a chain draft at depth k sees).
@@ -155,7 +155,7 @@ def _soft_ce(logits: mx.array, ids: mx.array, probs: mx.array) -> mx.array:
 
 
 def eagle3_loss(head, batch: SequenceBatch, embed, config: EagleTrainConfig) -> tuple[mx.array, mx.array]:
-    """EAGLE-3 training-time-test loss Σ_k decay^k · CE_k (heads.md 5.6).
+    """EAGLE-3 training-time-test loss Σ_k decay^k · CE_k (docs/heads.md 5.6).
 
     CE_k is the mean soft cross-entropy of the head's draft-vocabulary log-softmax at step k
     against the target's top-K distribution restricted to the draft vocabulary and renormalised,
@@ -183,7 +183,7 @@ def eagle3_loss(head, batch: SequenceBatch, embed, config: EagleTrainConfig) -> 
 
 def eagle1_loss(head, batch: SequenceBatch, embed, lm_weight: mx.array, config: EagleTrainConfig,
                 noise: mx.array | None = None) -> tuple[mx.array, mx.array, mx.array]:
-    """EAGLE-1 loss: SmoothL1(f̂_{j+1}, f_{j+1}) + ``ce_weight`` · soft CE (heads.md 4.7).
+    """EAGLE-1 loss: SmoothL1(f̂_{j+1}, f_{j+1}) + ``ce_weight`` · soft CE (docs/heads.md 4.7).
 
     The regression is averaged over the hidden size and the loss positions. The soft CE scores
     the target's LM head on f̂_{j+1} over ``batch.union_ids`` (the union of the batch's top-K
@@ -282,7 +282,7 @@ def lm_head_matrix(target: nn.Module) -> mx.array:
 
 def init_head(target: nn.Module, config: EagleTrainConfig, *, aux_layers=None, d2t: np.ndarray | None = None,
               feature_rms: np.ndarray | None = None):
-    """A fresh head shaped like one layer of ``target`` (heads.md 4.1 / 5.2).
+    """A fresh head shaped like one layer of ``target`` (docs/heads.md 4.1 / 5.2).
 
     EAGLE-3 heads start with their LM head copied from the target's (the rows of the draft
     vocabulary). The residual streams they read are large in the middle and top layers (RMS ~70

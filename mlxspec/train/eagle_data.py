@@ -136,7 +136,7 @@ def token_counts(cache: FeatureCache, vocab_size: int) -> np.ndarray:
 
 
 def draft_vocabulary(counts: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
-    """The ``size`` most frequent ids, as EAGLE-3's d2t offsets and t2d mask (heads.md 5.4).
+    """The ``size`` most frequent ids, as EAGLE-3's d2t offsets and t2d mask (docs/heads.md 5.4).
 
     Ties (and ids never seen, used when fewer than ``size`` ids occur) go to the smaller id.
     The chosen ids sorted ascending are u_0 < u_1 < ...; draft id j stands for target id

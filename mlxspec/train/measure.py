@@ -7,7 +7,7 @@ Two ways, used together:
   This gives tokens/s (and τ).
 - **replay**: τ and acceptance per depth from the plain run alone. A drafter whose proposals are
   deterministic (q one-hot: n-gram lookup, Medusa and EAGLE trees of top-k children, a greedy draft
-  model at temperature 0), verified by the exact rule for deterministic children (heads.md rule 2.4),
+  model at temperature 0), verified by the exact rule for deterministic children (docs/acceptance.md 2.4),
   accepts a path exactly when the target's own next tokens spell it: greedy, the target's argmax;
   sampling, the rule is "draw y ~ p, accept the child equal to y if there is one", so the accepted
   length has the same distribution as the longest draft path matching a plainly sampled continuation.

@@ -1,0 +1,105 @@
+"""The documentation's links resolve, and every doc path the code cites exists.
+
+- Every relative link in README.md and docs/*.md names an existing file (or folder), and a
+  ``#anchor`` names a heading of the linked Markdown file (GitHub's slugs).
+- Every ``docs/....md`` cited in mlxspec/, app/ and tests/ exists, and a section it cites
+  (``docs/acceptance.md 2.4``) is a heading of that file; no bare ``heads.md`` / ``DESIGN.md``
+  (files outside the repository) is cited.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+CODE = [p for d in ("mlxspec", "app", "tests") for p in sorted((ROOT / d).rglob("*.py"))
+        if p.resolve() != Path(__file__).resolve()]
+
+LINK = re.compile(r"!?\[(?:[^\]\[]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+FENCE = re.compile(r"^(```|~~~).*?^\1", re.S | re.M)
+HEADING = re.compile(r"^#{1,6}\s+(.+?)\s*#*\s*$", re.M)
+CITED_DOC = re.compile(r"(?<![\w./-])((?:[\w.-]+/)*[\w.-]+\.md)(?:\s+(?:rule\s+|section\s+|§)?(\d+(?:\.\d+)*))?")
+
+
+def _prose(path: Path) -> str:
+    """The file without fenced code blocks (commands there are not links)."""
+    return FENCE.sub("", path.read_text(encoding="utf-8"))
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: inline markup dropped, lower case, punctuation removed, spaces to '-'."""
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading)  # [text](url) -> text
+    text = re.sub(r"[`*~]", "", text).strip().lower()
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    seen: dict[str, int] = {}
+    out = set()
+    for heading in HEADING.findall(_prose(path)):
+        base = slug(heading)
+        n = seen.get(base, 0)
+        seen[base] = n + 1
+        out.add(base if n == 0 else f"{base}-{n}")
+    return out
+
+
+def headings(path: Path) -> list[str]:
+    return HEADING.findall(_prose(path))
+
+
+def links(path: Path) -> list[str]:
+    return [target for target in LINK.findall(_prose(path))
+            if not re.match(r"^[a-z][a-z0-9+.-]*:", target)]  # http:, https:, mailto: ...
+
+
+def test_there_are_docs():
+    assert (ROOT / "docs").is_dir() and len(DOCS) > 1
+
+
+def test_slug_matches_github():
+    assert slug("2.4 Tree, deterministic children (q one-hot)") == "24-tree-deterministic-children-q-one-hot"
+    assert slug("`mlxspec generate`") == "mlxspec-generate"
+    assert slug("Drafters on the held-out prompts") == "drafters-on-the-held-out-prompts"
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_resolve(doc: Path):
+    broken = []
+    for target in links(doc):
+        file_part, _, anchor = target.partition("#")
+        linked = (doc.parent / file_part).resolve() if file_part else doc
+        if not linked.exists():
+            broken.append(f"{target}: no such file")
+        elif anchor and linked.suffix == ".md" and anchor.lower() not in anchors(linked):
+            broken.append(f"{target}: no heading with anchor #{anchor}")
+    assert not broken, f"{doc.relative_to(ROOT)}: " + "; ".join(broken)
+
+
+def _citations():
+    for path in CODE:
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+            for m in CITED_DOC.finditer(line):
+                yield path.relative_to(ROOT), n, m.group(1), m.group(2)
+
+
+def test_cited_doc_paths_exist():
+    broken = []
+    for where, n, name, section in _citations():
+        if name.lower() in ("readme.md",) or name.startswith("docs/") or name in ("heads.md", "DESIGN.md"):
+            target = ROOT / name
+            if not target.is_file():
+                broken.append(f"{where}:{n}: {name} is not a file in the repository")
+            elif section and not any(h.split()[0] == section for h in headings(target)):
+                broken.append(f"{where}:{n}: {name} has no section {section}")
+    assert not broken, "\n".join(broken)
+
+
+def test_code_cites_docs():
+    """The re-pointed citations are there to check (the scan above is not vacuous)."""
+    cited = {name for _, _, name, _ in _citations()}
+    assert {"docs/acceptance.md", "docs/heads.md"} <= cited
