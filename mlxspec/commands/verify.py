@@ -1,0 +1,120 @@
+"""``mlxspec verify``: check that speculation samples exactly as the target, on your own model and drafter."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from tqdm import tqdm
+
+from ..generate import encode_prompt
+from ..verify_check import DEFAULT_ALPHA, DEFAULT_PROMPTS, DEFAULT_SAMPLES, DEFAULT_TOKENS, VerifyReport, run_check
+from .common import USER_ERRORS, ArgumentParser, add_model_args, add_sampling_args, check_args, fail, load_models
+from .common import sampling_from_args, typical_from_args
+from .generate import build_prompt
+
+
+def setup_arg_parser() -> argparse.ArgumentParser:
+    parser = ArgumentParser(
+        prog="mlxspec verify",
+        description="Sample the first --tokens tokens --samples times with speculative decoding and test them "
+                    "against the target's exact distribution (G-test, Holm-corrected over prompts); at --temp 0, "
+                    "compare --max-tokens tokens with plain greedy decoding. Exit status 0 = PASS, 1 = FAIL.",
+    )
+    add_model_args(parser)
+    parser.add_argument("--prompts", default=None,
+                        help="a text file with one prompt per line. Default: three built-in prompts")
+    parser.add_argument("--no-chat-template", action="store_true",
+                        help="feed the prompts as raw text instead of through the chat template")
+    parser.add_argument("--samples", "-n", type=int, default=DEFAULT_SAMPLES,
+                        help=f"sequences sampled per prompt at --temp > 0. Default: {DEFAULT_SAMPLES}")
+    parser.add_argument("--tokens", "-k", type=int, default=DEFAULT_TOKENS,
+                        help=f"tokens per sampled sequence (K). Default: {DEFAULT_TOKENS}")
+    parser.add_argument("--alpha", type=float, default=DEFAULT_ALPHA,
+                        help=f"family-wise significance level over the prompts. Default: {DEFAULT_ALPHA}")
+    parser.add_argument("--self-test", action="store_true",
+                        help="run the same check with a deliberately broken acceptance rule (resampling from p "
+                             "instead of the residual; at --temp 0, accepting every draft): it should FAIL, which "
+                             "shows the check has power. Exit status 0 when it does")
+    parser.add_argument("--no-batch", action="store_true",
+                        help="run every sample through the engine's round loop even when samples could share work")
+    add_sampling_args(parser)
+    parser.set_defaults(max_tokens=64)
+    parser.add_argument("--json", action="store_true", help="print one JSON record instead of the table")
+    return parser
+
+
+def _prompts(args) -> list[str]:
+    if args.prompts is None:
+        return list(DEFAULT_PROMPTS)
+    path = Path(args.prompts)
+    if not path.is_file():
+        raise ValueError(f"--prompts: {path} is not a file; give a text file with one prompt per line")
+    prompts = [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if not prompts:
+        raise ValueError(f"--prompts: {path} holds no prompt; write one prompt per line")
+    return prompts
+
+
+def format_report(report: VerifyReport, greedy: bool) -> str:
+    """The table printed after the check: one line per prompt and the verdict."""
+    lines = []
+    for check in report.checks:
+        verdict = "PASS" if check.passed else "FAIL"
+        drafted = f"drafted {check.drafted}, accepted {check.accepted}"
+        if greedy:
+            where = "identical to plain greedy" if check.mismatch_at is None else f"differs at token {check.mismatch_at}"
+            lines.append(f"{verdict}  {where}; {drafted}  {check.prompt[:50]!r}")
+        else:
+            lines.append(f"{verdict}  G = {check.statistic:8.1f}  df = {check.df:4d}  p = {check.p_value:.3g}  "
+                         f"Holm p = {check.adjusted_p:.3g}  ({check.prefixes_tested} prefixes; {drafted})  "
+                         f"{check.prompt[:50]!r}")
+    nothing = all(c.drafted == 0 for c in report.checks)
+    overall = "PASS" if report.passed else "FAIL"
+    lines.append(f"{overall}: {sum(c.passed for c in report.checks)}/{len(report.checks)} prompts pass at "
+                 f"alpha = {report.alpha}" + (" (nothing was drafted, so speculation was not tested)" if nothing else ""))
+    if report.self_test:
+        lines.append("self-test: the broken rule was " + ("detected (FAIL): the check has power here" if not report.passed
+                                                          else "NOT detected: use more --samples or prompts the "
+                                                               "drafter drafts well on"))
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    check_args(args)
+    prompt_texts = _prompts(args)
+    sampling = sampling_from_args(args)
+    loaded = load_models(args)
+    prompts = [(text, encode_prompt(loaded.tokenizer, build_prompt(loaded.tokenizer, text, None, not args.no_chat_template)))
+               for text in prompt_texts]
+    total = len(prompts) * (1 if sampling.greedy else args.samples)
+    with tqdm(total=total, unit="prompt" if sampling.greedy else "sample", disable=None, file=sys.stderr,
+              desc=f"verify {loaded.drafter.name}") as bar:
+        report = run_check(loaded.model, prompts, loaded.drafter, sampling,
+                           num_tokens=args.max_tokens if sampling.greedy else args.tokens, num_samples=args.samples,
+                           num_draft_tokens=args.num_draft_tokens, alpha=args.alpha, self_test=args.self_test,
+                           typical=typical_from_args(args),
+                           seed=args.seed if args.seed is not None else 0, batch=not args.no_batch,
+                           progress=bar.update)
+    if args.json:
+        record = {"model": loaded.target.display, "drafter": loaded.drafter.name, "temp": args.temp,
+                  "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p, "samples": args.samples,
+                  "tokens": args.max_tokens if sampling.greedy else args.tokens, **report.to_dict()}
+        print(json.dumps(record))
+    else:
+        print(format_report(report, sampling.greedy))
+    return 0 if report.passed != args.self_test else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``mlxspec verify``; returns 0 (PASS; with ``--self-test``: the broken rule FAILed), 1, or 2 on a user error."""
+    args = setup_arg_parser().parse_args(argv)
+    try:
+        return run(args)
+    except USER_ERRORS as e:
+        return fail(str(e))
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130

@@ -1,0 +1,500 @@
+"""Suffix decoding: draft trees of what followed the current suffix, here and in earlier outputs.
+
+Oliaro et al. 2024, SuffixDecoding (arXiv 2411.04975). Two token stores are searched each round: the
+request's own prompt + output, and a process-wide, bounded **global store** of earlier outputs
+(earlier ``generate`` calls, earlier chat turns, and an optional corpus of text files). The longest
+suffix of the committed tokens that occurs in a store is matched (section 4.1); the continuations of
+all its occurrences form a frequency tree, whose nodes are scored by the fraction of occurrences that
+continue with their path (the paper's empirical probability, section 4.2). The best-scoring nodes are
+kept best first, at most ``factor`` × the match length (the paper's MAX_SPEC = α·p) and at most
+``nodes``; with ``nodes="auto"`` the count is the one with the most expected tokens per second on
+this machine's measured verify curve. Of the two stores' trees, the one whose kept nodes score
+higher in total (the expected accepted tokens) is drafted, the longer match breaking ties.
+
+Children are a deterministic function of the stores, so drafts carry ``logprobs = None`` and the
+engine verifies them with the exact one-hot tree rule (docs/acceptance.md 2.4): the output is distributed as
+the target's at any temperature, and equals plain greedy decoding at temperature 0.
+
+The paper indexes the stores with suffix trees. The same query (every occurrence of the longest
+matching suffix, and how often each continuation followed) is answered here by a vectorised
+backward-extension scan over flat token arrays: appending a committed token costs O(1), a whole
+document is evicted in O(1), memory is 4 bytes per stored token (8 once the closed documents are
+joined for searching), and a round costs O(L) NumPy comparisons over L stored tokens (about a
+millisecond per million tokens), small beside a target forward.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from ..taps import logits_width
+from ..tree import Tree
+from .base import Draft, Drafter
+from .registry import DrafterContext, DrafterType, at_least, int_or_auto, option, register
+
+DEFAULT_DEPTH = 8
+DEFAULT_NODES = 16
+#: The paper's α in MAX_SPEC = α·p: draft nodes per matched token.
+DEFAULT_FACTOR = 2.0
+#: Nodes whose empirical probability is lower are not drafted (vLLM's ``min_token_prob`` default).
+DEFAULT_MIN_PROB = 0.1
+#: Tokens the global store keeps before evicting its oldest documents (about 8 MB).
+DEFAULT_STORE_TOKENS = 1_000_000
+#: Longest suffix matched against a store.
+MAX_MATCH = 32
+#: Most recent occurrences whose continuations are counted.
+MAX_OCCURRENCES = 256
+#: Prompt tokens stored ahead of each output, so a repeated request matches from its first token.
+PROMPT_CONTEXT = 32
+#: ``nodes="auto"``: the most nodes a round may keep.
+AUTO_MAX_NODES = 32
+AUTO = "auto"
+#: Corpus files larger than this are skipped (binary blobs, data dumps).
+MAX_CORPUS_FILE_BYTES = 2_000_000
+_SEPARATOR = -1
+
+
+# --- matching and scoring ------------------------------------------------------------------
+
+
+def longest_match(tokens: np.ndarray, pattern: np.ndarray, max_match: int = MAX_MATCH) -> tuple[int, np.ndarray]:
+    """The longest suffix of ``pattern`` that occurs in ``tokens`` with a token after it.
+
+    Extends the match backwards one token at a time over the occurrences that are left, so the
+    cost is one comparison over ``tokens`` plus a shrinking set of occurrences.
+
+    Args:
+        tokens (np.ndarray): A store, shape [L], int32; ``-1`` separates documents.
+        pattern (np.ndarray): The committed tokens, shape [P], int32 (its suffix is matched).
+        max_match: Longest suffix tried. Default: ``32``.
+
+    Returns:
+        tuple[int, np.ndarray]: The match length m (0 for none) and the positions in ``tokens`` of
+        the last token of each occurrence, ascending, shape [occurrences], int64.
+    """
+    longest = min(max_match, pattern.shape[0])
+    if longest == 0 or tokens.shape[0] < 2:
+        return 0, np.zeros(0, dtype=np.int64)
+    ends = np.flatnonzero(tokens[:-1] == pattern[-1])
+    if ends.size == 0:
+        return 0, ends
+    m = 1
+    while m < longest:
+        ends_left = ends[ends >= m]
+        keep = ends_left[tokens[ends_left - m] == pattern[-1 - m]]
+        if keep.size == 0:
+            break
+        ends, m = keep, m + 1
+    return m, ends
+
+
+@dataclass
+class ScoredTree:
+    """Draft candidates best first; a node's parent always comes before it.
+
+    Attributes:
+        tokens: Node tokens [C].
+        parents: Each node's parent in this numbering, ``-1`` = the root [C].
+        scores: Empirical probability of each node's path, non-increasing, in (0, 1] [C].
+        match_length: Tokens of the suffix that matched.
+    """
+
+    tokens: list[int]
+    parents: list[int]
+    scores: list[float]
+    match_length: int
+
+
+def continuation_tree(tokens: np.ndarray, ends: np.ndarray, match_length: int, depth: int,
+                      min_prob: float = DEFAULT_MIN_PROB, max_nodes: int = AUTO_MAX_NODES) -> ScoredTree:
+    """The frequency tree of what followed the occurrences ``ends``, best nodes first.
+
+    SuffixDecoding (arXiv 2411.04975) section 4.2: a node's score is the product of
+    count(child) / count(parent) along its path, i.e. the fraction of the (most recent
+    ``MAX_OCCURRENCES``) occurrences that continue with the path. Nodes are taken greedily by
+    score (a heap over the frontier), so every kept node's parent is kept before it.
+
+    Args:
+        tokens (np.ndarray): The store, shape [L], int32; ``-1`` ends a continuation.
+        ends (np.ndarray): Positions of the matched suffix's last token (``longest_match``).
+        match_length: Recorded in the result.
+        depth: Deepest node (tokens of continuation).
+        min_prob: Nodes scoring less are dropped. Default: ``0.1``.
+        max_nodes: Most candidates returned. Default: ``32``.
+
+    Returns:
+        ScoredTree: Up to ``max_nodes`` candidates (none when ``ends`` is empty).
+    """
+    ends = ends[-MAX_OCCURRENCES:]
+    counts, node_token, node_parent, node_depth, kids = [len(ends)], [-1], [-1], [0], {}
+    for end in ends.tolist():
+        node = 0
+        for token in tokens[end + 1 : end + 1 + depth].tolist():
+            if token == _SEPARATOR:
+                break
+            child = kids.get((node, token))
+            if child is None:
+                child = kids[(node, token)] = len(counts)
+                counts.append(0)
+                node_token.append(token)
+                node_parent.append(node)
+                node_depth.append(node_depth[node] + 1)
+            counts[child] += 1
+            node = child
+    children: dict[int, list[int]] = {}
+    for (parent, _), child in kids.items():
+        children.setdefault(parent, []).append(child)
+    out, index = ScoredTree([], [], [], match_length), {0: -1}
+    frontier = [(-counts[c], node_depth[c], c) for c in children.get(0, [])]
+    while frontier and len(out.tokens) < max_nodes:
+        frontier.sort()  # a handful of entries: cheaper than a heap's bookkeeping
+        negative, _, node = frontier.pop(0)
+        score = -negative / counts[0]
+        if score < min_prob:
+            break
+        index[node] = len(out.tokens)
+        out.tokens.append(node_token[node])
+        out.parents.append(index[node_parent[node]])
+        out.scores.append(score)
+        frontier += [(-counts[c], node_depth[c], c) for c in children.get(node, [])]
+    return out
+
+
+def budget_by_cost(scores: list[float], costs) -> int:
+    """Nodes to keep with the most expected tokens per second: argmax_m (1 + Σ_{i<m} s_i) / T_verify(m + 1).
+
+    Args:
+        scores: Candidate scores best first [C] (C >= 1).
+        costs: ``costmodel.Costs`` (its verify curve, seconds).
+
+    Returns:
+        int: m in 1..C.
+    """
+    gain = 1.0 + np.cumsum(scores)
+    rate = [gain[m - 1] / costs.verify(m + 1) for m in range(1, len(scores) + 1)]
+    return int(np.argmax(rate)) + 1
+
+
+# --- the global store ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StoreStats:
+    """Size of a global suffix store.
+
+    Attributes:
+        documents: Documents held (outputs, chat turns, corpus files).
+        tokens: Tokens held.
+        max_tokens: The bound; the oldest documents are evicted beyond it.
+        bytes: Memory of the token arrays, bytes (documents plus the joined search copy).
+        evicted_documents: Documents evicted so far.
+    """
+
+    documents: int
+    tokens: int
+    max_tokens: int
+    bytes: int
+    evicted_documents: int
+
+
+class SuffixStore:
+    """A bounded, evictable store of token documents shared by every suffix drafter of a process.
+
+    A drafter opens a document at each prefill (the prompt's last ``PROMPT_CONTEXT`` tokens) and
+    appends each round's committed tokens to it; a document is searchable by other drafters at once,
+    and becomes part of the joined search array when its drafter moves on or is gone. Beyond
+    ``max_tokens`` the oldest documents are evicted (a document stops growing at ``max_tokens``).
+
+    Args:
+        max_tokens: Bound on the tokens held.
+
+    Raises:
+        ValueError: ``max_tokens < 1``.
+    """
+
+    def __init__(self, max_tokens: int = DEFAULT_STORE_TOKENS):
+        self.max_tokens = max_tokens
+        self._docs: OrderedDict[int, array] = OrderedDict()
+        self._owners: dict[int, weakref.ref] = {}  # open documents → the drafter writing them
+        self._joined = np.zeros(0, dtype=np.int32)
+        self._joined_ids: frozenset[int] = frozenset()
+        self.num_tokens, self.evicted_documents, self._next_id = 0, 0, 0
+        self.corpora: set[tuple[str, int]] = set()
+        self.resize(max_tokens)
+
+    def resize(self, max_tokens: int) -> None:
+        """Set the bound (evicting at once if the store is over it).
+
+        Raises:
+            ValueError: ``max_tokens < 1``.
+        """
+        if max_tokens < 1:
+            raise ValueError(f"--suffix-store-tokens must be >= 1, got {max_tokens}")
+        self.max_tokens = max_tokens
+        self._evict()
+
+    def open(self, owner: object, tokens: list[int]) -> int:
+        """Start a document written by ``owner`` (held weakly), beginning with ``tokens``; returns its id."""
+        doc = self.add(tokens)
+        self._owners[doc] = weakref.ref(owner)
+        return doc
+
+    def add(self, tokens: list[int]) -> int:
+        """Add a finished document (a corpus file); returns its id."""
+        doc, self._next_id = self._next_id, self._next_id + 1
+        self._docs[doc] = array("i", tokens[: self.max_tokens])
+        self.num_tokens += len(self._docs[doc])
+        self._evict(keep=doc)
+        return doc
+
+    def append(self, doc: int | None, tokens: list[int]) -> None:
+        """Append committed tokens to an open document (nothing if it was evicted or is full)."""
+        target = self._docs.get(doc)
+        if target is None or not tokens:
+            return
+        tokens = tokens[: self.max_tokens - len(target)]
+        target.extend(tokens)
+        self.num_tokens += len(tokens)
+        self._evict(keep=doc)
+
+    def _evict(self, keep: int | None = None) -> None:
+        while self.num_tokens > self.max_tokens and len(self._docs) > (keep is not None):
+            oldest = next(d for d in self._docs if d != keep)
+            self.num_tokens -= len(self._docs.pop(oldest))
+            self._owners.pop(oldest, None)
+            self.evicted_documents += 1
+            if oldest in self._joined_ids:  # release the joined copy now; rebuilt at the next search
+                self._joined, self._joined_ids = np.zeros(0, dtype=np.int32), frozenset()
+
+    def searchable(self, exclude: int | None = None) -> np.ndarray:
+        """Every document but ``exclude``, joined by ``-1`` separators, shape [L], int32."""
+        for doc, owner in list(self._owners.items()):
+            drafter = owner()
+            if drafter is None or drafter.document != doc:  # its writer is gone or moved on: closed
+                del self._owners[doc]
+        closed = frozenset(d for d in self._docs if d not in self._owners)
+        if closed != self._joined_ids:
+            self._joined, self._joined_ids = _join([self._docs[d] for d in self._docs if d in closed]), closed
+        open_docs = [self._docs[d] for d in self._owners if d != exclude]
+        return _join([self._joined, *open_docs]) if open_docs else self._joined
+
+    def stats(self) -> StoreStats:
+        """Documents, tokens and bytes held now."""
+        joined = self._joined.nbytes
+        held = sum(doc.itemsize * len(doc) for doc in self._docs.values())
+        return StoreStats(len(self._docs), self.num_tokens, self.max_tokens, held + joined, self.evicted_documents)
+
+
+def _join(docs: list) -> np.ndarray:
+    pieces = []
+    for doc in docs:
+        if doc is not None and len(doc):
+            pieces += [np.asarray(doc, dtype=np.int32), np.array([_SEPARATOR], dtype=np.int32)]
+    return np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int32)
+
+
+_STORES: dict[tuple, SuffixStore] = {}
+
+
+def global_store(key: tuple = (), max_tokens: int = DEFAULT_STORE_TOKENS) -> SuffixStore:
+    """The process-wide store for one vocabulary ``key`` (created on first use, then resized to ``max_tokens``)."""
+    store = _STORES.get(key)
+    if store is None:
+        store = _STORES[key] = SuffixStore(max_tokens)
+    else:
+        store.resize(max_tokens)
+    return store
+
+
+def global_store_stats() -> dict[tuple, StoreStats]:
+    """``StoreStats`` of every global store of this process, by vocabulary key (the memory report)."""
+    return {key: store.stats() for key, store in _STORES.items()}
+
+
+def load_corpus(store: SuffixStore, path: str, tokenizer, vocab_size: int | None = None) -> int:
+    """Tokenize the text files at ``path`` (a file, or every file under a folder) into ``store``.
+
+    A file is read once per process (by path and modification time); files that are not UTF-8
+    text, hidden ones and ones over 2 MB are skipped. Ids at or above ``vocab_size`` (tokens the
+    target cannot score) become document breaks.
+
+    Returns:
+        int: Tokens added.
+
+    Raises:
+        ValueError: the path does not exist, holds no text file, or there is no tokenizer.
+    """
+    root = Path(path).expanduser()
+    if not root.exists():
+        raise ValueError(f"--suffix-corpus: {path} does not exist; give a text file or a folder of them")
+    if not hasattr(tokenizer, "encode"):
+        raise ValueError("--suffix-corpus needs the target's tokenizer to read text files")
+    files = [root] if root.is_file() else sorted(
+        f for f in root.rglob("*") if f.is_file() and not any(p.startswith(".") for p in f.relative_to(root).parts))
+    added, texts = 0, 0
+    for file in files:
+        key = (str(file.resolve()), file.stat().st_mtime_ns)
+        if file.stat().st_size > MAX_CORPUS_FILE_BYTES:
+            continue
+        try:
+            text = file.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        texts += 1
+        if key in store.corpora or not text.strip():
+            continue
+        tokens = list(tokenizer.encode(text, add_special_tokens=False))
+        if vocab_size is not None:
+            tokens = [t if t < vocab_size else _SEPARATOR for t in tokens]
+        store.add(tokens)
+        store.corpora.add(key)
+        added += len(tokens)
+    if texts == 0:
+        raise ValueError(f"--suffix-corpus: no UTF-8 text file under {path}")
+    return added
+
+
+# --- the drafter ---------------------------------------------------------------------------
+
+
+class SuffixDrafter(Drafter):
+    """SuffixDecoding drafter (Oliaro et al. 2024, arXiv 2411.04975; see the module docstring).
+
+    Args:
+        store: The global ``SuffixStore`` to read and feed, or ``None`` (this request only).
+        depth: Deepest draft node; a round uses ``min(depth, num_draft_tokens)``. Default: ``8``.
+        nodes: Most draft nodes per round, or ``"auto"``: the count with the most expected tokens
+            per second on ``costs`` (at most 32). Default: ``16``.
+        factor: Draft nodes per matched token (the paper's α). Default: ``2.0``.
+        min_prob: Least empirical path probability drafted. Default: ``0.1``.
+        costs: ``costmodel.Costs``, or a function returning them, for ``nodes="auto"``.
+        vocab_size: The target's logits width (recorded; the store is keyed by it). Default: none.
+
+    Raises:
+        ValueError: ``nodes="auto"`` without costs.
+    """
+
+    name = "suffix"
+    makes_trees = True
+
+    def __init__(self, store: SuffixStore | None = None, *, depth: int = DEFAULT_DEPTH,
+                 nodes: int | str = DEFAULT_NODES, factor: float = DEFAULT_FACTOR,
+                 min_prob: float = DEFAULT_MIN_PROB, costs=None, vocab_size: int | None = None):
+        if nodes == AUTO and costs is None:
+            raise ValueError("suffix nodes='auto' needs the target's measured verify costs")
+        self.store, self.depth, self.nodes, self.factor, self.min_prob = store, depth, nodes, factor, min_prob
+        self.costs = (costs() if callable(costs) else costs) if nodes == AUTO else None
+        self.vocab_size = vocab_size
+        self.document: int | None = None
+        self._recorded, self._drafted = 0, []
+
+    @property
+    def tree_depth(self) -> int:
+        """The deepest node a round can draft (what ``--num-draft-tokens auto`` gives a round)."""
+        return self.depth
+
+    def prefill(self, prompt, hidden=None):
+        self.document = self.store.open(self, list(prompt[-PROMPT_CONTEXT:])) if self.store is not None else None
+        self._recorded, self._drafted = len(prompt), []
+
+    def propose(self, history, num_draft_tokens, sampling):
+        if self.document is not None and len(history) > self._recorded:
+            self.store.append(self.document, list(history[self._recorded :]))  # the last round's target token
+            self._recorded = len(history)
+        depth = min(self.depth, num_draft_tokens)
+        if depth < 1:
+            return Draft.empty()
+        own = np.asarray(history, dtype=np.int32)
+        stores = [own] + ([self.store.searchable(exclude=self.document)] if self.store is not None else [])
+        trees = [self._candidates(tokens, own, depth) for tokens in stores]
+        trees = [(tree, self._budget(tree)) for tree in trees]
+        best, keep = max(trees, key=lambda t: (sum(t[0].scores[: t[1]]), t[0].match_length))
+        self._drafted = best.tokens[:keep]
+        if keep == 0:
+            return Draft.empty()
+        return Draft(mx.array(best.tokens[:keep], dtype=mx.int32), Tree(tuple(best.parents[:keep])))
+
+    def commit(self, num_committed, accepted, hidden=None):
+        if self.document is None or not accepted or num_committed < self._recorded + len(accepted):
+            return
+        self.store.append(self.document, [self._drafted[node] for node in accepted])
+        self._recorded += len(accepted)
+
+    def _candidates(self, tokens: np.ndarray, history: np.ndarray, depth: int) -> ScoredTree:
+        length, ends = longest_match(tokens, history)
+        limit = AUTO_MAX_NODES if self.nodes == AUTO else self.nodes
+        return continuation_tree(tokens, ends, length, depth, self.min_prob, limit)
+
+    def _budget(self, tree: ScoredTree) -> int:
+        if not tree.tokens:
+            return 0
+        by_match = max(1, math.ceil(self.factor * tree.match_length))
+        if self.costs is not None:
+            return min(by_match, budget_by_cost(tree.scores, self.costs))
+        return min(by_match, len(tree.tokens))
+
+
+@dataclass(frozen=True)
+class SuffixOptions:
+    """``--drafter suffix`` (spec ``suffix:depth=8,nodes=16,shared=false``).
+
+    Raises:
+        ValueError: on ``depth``, ``nodes`` or ``store_tokens`` < 1, ``factor`` <= 0, or ``min_prob``
+            outside [0, 1), naming the flag.
+    """
+
+    depth: int = option(DEFAULT_DEPTH, "deepest node the suffix drafter drafts", parse=int)
+    nodes: int | str = option(DEFAULT_NODES, "most draft nodes per round, or 'auto': the count with the most "
+                              "expected tokens per second from this machine's measured verify costs", parse=int_or_auto)
+    factor: float = option(DEFAULT_FACTOR, "draft nodes per matched suffix token (SuffixDecoding's alpha)", parse=float)
+    min_prob: float = option(DEFAULT_MIN_PROB, "least empirical probability of a drafted path", parse=float)
+    shared: bool = option(True, "read and feed the process-wide store of earlier outputs ('false': this "
+                          "request only)", parse=lambda text: _boolean(text, "--suffix-shared"))
+    store_tokens: int = option(DEFAULT_STORE_TOKENS, "tokens the process-wide store keeps before evicting its "
+                               "oldest documents (4-8 bytes each)", parse=int)
+    corpus: str | None = option(None, "a text file or folder (e.g. a source tree) added to the process-wide store",
+                                default_help="none")
+
+    def __post_init__(self):
+        at_least(1, self.depth, "--suffix-depth")
+        at_least(1, self.nodes, "--suffix-nodes")
+        at_least(1, self.store_tokens, "--suffix-store-tokens")
+        if not self.factor > 0:
+            raise ValueError(f"--suffix-factor must be > 0, got {self.factor}")
+        if not 0 <= self.min_prob < 1:
+            raise ValueError(f"--suffix-min-prob must be in [0, 1), got {self.min_prob}")
+        if self.corpus is not None and not self.shared:
+            raise ValueError("--suffix-corpus goes into the shared store; drop it or --suffix-shared false")
+
+
+def _boolean(text: str, flag: str) -> bool:
+    value = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}.get(text.strip().lower())
+    if value is None:
+        raise ValueError(f"{flag} takes true or false, got {text!r}")
+    return value
+
+
+def build(options: SuffixOptions, context: DrafterContext) -> SuffixDrafter:
+    """Raises ``ValueError``: a corpus that cannot be read."""
+    vocab_size = logits_width(context.target) if context.target is not None else None
+    store = None
+    if options.shared:
+        store = global_store((vocab_size, context.target_name), options.store_tokens)
+        if options.corpus is not None:
+            load_corpus(store, options.corpus, context.tokenizer, vocab_size)
+    return SuffixDrafter(store, depth=options.depth, nodes=options.nodes, factor=options.factor,
+                         min_prob=options.min_prob, costs=context.verify_costs, vocab_size=vocab_size)
+
+
+DRAFTER = register(DrafterType("suffix", SuffixOptions, build,
+                               "SuffixDecoding: frequency-scored trees of what followed the current suffix in this "
+                               "request and in earlier outputs of the process; no model (Oliaro et al. 2024)",
+                               order=25))
