@@ -17,6 +17,7 @@ from mlxspec.drafters import DRAFTERS, Draft, Drafter, DrafterSpec, DrafterType,
 from mlxspec.gamma import FixedGamma
 from mlxspec.heads.eagle import save_eagle
 from mlxspec.heads.medusa import save_medusa
+from mlxspec.heads.mtp import init_mtp, save_mtp
 from test_eagle import random_head
 from test_generate import plain_greedy
 from test_lossless import V, exact_joint, sample_joint
@@ -27,9 +28,11 @@ PROMPT = [10, 20, 30, 40, 10, 20, 30, 41, 50, 60]
 
 
 def ship_heads(root, name: str, vocab: int) -> None:
-    """Random Medusa and EAGLE heads as the assets shipped for a target called ``name``."""
+    """Random Medusa and EAGLE heads and an MTP module as the assets shipped for a target called ``name``."""
     save_medusa(root / "medusa" / name, random_heads(vocab=vocab, shared=True))
     save_eagle(random_head(1, vocab=vocab), root / "eagle" / name)
+    like = tiny_llama(seed=5, vocab_size=vocab)
+    save_mtp(init_mtp(like), root / "mtp" / name, like)
 
 
 @pytest.fixture(scope="module")
