@@ -1,6 +1,8 @@
-"""``mlxspec train``: build a corpus, train heads (Medusa, EAGLE), a draft model or a DFlash drafter, and measure drafters.
+"""``mlxspec train``: build a corpus, train heads (Medusa, EAGLE, MTP), a draft model or a DFlash drafter,
+and measure drafters.
 
-One subcommand per module (``corpus``, ``medusa``, ``eagle``, ``draft``, ``dflash``, ``measure``), each with ``HELP``,
+One subcommand per module (``corpus``, ``medusa``, ``eagle``, ``draft``, ``mtp``, ``dflash``, ``measure``), each
+with ``HELP``,
 ``DESCRIPTION``, ``add_flags(parser)`` and ``run(args) -> int``; the training methods share their run
 flags, progress loop and evaluation line through ``shared``. Every training command resumes when run
 again with the same settings.
@@ -13,10 +15,10 @@ import shlex
 import sys
 
 from ..common import USER_ERRORS, ArgumentParser, fail
-from . import corpus, dflash, draft, eagle, measure, medusa
+from . import corpus, dflash, draft, eagle, measure, medusa, mtp
 
 #: Subcommands in the order ``--help`` lists them.
-METHODS = {"medusa": medusa, "corpus": corpus, "eagle": eagle, "draft": draft, "dflash": dflash,
+METHODS = {"medusa": medusa, "corpus": corpus, "eagle": eagle, "draft": draft, "mtp": mtp, "dflash": dflash,
            "measure": measure}
 
 
