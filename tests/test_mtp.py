@@ -179,3 +179,45 @@ def test_the_same_test_rejects_the_wrong_q(small):
     stat, critical = chi_square(sample_joint(target, WrongQ(stack, target, depth=3), params),
                                 exact_joint(target, params))
     assert stat > critical
+
+
+def test_a_deepseek_v3_target_reads_its_hf_mtp_layer_through_its_own_sanitize(tmp_path):
+    """MoE experts stored one by one and MLA's fused kv_b_proj, as in DeepSeek-V3's safetensors."""
+    from mlx_lm.models import deepseek_v3
+
+    from mlxspec.heads.mtp import new_block
+
+    args = deepseek_v3.ModelArgs(
+        model_type="deepseek_v3", vocab_size=300, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=4,
+        num_experts_per_tok=2, first_k_dense_replace=1, moe_layer_freq=1, kv_lora_rank=16, q_lora_rank=24,
+        qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16, n_group=1, topk_group=1, max_position_embeddings=512,
+        rope_scaling=None)
+    mx.random.seed(0)
+    model = deepseek_v3.Model(args)
+    block = new_block(model)
+    mx.eval(model.parameters(), block.parameters())
+    N, H, hf = 2, 64, {}
+    for name, value in tree_flatten(block.parameters()):
+        if ".switch_mlp." in name:  # HF keeps one tensor per expert
+            hf.update({f"model.layers.{N}." + name.replace("switch_mlp", f"experts.{e}"): value[e] for e in range(4)})
+        else:
+            hf[f"model.layers.{N}." + name] = value
+    embed_q = hf.pop(f"model.layers.{N}.self_attn.embed_q.weight")  # [heads, kv_lora, nope]
+    unembed = hf.pop(f"model.layers.{N}.self_attn.unembed_out.weight")  # [heads, v, kv_lora]
+    hf[f"model.layers.{N}.self_attn.kv_b_proj.weight"] = mx.concatenate(
+        [embed_q.swapaxes(-1, -2), unembed], axis=1).reshape(-1, embed_q.shape[1])
+    hf.update({f"model.layers.{N}.{k}": v for k, v in {
+        "enorm.weight": mx.ones((H,)), "hnorm.weight": mx.ones((H,)), "eh_proj.weight": 0.1 * mx.random.normal((H, 2 * H)),
+        "shared_head.norm.weight": mx.ones((H,)), "shared_head.head.weight": model.lm_head.weight,
+        "embed_tokens.weight": model.model.embed_tokens.weight}.items()})
+    mx.save_safetensors(str(tmp_path / "model.safetensors"), {**dict(tree_flatten(model.parameters())), **hf})
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": N, "num_nextn_predict_layers": 1}))
+    stack = load_mtp(tmp_path, model)
+    loaded = dict(tree_flatten(stack.first.parameters()))
+    for name, value in tree_flatten(block.parameters()):
+        assert mx.allclose(loaded["blocks.0." + name], value).item(), name
+    prompt = [5, 6, 7, 8, 5, 6, 7, 9]
+    result = generate(model, byte_tokenizer(), prompt, drafter=MTPDrafter(stack, model, depth=2), num_draft_tokens=2,
+                      max_tokens=60, stop_tokens=set())
+    assert result.tokens == plain_greedy(model, prompt, 60) and result.stats.drafted > 0

@@ -84,15 +84,14 @@ class MTPModule(nn.Module):
     def __call__(self, hidden: mx.array, tokens: mx.array, embed, cache=None, mask=None) -> mx.array:
         """Normed output [B, T, H] for features ``hidden`` [B, T, H] and the next tokens [B, T] int32.
 
-        ``cache``: one mlx-lm cache per block, or ``None``; ``mask``: the attention mask (``None``
-        with a cache = mlx-lm's causal mask for it).
+        ``cache``: one mlx-lm cache per block, or ``None``; ``mask``: the attention mask (``None`` =
+        mlx-lm's causal mask for the cache, as an array).
         """
         x = self.eh_proj(mx.concatenate([self.enorm(embed(tokens)), self.hnorm(hidden)], axis=-1))  # [B, T, H]
         for i, block in enumerate(self.blocks):
             c = cache[i] if cache is not None else None
-            m = mask
-            if m is None:
-                m = create_attention_mask(x, c) if c is not None else ("causal" if x.shape[1] > 1 else None)
+            # an array mask: some attentions (DeepSeek's MLA) take no "causal" string
+            m = mask if mask is not None else create_attention_mask(x, c, return_array=True)
             x = block(x, m, c)
         return self.norm(x)
 
