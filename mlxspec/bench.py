@@ -265,7 +265,8 @@ def _run_mlxspec(models: BenchModels, system: System, ids, temp, seed, max_token
     rounds, tokens, stats = [], [], None
     mx.reset_peak_memory()
     for event in stream_generate(models.model, models.tokenizer, ids, drafter=drafter, num_draft_tokens=gamma,
-                                 max_tokens=max_tokens, sampling=SamplingParams(temp=temp), seed=seed):
+                                 max_tokens=max_tokens, sampling=SamplingParams(temp=temp), seed=seed,
+                                 time_split=True):
         if isinstance(event, CycleStats):
             rounds.append([event.depth or event.num_drafted, event.num_accepted])
         elif isinstance(event, GenerationStats):

@@ -199,53 +199,90 @@ class AutoGamma:
     """Picks γ before every round from measured costs and running acceptance.
 
     The loop calls ``choose_gamma()`` before each propose and ``update(cycle_stats)``
-    after each round. γ = 0 means the round is plain decoding because speculation is
-    predicted to lose. While at 0 nothing is learned, so every ``probe_every`` rounds a
-    short draft of ``probe_gamma`` tokens re-measures α, unless costs alone rule
-    speculation out (it would lose even if every draft were accepted).
+    after each round. γ = 0 means the round is plain decoding. It falls back to plain
+    decoding (1) when no γ is predicted to win, and (2) when ``miss_rounds`` drafting rounds
+    in a row kept nothing, whatever the prediction (a drafter that keeps missing, found within
+    a few rounds even while the estimate still remembers better times). While falling back
+    nothing is learned, so after a wait a short probe (``probe_gamma`` tokens) re-measures α;
+    each probe that keeps nothing doubles the wait (exponential back-off: ``probe_every``,
+    2×, 4×, ... up to ``max_wait`` plain rounds), and one that keeps a token resets it. No
+    probe is made when the costs alone rule speculation out (it would lose even if every
+    draft were accepted). Plain rounds teach it nothing, so the loop may ask for the next γ
+    before reporting a plain round (it pipelines consecutive plain steps).
 
     Args:
         costs: This machine's ``Costs`` for the target and drafter.
         max_gamma: Largest γ considered. Default: ``15`` (verify width 16, the calibrated range).
         margin: Predicted gain a γ > 0 needs over plain decoding. Default: ``0.03``.
-        probe_every: Rounds between probes while falling back. Default: ``16``.
+        probe_every: Plain rounds before the first probe of a fall-back. Default: ``16``.
         probe_gamma: γ of a probe. Default: ``2``.
         estimate: Acceptance estimate to start from. Default: a fresh one (prior α = 0.5).
+        miss_rounds: Drafting rounds in a row that keep nothing before falling back. Default: ``3``.
+        max_wait: Longest wait between probes, in plain rounds. Default: ``256``.
 
     Attributes:
         gamma: γ chosen for the current round.
-        predicted_speedup: Predicted speedup of that choice (1 when falling back).
+        predicted_speedup: Predicted speedup of that choice (1 when falling back or probing).
+        probing: Whether the current round is a probe.
+
+    Raises:
+        ValueError: ``max_gamma < 1``, ``miss_rounds < 1`` or ``probe_every < 1``.
     """
 
     #: The per-round choices are recorded in the stats (``GenerationStats.gamma_rounds``).
     adaptive = True
 
     def __init__(self, costs: Costs, *, max_gamma: int = MAX_VERIFY_TOKENS - 1, margin: float = 0.03,
-                 probe_every: int = 16, probe_gamma: int = 2, estimate: AcceptanceEstimate | None = None):
+                 probe_every: int = 16, probe_gamma: int = 2, estimate: AcceptanceEstimate | None = None,
+                 miss_rounds: int = 3, max_wait: int = 256):
         if max_gamma < 1:
             raise ValueError(f"max_gamma must be >= 1, got {max_gamma}")
+        if miss_rounds < 1 or probe_every < 1:
+            raise ValueError(f"miss_rounds and probe_every must be >= 1, got {miss_rounds} and {probe_every}")
         self.costs, self.max_gamma, self.margin = costs, max_gamma, margin
         self.probe_every, self.probe_gamma = probe_every, min(probe_gamma, max_gamma)
+        self.miss_rounds, self.max_wait = miss_rounds, max(max_wait, probe_every)
         self.estimate = estimate or AcceptanceEstimate()
         self.can_win = costs.best_gamma(1.0, max_gamma, margin)[0] > 0
-        self.gamma, self.predicted_speedup = 0, 1.0
-        self._plain_rounds = 0
+        self.gamma, self.predicted_speedup, self.probing = 0, 1.0, False
+        self._wait = 0  # plain rounds left before the next probe
+        self._probe_due = False
+        self._interval = probe_every  # the wait after the next miss
+        self._misses = 0  # drafting rounds in a row that kept nothing
 
     def choose_gamma(self) -> int:
         """γ for the next round (0 = plain decoding)."""
+        self.probing, self.predicted_speedup = False, 1.0
+        if self._wait > 0:
+            self._wait, self.gamma = self._wait - 1, 0
+            return 0
+        if self._probe_due:
+            self._probe_due, self.probing = False, self.can_win
+            if self.probing:
+                self.gamma = self.probe_gamma
+                return self.gamma
         reach = self.estimate.reach(self.max_gamma)
         self.gamma, self.predicted_speedup = self.costs.best_gamma(reach, self.max_gamma, self.margin)
         if self.gamma == 0:
-            self._plain_rounds += 1
-            if self.can_win and self._plain_rounds >= self.probe_every:
-                self.gamma, self._plain_rounds = self.probe_gamma, 0
-        else:
-            self._plain_rounds = 0
+            self._back_off()
         return self.gamma
 
     def update(self, cycle) -> None:
         """Learn from one round's ``CycleStats`` (its depth, or ``num_drafted``, and ``num_accepted``)."""
-        self.estimate.update(getattr(cycle, "depth", 0) or cycle.num_drafted, cycle.num_accepted)
+        drafted = getattr(cycle, "depth", 0) or cycle.num_drafted
+        if drafted <= 0:
+            return
+        self.estimate.update(drafted, cycle.num_accepted)
+        if cycle.num_accepted > 0:
+            self._misses, self._interval = 0, self.probe_every
+            return
+        self._misses += 1
+        if self.probing or self._misses >= self.miss_rounds:
+            self._back_off()
+
+    def _back_off(self) -> None:
+        self._wait, self._interval = self._interval, min(2 * self._interval, self.max_wait)
+        self._misses, self._probe_due = 0, True
 
 
 # ---------------------------------------------------------------- calibration

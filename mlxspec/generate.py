@@ -6,7 +6,9 @@ token); the target scores ``[root, *draft]`` in one forward; the acceptance rule
 keeps a prefix of the draft and adds one token (resampled on a rejection, bonus
 when every draft survived); the target cache is rewound to the committed tokens.
 A round makes one blocking host sync. With nothing drafted a round is a plain
-decoding step, so ``--drafter none`` runs through the same loop.
+decoding step, so ``--drafter none`` runs through the same loop; consecutive plain
+steps are pipelined as in ``mlx_lm.generate_step`` (the next step's forward is queued
+with ``mx.async_eval`` before the current token is read).
 
 Cache invariant: the target cache holds every committed token except the last,
 which is the next round's root (as in ``mlx_lm.generate_step``).
@@ -30,18 +32,19 @@ from .cache import (
     commit_path,
     prefill,
     tree_attention,
+    trim,
 )
 from .drafters import Draft, Drafter, DrafterSpec, make_drafter
 from .gamma import FixedGamma, GammaPolicy, gamma_policy
 from .metrics import CycleStats, GenerationStats, TokenEvent
-from .sampling import SamplingParams, process_logits, warp
+from .sampling import SamplingParams, process_logits, sample, warp
 from .taps import HiddenTap
 from .stops import HeldText, StopStrings, check_stops
 from .verify import verify_deterministic, verify_greedy, verify_sampled, verify_typical
 
 DEFAULT_NUM_DRAFT_TOKENS = 4
 DEFAULT_MAX_TOKENS = 256
-#: A lazy drafter is timed exactly (one extra sync) on every this-many rounds.
+#: With ``time_split``, a lazy drafter is timed exactly (one extra sync) on every this-many rounds.
 TIMING_EVERY = 8
 
 
@@ -68,6 +71,7 @@ class _Round:
     finish_reason: str | None
     prefill_s: float = 0.0
     cached_tokens: int = 0
+    gamma: int = 0  # the γ the policy chose for the round
 
 
 def encode_prompt(tokenizer, prompt: str | list[int]) -> list[int]:
@@ -170,6 +174,7 @@ def speculative_rounds(
     prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE,
     prompt_cache: PromptCache | list | None = None,
     stop_strings: StopStrings | None = None,
+    time_split: bool = False,
 ) -> Iterator[_Round]:
     """Prefill, then run rounds until a stop token or ``max_tokens``; yields each round's committed tokens.
 
@@ -177,6 +182,13 @@ def speculative_rounds(
     the caller updates the policy and the stats from each round's ``CycleStats`` (the first
     round also carries the prefill time). ``rule`` defaults to ``make_verifier(sampling)``.
     ``stop_strings`` cuts a round at the token that completes a stop string, before the commit.
+    ``time_split`` times a lazy drafter's device work on its own every ``TIMING_EVERY`` rounds
+    (one extra sync there; ``bench`` uses it); otherwise its work counts as verify time.
+
+    A round the policy gives γ = 0 is a plain step, pipelined when the next one is plain too:
+    the policy is asked for the next γ before the current token is read (a plain round teaches
+    a policy nothing, so asking early changes no choice), and if it is 0 the next forward is queued.
+    A drafter that reads the target's features is not pipelined (it needs each step's features).
     """
     policy = FixedGamma(num_draft_tokens) if isinstance(num_draft_tokens, int) else num_draft_tokens
     rule = rule or make_verifier(sampling)
@@ -188,34 +200,52 @@ def speculative_rounds(
     start = time.perf_counter()
     drafter.prefill(prompt, _prefill(model, store, prompt, drafter, tap, prefill_step_size))
     prefill_s, cached = time.perf_counter() - start, store.reused
-    history, clock, generated = list(prompt), _DraftClock(drafter.lazy), 0
-    for cycle in range(max_tokens):
-        room = max_tokens - generated
-        t0 = time.perf_counter()
-        draft = drafter.propose(history, min(policy.choose_gamma(), room - 1), sampling)
-        clock.drafted(cycle, draft)
-        t1 = time.perf_counter()
-        choice, next_tokens = _verify(model, cache, history, draft, sampling, rule)
-        hidden = tap.features()[0] if tap is not None else None  # [N + 1, F]
-        mx.eval(choice, next_tokens, draft.tokens, hidden)  # the round's one blocking sync
-        path, tokens, kinds = _accepted(draft, choice.tolist(), next_tokens.tolist())
-        keep, finish_reason = _cut_at_stop(tokens, stop_tokens, room)
-        if stop_strings is not None and (cut := stop_strings.cut([t for t in tokens[:keep] if t not in stop_tokens])):
-            keep, finish_reason = cut, "stop"
-        kept = ([0] + path)[:keep]  # root-first nodes whose positions stay in the cache
-        commit_path(cache, len(history) - 1, kept, written=draft.size + 1)
-        store.add(history[-1:] + tokens[: keep - 1], hidden[mx.array(kept)] if store.feature_layers is not None else None)
-        history += tokens[:keep]
-        drafter.commit(len(history), [node - 1 for node in path[:keep]], hidden)
-        draft_s, verify_s = clock.split(t0, t1, time.perf_counter(), draft.size)
-        stats = CycleStats(cycle, draft.size, min(len(path), keep), keep, draft_s, verify_s,
-                           int(draft.tree.depths.max()))
-        generated += keep
-        if cycle % 64 == 63:
-            mx.clear_cache()
-        yield _Round(tokens[:keep], kinds[:keep], stats, finish_reason, prefill_s if cycle == 0 else 0.0, cached)
-        if finish_reason:
-            return
+    history, clock, generated = list(prompt), _DraftClock(drafter.lazy and time_split), 0
+    plain = _PlainSteps(model, cache, sampling) if not drafter.needs_hidden else None
+    gamma = None  # the next round's γ, when it was chosen early (pipelined plain steps)
+    try:
+        for cycle in range(max_tokens):
+            room = max_tokens - generated
+            gamma = min(policy.choose_gamma(), room - 1) if gamma is None else gamma
+            chosen, t0 = gamma, time.perf_counter()
+            if gamma == 0 and plain is not None:
+                token = plain.take(history)
+                gamma = min(policy.choose_gamma(), room - 2) if room > 1 else None
+                if gamma == 0:
+                    plain.queue(token, history)
+                path, tokens, kinds, hidden = [], [token.item()], ["target"], None  # the round's one sync
+                t1, num_drafted, depth = t0, 0, 0
+            else:
+                draft, gamma = drafter.propose(history, gamma, sampling), None
+                clock.drafted(cycle, draft)
+                t1 = time.perf_counter()
+                choice, next_tokens = _verify(model, cache, history, draft, sampling, rule)
+                hidden = tap.features()[0] if tap is not None else None  # [N + 1, F]
+                mx.eval(choice, next_tokens, draft.tokens, hidden)  # the round's one blocking sync
+                path, tokens, kinds = _accepted(draft, choice.tolist(), next_tokens.tolist())
+                num_drafted, depth = draft.size, int(draft.tree.depths.max())
+            keep, finish_reason = _cut_at_stop(tokens, stop_tokens, room)
+            if stop_strings is not None and (cut := stop_strings.cut([t for t in tokens[:keep] if t not in stop_tokens])):
+                keep, finish_reason = cut, "stop"
+            if finish_reason and plain is not None:
+                plain.cancel()  # no next step: drop the one queued ahead
+            kept = ([0] + path)[:keep]  # root-first nodes whose positions stay in the cache
+            commit_path(cache, len(history) - 1, kept, written=num_drafted + 1)
+            store.add(history[-1:] + tokens[: keep - 1], hidden[mx.array(kept)] if store.feature_layers is not None else None)
+            history += tokens[:keep]
+            drafter.commit(len(history), [node - 1 for node in path[:keep]], hidden)
+            draft_s, verify_s = clock.split(t0, t1, time.perf_counter(), num_drafted)
+            stats = CycleStats(cycle, num_drafted, min(len(path), keep), keep, draft_s, verify_s, depth)
+            generated += keep
+            if cycle % 64 == 63:
+                mx.clear_cache()
+            yield _Round(tokens[:keep], kinds[:keep], stats, finish_reason, prefill_s if cycle == 0 else 0.0, cached,
+                         chosen)
+            if finish_reason:
+                return
+    finally:
+        if plain is not None:
+            plain.cancel()  # a step queued ahead wrote the last committed token: drop it (the invariant)
 
 
 def _prefill(model, store: PromptCache, prompt: list[int], drafter: Drafter, tap, step_size: int):
@@ -237,6 +267,42 @@ def _accepted(draft: Draft, choice: list[int], next_tokens: list[int]) -> tuple[
     tokens = [drafted[node - 1] for node in path] + [next_tokens[last]]
     kind = "target" if tree.size == 0 else "bonus" if tree.is_leaf(last) else "resampled"
     return path, tokens, ["accepted"] * len(path) + [kind]
+
+
+class _PlainSteps:
+    """Plain decoding steps, pipelined as in ``mlx_lm.generate_step``.
+
+    ``take`` returns the next token (lazy): the step queued by ``queue``, or a new forward over
+    the root. ``queue`` builds the following step from a lazy token and ``mx.async_eval``s it,
+    so its forward runs while the host reads the current token. A queued step has written its
+    input (the newest committed token) into the cache; ``cancel`` trims it when no step follows.
+    """
+
+    def __init__(self, model, cache, sampling: SamplingParams):
+        self.model, self.cache, self.sampling = model, cache, sampling
+        self.processors = sampling.processors()
+        self.queued: mx.array | None = None
+
+    def _step(self, inputs: mx.array, context) -> mx.array:
+        logits = self.model(inputs[None], cache=self.cache)[0, -1:]  # [1, V]
+        if self.processors:
+            logits = process_logits(logits, context(), self.processors)
+        return sample(logits, self.sampling)[0]  # [1] int32, lazy
+
+    def take(self, history: list[int]) -> mx.array:
+        token, self.queued = self.queued, None
+        if token is None:
+            token = self._step(mx.array(history[-1:], dtype=mx.int32), lambda: mx.array(history, dtype=mx.int32))
+        return token
+
+    def queue(self, token: mx.array, history: list[int]) -> None:
+        self.queued = self._step(token, lambda: mx.concatenate([mx.array(history, dtype=mx.int32), token]))
+        mx.async_eval(self.queued)
+
+    def cancel(self) -> None:
+        if self.queued is not None:
+            self.queued = None
+            trim(self.cache, 1)
 
 
 class _DraftClock:
@@ -278,6 +344,7 @@ def stream_generate(
     prompt_cache: PromptCache | list | None = None,
     typical: tuple[float, float] | None = None,
     stop: list[str] | tuple[str, ...] | None = None,
+    time_split: bool = False,
 ) -> Iterator[TokenEvent | CycleStats | GenerationStats]:
     """Generate with speculative decoding, streaming what each round commits.
 
@@ -312,6 +379,10 @@ def stream_generate(
         stop: Stop strings: generation ends at the first one in the output text, which ends just
             before it (``stops.StopStrings``; exact across tokens accepted in one round, and the
             cache holds exactly what was emitted). Default: none.
+        time_split: Measure a lazy drafter's (draft model, heads) device time apart from the
+            verify, with one extra sync every ``TIMING_EVERY`` rounds (``mlxspec bench`` does).
+            Without it no round pays a sync for timing, and the stats' ``draft_s`` of a lazy
+            drafter is only the host time to build its graph. Default: ``False``.
 
     Yields:
         ``TokenEvent`` per committed token (text deltas never split a multi-byte
@@ -351,7 +422,7 @@ def stream_generate(
     rounds = speculative_rounds(
         model, ids, drafter, num_draft_tokens=policy, max_tokens=max_tokens, sampling=sampling, stop_tokens=stop_tokens,
         rule=make_verifier(sampling, typical), prefill_step_size=prefill_step_size, prompt_cache=store,
-        stop_strings=stopper,
+        stop_strings=stopper, time_split=time_split,
     )
     start = time.perf_counter()
     for round_ in rounds:
@@ -361,7 +432,7 @@ def stream_generate(
         stats.add_cycle(round_.stats)
         policy.update(round_.stats)
         if policy.adaptive:
-            stats.add_gamma(policy.gamma)
+            stats.add_gamma(round_.gamma)
         stats.generation_s = time.perf_counter() - start
         if round_.finish_reason:
             stats.finish_reason = round_.finish_reason

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 from pathlib import Path
 
 import mlx.core as mx
@@ -110,8 +110,10 @@ class Tree:
         return bool(self.children[node, 0] < 0)
 
 
+@lru_cache(maxsize=64)
 def chain(num_nodes: int) -> Tree:
-    """The chain of ``num_nodes`` draft tokens."""
+    """The chain of ``num_nodes`` draft tokens (one shared, immutable ``Tree`` per length, so a
+    round does not rebuild its sibling table and depths)."""
     return Tree(tuple(range(-1, num_nodes - 1)))
 
 

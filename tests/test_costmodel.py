@@ -70,11 +70,35 @@ def test_auto_gamma_follows_acceptance_and_probes_while_plain():
         gamma = auto.choose_gamma()
         auto.update(CycleStats(0, gamma, gamma, gamma + 1, 0.0, 0.0, gamma))
     assert auto.choose_gamma() >= 10
-    for _ in range(100):  # every draft rejected at once
-        gamma = auto.choose_gamma()
-        auto.update(CycleStats(0, gamma, 0, 1, 0.0, 0.0, gamma))
-    choices = [auto.choose_gamma() for _ in range(15)]
-    assert choices.count(0) == 12 and choices.count(2) == 3  # plain, with a 2-token probe every 5th round
+    choices = []
+    for _ in range(60):  # every draft rejected at once
+        choices.append(auto.choose_gamma())
+        auto.update(CycleStats(0, choices[-1], 0, 1, 0.0, 0.0, choices[-1]))
+    drafting = [i for i, gamma in enumerate(choices) if gamma > 0]
+    assert drafting[:3] == [0, 1, 2]  # three misses in a row end 40 good rounds at once
+    assert [choices[i] for i in drafting[3:]] == [2, 2, 2]  # then 2-token probes ...
+    assert np.diff(drafting[2:]).tolist() == [6, 11, 21]  # ... after 5, 10, 20 plain rounds: exponential back-off
+
+
+def test_auto_gamma_back_off_is_capped_and_reset_by_a_hit():
+    # a confident prior keeps predicting a gain, so only the miss rule falls back
+    auto = AutoGamma(MEMORY_BOUND, probe_every=2, max_wait=8, estimate=AcceptanceEstimate(0.9, prior_weight=50))
+    choices = []
+    for _ in range(60):  # every draft rejected
+        choices.append(auto.choose_gamma())
+        auto.update(CycleStats(0, choices[-1], 0, 1, 0.0, 0.0, choices[-1]))
+    drafting = [i for i, gamma in enumerate(choices) if gamma > 0]
+    assert drafting[:3] == [0, 1, 2]
+    assert np.diff(drafting[2:]).tolist()[:5] == [3, 5, 9, 9, 9]  # waits 2, 4, 8, then capped at 8
+    while auto.choose_gamma() == 0:  # the next probe keeps its tokens
+        pass
+    auto.update(CycleStats(0, auto.gamma, auto.gamma, auto.gamma + 1, 0.0, 0.0, auto.gamma))
+    after = []
+    while len(after) < 30 and (not after or after[-1] == 0 or len([g for g in after if g]) < 4):
+        after.append(auto.choose_gamma())
+        auto.update(CycleStats(0, after[-1], 0, 1, 0.0, 0.0, after[-1]))
+    drafting = [i for i, gamma in enumerate(after) if gamma > 0]
+    assert drafting[:3] == [0, 1, 2] and drafting[3] - drafting[2] == 3  # the wait is short again
 
 
 def test_estimate_keeps_per_depth_reach():
@@ -148,6 +172,12 @@ def test_cli_generate_defaults_to_auto(capsys, tiny_model_dir, tmp_path, monkeyp
     err = capsys.readouterr().err
     assert "measuring the target's verify cost" in err and "γ = auto (mean" in err
     assert list((tmp_path / "costs").glob("verify-*.json"))
+    argv = ["generate", "--model", str(tiny_model_dir), "--prompt", "abcabcabc", "--max-tokens", "4"]
+    assert main(argv) == 0
+    assert "measuring" not in capsys.readouterr().err  # cached
+    assert main([*argv, "--recalibrate"]) == 0
+    err = capsys.readouterr().err
+    assert "measuring the target's verify cost" in err and "measuring the ngram drafter's cost" in err
 
 
 def test_blas_is_named():

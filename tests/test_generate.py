@@ -12,7 +12,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors
 
 from conftest import byte_tokenizer, tiny_llama
-from mlxspec import SamplingParams, TokenEvent, generate, make_drafter, stream_generate
+from mlxspec import PromptCache, SamplingParams, TokenEvent, generate, make_drafter, stream_generate
 from mlxspec.drafters import check_same_tokenizer
 from mlxspec.generate import speculative_rounds
 
@@ -97,6 +97,22 @@ def test_stops_end_output_where_plain_decoding_would(target, tokenizer, referenc
         assert result.stats.finish_reason == ("stop" if first < max_tokens else "length"), case
         assert result.stats.generation_tokens == len(expected), case
         assert cache_length == len(PROMPT) + len(expected) - 1, case
+
+
+def test_pipelined_plain_steps_stop_and_close_at_the_committed_length(target, tokenizer, reference):
+    """Plain steps queue the next forward before reading a token; a stop, max_tokens or closing the
+    generator must still leave the cache holding exactly the committed tokens but the last."""
+    for stop, max_tokens in itertools.product(sorted({reference[i] for i in (0, 3, 9)}), (1, 5, 30)):
+        expected = reference[: min(reference.index(stop) + 1, max_tokens)]
+        result, cache_length = _run(target, tokenizer, make_drafter("none"), 0, max_tokens, stop)
+        assert result.tokens == expected and cache_length == len(PROMPT) + len(expected) - 1
+    store = PromptCache(target)
+    events = stream_generate(target, tokenizer, PROMPT, drafter="none", max_tokens=50, stop_tokens=set(),
+                             prompt_cache=store)
+    tokens = [e.token for e in itertools.islice((e for e in events if isinstance(e, TokenEvent)), 7)]
+    events.close()
+    assert tokens == reference[:7]
+    assert store.layers[0].offset == len(store.tokens) == len(PROMPT) + 7 - 1
 
 
 def test_draft_cache_tracks_committed_tokens(target, tokenizer):

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from conftest import tiny_llama
-from mlxspec.drafters import Draft, make_drafter
+from mlxspec.costmodel import AutoGamma, Costs
+from mlxspec.drafters import Draft, Drafter, make_drafter
 from mlxspec.generate import speculative_rounds
 from mlxspec.sampling import SamplingParams, warp
 from stats import chi_square
@@ -63,12 +64,12 @@ def exact_joint(model, params: SamplingParams) -> dict:
     return {(a, b): first[a] * pb for a in range(V) for b, pb in enumerate(next_probs(PROMPT + [a]))}
 
 
-def sample_joint(model, drafter, params: SamplingParams, n: int = N_SAMPLES) -> Counter:
+def sample_joint(model, drafter, params: SamplingParams, n: int = N_SAMPLES, gamma=lambda: 3) -> Counter:
     mx.random.seed(1234)
     counts = Counter()
     for _ in range(n):
         tokens = []
-        rounds = speculative_rounds(model, PROMPT, drafter, num_draft_tokens=3, max_tokens=2,
+        rounds = speculative_rounds(model, PROMPT, drafter, num_draft_tokens=gamma(), max_tokens=2,
                                     sampling=params, stop_tokens=set())
         for round_ in rounds:
             tokens += round_.tokens
@@ -133,4 +134,46 @@ def test_the_same_test_rejects_greedy_drafts_scored_as_sampled(models):
     drafter.propose = greedy_with_softmax_q
     params = SETTINGS["temp1"]
     stat, critical = chi_square(sample_joint(models[0], drafter, params), exact_joint(models[0], params))
+    assert stat > critical
+
+
+class MissingDrafter(Drafter):
+    """Proposes the target's least likely token, which top-k sampling never keeps."""
+
+    name = "missing"
+
+    def __init__(self, target):
+        self.target = target
+
+    def propose(self, history, num_draft_tokens, sampling):
+        if num_draft_tokens == 0:
+            return Draft.empty()
+        worst = int(mx.argmin(self.target(mx.array(history)[None])[0, -1]).item())
+        return Draft.chain([worst] * num_draft_tokens)
+
+
+MEMORY_BOUND = Costs([1.0 + 0.1 * (k - 1) for k in range(1, 17)])
+PLAIN_CASES = {  # pipelined plain steps (γ = 0), and auto falling back after one miss: round 1 drafts, round 2 is plain
+    "plain-repetition1.5": (lambda m: make_drafter("none", m, list(range(V))), lambda: 0, "repetition1.5"),
+    "plain-temp0.7-top_k3": (lambda m: make_drafter("none", m, list(range(V))), lambda: 0, "temp0.7-top_k3"),
+    "auto-missing-top_k3": (MissingDrafter, lambda: AutoGamma(MEMORY_BOUND, miss_rounds=1), "temp0.7-top_k3"),
+}
+
+
+@pytest.mark.parametrize("case", list(PLAIN_CASES))
+def test_plain_steps_and_fallback_follow_the_target(models, case):
+    make, gamma, setting = PLAIN_CASES[case]
+    params = SETTINGS[setting]
+    stat, critical = chi_square(sample_joint(models[0], make(models[0]), params, gamma=gamma),
+                                exact_joint(models[0], params))
+    assert stat < critical, f"chi-square {stat:.1f} >= {critical:.1f}"
+
+
+def test_the_same_test_rejects_plain_steps_that_drop_the_filters(models, monkeypatch):
+    engine = sys.modules["mlxspec.generate"]
+    original = engine.sample  # the plain step's sampler, here without its top-k filter
+    monkeypatch.setattr(engine, "sample", lambda logits, params: original(logits, SamplingParams(temp=params.temp)))
+    params = SETTINGS["temp0.7-top_k3"]
+    drafter = make_drafter("none", models[0], list(range(V)))
+    stat, critical = chi_square(sample_joint(models[0], drafter, params, gamma=lambda: 0), exact_joint(models[0], params))
     assert stat > critical

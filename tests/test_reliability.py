@@ -135,6 +135,40 @@ def test_a_prompt_cache_is_reused_across_turns_exactly(name):
     assert third.tokens == plain_greedy(target, other, 8) and store.tokens == other + third.tokens[:-1]
 
 
+@pytest.mark.parametrize("name", DRAFTERS)
+def test_each_chat_turn_prefills_only_its_new_tokens(name, monkeypatch):
+    """Counted, not timed: the target's prefill, the draft model's own prefill and the EAGLE head's
+    rows each run only the tokens a turn adds to the conversation."""
+    import sys
+
+    engine, draft_module = sys.modules["mlxspec.generate"], sys.modules["mlxspec.drafters.draft_model"]
+
+    target, tokenizer = tiny_llama(seed=0, sharpen=4.0), byte_tokenizer()
+    drafter = build(name, target, tokenizer, tiny_llama(seed=3), "tiny")
+    counts = {"target": [], "draft model": []}
+    for module, role in ((engine, "target"), (draft_module, "draft model")):
+        def counting(model, cache, tokens, *args, _real=module.prefill, _role=role, **kwargs):
+            counts[_role].append(len(tokens))
+            return _real(model, cache, tokens, *args, **kwargs)
+        monkeypatch.setattr(module, "prefill", counting)
+    store, conversation, new_tokens = PromptCache(target), list(PROMPT), []
+    for turn in range(3):
+        before = len(store.tokens)
+        result = generate(target, tokenizer, conversation, drafter=drafter, num_draft_tokens=3, max_tokens=10,
+                          stop_tokens=set(), prompt_cache=store)
+        assert result.tokens == plain_greedy(target, conversation, 10)
+        new_tokens.append(len(conversation) - 1 - before)
+        if turn and hasattr(drafter, "prefilled"):  # the EAGLE head's or draft model's own cache
+            # plus at most the last round's tokens, whose features the head had not read yet
+            assert drafter.prefilled <= new_tokens[-1] + 3 + 1 < len(conversation) // 2
+        conversation = conversation + result.tokens + [61 + turn, 62, 63]  # the answer and a follow-up
+    assert new_tokens[1] == new_tokens[2] == 3 + 1  # the follow-up, and the last answer token
+    assert counts["target"] == new_tokens
+    if name == "draft":  # it may lack the last accepted draft of the previous answer
+        assert len(counts["draft model"]) == 3
+        assert all(n <= d <= n + 1 for d, n in zip(counts["draft model"][1:], new_tokens[1:]))
+
+
 def test_a_used_cache_list_is_refused():
     target, tokenizer = tiny_llama(seed=0), byte_tokenizer()
     cache = make_prompt_cache(target)

@@ -7,6 +7,7 @@ import json
 import os
 import sys
 
+from ..costmodel import load_or_calibrate
 from ..gamma import gamma_policy
 from ..generate import context_length, encode_prompt, stream_generate
 from ..metrics import GenerationStats, TokenEvent
@@ -36,6 +37,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-chat-template", action="store_true",
                         help="feed the prompt as raw text instead of through the chat template")
     add_sampling_args(parser)
+    parser.add_argument("--recalibrate", action="store_true",
+                        help="with --num-draft-tokens auto: measure this machine's verify and draft costs again "
+                             "(after a BLAS, load or hardware change) instead of using the cached ones")
     parser.add_argument("--json", action="store_true",
                         help="print one JSON record (text and every stat) instead of streaming")
     return parser
@@ -123,7 +127,10 @@ def run(args: argparse.Namespace) -> int:
     prompt = build_prompt(loaded.tokenizer, prompt_text, args.system, not args.no_chat_template)
     _note_context_cap(loaded.model, loaded.tokenizer, prompt, args.max_tokens)
     note = None if args.json else measuring_note("--num-draft-tokens auto")
-    policy = gamma_policy(args.num_draft_tokens, loaded.model, loaded.drafter, on_measure=note)
+    costs = None
+    if args.recalibrate and args.num_draft_tokens == "auto" and loaded.drafter.name != "none":
+        costs = load_or_calibrate(loaded.model, loaded.drafter, refresh=True, on_measure=note)
+    policy = gamma_policy(args.num_draft_tokens, loaded.model, loaded.drafter, costs=costs, on_measure=note)
     typical = typical_from_args(args)
     events = stream_generate(
         loaded.model, loaded.tokenizer, prompt, drafter=loaded.drafter, num_draft_tokens=policy,

@@ -170,6 +170,7 @@ class EagleDrafter(Drafter):
         # a dynamic branching tree reads its shape on the host in propose; a chain or static tree never does
         self.lazy = ((top_k == 1 and self.budget is None) or self.choices is not None) and not self.ngram
         self._plans: dict[int, _StaticPlan] = {}
+        self.cache, self._history = [KVCache()], []  # draft cache entries, and the tokens they were built from
         self.prefill([], None)
 
     @property
@@ -179,9 +180,18 @@ class EagleDrafter(Drafter):
         return max(self.depth, self.ngram)
 
     def prefill(self, prompt, hidden=None):
-        self.cache = [KVCache()]
+        """Keep the draft cache's entries that the new prompt shares (a chat turn), queue the rest.
+
+        Entry i holds (feature of position i, token i + 1), so it stays valid while the prompt
+        agrees with the tokens it was built from up to position i + 1."""
+        held = self._history[: len(prompt)]
+        common = next((i for i, (a, b) in enumerate(zip(held, prompt)) if a != b), len(held))
+        keep = min(self.cache[0].offset, max(common - 1, 0)) if hidden is not None else 0
+        self.cache[0].trim(self.cache[0].offset - keep)
         # features of committed positions whose (feature, next token) pair is not in the cache yet
-        self._pending = hidden if hidden is not None and hidden.shape[0] > 0 else None
+        self._pending = hidden[keep:] if hidden is not None and hidden.shape[0] > keep else None
+        self._history = prompt
+        self.prefilled = 0 if self._pending is None else self._pending.shape[0]  # head rows the next propose runs
 
     def commit(self, num_committed, accepted, hidden=None):
         if self.budget is not None:
@@ -236,6 +246,7 @@ class EagleDrafter(Drafter):
         if depth < 1 or self._pending is None:
             return Draft.empty()
         n = self._pending.shape[0]
+        self._history = history
         self._t0 = time.perf_counter()
         out = self._step(self._pending, mx.array(history[-n:], dtype=mx.int32))  # [n, H]
         self._pending, committed = None, self.cache[0].offset
