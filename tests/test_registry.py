@@ -17,6 +17,7 @@ from mlxspec.drafters import DRAFTERS, Draft, Drafter, DrafterSpec, DrafterType,
 from mlxspec.gamma import FixedGamma
 from mlxspec.heads.eagle import save_eagle
 from mlxspec.heads.medusa import save_medusa
+from mlxspec.identity import write_card
 from test_eagle import random_head
 from test_generate import plain_greedy
 from test_lossless import V, exact_joint, sample_joint
@@ -27,9 +28,13 @@ PROMPT = [10, 20, 30, 40, 10, 20, 30, 41, 50, 60]
 
 
 def ship_heads(root, name: str, vocab: int) -> None:
-    """Random Medusa and EAGLE heads as the assets shipped for a target called ``name``."""
+    """Random Medusa and EAGLE heads shipped in folders called ``name``, for ``tiny_llama(seed=0)`` of ``vocab``
+    (heads are matched to the target by its card, ``identity.write_card``)."""
+    target = tiny_llama(seed=0, vocab_size=vocab)
     save_medusa(root / "medusa" / name, random_heads(vocab=vocab, shared=True))
     save_eagle(random_head(1, vocab=vocab), root / "eagle" / name)
+    for kind in ("medusa", "eagle"):
+        write_card(root / kind / name, target)
 
 
 @pytest.fixture(scope="module")
