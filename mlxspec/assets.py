@@ -1,8 +1,9 @@
 """Where mlxspec finds its assets: files shipped beside the code, and models fetched by name.
 
 Shipped assets live in the ``models/`` folder as ``models/<kind>/<model name>/`` (``kind`` is
-``medusa``, ``eagle`` or ``draft``; the model name is ``loading.model_name(spec)``, e.g.
-``SmolLM2-135M-Instruct``); a wheel installs that folder as ``mlxspec_models``.
+``medusa``, ``eagle``, ``draft``, ``dflash`` or ``mtp``; the model name is
+``loading.model_name(spec)``, e.g. ``SmolLM2-135M-Instruct``); a wheel installs that folder as
+``mlxspec_models``.
 ``$MLXSPEC_MODELS`` points at another ``models`` folder. Heads are matched to a target by its card
 (``identity``), drafts by name.
 
@@ -34,12 +35,16 @@ SHIPPED_MARKERS = {
     "medusa": "medusa_lm_head.safetensors",
     "eagle": "model.safetensors",
     "draft": "config.json",
+    "dflash": "model.safetensors",
+    "mtp": "model.safetensors",
 }
 #: What to say when nothing ships: the flag that names one, and how to make one.
 WHAT = {
     "medusa": ("Medusa heads ship", "--medusa-heads PATH_OR_REPO", "mlxspec train medusa"),
     "eagle": ("EAGLE head ships", "--eagle-heads PATH_OR_REPO", "mlxspec train eagle"),
     "draft": ("draft model ships", "--draft-model PATH_OR_REPO", "mlxspec train draft"),
+    "dflash": ("DFlash drafter ships", "--dflash-heads PATH_OR_REPO", "mlxspec train dflash"),
+    "mtp": ("MTP module ships", "--mtp-weights FOLDER", "mlxspec train mtp"),
 }
 
 
@@ -60,7 +65,7 @@ def shipped(kind: str, model_name: str) -> Path | None:
     heads by what the target is (``identity.shipped_for``).
 
     Args:
-        kind: ``"medusa"``, ``"eagle"`` or ``"draft"``.
+        kind: ``"medusa"``, ``"eagle"``, ``"draft"`` or ``"dflash"``.
         model_name: The target's name (``loading.model_name``), e.g. ``"SmolLM2-135M-Instruct"``.
 
     Returns:

@@ -15,9 +15,12 @@ from mlxspec.cli import main
 from mlxspec.costmodel import AutoGamma, Costs
 from mlxspec.drafters import DRAFTERS, Draft, Drafter, DrafterSpec, DrafterType, drafter_types, parse_specs, registry
 from mlxspec.gamma import FixedGamma
+from mlxspec.heads.dflash import save_dflash
 from mlxspec.heads.eagle import save_eagle
 from mlxspec.heads.medusa import save_medusa
 from mlxspec.identity import write_card
+from mlxspec.heads.mtp import init_mtp, save_mtp
+from test_dflash import random_dflash
 from test_eagle import random_head
 from test_generate import plain_greedy
 from test_lossless import V, exact_joint, sample_joint
@@ -28,13 +31,16 @@ PROMPT = [10, 20, 30, 40, 10, 20, 30, 41, 50, 60]
 
 
 def ship_heads(root, name: str, vocab: int) -> None:
-    """Random Medusa and EAGLE heads shipped in folders called ``name``, for ``tiny_llama(seed=0)`` of ``vocab``
-    (heads are matched to the target by its card, ``identity.write_card``)."""
+    """Random Medusa and EAGLE heads, a DFlash drafter and an MTP module shipped in folders called ``name``;
+    the heads for ``tiny_llama(seed=0)`` of ``vocab`` (matched to the target by its card, ``identity.write_card``)."""
     target = tiny_llama(seed=0, vocab_size=vocab)
     save_medusa(root / "medusa" / name, random_heads(vocab=vocab, shared=True))
     save_eagle(random_head(1, vocab=vocab), root / "eagle" / name)
-    for kind in ("medusa", "eagle"):
+    save_dflash(random_dflash(vocab=vocab, layer_ids=(0, 1)), root / "dflash" / name)
+    for kind in ("medusa", "eagle", "dflash"):
         write_card(root / kind / name, target)
+    like = tiny_llama(seed=5, vocab_size=vocab)
+    save_mtp(init_mtp(like), root / "mtp" / name, like)
 
 
 @pytest.fixture(scope="module")
