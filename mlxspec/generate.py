@@ -189,10 +189,13 @@ def speculative_rounds(
     drafter.prefill(prompt, _prefill(model, store, prompt, drafter, tap, prefill_step_size))
     prefill_s, cached = time.perf_counter() - start, store.reused
     history, clock, generated = list(prompt), _DraftClock(drafter.lazy), 0
+    schedule = getattr(policy, "schedule", None)  # scheduled verification trims the draft (schedule.py)
     for cycle in range(max_tokens):
         room = max_tokens - generated
         t0 = time.perf_counter()
         draft = drafter.propose(history, min(policy.choose_gamma(), room - 1), sampling)
+        if schedule is not None:
+            draft = schedule(draft)
         clock.drafted(cycle, draft)
         t1 = time.perf_counter()
         choice, next_tokens = _verify(model, cache, history, draft, sampling, rule)
@@ -209,7 +212,7 @@ def speculative_rounds(
         drafter.commit(len(history), [node - 1 for node in path[:keep]], hidden)
         draft_s, verify_s = clock.split(t0, t1, time.perf_counter(), draft.size)
         stats = CycleStats(cycle, draft.size, min(len(path), keep), keep, draft_s, verify_s,
-                           int(draft.tree.depths.max()))
+                           int(draft.tree.depths.max()), tuple(node - 1 for node in path))
         generated += keep
         if cycle % 64 == 63:
             mx.clear_cache()
