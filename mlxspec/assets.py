@@ -32,12 +32,14 @@ SHIPPED_MARKERS = {
     "medusa": "medusa_lm_head.safetensors",
     "eagle": "model.safetensors",
     "draft": "config.json",
+    "dflash": "model.safetensors",
 }
 #: What to say when nothing ships: the flag that names one, and how to make one.
 _WHAT = {
     "medusa": ("Medusa heads ship", "--medusa-heads PATH_OR_REPO", "mlxspec train medusa"),
     "eagle": ("EAGLE head ships", "--eagle-heads PATH_OR_REPO", "mlxspec train eagle"),
     "draft": ("draft model ships", "--draft-model PATH_OR_REPO", "mlxspec train draft"),
+    "dflash": ("DFlash drafter ships", "--dflash-heads PATH_OR_REPO", "mlxspec train dflash"),
 }
 
 
@@ -50,7 +52,7 @@ def shipped(kind: str, model_name: str) -> Path | None:
     """The folder ``models/<kind>/<model_name>/`` if a complete asset of that kind ships there.
 
     Args:
-        kind: ``"medusa"``, ``"eagle"`` or ``"draft"``.
+        kind: ``"medusa"``, ``"eagle"``, ``"draft"`` or ``"dflash"``.
         model_name: The target's name (``loading.model_name``), e.g. ``"SmolLM2-135M-Instruct"``.
 
     Returns:

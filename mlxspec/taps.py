@@ -14,18 +14,21 @@ import mlx.nn as nn
 
 
 class _Recorder(nn.Module):
-    """Calls the wrapped module and keeps its output (or input) for the tap to read."""
+    """Calls the wrapped module and keeps its output and/or input for the tap to read."""
 
-    def __init__(self, inner: nn.Module, sink: dict, key, record_input: bool):
+    def __init__(self, inner: nn.Module, sink: dict, output_key=None, input_key=None):
         super().__init__()
         self.inner = inner
-        object.__setattr__(self, "_sink", sink)  # plain attribute: not a parameter
-        object.__setattr__(self, "_key", key)
-        object.__setattr__(self, "_record_input", record_input)
+        object.__setattr__(self, "_sink", sink)  # plain attributes: not parameters
+        object.__setattr__(self, "_keys", (output_key, input_key))
 
     def __call__(self, x, *args, **kwargs):
         out = self.inner(x, *args, **kwargs)
-        self._sink[self._key] = x if self._record_input else out
+        output_key, input_key = self._keys
+        if output_key is not None:
+            self._sink[output_key] = out
+        if input_key is not None:
+            self._sink[input_key] = x
         return out
 
     def __getattr__(self, name):
@@ -59,7 +62,8 @@ class HiddenTap:
 
     Args:
         model: An mlx-lm model with ``model.model.norm``.
-        layers: Also record the inputs of these decoder layers (0-based), for EAGLE-3.
+        layers: Also record the inputs of these decoder layers (0-based), for EAGLE-3 and DFlash;
+            index N (the layer count) is the final norm's input, i.e. the last layer's output.
 
     Raises:
         ValueError: if the model has no ``model.norm`` / ``model.layers``.
@@ -68,17 +72,18 @@ class HiddenTap:
     def __init__(self, model: nn.Module, layers: tuple[int, ...] = ()):
         body = model_body(model)
         self.layers = tuple(layers)
-        bad = [i for i in self.layers if not 0 <= i < len(body.layers)]
+        N = len(body.layers)
+        bad = [i for i in self.layers if not 0 <= i <= N]
         if bad:
-            raise ValueError(f"cannot tap the input of layer(s) {bad}: the target has {len(body.layers)} decoder layers")
+            raise ValueError(f"cannot tap the input of layer(s) {bad}: the target has {N} decoder layers")
         self.sink: dict = {}
         if isinstance(body.norm, _Recorder):
             self.sink = body.norm._sink
         else:
-            body.norm = _Recorder(body.norm, self.sink, "final", record_input=False)
-        for i in layers:
-            if not isinstance(body.layers[i], _Recorder):
-                body.layers[i] = _Recorder(body.layers[i], self.sink, i, record_input=True)
+            body.norm = _Recorder(body.norm, self.sink, output_key="final", input_key=N)
+        for i in self.layers:
+            if i < N and not isinstance(body.layers[i], _Recorder):
+                body.layers[i] = _Recorder(body.layers[i], self.sink, input_key=i)
 
     @property
     def final(self) -> mx.array:
@@ -94,7 +99,8 @@ class HiddenTap:
         return mx.concatenate([self.sink[i] for i in self.layers], axis=-1)
 
     def layer_input(self, i: int) -> mx.array:
-        """Residual stream entering layer ``i`` in the last forward, shape [B, T, H]."""
+        """Residual stream entering layer ``i`` in the last forward (``i`` = N: leaving the last
+        layer, before the final norm), shape [B, T, H]."""
         return self.sink[i]
 
 

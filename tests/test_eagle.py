@@ -246,8 +246,11 @@ def test_layer_taps_read_the_input_of_each_layer():
     assert mx.allclose(tap.layer_input(2), states[2]).item()
     assert not mx.allclose(tap.layer_input(2), states[3]).item()  # not the output of layer 2
     assert mx.allclose(tap.features(), mx.concatenate([states[2], states[0], states[3]], axis=-1)).item()
+    leaving = HiddenTap(target, layers=(4,))  # index N: the last layer's output, the final norm's input
+    target(x)
+    assert mx.allclose(leaving.layer_input(4), h).item()
     with pytest.raises(ValueError, match="has 4 decoder layers"):
-        HiddenTap(target, layers=(4,))
+        HiddenTap(target, layers=(5,))
 
 
 def test_aux_layer_conventions():

@@ -15,8 +15,10 @@ from mlxspec.cli import main
 from mlxspec.costmodel import AutoGamma, Costs
 from mlxspec.drafters import DRAFTERS, Draft, Drafter, DrafterSpec, DrafterType, drafter_types, parse_specs, registry
 from mlxspec.gamma import FixedGamma
+from mlxspec.heads.dflash import save_dflash
 from mlxspec.heads.eagle import save_eagle
 from mlxspec.heads.medusa import save_medusa
+from test_dflash import random_dflash
 from test_eagle import random_head
 from test_generate import plain_greedy
 from test_lossless import V, exact_joint, sample_joint
@@ -27,9 +29,10 @@ PROMPT = [10, 20, 30, 40, 10, 20, 30, 41, 50, 60]
 
 
 def ship_heads(root, name: str, vocab: int) -> None:
-    """Random Medusa and EAGLE heads as the assets shipped for a target called ``name``."""
+    """Random Medusa and EAGLE heads and a DFlash drafter as the assets shipped for a target called ``name``."""
     save_medusa(root / "medusa" / name, random_heads(vocab=vocab, shared=True))
     save_eagle(random_head(1, vocab=vocab), root / "eagle" / name)
+    save_dflash(random_dflash(vocab=vocab, layer_ids=(0, 1)), root / "dflash" / name)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,374 @@
+"""DFlash block drafters: a few decoder layers that fill a whole block of masked tokens at once.
+
+DFlash: Block Diffusion for Flash Speculative Decoding (z-lab, arXiv 2602.06036; docs/dflash.md).
+The drafter has the target's width. The residual streams leaving K target layers are
+concatenated and fused, c = hidden_norm(fc(f)) (K H → H), and every drafter layer's attention
+takes c through its own k/v projections as extra keys and values in front of the block's own. One forward over ``[anchor, MASK, …, MASK]`` (block
+size B, the anchor being the last committed token) attends bidirectionally inside the block and
+gives, through the target's LM head, a distribution for every block position j ≥ 1: the token at
+position anchor + j itself (the masks are filled in place, not shifted).
+
+The layers are Qwen3's (q/k RMS norms per head, SwiGLU MLP) and the parameter names equal the
+published z-lab layout (``fc``, ``hidden_norm``, ``norm``, ``layers.{i}.self_attn.{q,k,v,o}_proj``,
+``…q_norm``, ``…k_norm``, ``layers.{i}.mlp.*``, ``layers.{i}.{input,post_attention}_layernorm``), so
+loading and saving are a rename at most. Only the context keys/values enter the drafter's KV cache;
+the block's are recomputed every round, so the cache holds committed positions only.
+
+``DFlashNet.block`` is the backbone API other block drafters (DSpark) build on: from the block's
+token ids and the target's features it returns the block's hidden states and per-position logits.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+from mlx_lm.models.qwen3 import MLP
+from mlx_lm.models.rope_utils import initialize_rope
+
+from ..loading import hub_folder, looks_like_repo_id
+from ..taps import logits_width, model_body
+
+DEFAULT_BLOCK_SIZE = 16
+
+
+def default_target_layers(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
+    """z-lab's default target layers (their outputs are the features): evenly from 1 to N − 3, one
+    per drafter layer; the middle layer for a one-layer drafter. Clamped to the target's layers."""
+    N, L = num_target_layers, num_draft_layers
+    if L <= 1:
+        return (N // 2,)
+    start, end = 1, max(N - 3, 1)
+    return tuple(min(int(round(start + i * (end - start) / (L - 1))), N - 1) for i in range(L))
+
+
+@dataclass(frozen=True)
+class DFlashConfig:
+    """Shape of a DFlash drafter (``config.json``; published z-lab field names).
+
+    Attributes:
+        hidden_size: H, the target's hidden size (the drafter's width).
+        intermediate_size: I, the MLP width.
+        num_hidden_layers: L, drafter decoder layers.
+        num_attention_heads, num_key_value_heads, head_dim: nh, nkv, hd.
+        vocab_size: V, the target's vocabulary (logits come from the target's LM head).
+        num_target_layers: N, decoder layers of the target it was trained for.
+        target_layer_ids: Target layers whose OUTPUT residual streams are the features (z-lab's
+            ``hidden_states[i + 1]``); ``None`` = ``default_target_layers(N, L)``.
+        block_size: B, positions per block, the anchor included (at most B − 1 drafts a round).
+        mask_token_id: The id whose (target) embedding fills the masked positions.
+        rms_norm_eps, rope_theta, rope_scaling, max_position_embeddings: as in Qwen3.
+        attention_bias: q/k/v/o projections have biases.
+    """
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    vocab_size: int
+    num_target_layers: int
+    mask_token_id: int
+    block_size: int = DEFAULT_BLOCK_SIZE
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    target_layer_ids: tuple[int, ...] | None = None
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 32768
+    attention_bias: bool = False
+
+    def __post_init__(self):
+        set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
+        if self.num_key_value_heads is None:
+            set_("num_key_value_heads", self.num_attention_heads)
+        if self.head_dim is None:
+            set_("head_dim", self.hidden_size // self.num_attention_heads)
+        ids = self.target_layer_ids
+        set_("target_layer_ids", tuple(int(i) for i in ids) if ids is not None else
+             default_target_layers(self.num_target_layers, self.num_hidden_layers))
+        if self.block_size < 2:
+            raise ValueError(f"a DFlash block needs at least 2 positions (anchor + 1), got block_size {self.block_size}")
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """The tap indices (``taps.HiddenTap``: inputs of layers) of the target layer outputs read."""
+        return tuple(i + 1 for i in self.target_layer_ids)
+
+    @classmethod
+    def from_dict(cls, config: dict) -> DFlashConfig:
+        """Read a z-lab DFlash ``config.json``: the first layout (``block_size``, ``rope_theta`` at the
+        top) and the later one (``block_size`` in ``dflash_config``, ``rope_parameters.rope_theta``);
+        ``mask_token_id`` and ``target_layer_ids`` from ``dflash_config``.
+
+        Raises:
+            ValueError: a required field is missing, or a variant this drafter cannot run exactly as
+                trained (sliding-window or causal drafter layers, another projector).
+        """
+        extra = dict(config.get("dflash_config") or {})
+        flat = {**config, **extra}
+        rope = config.get("rope_parameters") or {}
+        if "rope_theta" not in config and "rope_theta" in rope:
+            flat["rope_theta"] = rope["rope_theta"]
+        if any(t != "full_attention" for t in config.get("layer_types") or ()) or extra.get("causal"):
+            raise ValueError("this DFlash drafter has sliding-window or causal layers, which mlxspec does not run; "
+                             "use a drafter with full bidirectional attention (z-lab's first layout)")
+        if extra.get("projector_type", "dflash") != "dflash" or extra.get("selector_rank"):
+            raise ValueError(f"DFlash variant {extra.get('projector_type') or 'DFlash2'!r} is not supported; "
+                             "use a plain DFlashDraftModel checkpoint")
+        known = {f.name for f in fields(cls)}
+        kwargs = {k: v for k, v in flat.items() if k in known and v is not None}
+        missing = [k for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                               "vocab_size", "num_target_layers", "mask_token_id") if k not in kwargs]
+        if missing:
+            raise ValueError(f"DFlash config lacks {', '.join(missing)}; is this a DFlash drafter's config.json?")
+        return cls(**kwargs)
+
+    def to_dict(self) -> dict:
+        """``config.json`` in z-lab's first layout (what their loaders and ours read)."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        extra = {"mask_token_id": out.pop("mask_token_id"), "target_layer_ids": list(out.pop("target_layer_ids"))}
+        return {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", **out, "dflash_config": extra}
+
+
+class DFlashAttention(nn.Module):
+    """Qwen3 attention whose keys/values are [fused context; block], queries from the block only."""
+
+    def __init__(self, config: DFlashConfig):
+        super().__init__()
+        H, nh, nkv, hd, bias = (config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
+                                config.head_dim, config.attention_bias)
+        self.n_heads, self.n_kv_heads, self.scale = nh, nkv, hd**-0.5
+        self.q_proj = nn.Linear(H, nh * hd, bias=bias)
+        self.k_proj = nn.Linear(H, nkv * hd, bias=bias)
+        self.v_proj = nn.Linear(H, nkv * hd, bias=bias)
+        self.o_proj = nn.Linear(nh * hd, H, bias=bias)
+        self.q_norm = nn.RMSNorm(hd, eps=config.rms_norm_eps)
+        self.k_norm = nn.RMSNorm(hd, eps=config.rms_norm_eps)
+        self.rope = initialize_rope(hd, base=config.rope_theta, traditional=False, scaling_config=config.rope_scaling,
+                                    max_position_embeddings=config.max_position_embeddings)
+
+    def _heads(self, x: mx.array, proj, n: int, norm=None) -> mx.array:
+        B, T, _ = x.shape
+        out = proj(x).reshape(B, T, n, -1)  # [B, T, n, hd]
+        return (norm(out) if norm is not None else out).transpose(0, 2, 1, 3)  # [B, n, T, hd]
+
+    def __call__(self, x: mx.array, context: mx.array, cache=None, block_offset=0, mask=None) -> mx.array:
+        """x: block [Nb, B, H]; context: fused features [1, S, H] at positions ``cache.offset`` (0 without
+        a cache) onwards, or ``None`` (only what the cache holds); ``block_offset``: each block's anchor position (int or [Nb]); ``mask``: bool
+        [Nb, 1, B, S_total + B] or ``None`` (everything visible)."""
+        Nb, B, _ = x.shape
+        start = cache.offset if cache is not None else 0
+        q = self.rope(self._heads(x, self.q_proj, self.n_heads, self.q_norm), offset=block_offset)
+        k = self.rope(self._heads(x, self.k_proj, self.n_kv_heads, self.k_norm), offset=block_offset)
+        v = self._heads(x, self.v_proj, self.n_kv_heads)
+        if context is None:  # nothing new: the cached context alone
+            k_ctx, v_ctx = cache.state
+        else:
+            k_ctx = self.rope(self._heads(context, self.k_proj, self.n_kv_heads, self.k_norm), offset=start)
+            v_ctx = self._heads(context, self.v_proj, self.n_kv_heads)
+            if cache is not None:
+                k_ctx, v_ctx = cache.update_and_fetch(k_ctx, v_ctx)  # committed context only
+        keys = mx.concatenate([mx.broadcast_to(k_ctx, (Nb, *k_ctx.shape[1:])), k], axis=2)  # [Nb, nkv, S + B, hd]
+        values = mx.concatenate([mx.broadcast_to(v_ctx, (Nb, *v_ctx.shape[1:])), v], axis=2)
+        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)  # [Nb, nh, B, hd]
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(Nb, B, -1))
+
+
+class DFlashLayer(nn.Module):
+    """A pre-norm Qwen3 decoder layer around ``DFlashAttention`` (the context is not normed again)."""
+
+    def __init__(self, config: DFlashConfig):
+        super().__init__()
+        self.self_attn = DFlashAttention(config)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def __call__(self, x, context, cache=None, block_offset=0, mask=None):
+        h = x + self.self_attn(self.input_layernorm(x), context, cache, block_offset, mask)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DFlashNet(nn.Module):
+    """A DFlash drafter network; parameters in the published layout.
+
+    Args:
+        config: Its shape.
+    """
+
+    def __init__(self, config: DFlashConfig):
+        super().__init__()
+        self.config = config
+        H = config.hidden_size
+        self.fc = nn.Linear(len(config.target_layer_ids) * H, H, bias=False)
+        self.hidden_norm = nn.RMSNorm(H, eps=config.rms_norm_eps)
+        self.layers = [DFlashLayer(config) for _ in range(config.num_hidden_layers)]
+        self.norm = nn.RMSNorm(H, eps=config.rms_norm_eps)
+
+    def fuse(self, features: mx.array) -> mx.array:
+        """The fused context: hidden_norm(fc(f)), [..., K H] -> [..., H] (K target layers concatenated)."""
+        return self.hidden_norm(self.fc(features.astype(self.fc.weight.dtype)))
+
+    def __call__(self, embeds: mx.array, context: mx.array, cache=None, block_offset=0, mask=None) -> mx.array:
+        """The drafter layers over blocks: final-normed hidden states.
+
+        Args:
+            embeds (mx.array): The blocks' token embeddings (the target's), [Nb, B, H].
+            context (mx.array | None): Fused features (``fuse``), [1, S, H], at positions ``cache.offset``
+                (0 without a cache) onwards; with a cache they are appended to it. ``None``: the cache's alone.
+            cache: One mlx-lm ``KVCache`` per drafter layer (context keys/values only), or ``None``.
+            block_offset: Position of each block's anchor, an int or [Nb] int32.
+            mask: Bool [Nb, 1, B, S_total + B]: which context positions and block positions each block
+                position sees; ``None`` = all (inference: the context is exactly the committed prefix).
+
+        Returns:
+            mx.array: [Nb, B, H], the input of the target's LM head.
+        """
+        h = embeds.astype(self.fc.weight.dtype)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, context, cache[i] if cache is not None else None, block_offset, mask)
+        return self.norm(h)
+
+    def block(self, tokens: mx.array, features: mx.array, embed, lm_head, cache=None, block_offset=0,
+              mask=None) -> tuple[mx.array, mx.array]:
+        """The backbone API: the blocks' hidden states and per-position logits from anchors + features.
+
+        Args:
+            tokens (mx.array): Blocks ``[anchor, MASK, …]``, [Nb, B] int32 (any ids may stand in the block).
+            features (mx.array | None): The target's features (``config.feature_layers`` concatenated),
+                [1, S, K H], for the positions the context covers (see ``__call__``); ``None``: none new.
+            embed: The target's token embedding, ids -> [..., H].
+            lm_head: The target's LM head (``taps.output_head``), [..., H] -> [..., V].
+            cache, block_offset, mask: as in ``__call__``.
+
+        Returns:
+            tuple[mx.array, mx.array]: hidden [Nb, B, H] and logits [Nb, B, V]; row j ≥ 1 of a block
+            scores the token at position anchor + j (row 0 is unused).
+        """
+        context = self.fuse(features) if features is not None else None
+        hidden = self(embed(tokens), context, cache, block_offset, mask)
+        return hidden, lm_head(hidden)
+
+
+# --- checkpoints ---------------------------------------------------------------------------
+
+
+def dflash_folder(spec: str) -> Path:
+    """A local folder, or a Hugging Face repo id fetched with ``huggingface_hub`` (JSON and safetensors only).
+
+    Raises:
+        FileNotFoundError: a path that does not exist and does not look like a repo id.
+        ValueError: a repo that cannot be fetched.
+    """
+    path = Path(spec).expanduser()
+    if path.exists():
+        return path
+    if looks_like_repo_id(spec):
+        return hub_folder(spec, allow_patterns=["*.json", "*.safetensors"])
+    raise FileNotFoundError(f"no such DFlash drafter folder: {spec}; pass a folder or a Hugging Face repo id")
+
+
+def _read(folder: Path) -> tuple[dict, dict]:
+    if not folder.is_dir():
+        raise FileNotFoundError(f"a DFlash drafter is a folder with config.json and *.safetensors; got {folder}")
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"no config.json in {folder}; a DFlash drafter needs its config beside the weights")
+    shards = sorted(folder.glob("*.safetensors"))
+    if not shards:
+        raise FileNotFoundError(f"no *.safetensors in {folder}")
+    weights = {k.removeprefix("model."): v for s in shards for k, v in mx.load(str(s)).items()}
+    # the target's own embedding and LM head are used; a copy in the checkpoint is not needed
+    weights = {k: v for k, v in weights.items() if not k.startswith(("embed_tokens.", "lm_head."))}
+    return json.loads(config_path.read_text()), weights
+
+
+def check_fits(config: DFlashConfig, target: nn.Module, source: str = "DFlash drafter") -> None:
+    """Refuse a drafter whose shapes do not fit the target.
+
+    Raises:
+        ValueError: naming both sizes (hidden size, vocabulary, decoder layers, tapped layers or mask id).
+    """
+    body = model_body(target)
+    H, V, N = target.args.hidden_size, logits_width(target), len(body.layers)
+    rows = body.embed_tokens.weight.shape[0]
+    fix = "use a DFlash drafter trained for this target"
+    if config.hidden_size != H:
+        raise ValueError(f"{source} has hidden size {config.hidden_size} but the target's is {H}; {fix}")
+    if config.vocab_size != V:
+        raise ValueError(f"{source} has vocabulary {config.vocab_size} but the target's is {V}; {fix}")
+    if config.num_target_layers != N:
+        raise ValueError(f"{source} was trained for a target of {config.num_target_layers} decoder layers but this "
+                         f"target has {N}; {fix}")
+    bad = [i for i in config.target_layer_ids if not 0 <= i < N]
+    if bad:
+        raise ValueError(f"{source} reads target layers {list(config.target_layer_ids)} but the target has layers "
+                         f"0..{N - 1}; {fix}")
+    if not 0 <= config.mask_token_id < rows:
+        raise ValueError(f"{source} masks with token id {config.mask_token_id} but the target embeds ids "
+                         f"0..{rows - 1}; {fix}")
+
+
+def load_dflash(spec: str | Path, target: nn.Module | None = None, dtype=None) -> DFlashNet:
+    """Load a DFlash drafter in the published z-lab layout from a folder or a Hugging Face repo.
+
+    Args:
+        spec: A folder (``config.json`` + ``*.safetensors``) or a repo id (fetched without code).
+        target: The target model; when given the drafter must fit it (``check_fits``).
+        dtype: Cast float weights to this dtype. Default: the target's embedding dtype, else float32.
+
+    Returns:
+        DFlashNet: Evaluated, in eval mode.
+
+    Raises:
+        FileNotFoundError: no config or weights.
+        ValueError: an unsupported variant, config and tensors that disagree, or a drafter that does
+            not fit the target (both sizes named).
+    """
+    raw_config, weights = _read(dflash_folder(str(spec)))
+    config = DFlashConfig.from_dict(raw_config)
+    if target is not None:
+        check_fits(config, target, f"DFlash drafter {spec}")
+    net = DFlashNet(config)
+    expected = dict(tree_flatten(net.parameters()))
+    missing, extra = sorted(set(expected) - set(weights)), sorted(set(weights) - set(expected))
+    if missing or extra:
+        what = f"lacks {', '.join(missing[:3])}" if missing else f"has unexpected {', '.join(extra[:3])}"
+        raise ValueError(f"DFlash drafter {spec} {what} for a {config.num_hidden_layers}-layer DFlashDraftModel; "
+                         "are its config.json and weights from the same checkpoint?")
+    for key, value in weights.items():
+        if tuple(value.shape) != tuple(expected[key].shape):
+            raise ValueError(f"DFlash drafter {spec}: tensor {key} has shape {tuple(value.shape)} but its config.json "
+                             f"implies {tuple(expected[key].shape)}; the config and weights disagree")
+    if dtype is None:
+        dtype = _embedding_dtype(target) if target is not None else mx.float32
+    net.load_weights([(k, v.astype(dtype)) for k, v in weights.items()], strict=True)
+    mx.eval(net.parameters())
+    net.eval()
+    return net
+
+
+def _embedding_dtype(target: nn.Module):
+    emb = model_body(target).embed_tokens
+    dtype = emb.scales.dtype if hasattr(emb, "scales") else emb.weight.dtype
+    return dtype if mx.issubdtype(dtype, mx.floating) else mx.float32
+
+
+def save_dflash(net: DFlashNet, folder: str | Path, extra_config: dict | None = None) -> None:
+    """Write ``config.json`` and ``model.safetensors`` in the published z-lab layout.
+
+    Args:
+        net: The drafter.
+        folder: Created if missing.
+        extra_config: More ``config.json`` entries (e.g. a training record). Default: none.
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(net.parameters())))
+    config = {**net.config.to_dict(), **(extra_config or {})}
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
