@@ -1,7 +1,7 @@
 """Where mlxspec finds its assets: files shipped beside the code, and models fetched by name.
 
 Shipped assets live in the ``models/`` folder as ``models/<kind>/<model name>/`` (``kind`` is
-``medusa``, ``eagle`` or ``draft``; the model name is ``loading.model_name(spec)``, e.g.
+``medusa``, ``eagle``, ``draft`` or ``mtp``; the model name is ``loading.model_name(spec)``, e.g.
 ``SmolLM2-135M-Instruct``). ``$MLXSPEC_MODELS`` points at another ``models`` folder.
 
 Named models (``NAMED_MODELS``: ``default``, ``qwen2.5-coder-1.5b``, ...) are GGUF files published
@@ -33,6 +33,7 @@ SHIPPED_MARKERS = {
     "eagle": "model.safetensors",
     "draft": "config.json",
     "dflash": "model.safetensors",
+    "mtp": "model.safetensors",
 }
 #: What to say when nothing ships: the flag that names one, and how to make one.
 _WHAT = {
@@ -40,6 +41,7 @@ _WHAT = {
     "eagle": ("EAGLE head ships", "--eagle-heads PATH_OR_REPO", "mlxspec train eagle"),
     "draft": ("draft model ships", "--draft-model PATH_OR_REPO", "mlxspec train draft"),
     "dflash": ("DFlash drafter ships", "--dflash-heads PATH_OR_REPO", "mlxspec train dflash"),
+    "mtp": ("MTP module ships", "--mtp-weights FOLDER", "mlxspec train mtp"),
 }
 
 

@@ -109,14 +109,14 @@ def draft_model_spec(drafter: DrafterSpec, given: ModelSpec | None, target: Mode
 
 def build_drafter(spec: DrafterSpec, target: LoadedModel, draft: LoadedModel | None = None,
                   on_measure: Callable[[str], None] | None = None) -> Drafter:
-    """``make_drafter`` for loaded models (the target's name finds shipped heads).
+    """``make_drafter`` for loaded models (the target's name finds shipped heads; its folder, MTP layers).
 
     Raises:
         ValueError, FileNotFoundError: as ``make_drafter``.
     """
     return make_drafter(spec, target.model, target.tokenizer, target_name=target.name,
                         draft_model=draft.model if draft else None, draft_tokenizer=draft.tokenizer if draft else None,
-                        on_measure=on_measure)
+                        on_measure=on_measure, target_path=target.spec.spec)
 
 
 def check_fits(target: LoadedModel, drafter: Drafter) -> None:

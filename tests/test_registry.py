@@ -18,6 +18,7 @@ from mlxspec.gamma import FixedGamma
 from mlxspec.heads.dflash import save_dflash
 from mlxspec.heads.eagle import save_eagle
 from mlxspec.heads.medusa import save_medusa
+from mlxspec.heads.mtp import init_mtp, save_mtp
 from test_dflash import random_dflash
 from test_eagle import random_head
 from test_generate import plain_greedy
@@ -29,10 +30,12 @@ PROMPT = [10, 20, 30, 40, 10, 20, 30, 41, 50, 60]
 
 
 def ship_heads(root, name: str, vocab: int) -> None:
-    """Random Medusa and EAGLE heads and a DFlash drafter as the assets shipped for a target called ``name``."""
+    """Random Medusa and EAGLE heads, a DFlash drafter and an MTP module: the assets shipped for ``name``."""
     save_medusa(root / "medusa" / name, random_heads(vocab=vocab, shared=True))
     save_eagle(random_head(1, vocab=vocab), root / "eagle" / name)
     save_dflash(random_dflash(vocab=vocab, layer_ids=(0, 1)), root / "dflash" / name)
+    like = tiny_llama(seed=5, vocab_size=vocab)
+    save_mtp(init_mtp(like), root / "mtp" / name, like)
 
 
 @pytest.fixture(scope="module")

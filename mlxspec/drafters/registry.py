@@ -67,6 +67,7 @@ class DrafterContext:
         draft_model, draft_tokenizer: A loaded draft model and its tokenizer, or ``None``.
         on_measure: Called with a short description before a cost measurement that was not cached
             (the CLI prints it). Default: none.
+        target_path: The target's own folder (where built-in MTP layers live), or ``None``.
     """
 
     target: Any = None
@@ -75,6 +76,7 @@ class DrafterContext:
     draft_model: Any = None
     draft_tokenizer: Any = None
     on_measure: Callable[[str], None] | None = None
+    target_path: str | None = None
 
     def asset(self, kind: str, given: str | None) -> str:
         """``given`` (a path or repo id), else the ``kind`` asset shipped for the target (``assets.shipped``).
@@ -224,7 +226,8 @@ def parse_specs(text: str) -> list[DrafterSpec]:
 
 
 def make_drafter(spec: str | DrafterSpec = "none", target=None, tokenizer=None, *, target_name: str | None = None,
-                 draft_model=None, draft_tokenizer=None, on_measure: Callable[[str], None] | None = None) -> Drafter:
+                 draft_model=None, draft_tokenizer=None, on_measure: Callable[[str], None] | None = None,
+                 target_path: str | None = None) -> Drafter:
     """Build a drafter from a spec.
 
     Args:
@@ -235,6 +238,7 @@ def make_drafter(spec: str | DrafterSpec = "none", target=None, tokenizer=None, 
         target_name: The target's name (``loading.model_name``), to find shipped heads and drafts.
         draft_model, draft_tokenizer: A loaded draft model and its tokenizer (``draft``).
         on_measure: Told before a cost measurement that was not cached. Default: none.
+        target_path: The target's folder, where ``mtp`` finds the model's own MTP layers. Default: none.
 
     Returns:
         Drafter: Ready for ``stream_generate``.
@@ -244,5 +248,5 @@ def make_drafter(spec: str | DrafterSpec = "none", target=None, tokenizer=None, 
             heads, heads that do not fit the target, a draft model with another tokenizer.
     """
     spec = DrafterSpec.parse(spec) if isinstance(spec, str) else spec
-    context = DrafterContext(target, tokenizer, target_name, draft_model, draft_tokenizer, on_measure)
+    context = DrafterContext(target, tokenizer, target_name, draft_model, draft_tokenizer, on_measure, target_path)
     return drafter_type(spec.name).build(spec.options, context)

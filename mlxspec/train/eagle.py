@@ -107,7 +107,14 @@ def _unrolled_attention(q: mx.array, m: dict) -> mx.array:
     return out.reshape(B, nh, T, hd)
 
 
+def _version(head) -> int:
+    """3 for an EAGLE-3 head; 1 for EAGLE-1 and for an MTP module (final-norm features, the target's LM head)."""
+    return getattr(head.config, "version", 1)
+
+
 def _attention_owner(head) -> nn.Module:
+    if hasattr(head, "attention_owner"):  # an MTP module (mlxspec.heads.mtp.MTPStack)
+        return head.attention_owner
     return head.layers[0] if head.config.version == 1 else head.midlayer
 
 
@@ -223,8 +230,8 @@ def _greedy_ids(head, rows: mx.array, lm_weight: mx.array | None, block: int = 5
     out = []
     for i in range(0, rows.shape[0], block):
         part = rows[i : i + block]
-        logits = part @ lm_weight.T if head.config.version == 1 else head.logits(part)
-        ids = head.target_ids(mx.argmax(logits, axis=-1)) if head.config.version == 3 else mx.argmax(logits, -1)
+        logits = part @ lm_weight.T if _version(head) == 1 else head.logits(part)
+        ids = head.target_ids(mx.argmax(logits, axis=-1)) if _version(head) == 3 else mx.argmax(logits, -1)
         out.append(np.array(ids.astype(mx.int32)))
     return np.concatenate(out) if out else np.zeros(0, np.int32)
 

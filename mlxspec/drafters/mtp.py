@@ -1,0 +1,152 @@
+"""MTP drafting: the target's own multi-token-prediction layers (or a module trained here) draft a chain.
+
+DeepSeek-V3 technical report (arXiv 2412.19437), section 2.2, used for speculative decoding as in its
+section 5.4.3. The module (``mlxspec.heads.mtp``) reads the target's final normalised hidden state at
+position t, taken from the verify forward that the round makes anyway (``taps.HiddenTap``), and the
+embedding of token t + 1, and gives q over token t + 2; chained on its own output it drafts depth
+1-3. Drafts are sampled from q (argmax at temperature 0) and verified with the exact rule for
+sampled chains (docs/acceptance.md 2.1), so the output is distributed as the target's at any
+temperature (docs/mtp.md 2.1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import KVCache
+
+from ..assets import shipped
+from ..heads.mtp import TRAIN_COMMAND, MTPStack, has_mtp, load_mtp
+from ..sampling import SamplingParams, sample
+from ..taps import model_body, output_head
+from .base import Draft, Drafter
+from .registry import DrafterContext, DrafterType, at_least, option, register
+
+#: Chain depth when neither the option nor the checkpoint's ``draft_depth`` sets one.
+DEFAULT_DEPTH = 2
+
+
+class MTPDrafter(Drafter):
+    """Drafts a chain of ``depth`` tokens with the first MTP module, fed its own output after step 1.
+
+    The module's KV cache holds committed positions only: each round it takes in the pairs
+    (feature of committed position m, token m + 1) it has not seen, drafts, and trims its
+    speculative entries away (as EAGLE's cache, docs/heads.md 4.6). Everything stays lazy until
+    the round's one sync.
+
+    Args:
+        stack: Loaded MTP modules (``heads.mtp.load_mtp``).
+        target: The target (its embedding and LM head are shared).
+        depth: Tokens drafted per round (``--num-draft-tokens`` caps it).
+
+    Raises:
+        ValueError: ``depth`` < 1.
+    """
+
+    name = "mtp"
+    lazy = True
+    needs_hidden = True
+
+    def __init__(self, stack: MTPStack, target: nn.Module, depth: int = DEFAULT_DEPTH):
+        if depth < 1:
+            raise ValueError(f"--mtp-depth must be >= 1, got {depth}")
+        body = model_body(target)
+        self.stack, self.depth = stack, depth
+        self.embed, self.lm_head = body.embed_tokens, output_head(target)
+        self.prefill([], None)
+
+    @property
+    def tree_depth(self) -> int:
+        """The chain's depth (what ``--num-draft-tokens auto`` gives a round)."""
+        return self.depth
+
+    def prefill(self, prompt, hidden=None):
+        self.cache = [KVCache() for _ in self.stack.first.blocks]
+        self._pending = hidden if hidden is not None and hidden.shape[0] > 0 else None
+
+    def commit(self, num_committed, accepted, hidden=None):
+        if hidden is None:
+            return
+        known = self.cache[0].offset + (0 if self._pending is None else self._pending.shape[0])
+        rows = ([0] + [node + 1 for node in accepted])[: max(num_committed - 1 - known, 0)]
+        if not rows:
+            return
+        new = hidden[mx.array(rows)]  # [n, H]: the root's and each accepted node's feature
+        self._pending = new if self._pending is None else mx.concatenate([self._pending, new])
+
+    def propose(self, history, num_draft_tokens, sampling: SamplingParams):
+        depth = min(num_draft_tokens, self.depth)
+        if depth < 1 or self._pending is None:
+            return Draft.empty()
+        module, n = self.stack.first, self._pending.shape[0]
+        out = module(self._pending[None], mx.array(history[-n:], dtype=mx.int32)[None], self.embed,
+                     cache=self.cache)[0]  # [n, H]
+        self._pending, committed = None, self.cache[0].offset
+        h, tokens, logprobs = out[-1:], [], []  # h [1, H]: predicts the token after the root
+        for step in range(depth):
+            token, q = sample(module.logits(h, self.lm_head), sampling)  # [1], [1, V] or None
+            tokens.append(token)
+            if q is not None:
+                logprobs.append(q)
+            if step + 1 < depth:
+                h = module(h[None], token[None], self.embed, cache=self.cache)[0]
+        for c in self.cache:
+            c.trim(c.offset - committed)  # speculative entries go; later writes overwrite them
+        draft = Draft.chain(mx.concatenate(tokens), mx.concatenate(logprobs) if logprobs else None)
+        mx.async_eval(draft.tokens, *([draft.logprobs] if logprobs else []))
+        return draft
+
+
+@dataclass(frozen=True)
+class MTPOptions:
+    """``--drafter mtp`` (spec ``mtp:weights=FOLDER,depth=2``).
+
+    Raises:
+        ValueError: ``depth`` < 1.
+    """
+
+    weights: str | None = option(None, "folder of a checkpoint with MTP layers (DeepSeek-V3/GLM model.layers.N.*, "
+                                       "Qwen3.5 mtp.*) or of a module 'mlxspec train mtp' wrote",
+                                 default_help="the target's own folder if it has MTP layers, else the module "
+                                              "shipped in models/mtp/ for the target")
+    depth: int | None = option(None, "MTP chain depth: tokens drafted per round, the module fed its own output "
+                                     "after the first", parse=int,
+                               default_help=f"the module's draft_depth, else {DEFAULT_DEPTH}")
+
+    def __post_init__(self):
+        at_least(1, self.depth, "--mtp-depth")
+
+
+def mtp_weights(context: DrafterContext, given: str | None) -> Path:
+    """Where the MTP layers come from: ``given``, the target's own folder, or the module shipped for it.
+
+    Raises:
+        ValueError: none of them has MTP layers (naming how to get a module).
+    """
+    if given:
+        return Path(given).expanduser()
+    own = Path(context.target_path).expanduser() if context.target_path else None
+    if own is not None and own.is_dir() and has_mtp(own):
+        return own
+    ships = shipped("mtp", context.target_name) if context.target_name else None
+    if ships is not None:
+        return ships
+    name = context.target_name or "this target"
+    raise ValueError(f"no MTP layers for {name}: its checkpoint has none (no model.layers.{{N}}.eh_proj or mtp.* "
+                     f"tensors) and no module ships in models/mtp/{name}/; pass --mtp-weights FOLDER, or train "
+                     f"one: {TRAIN_COMMAND}")
+
+
+def build(options: MTPOptions, context: DrafterContext) -> MTPDrafter:
+    """Raises ``ValueError``/``FileNotFoundError``: no MTP layers, or layers that do not fit the target."""
+    stack = load_mtp(mtp_weights(context, options.weights), context.target)
+    depth = options.depth if options.depth is not None else stack.config.draft_depth or DEFAULT_DEPTH
+    return MTPDrafter(stack, context.target, depth)
+
+
+DRAFTER = register(DrafterType("mtp", MTPOptions, build,
+                               "the target's own multi-token-prediction layers (DeepSeek-V3, GLM, Qwen3.5) or "
+                               "one trained here, a sampled chain", order=45))
