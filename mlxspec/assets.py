@@ -33,6 +33,7 @@ SHIPPED_MARKERS = {
     "eagle": "model.safetensors",
     "draft": "config.json",
     "dflash": "model.safetensors",
+    "dspark": "model.safetensors",
 }
 #: What to say when nothing ships: the flag that names one, and how to make one.
 _WHAT = {
@@ -40,6 +41,7 @@ _WHAT = {
     "eagle": ("EAGLE head ships", "--eagle-heads PATH_OR_REPO", "mlxspec train eagle"),
     "draft": ("draft model ships", "--draft-model PATH_OR_REPO", "mlxspec train draft"),
     "dflash": ("DFlash drafter ships", "--dflash-heads PATH_OR_REPO", "mlxspec train dflash"),
+    "dspark": ("DSpark drafter ships", "--dspark-heads PATH_OR_REPO", "docs/dspark.md"),
 }
 
 
@@ -52,7 +54,7 @@ def shipped(kind: str, model_name: str) -> Path | None:
     """The folder ``models/<kind>/<model_name>/`` if a complete asset of that kind ships there.
 
     Args:
-        kind: ``"medusa"``, ``"eagle"``, ``"draft"`` or ``"dflash"``.
+        kind: ``"medusa"``, ``"eagle"``, ``"draft"``, ``"dflash"`` or ``"dspark"``.
         model_name: The target's name (``loading.model_name``), e.g. ``"SmolLM2-135M-Instruct"``.
 
     Returns:
@@ -76,7 +78,8 @@ def require_shipped(kind: str, model_name: str) -> Path:
     path = shipped(kind, model_name)
     if path is None:
         what, flag, train = _WHAT[kind]
-        raise ValueError(f"no {what} for {model_name}; pass {flag} (or make one with '{train}')")
+        how = f"see {train}" if train.endswith(".md") else f"make one with '{train}'"
+        raise ValueError(f"no {what} for {model_name}; pass {flag} ({how})")
     return path
 
 
