@@ -34,6 +34,7 @@ SHIPPED_MARKERS = {
     "draft": "config.json",
     "dflash": "model.safetensors",
     "mtp": "model.safetensors",
+    "dspark": "model.safetensors",
 }
 #: What to say when nothing ships: the flag that names one, and how to make one.
 _WHAT = {
@@ -42,6 +43,7 @@ _WHAT = {
     "draft": ("draft model ships", "--draft-model PATH_OR_REPO", "mlxspec train draft"),
     "dflash": ("DFlash drafter ships", "--dflash-heads PATH_OR_REPO", "mlxspec train dflash"),
     "mtp": ("MTP module ships", "--mtp-weights FOLDER", "mlxspec train mtp"),
+    "dspark": ("DSpark drafter ships", "--dspark-heads PATH_OR_REPO", "docs/dspark.md"),
 }
 
 
@@ -54,7 +56,7 @@ def shipped(kind: str, model_name: str) -> Path | None:
     """The folder ``models/<kind>/<model_name>/`` if a complete asset of that kind ships there.
 
     Args:
-        kind: ``"medusa"``, ``"eagle"``, ``"draft"`` or ``"dflash"``.
+        kind: ``"medusa"``, ``"eagle"``, ``"draft"``, ``"dflash"``, ``"mtp"`` or ``"dspark"``.
         model_name: The target's name (``loading.model_name``), e.g. ``"SmolLM2-135M-Instruct"``.
 
     Returns:
@@ -78,7 +80,8 @@ def require_shipped(kind: str, model_name: str) -> Path:
     path = shipped(kind, model_name)
     if path is None:
         what, flag, train = _WHAT[kind]
-        raise ValueError(f"no {what} for {model_name}; pass {flag} (or make one with '{train}')")
+        how = f"see {train}" if train.endswith(".md") else f"make one with '{train}'"
+        raise ValueError(f"no {what} for {model_name}; pass {flag} ({how})")
     return path
 
 

@@ -93,10 +93,10 @@ def gamma_policy(num_draft_tokens: int | str | GammaPolicy, model, drafter: Draf
     if num_draft_tokens == SCHEDULED:
         if not drafter.reports_survival:
             raise ValueError(f"--num-draft-tokens scheduled needs a drafter that estimates each drafted token's "
-                             f"survival (draft, medusa, eagle with a dynamic tree or chain); the {drafter.name} "
+                             f"survival (draft, medusa, eagle with a dynamic tree or chain, dflash, dspark); the {drafter.name} "
                              "drafter does not: use 'auto' or an integer")
         costs = costs if costs is not None else load_or_calibrate(model, drafter, on_measure=on_measure)
-        return ScheduledGamma(costs, max_gamma=drafter.tree_depth or DEFAULT_SCHEDULED_MAX)
+        return ScheduledGamma(costs, max_gamma=drafter.tree_depth or drafter.max_draft_tokens or DEFAULT_SCHEDULED_MAX)
     if num_draft_tokens != AUTO:
         return FixedGamma(num_draft_tokens)
     if drafter.tree_depth is not None:  # the cost model prices chains; a tree keeps its own shape

@@ -103,8 +103,8 @@ def add_model_args(parser: argparse.ArgumentParser, allow_auto: bool = False, de
                             help="γ, tokens drafted per round; 0 = plain decoding; 'auto' lets a tree drafter "
                                  "keep its own depth and picks γ for the others each round from costs measured "
                                  "on this machine (once, cached) and the running acceptance, falling back to "
-                                 "plain decoding when speculation would lose; 'scheduled' (draft, medusa, eagle) "
-                                 "drafts the drafter's full length and verifies the part with the best predicted "
+                                 "plain decoding when speculation would lose; 'scheduled' (draft, medusa, eagle, "
+                                 "dflash, dspark) drafts the drafter's full length and verifies the part with the best predicted "
                                  "tokens/s from the draft's own confidence (docs/acceptance.md 3.1). "
                                  f"Default: {default_gamma}")
     else:

@@ -144,6 +144,12 @@ class Drafter(ABC):
         (``gamma.gamma_policy``). Default: ``None``."""
         return None
 
+    @property
+    def max_draft_tokens(self) -> int | None:
+        """Most tokens one round can draft when the drafter bounds it (a block drafter's block), or
+        ``None``; ``--num-draft-tokens scheduled`` drafts this many. Default: ``None``."""
+        return None
+
     def prefill(self, prompt: list[int], hidden: mx.array | None = None) -> None:
         """Take in the prompt before the first round. ``hidden``: the target's features
         (``feature_layers``) for ``prompt[:-1]``, [L - 1, F], when ``needs_hidden``. Default: nothing."""
