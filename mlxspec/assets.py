@@ -37,6 +37,7 @@ SHIPPED_MARKERS = {
     "draft": "config.json",
     "dflash": "model.safetensors",
     "mtp": "model.safetensors",
+    "dspark": "model.safetensors",
 }
 #: What to say when nothing ships: the flag that names one, and how to make one.
 WHAT = {
@@ -45,6 +46,7 @@ WHAT = {
     "draft": ("draft model ships", "--draft-model PATH_OR_REPO", "mlxspec train draft"),
     "dflash": ("DFlash drafter ships", "--dflash-heads PATH_OR_REPO", "mlxspec train dflash"),
     "mtp": ("MTP module ships", "--mtp-weights FOLDER", "mlxspec train mtp"),
+    "dspark": ("DSpark drafter ships", "--dspark-heads PATH_OR_REPO", "docs/dspark.md"),
 }
 
 
@@ -65,7 +67,7 @@ def shipped(kind: str, model_name: str) -> Path | None:
     heads by what the target is (``identity.shipped_for``).
 
     Args:
-        kind: ``"medusa"``, ``"eagle"``, ``"draft"`` or ``"dflash"``.
+        kind: ``"medusa"``, ``"eagle"``, ``"draft"``, ``"dflash"``, ``"mtp"`` or ``"dspark"``.
         model_name: The target's name (``loading.model_name``), e.g. ``"SmolLM2-135M-Instruct"``.
 
     Returns:

@@ -29,7 +29,7 @@ from mlx_lm.sample_utils import make_sampler
 
 from .cache import prefill
 from .costmodel import Costs
-from .gamma import AUTO, gamma_policy
+from .gamma import AUTO, SCHEDULED, gamma_policy
 from .generate import stream_generate
 from .metrics import CycleStats, GenerationStats
 from .sampling import SamplingParams
@@ -49,7 +49,7 @@ class System:
         engine: ``"mlx-lm"`` (plain), ``"mlx-lm-spec"`` (mlx-lm speculative) or ``"mlxspec"``.
         drafter: ``"draft"``, ``"ngram"`` or ``"none"`` for mlxspec; ``"draft"`` for
             mlx-lm-spec; ``None`` for plain mlx-lm.
-        gamma: γ, or ``"auto"``; 0 for plain decoding.
+        gamma: γ, ``"auto"`` or ``"scheduled"``; 0 for plain decoding.
     """
 
     name: str
@@ -77,7 +77,9 @@ class RunRecord:
         generation_s: Seconds from the end of prefill to the last token.
         rounds: ``[drafted, kept]`` per verify round (speculative systems); empty for plain mlx-lm.
         draft_s, verify_s: mlxspec's split of generation time, seconds; ``None`` for mlx-lm.
-        gamma_rounds: Auto-γ's ``[γ] = rounds``; empty otherwise.
+        gamma_rounds: Auto / scheduled γ's ``[γ] = rounds``; empty otherwise.
+        calibration: Scheduled γ's predicted vs observed survival (``SurvivalCalibration.totals``);
+            ``None`` otherwise.
         peak_memory_gb: Peak memory of the run, GB.
         finish_reason: ``"stop"`` or ``"length"``.
         output_sha: Hash of the generated ids (equal outputs have equal hashes).
@@ -96,6 +98,7 @@ class RunRecord:
     draft_s: float | None = None
     verify_s: float | None = None
     gamma_rounds: list[int] = field(default_factory=list)
+    calibration: dict | None = None
     peak_memory_gb: float = 0.0
     finish_reason: str | None = None
     output_sha: str = ""
@@ -137,7 +140,7 @@ def make_systems(drafters: list[str], gammas: list[int | str], has_draft_model: 
 
     Args:
         drafters: mlxspec drafters (``"draft"``, ``"ngram"``, ``"none"``).
-        gammas: γ values (ints ≥ 1 and/or ``"auto"``); ``"none"`` and mlx-lm ignore ``"auto"``.
+        gammas: γ values (ints ≥ 1, ``"auto"``, ``"scheduled"``); ``"none"`` and mlx-lm ignore the words.
         has_draft_model: Whether mlx-lm speculative decoding can run (and ``"draft"``).
         control: Add a second, identical baseline run (``"mlx-lm (again)"``) as a noise check.
 
@@ -146,10 +149,10 @@ def make_systems(drafters: list[str], gammas: list[int | str], has_draft_model: 
     """
     if "draft" in drafters and not has_draft_model:
         raise ValueError("the 'draft' drafter needs --draft-model")
-    if any(g != AUTO and (not isinstance(g, int) or g < 1) for g in gammas):
-        raise ValueError(f"each --num-draft-tokens value must be 'auto' or an integer >= 1, got {gammas}")
+    if any(g not in (AUTO, SCHEDULED) and (not isinstance(g, int) or g < 1) for g in gammas):
+        raise ValueError(f"each --num-draft-tokens value must be 'auto', 'scheduled' or an integer >= 1, got {gammas}")
     systems = [System(BASELINE, "mlx-lm")] + ([System(CONTROL, "mlx-lm")] if control else [])
-    fixed = [g for g in gammas if g != AUTO]
+    fixed = [g for g in gammas if isinstance(g, int)]
     if has_draft_model:
         systems += [System(f"mlx-lm spec γ={g}", "mlx-lm-spec", "draft", g) for g in fixed]
     for drafter in drafters:
@@ -158,6 +161,12 @@ def make_systems(drafters: list[str], gammas: list[int | str], has_draft_model: 
             continue
         systems += [System(f"mlxspec {drafter} γ={g}", "mlxspec", drafter, g) for g in gammas]
     return systems
+
+
+def without_unscheduled(systems: list[System], drafters: dict) -> tuple[list[System], list[str]]:
+    """``systems`` less the ``scheduled`` ones whose drafter reports no survival estimates, and their names."""
+    dropped = [s.name for s in systems if s.gamma == SCHEDULED and not drafters[s.drafter].reports_survival]
+    return [s for s in systems if s.name not in dropped], dropped
 
 
 def iter_runs(models: BenchModels, systems: list[System], prompts: list[tuple[str, str, list[int]]],
@@ -259,7 +268,7 @@ def rounds_from_flags(from_draft: list[bool], gamma: int) -> list[list[int]]:
 
 
 def _run_mlxspec(models: BenchModels, system: System, ids, temp, seed, max_tokens) -> RunRecord:
-    """mlxspec's ``stream_generate`` with one drafter and a fixed or automatic γ."""
+    """mlxspec's ``stream_generate`` with one drafter and a fixed, automatic or scheduled γ."""
     drafter = models.drafters[system.drafter]
     gamma = gamma_policy(system.gamma, models.model, drafter, costs=models.costs.get(system.drafter))
     rounds, tokens, stats = [], [], None
@@ -275,7 +284,9 @@ def _run_mlxspec(models: BenchModels, system: System, ids, temp, seed, max_token
             tokens.append(event.token)
     return RunRecord("", "", "", temp, seed, len(ids), stats.prompt_s, stats.generation_tokens, stats.generation_s,
                      rounds=rounds, draft_s=stats.draft_s, verify_s=stats.verify_s,
-                     gamma_rounds=list(stats.gamma_rounds), peak_memory_gb=mx.get_peak_memory() / 1e9,
+                     gamma_rounds=list(stats.gamma_rounds),
+                     calibration=gamma.calibration.totals if hasattr(gamma, "calibration") else None,
+                     peak_memory_gb=mx.get_peak_memory() / 1e9,
                      finish_reason=stats.finish_reason, output_sha=_sha(tokens))
 
 

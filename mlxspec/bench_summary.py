@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 from .bench import BASELINE, RunRecord, System
 from .costmodel import Costs, alpha_mle, expected_tau
-from .gamma import AUTO
+from .gamma import AUTO, SCHEDULED
+from .schedule import NUM_BINS
 
 
 @dataclass
@@ -33,7 +34,7 @@ class SummaryRow:
         cycle_draft_ms, cycle_verify_ms, cycle_other_ms: Mean time per round (mlxspec only).
         peak_memory_gb: Largest peak over runs.
         same_output: Fraction of runs whose output equals the baseline's (temperature 0 only).
-        mean_gamma, plain_fallback: Auto-γ's mean choice and fraction of rounds at γ = 0.
+        mean_gamma, plain_fallback: Auto / scheduled γ's mean choice and fraction of rounds at γ = 0.
         best: Whether this is its family's best fixed γ for this kind and temperature.
     """
 
@@ -176,10 +177,10 @@ def format_table(rows: list[SummaryRow], compact: bool = False) -> str:
 
     Args:
         rows: From ``summarize``.
-        compact: Keep only non-speculative rows, each family's best fixed γ and auto.
+        compact: Keep only non-speculative rows, each family's best fixed γ, auto and scheduled.
     """
     if compact:
-        rows = [r for r in rows if r.gamma in (0, AUTO) or r.best]
+        rows = [r for r in rows if r.gamma in (0, AUTO, SCHEDULED) or r.best]
     head = ("| kind | temp | system | tok/s | speedup (min–max) | predicted | α | τ | draft / verify / other ms per round "
             "| same output | notes |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
@@ -211,8 +212,9 @@ def _notes(r: SummaryRow) -> str:
     return note
 
 
-def write_plots(rows: list[SummaryRow], folder) -> list[str]:
-    """``speedup_vs_gamma.png`` and ``tau_histogram.png`` in ``folder``; returns their paths.
+def write_plots(rows: list[SummaryRow], folder, runs: list[RunRecord] = ()) -> list[str]:
+    """``speedup_vs_gamma.png``, ``tau_histogram.png`` and, when ``runs`` include scheduled ones,
+    ``reliability.png`` (predicted vs observed survival, ``reliability_data``) in ``folder``; returns their paths.
 
     Raises:
         ImportError: matplotlib is not installed (``pip install 'mlxspec[plot]'``).
@@ -226,7 +228,7 @@ def write_plots(rows: list[SummaryRow], folder) -> list[str]:
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     panels = sorted({(r.kind, r.temp) for r in rows})
-    paths = [folder / "speedup_vs_gamma.png", folder / "tau_histogram.png"]
+    paths = [folder / "speedup_vs_gamma.png", folder / "tau_histogram.png"] if panels else []
     for path, draw in zip(paths, (_plot_sweep, _plot_tau)):
         cols = min(2, len(panels))
         fig, axes = plt.subplots((len(panels) + cols - 1) // cols, cols, figsize=(6 * cols, 4.2 * len(panels) / cols),
@@ -235,8 +237,56 @@ def write_plots(rows: list[SummaryRow], folder) -> list[str]:
             draw(ax, [r for r in rows if (r.kind, r.temp) == (kind, temp)], f"{kind}, temp {temp:g}")
         fig.tight_layout()
         fig.savefig(path, dpi=110)
+    data = reliability_data(runs)
+    if data:
+        paths.append(folder / "reliability.png")
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4.4))
+        _plot_reliability(axes, data)
+        fig.tight_layout()
+        fig.savefig(paths[-1], dpi=110)
     plt.close("all")
     return [str(p) for p in paths]
+
+
+def reliability_data(runs: list[RunRecord]) -> dict[str, dict]:
+    """Per scheduled system: pooled ``[nodes, Σ predicted, kept]`` per survival bin and per depth.
+
+    Returns:
+        dict: system name -> ``{"bins": [[n, Σs, k]] * NUM_BINS, "depths": [[n, Σs, k], ...]}``.
+    """
+    out: dict[str, dict] = {}
+    for r in runs:
+        if not r.calibration:
+            continue
+        pooled = out.setdefault(r.system, {"bins": [[0, 0.0, 0] for _ in range(NUM_BINS)], "depths": []})
+        for key in ("bins", "depths"):
+            rows = r.calibration[key]
+            pooled[key] += [[0, 0.0, 0] for _ in range(len(rows) - len(pooled[key]))]
+            for total, row in zip(pooled[key], rows):
+                for j in range(3):
+                    total[j] += row[j]
+    return out
+
+
+def _plot_reliability(axes, data: dict[str, dict]) -> None:
+    """Left: observed survival per bin of predicted survival; right: mean predicted and observed per depth."""
+    left, right = axes
+    left.plot([0, 1], [0, 1], color="gray", linewidth=0.8, label="perfectly calibrated")
+    for i, (system, tallies) in enumerate(sorted(data.items())):
+        bins = [(s / n, k / n, n) for n, s, k in tallies["bins"] if n]
+        if bins:
+            left.plot([b[0] for b in bins], [b[1] for b in bins], "o-", color=f"C{i}", label=system)
+        depths = [(d + 1, s / n, k / n) for d, (n, s, k) in enumerate(tallies["depths"]) if n]
+        if depths:
+            right.plot([d[0] for d in depths], [d[1] for d in depths], ":", marker="x", color=f"C{i}",
+                       label=f"{system} predicted")
+            right.plot([d[0] for d in depths], [d[2] for d in depths], "-", marker="o", color=f"C{i}",
+                       label=f"{system} observed")
+    left.set(title="reliability: verified draft nodes by predicted survival", xlabel="predicted survival (bin mean)",
+             ylabel="observed survival", xlim=(0, 1), ylim=(0, 1))
+    right.set(title="survival per draft position", xlabel="depth", ylabel="survival", ylim=(0, 1))
+    left.legend(fontsize=7)
+    right.legend(fontsize=7)
 
 
 def _plot_sweep(ax, rows: list[SummaryRow], title: str) -> None:
@@ -250,15 +300,16 @@ def _plot_sweep(ax, rows: list[SummaryRow], title: str) -> None:
         if predicted:
             ax.plot(*zip(*predicted), ":", color=color, alpha=0.7)
         for r in rows:
-            if r.family == family and r.gamma == AUTO:
-                ax.axhline(r.speedup, color=color, linestyle="--", alpha=0.7, label=f"{family} auto")
+            if r.family == family and r.gamma in (AUTO, SCHEDULED):
+                ax.axhline(r.speedup, color=color, linestyle="--" if r.gamma == AUTO else "-.", alpha=0.7,
+                           label=f"{family} {r.gamma}")
     ax.axhline(1.0, color="gray", linewidth=0.8)
     ax.set(title=title, xlabel="γ (draft tokens per round)", ylabel="speedup over mlx-lm plain")
     ax.legend(fontsize=7)
 
 
 def _plot_tau(ax, rows: list[SummaryRow], title: str) -> None:
-    rows = [r for r in rows if r.tau_histogram and (r.best or r.gamma == AUTO)]
+    rows = [r for r in rows if r.tau_histogram and (r.best or r.gamma in (AUTO, SCHEDULED))]
     width = 0.8 / max(len(rows), 1)
     for i, r in enumerate(rows):
         total = sum(r.tau_histogram) or 1

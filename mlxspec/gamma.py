@@ -6,7 +6,11 @@ and ``stream_generate(..., num_draft_tokens="auto")`` mean the same thing for ev
 - a drafter that sizes its own rounds (a tree drafter's ``tree_depth``) drafts to that depth;
 - any other drafter gets ``costmodel.AutoGamma``: γ per round from this machine's measured costs
   and the running acceptance, falling back to plain decoding when speculation would lose;
-- ``--drafter none`` and ``0`` are plain decoding; an integer is a fixed γ.
+- ``--drafter none`` and ``0`` are plain decoding; an integer is a fixed γ;
+- ``scheduled`` (a drafter that estimates each drafted token's survival): the drafter drafts its
+  full length and ``schedule.ScheduledGamma`` verifies the part with the best predicted tokens/s
+  (docs/acceptance.md 3.1). It is a word of its own, not a kind of ``auto``: it needs those
+  estimates, which not every drafter has, and it reads them on the host before verifying.
 """
 
 from __future__ import annotations
@@ -15,9 +19,12 @@ from collections.abc import Callable
 
 from .costmodel import AutoGamma, Costs, load_or_calibrate
 from .drafters import Drafter
+from .schedule import DEFAULT_SCHEDULED_MAX, ScheduledGamma
 
 #: ``num_draft_tokens`` value that lets the policy choose.
 AUTO = "auto"
+#: ``num_draft_tokens`` value for confidence-scheduled verification (``schedule.ScheduledGamma``).
+SCHEDULED = "scheduled"
 
 
 class FixedGamma:
@@ -52,7 +59,7 @@ class FixedGamma:
         return f"FixedGamma({self.gamma})"
 
 
-GammaPolicy = FixedGamma | AutoGamma
+GammaPolicy = FixedGamma | AutoGamma | ScheduledGamma
 """What the round loop asks before each round (``choose_gamma``) and tells after it (``update``)."""
 
 
@@ -61,27 +68,35 @@ def gamma_policy(num_draft_tokens: int | str | GammaPolicy, model, drafter: Draf
     """The γ policy for one generation.
 
     Args:
-        num_draft_tokens: An integer γ >= 0, ``"auto"``, or a policy to reuse as it is (an
-            ``AutoGamma`` keeps its acceptance estimate across answers).
+        num_draft_tokens: An integer γ >= 0, ``"auto"``, ``"scheduled"``, or a policy to reuse as
+            it is (an ``AutoGamma`` or ``ScheduledGamma`` keeps what it learned across answers).
         model: The target (its verify cost is measured for ``"auto"``).
         drafter: The drafter the rounds use.
         costs: Measured ``Costs`` to use for ``"auto"`` instead of the cached or measured ones.
         on_measure: Told before a cost measurement that was not cached. Default: none.
 
     Returns:
-        GammaPolicy: ``FixedGamma`` or ``AutoGamma``.
+        GammaPolicy: ``FixedGamma``, ``AutoGamma`` or ``ScheduledGamma``.
 
     Raises:
-        ValueError: a negative γ, or a string other than ``"auto"``.
+        ValueError: a negative γ, a string other than ``"auto"`` and ``"scheduled"``, or
+            ``"scheduled"`` with a drafter that reports no survival estimates.
     """
-    if isinstance(num_draft_tokens, (FixedGamma, AutoGamma)):
+    if isinstance(num_draft_tokens, (FixedGamma, AutoGamma, ScheduledGamma)):
         return num_draft_tokens
-    if isinstance(num_draft_tokens, str) and num_draft_tokens != AUTO:
-        raise ValueError(f"num_draft_tokens must be an integer >= 0 or 'auto', got {num_draft_tokens!r}")
+    if isinstance(num_draft_tokens, str) and num_draft_tokens not in (AUTO, SCHEDULED):
+        raise ValueError(f"num_draft_tokens must be an integer >= 0, 'auto' or 'scheduled', got {num_draft_tokens!r}")
     if isinstance(num_draft_tokens, int) and num_draft_tokens < 0:
         raise ValueError(f"num_draft_tokens must be >= 0, got {num_draft_tokens}")
     if drafter.name == "none":
         return FixedGamma(0)
+    if num_draft_tokens == SCHEDULED:
+        if not drafter.reports_survival:
+            raise ValueError(f"--num-draft-tokens scheduled needs a drafter that estimates each drafted token's "
+                             f"survival (draft, medusa, eagle with a dynamic tree or chain, dflash, dspark); the {drafter.name} "
+                             "drafter does not: use 'auto' or an integer")
+        costs = costs if costs is not None else load_or_calibrate(model, drafter, on_measure=on_measure)
+        return ScheduledGamma(costs, max_gamma=drafter.tree_depth or drafter.max_draft_tokens or DEFAULT_SCHEDULED_MAX)
     if num_draft_tokens != AUTO:
         return FixedGamma(num_draft_tokens)
     if drafter.tree_depth is not None:  # the cost model prices chains; a tree keeps its own shape

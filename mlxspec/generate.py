@@ -202,6 +202,7 @@ def speculative_rounds(
     prefill_s, cached = time.perf_counter() - start, store.reused
     history, clock, generated = list(prompt), _DraftClock(drafter.lazy and time_split), 0
     plain = _PlainSteps(model, cache, sampling) if not drafter.needs_hidden else None
+    schedule = getattr(policy, "schedule", None)  # scheduled verification trims the draft (schedule.py)
     gamma = None  # the next round's γ, when it was chosen early (pipelined plain steps)
     try:
         for cycle in range(max_tokens):
@@ -217,6 +218,8 @@ def speculative_rounds(
                 t1, num_drafted, depth = t0, 0, 0
             else:
                 draft, gamma = drafter.propose(history, gamma, sampling), None
+                if schedule is not None:
+                    draft = schedule(draft)
                 clock.drafted(cycle, draft)
                 t1 = time.perf_counter()
                 choice, next_tokens = _verify(model, cache, history, draft, sampling, rule)
@@ -235,7 +238,8 @@ def speculative_rounds(
             history += tokens[:keep]
             drafter.commit(len(history), [node - 1 for node in path[:keep]], hidden)
             draft_s, verify_s = clock.split(t0, t1, time.perf_counter(), num_drafted)
-            stats = CycleStats(cycle, num_drafted, min(len(path), keep), keep, draft_s, verify_s, depth)
+            stats = CycleStats(cycle, num_drafted, min(len(path), keep), keep, draft_s, verify_s, depth,
+                               tuple(node - 1 for node in path))
             generated += keep
             if cycle % 64 == 63:
                 mx.clear_cache()

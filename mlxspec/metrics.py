@@ -48,6 +48,7 @@ class CycleStats:
         draft_s: Seconds spent drafting (estimated for lazy drafters, see ``GenerationStats``).
         verify_s: Seconds spent in the target forward, acceptance and commit.
         depth: Deepest draft node (γ for a full chain; 0 when nothing was drafted).
+        path: The draft nodes (0-based, root to leaf) the target accepted, before any stop cut.
     """
 
     cycle: int
@@ -57,6 +58,7 @@ class CycleStats:
     draft_s: float
     verify_s: float
     depth: int = 0
+    path: tuple[int, ...] = ()
 
 
 @dataclass

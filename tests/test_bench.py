@@ -17,7 +17,7 @@ from mlxspec.costmodel import Costs
 
 RUN_FIELDS = {"system", "prompt_id", "kind", "temp", "seed", "prompt_tokens", "prompt_s", "generation_tokens",
               "generation_s", "generation_tps", "prompt_tps", "rounds", "draft_s", "verify_s", "gamma_rounds",
-              "peak_memory_gb", "finish_reason", "output_sha"}
+              "calibration", "peak_memory_gb", "finish_reason", "output_sha"}
 ROW_FIELDS = {"system", "family", "gamma", "kind", "temp", "pairs", "speedup", "speedup_min", "speedup_max",
               "predicted_speedup", "generation_tps", "prompt_tps", "alpha", "alpha_mle", "tau",
               "acceptance_per_position", "tau_histogram", "cycle_draft_ms", "cycle_verify_ms", "cycle_other_ms",
@@ -149,7 +149,7 @@ def test_reruns_with_openblas_when_the_reference_blas_is_loaded(monkeypatch):
 
 def test_bad_flags_are_one_line_errors(capsys):
     assert main(["bench", "--num-draft-tokens", "0,2", "--blas", "keep"]) == 2
-    assert "--num-draft-tokens takes 'auto' and integers >= 1" in capsys.readouterr().err
+    assert "--num-draft-tokens takes 'auto', 'scheduled' and integers >= 1" in capsys.readouterr().err
     assert main(["bench", "--temps", "-1", "--blas", "keep"]) == 2
     assert "--temps must be numbers >= 0" in capsys.readouterr().err
 
@@ -181,14 +181,20 @@ def test_bench_times_head_drafters_from_specs(tmp_path, tiny_model_dir, capsys, 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "Copy: red green blue red green blue", "kind": "grounded"}) + "\n")
     code = main(["bench", "--model", str(tiny_model_dir), "--drafters", "eagle,medusa:tree=small_15,ngram,none",
-                 "--prompts", str(prompts), "--num-draft-tokens", "auto,2", "--temps", "0", "--max-tokens", "8",
-                 "--no-control", "--output", str(tmp_path / "bench.json"), "--blas", "keep"])
-    assert code == 0, capsys.readouterr().err
+                 "--prompts", str(prompts), "--num-draft-tokens", "auto,scheduled,2", "--temps", "0",
+                 "--max-tokens", "8", "--no-control", "--output", str(tmp_path / "bench.json"), "--blas", "keep"])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert "skipping mlxspec ngram γ=scheduled: the drafter reports no survival estimates" in err
     result = json.loads((tmp_path / "bench.json").read_text())
     assert [s["name"] for s in result["systems"]] == [
-        BASELINE, "mlxspec eagle γ=auto", "mlxspec eagle γ=2", "mlxspec medusa:tree=small_15 γ=auto",
+        BASELINE, "mlxspec eagle γ=auto", "mlxspec eagle γ=scheduled", "mlxspec eagle γ=2",
+        "mlxspec medusa:tree=small_15 γ=auto", "mlxspec medusa:tree=small_15 γ=scheduled",
         "mlxspec medusa:tree=small_15 γ=2", "mlxspec ngram γ=auto", "mlxspec ngram γ=2", "mlxspec none"]
     runs = {r["system"]: r for r in result["runs"]}
+    calibration = runs["mlxspec medusa:tree=small_15 γ=scheduled"]["calibration"]
+    assert sum(n for n, _, _ in calibration["bins"]) == sum(n for n, _, _ in calibration["depths"]) > 0
+    assert runs["mlxspec eagle γ=2"]["calibration"] is None
     assert all(run["generation_tokens"] == 8 for run in runs.values())
     assert len({run["output_sha"] for run in runs.values()}) == 1  # float32 greedy: every system agrees
     assert sum(d for d, _ in runs["mlxspec eagle γ=2"]["rounds"]) > 0

@@ -12,12 +12,12 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from ..bench import BenchModels, RunRecord, System, iter_runs, make_systems
+from ..bench import BenchModels, RunRecord, System, iter_runs, make_systems, without_unscheduled
 from ..bench_summary import format_table, summarize, write_plots
 from ..costmodel import Costs, load_or_calibrate
 from ..data import load_sharegpt, read_prompts_jsonl, sample_prompts
 from ..drafters import drafter_types, parse_specs
-from ..gamma import AUTO
+from ..gamma import AUTO, SCHEDULED
 from ..loading import DTYPES
 from ..machine import blas_in_use, find_fast_blas, machine_info
 from ..session import USER_ERRORS, ModelSpec, build_drafter, load_model
@@ -50,7 +50,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                              f"{', '.join(drafter_types())}). "
                              "Default: draft,ngram,none with --draft-model, else ngram,none")
     parser.add_argument("--num-draft-tokens", default=DEFAULT_GAMMAS,
-                        help=f"comma-separated γ sweep; 'auto' = automatic γ. Default: {DEFAULT_GAMMAS}")
+                        help=f"comma-separated γ sweep; 'auto' = automatic γ; 'scheduled' = confidence-scheduled "
+                             f"verification (docs/acceptance.md 3.1). Default: {DEFAULT_GAMMAS}")
     parser.add_argument("--temps", default=DEFAULT_TEMPS, help=f"comma-separated temperatures. Default: {DEFAULT_TEMPS}")
     parser.add_argument("--prompts", default="sharegpt",
                         help="'sharegpt' (first user turns of ShareGPT V3, fetched once) or a JSONL file of "
@@ -82,19 +83,19 @@ def setup_arg_parser() -> argparse.ArgumentParser:
 
 
 def parse_gammas(text: str) -> list[int | str]:
-    """``"auto,1,4"`` → ``["auto", 1, 4]``.
+    """``"auto,scheduled,1,4"`` → ``["auto", "scheduled", 1, 4]``.
 
     Raises:
-        ValueError: on anything but ``auto`` and integers >= 1.
+        ValueError: on anything but ``auto``, ``scheduled`` and integers >= 1.
     """
     out = []
     for item in filter(None, (x.strip() for x in text.split(","))):
-        if item == AUTO:
-            out.append(AUTO)
+        if item in (AUTO, SCHEDULED):
+            out.append(item)
         elif item.isdigit() and int(item) >= 1:
             out.append(int(item))
         else:
-            raise ValueError(f"--num-draft-tokens takes 'auto' and integers >= 1, got {item!r}")
+            raise ValueError(f"--num-draft-tokens takes 'auto', 'scheduled' and integers >= 1, got {item!r}")
     if not out:
         raise ValueError("--num-draft-tokens is empty")
     return out
@@ -197,7 +198,7 @@ def report(result: dict, runs: list, systems: list, costs: dict, args: argparse.
     print("\nEvery system (γ sweep), predicted vs measured speedup:\n" + format_table(rows))
     result = {**result, "runs": [r.to_dict() for r in runs], "summary": [asdict(r) for r in rows]}
     if args.plots:
-        result["plots"] = write_plots(rows, args.plots)
+        result["plots"] = write_plots(rows, args.plots, runs)
     Path(args.output).write_text(json.dumps(result, indent=1))
     print(f"\nwrote {args.output}" + (f" and plots in {args.plots}" if args.plots else ""))
 
@@ -234,6 +235,10 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     systems = make_systems(drafter_names, gammas, args.draft_model is not None, control=not args.no_control)
     started = time.time()
     models, names = _load(args, specs)
+    systems, dropped = without_unscheduled(systems, models.drafters)
+    if dropped:
+        print(f"mlxspec: note: skipping {', '.join(dropped)}: the drafter reports no survival estimates, "
+              "which scheduled verification needs", file=sys.stderr)
     prompts, prompt_source = _prompts(args, models.tokenizer)
     info = {"command": ["mlxspec", "bench", *argv], "started": time.strftime("%Y-%m-%d %H:%M:%S"),
             "machine": machine_info(), "models": names,

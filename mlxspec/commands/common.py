@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from ..assets import NAMED_MODELS
 from ..drafters import Drafter, DrafterSpec, drafter_types
-from ..gamma import AUTO
+from ..gamma import AUTO, SCHEDULED
 from ..generate import DEFAULT_MAX_TOKENS, DEFAULT_NUM_DRAFT_TOKENS
 from ..loading import DTYPES
 from ..sampling import SamplingParams
@@ -42,13 +42,13 @@ def seed_arg(value: str) -> int:
 
 
 def num_draft_tokens_arg(value: str) -> int | str:
-    """``--num-draft-tokens``, ``--eagle-total-tokens``: an integer or ``auto``."""
-    if value == AUTO:
-        return AUTO
+    """``--num-draft-tokens``: an integer, ``auto`` or ``scheduled`` (``gamma.gamma_policy``)."""
+    if value in (AUTO, SCHEDULED):
+        return value
     try:
         return int(value)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {value!r}") from None
+        raise argparse.ArgumentTypeError(f"expected an integer, 'auto' or 'scheduled', got {value!r}") from None
 
 
 def drafter_arg(value: str) -> DrafterSpec:
@@ -103,7 +103,10 @@ def add_model_args(parser: argparse.ArgumentParser, allow_auto: bool = False, de
                             help="γ, tokens drafted per round; 0 = plain decoding; 'auto' lets a tree drafter "
                                  "keep its own depth and picks γ for the others each round from costs measured "
                                  "on this machine (once, cached) and the running acceptance, falling back to "
-                                 f"plain decoding when speculation would lose. Default: {default_gamma}")
+                                 "plain decoding when speculation would lose; 'scheduled' (draft, medusa, eagle, "
+                                 "dflash, dspark) drafts the drafter's full length and verifies the part with the best predicted "
+                                 "tokens/s from the draft's own confidence (docs/acceptance.md 3.1). "
+                                 f"Default: {default_gamma}")
     else:
         parser.add_argument("--num-draft-tokens", type=int, default=DEFAULT_NUM_DRAFT_TOKENS,
                             help=f"γ, tokens drafted per round; 0 = plain decoding. Default: {DEFAULT_NUM_DRAFT_TOKENS}")
@@ -159,7 +162,7 @@ def check_args(args: argparse.Namespace) -> None:
     Raises:
         ValueError: naming the flag and the allowed range.
     """
-    if args.num_draft_tokens != AUTO and args.num_draft_tokens < 0:
+    if isinstance(args.num_draft_tokens, int) and args.num_draft_tokens < 0:
         raise ValueError(f"--num-draft-tokens must be >= 0, got {args.num_draft_tokens}")
     if args.max_tokens < 1:
         raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")

@@ -8,7 +8,7 @@ import os
 import sys
 
 from ..costmodel import load_or_calibrate
-from ..gamma import gamma_policy
+from ..gamma import AUTO, gamma_policy
 from ..generate import context_length, encode_prompt, stream_generate
 from ..metrics import GenerationStats, TokenEvent
 from .common import (
@@ -53,8 +53,8 @@ def build_prompt(tokenizer, prompt: str, system: str | None, use_chat_template: 
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
 
 
-def format_stats(stats: GenerationStats) -> str:
-    """The human-readable stats block printed after the answer."""
+def format_stats(stats: GenerationStats, policy: str = AUTO) -> str:
+    """The human-readable stats block printed after the answer (``policy``: ``--num-draft-tokens``'s word)."""
     per_position = " ".join(f"{rate:.2f}" for rate in stats.acceptance_per_position) or "-"
     lines = [
         "=" * 10,
@@ -62,7 +62,7 @@ def format_stats(stats: GenerationStats) -> str:
                                                   else "") + (f", {stats.prompt_tps:.1f} tokens/s" if stats.prompt_tps else ""),
         f"Generation: {stats.generation_tokens} tokens, {stats.generation_tps:.1f} tokens/s "
         f"(finish: {stats.finish_reason})",
-        f"Drafter: {stats.drafter}, γ = {_gamma_summary(stats)}; cycles: {stats.cycles}",
+        f"Drafter: {stats.drafter}, γ = {_gamma_summary(stats, policy)}; cycles: {stats.cycles}",
         f"Acceptance: α = {stats.alpha:.3f}, τ = {stats.tau:.2f} tokens/cycle",
         f"Acceptance per draft position: {per_position}",
         f"Time: draft {stats.draft_s:.2f} s, verify {stats.verify_s:.2f} s",
@@ -71,13 +71,13 @@ def format_stats(stats: GenerationStats) -> str:
     return "\n".join(lines)
 
 
-def _gamma_summary(stats: GenerationStats) -> str:
-    """``4``, or for auto-γ the mean choice and how often it fell back to plain decoding."""
+def _gamma_summary(stats: GenerationStats, policy: str) -> str:
+    """``4``, or for auto / scheduled γ the mean choice and how often it fell back to plain decoding."""
     if not stats.gamma_rounds:
         return str(stats.num_draft_tokens)
     rounds = sum(stats.gamma_rounds)
     mean = sum(g * n for g, n in enumerate(stats.gamma_rounds)) / rounds if rounds else 0.0
-    text = f"auto (mean {mean:.1f}, at most {stats.num_draft_tokens})"
+    text = f"{policy} (mean {mean:.1f}, at most {stats.num_draft_tokens})"
     if stats.plain_fallback_rounds:
         text += f"; fell back to plain decoding in {stats.plain_fallback_rounds} of {rounds} rounds"
     return text
@@ -126,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
     loaded = load_models(args, on_measure=None if args.json else measuring_note("the automatic EAGLE tree size"))
     prompt = build_prompt(loaded.tokenizer, prompt_text, args.system, not args.no_chat_template)
     _note_context_cap(loaded.model, loaded.tokenizer, prompt, args.max_tokens)
-    note = None if args.json else measuring_note("--num-draft-tokens auto")
+    note = None if args.json else measuring_note(f"--num-draft-tokens {args.num_draft_tokens}")
     costs = None
     if args.recalibrate and args.num_draft_tokens == "auto" and loaded.drafter.name != "none":
         costs = load_or_calibrate(loaded.model, loaded.drafter, refresh=True, on_measure=note)
@@ -155,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(record))
     else:
         print()
-        print(format_stats(stats), file=sys.stderr)
+        print(format_stats(stats, str(args.num_draft_tokens)), file=sys.stderr)
         if typical:
             print("Verification: Medusa typical acceptance (LOSSY: not distributed as the target)", file=sys.stderr)
     return 0

@@ -26,17 +26,24 @@ class Draft:
             shape [N, V], float32 over the target's vocabulary (for siblings drawn
             without replacement, the adjusted q). ``None`` means the proposal is
             deterministic (q one-hot on the drafted token).
+        survival (mx.array | None): The drafter's estimate that each node ends on the accepted
+            path, shape [N], float32 in [0, 1], NaN where it has none; ``None`` = no estimates.
+            Only ``--num-draft-tokens scheduled`` reads it (``schedule.ScheduledGamma``). In a
+            sampled draft a node's estimate must not depend on its own token (only on its
+            ancestors' and its q), or scheduling would bias the output (docs/acceptance.md 3.2).
     """
 
     tokens: mx.array
     tree: Tree
     logprobs: mx.array | None = None
+    survival: mx.array | None = None
 
     @classmethod
-    def chain(cls, tokens: mx.array | list[int], logprobs: mx.array | None = None) -> Draft:
+    def chain(cls, tokens: mx.array | list[int], logprobs: mx.array | None = None,
+              survival: mx.array | None = None) -> Draft:
         """A chain draft: each token follows the previous one."""
         tokens = mx.array(tokens, dtype=mx.int32) if isinstance(tokens, list) else tokens
-        return cls(tokens, chain(tokens.shape[0]), logprobs)
+        return cls(tokens, chain(tokens.shape[0]), logprobs, survival)
 
     @classmethod
     def empty(cls) -> Draft:
@@ -45,6 +52,31 @@ class Draft:
     @property
     def size(self) -> int:
         return self.tree.size
+
+    def select(self, nodes: list[int]) -> Draft:
+        """The sub-draft of ``nodes`` (sorted draft indices, each one's parent among them), renumbered.
+
+        Each kept node keeps its token, q and survival, so verifying the sub-draft is as exact as
+        verifying the whole one as long as sibling lists stay prefixes in draw order
+        (docs/acceptance.md 3.2; ``schedule.closed_survival`` guarantees it).
+
+        Raises:
+            ValueError: a node whose parent is not kept.
+        """
+        if len(nodes) == self.size:
+            return self
+        if not nodes:
+            return Draft.empty()
+        index = {node: i for i, node in enumerate(nodes)}
+        parents = []
+        for node in nodes:
+            parent = self.tree.parents[node]
+            if parent >= 0 and parent not in index:
+                raise ValueError(f"draft node {node} is kept without its parent {parent}")
+            parents.append(index[parent] if parent >= 0 else -1)
+        rows = mx.array(nodes, dtype=mx.int32)
+        take = lambda a: None if a is None else a[rows]  # noqa: E731
+        return Draft(take(self.tokens), Tree(tuple(parents)), take(self.logprobs), take(self.survival))
 
     def with_branch(self, branch: list[int]) -> Draft:
         """This draft with the chain ``branch`` grown from the root merged in (host-side; reads ``tokens``).
@@ -77,7 +109,11 @@ class Draft:
             node = found
         if len(tokens) == self.size:
             return self
-        return Draft(mx.array(tokens, dtype=mx.int32), Tree(tuple(parents)))
+        survival = self.survival
+        if survival is not None:  # the lookup has no estimate of its own: NaN (docs/acceptance.md 3.1)
+            new = mx.full((len(tokens) - self.size,), float("nan"), dtype=mx.float32)
+            survival = mx.concatenate([survival.astype(mx.float32), new]) if self.size else new
+        return Draft(mx.array(tokens, dtype=mx.int32), Tree(tuple(parents)), survival=survival)
 
 
 class Drafter(ABC):
@@ -98,12 +134,20 @@ class Drafter(ABC):
     #: With ``needs_hidden``: ``()`` = the final normalised hidden state (H wide); layer indices =
     #: the residual streams entering those decoder layers, concatenated (EAGLE-3: 3 H wide).
     feature_layers: tuple[int, ...] = ()
+    #: Whether drafts carry ``Draft.survival`` estimates (needed by ``--num-draft-tokens scheduled``).
+    reports_survival: bool = False
 
     @property
     def tree_depth(self) -> int | None:
         """Deepest node a round drafts when the drafter sizes its own rounds (a tree keeps its
         shape), or ``None``: then ``--num-draft-tokens auto`` prices γ with the cost model
         (``gamma.gamma_policy``). Default: ``None``."""
+        return None
+
+    @property
+    def max_draft_tokens(self) -> int | None:
+        """Most tokens one round can draft when the drafter bounds it (a block drafter's block), or
+        ``None``; ``--num-draft-tokens scheduled`` drafts this many. Default: ``None``."""
         return None
 
     def prefill(self, prompt: list[int], hidden: mx.array | None = None) -> None:

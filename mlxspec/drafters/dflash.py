@@ -52,12 +52,18 @@ class DFlashDrafter(Drafter):
     name = "dflash"
     lazy = True
     needs_hidden = True
+    reports_survival = True  # each position's largest q, multiplied along the block (docs/acceptance.md 3.1)
 
     def __init__(self, net: DFlashNet, target: nn.Module):
         self.net, self.config = net, net.config
         self.feature_layers = self.config.feature_layers
         self.embed, self.lm_head = model_body(target).embed_tokens, output_head(target)
         self.prefill([], None)
+
+    @property
+    def max_draft_tokens(self) -> int:
+        """B − 1, the drafts of one block."""
+        return self.config.block_size - 1
 
     def prefill(self, prompt, hidden=None):
         self.cache = [KVCache() for _ in self.net.layers]
@@ -91,7 +97,9 @@ class DFlashDrafter(Drafter):
         _, logits = self.block_logits(history[-1], len(history) - 1)
         tokens, q = sample(logits[1 : K + 1], sampling)  # [K], [K, V] or None (greedy)
         mx.async_eval(tokens)
-        return Draft.chain(tokens, q)
+        rows = (logits[1 : K + 1] if q is None else q).astype(mx.float32)  # never reads the drawn tokens (3.2)
+        survival = mx.exp(mx.cumsum(rows.max(axis=-1) - mx.logsumexp(rows, axis=-1)))
+        return Draft.chain(tokens, q, survival)
 
 
 @dataclass(frozen=True)

@@ -61,6 +61,7 @@ class DraftModelDrafter(Drafter):
 
     name = "draft"
     lazy = True
+    reports_survival = True  # the draft's confidence (largest q) at each position, multiplied along the chain
 
     def __init__(self, model: nn.Module, vocab_size: int, num_real_tokens: int):
         self.model = model
@@ -101,7 +102,7 @@ class DraftModelDrafter(Drafter):
         processors = sampling.processors()
         context = mx.array(history, dtype=mx.int32)
         inputs = context[self._num_cached :]
-        tokens, logprobs = [], []
+        tokens, logprobs, confidence = [], [], []
         for _ in range(num_draft_tokens):
             logits = self._fit_vocab(self.model(inputs[None], cache=self.cache)[0, -1:])
             if processors:
@@ -110,12 +111,14 @@ class DraftModelDrafter(Drafter):
             mx.async_eval(token)
             tokens.append(token)
             logprobs.append(token_logprobs)
+            confidence.append(_confidence(logits if token_logprobs is None else token_logprobs))
             inputs = token
         self._round_start, self._history = len(history), history
         if not tokens:
             return Draft.empty()
         q = None if sampling.greedy else mx.concatenate(logprobs, axis=0)
-        return Draft.chain(mx.concatenate(tokens), q)
+        survival = mx.exp(mx.cumsum(mx.concatenate(confidence)))  # lazy: only scheduling reads it
+        return Draft.chain(mx.concatenate(tokens), q, survival)
 
     def commit(self, num_committed, accepted, hidden=None):
         # The cache holds history + drafts[:K - 1]; what the target kept of it stays,
@@ -126,6 +129,12 @@ class DraftModelDrafter(Drafter):
         self._tokens = self._history[:valid] if valid > len(self._tokens) else self._tokens[:valid]
         self._round_start = valid  # a round without a propose (plain) keeps what is cached
 
+
+def _confidence(logits: mx.array) -> mx.array:
+    """log max_x q(x) of each row [T] (greedy: under the unwarped softmax). Not q of the drawn token:
+    a sampled position's survival estimate must not depend on its own token (docs/acceptance.md 3.2)."""
+    logits = logits.astype(mx.float32)
+    return logits.max(axis=-1) - mx.logsumexp(logits, axis=-1)
 
 
 @dataclass(frozen=True)

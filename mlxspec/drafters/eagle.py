@@ -167,6 +167,7 @@ class EagleDrafter(Drafter):
             if not all(0 <= i < len(body.layers) for i in self.feature_layers):
                 raise ValueError(f"the EAGLE-3 head reads layers {list(self.feature_layers)} but the target has "
                                  f"{len(body.layers)} decoder layers; use a head trained for this target")
+        self.reports_survival = self.choices is None  # the path probabilities of EAGLE-2's candidates
         # a dynamic branching tree reads its shape on the host in propose; a chain or static tree never does
         self.lazy = ((top_k == 1 and self.budget is None) or self.choices is not None) and not self.ngram
         self._plans: dict[int, _StaticPlan] = {}
@@ -262,7 +263,7 @@ class EagleDrafter(Drafter):
             size = min(depth, self.total_tokens - 1)
             tokens = ids[:size]
             mx.async_eval(tokens)
-            return Draft.chain(tokens)
+            return Draft.chain(tokens, survival=mx.exp(scores[:size]))  # cumulative: path probabilities
         return self._rerank(scores, ids, parents)
 
     def _static(self, root_out: mx.array, depth: int, committed: int) -> Draft:
@@ -330,7 +331,8 @@ class EagleDrafter(Drafter):
             index[flat] = len(nodes)
             tree_parents.append(index[parent] if parent >= 0 else -1)
             nodes.append(flat)
-        return Draft(ids[mx.array(nodes)], Tree(tuple(tree_parents)))
+        rows = mx.array(nodes)
+        return Draft(ids[rows], Tree(tuple(tree_parents)), survival=mx.exp(scores[rows]))
 
 
 @dataclass

@@ -34,6 +34,7 @@ class MedusaDrafter(Drafter):
     lazy = True
     makes_trees = True
     needs_hidden = True
+    reports_survival = True  # the heads' probabilities of each node's token, multiplied along its path
 
     def __init__(self, heads: MedusaHeads, lm_head, choices: list[list[int]] | None = None):
         self.heads, self.lm_head = heads, lm_head
@@ -52,7 +53,8 @@ class MedusaDrafter(Drafter):
         if depth not in self._trees:
             tree, heads, ranks = tree_from_choices(self.choices, depth)
             top_k = int(ranks.max()) + 1 if tree.size else 0
-            self._trees[depth] = (tree, mx.array(heads), mx.array(ranks), top_k)
+            ancestors = mx.array(tree.ancestor_mask[1:, 1:].astype("float32"))  # [N, N]: a node and its ancestors
+            self._trees[depth] = (tree, mx.array(heads), mx.array(ranks), top_k, ancestors)
         return self._trees[depth]
 
     def prefill(self, prompt, hidden=None):
@@ -62,14 +64,16 @@ class MedusaDrafter(Drafter):
         depth = min(num_draft_tokens, self.heads.config.medusa_num_heads)
         if self._hidden is None or depth < 1:
             return Draft.empty()
-        tree, node_heads, node_ranks, top_k = self._tree(depth)
+        tree, node_heads, node_ranks, top_k, ancestors = self._tree(depth)
         logits = self.heads(self._hidden[None], self.lm_head)[:depth, 0]  # [depth, V]
         best = mx.argpartition(-logits, kth=top_k - 1, axis=-1)[:, :top_k]  # [depth, top_k], unordered
         order = mx.argsort(-mx.take_along_axis(logits, best, axis=-1), axis=-1)
         ranked = mx.take_along_axis(best, order, axis=-1)  # [depth, top_k]: rank 0 = most likely
         tokens = ranked[node_heads, node_ranks].astype(mx.int32)
         mx.async_eval(tokens)
-        return Draft(tokens, tree)
+        logprobs = logits.astype(mx.float32) - mx.logsumexp(logits.astype(mx.float32), axis=-1, keepdims=True)
+        node_logprobs = mx.take_along_axis(logprobs, ranked, axis=-1)[node_heads, node_ranks]  # [N]
+        return Draft(tokens, tree, survival=mx.exp(ancestors @ node_logprobs))
 
     def commit(self, num_committed, accepted, hidden=None):
         if hidden is not None:

@@ -1,0 +1,186 @@
+"""DSpark drafters: the DFlash block backbone plus a serial low-rank Markov head and a confidence head.
+
+DSpark (DeepSeek's DeepSpec, arXiv 2607.05147; docs/dspark.md). One backbone forward
+(``heads.dflash.DFlashNet.block``) gives every block position's hidden state h_j and base logits
+b_j. A light serial head then samples left to right inside the block: position j's logits are
+b_j + W2 W1[x_{j−1}] (``MarkovHead``; W1 [V, r] an embedding of the previous token, W2 [r → V]),
+so later positions depend on earlier ones. The confidence head gives c_j = σ(w · [h_j, W1[x_{j−1}]] + b),
+the probability that position j survives given that the positions before it did.
+
+The checkpoint layout is the published one (mlx-vlm's ``dspark`` drafters, DeepSpec): a Qwen3
+DFlash ``config.json`` whose ``dflash_config`` has ``projector_type: "dspark"``, ``markov_rank``,
+``markov_head_type: "vanilla"``, ``enable_confidence_head``, ``confidence_head_with_markov`` and
+``sample_from_anchor``; tensors ``markov_head.markov_w1.weight`` [V, r],
+``markov_head.markov_w2.weight`` [V, r], ``confidence_head.proj.{weight [1, H (+ r)], bias [1]}``
+beside the DFlash backbone's. The block's ``block_size`` counts proposals; with
+``sample_from_anchor`` (the default) block row j − 1 scores draft j, so the drafter's forward is
+``[anchor, MASK × (P − 1)]`` and proposes up to P tokens.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from .dflash import DFlashConfig, DFlashNet, _embedding_dtype, _read, check_fits, dflash_folder
+
+
+@dataclass(frozen=True)
+class DSparkConfig:
+    """Shape of a DSpark drafter.
+
+    Attributes:
+        backbone: The DFlash backbone's config; its ``block_size`` is the forward's length.
+        markov_rank: r, the rank of the transition bias.
+        confidence: Whether the checkpoint has a confidence head.
+        confidence_with_markov: The confidence head also reads W1[x_{j−1}].
+        sample_from_anchor: Block row j − 1 scores draft j (P = block_size proposals); otherwise row j
+            does, as in DFlash (P = block_size − 1).
+    """
+
+    backbone: DFlashConfig
+    markov_rank: int
+    confidence: bool = True
+    confidence_with_markov: bool = True
+    sample_from_anchor: bool = True
+
+    @property
+    def proposals(self) -> int:
+        """P, the most tokens one round drafts."""
+        return self.backbone.block_size - (0 if self.sample_from_anchor else 1)
+
+    @classmethod
+    def from_dict(cls, config: dict) -> DSparkConfig:
+        """Read a published DSpark ``config.json``.
+
+        Raises:
+            ValueError: not a DSpark config, or a variant this drafter cannot run exactly as trained
+                (another Markov head type, a bonus anchor inside the block, what ``DFlashConfig`` refuses).
+        """
+        extra = dict(config.get("dflash_config") or {})
+        if extra.get("projector_type") != "dspark" and not any("DSpark" in a for a in config.get("architectures") or ()):
+            raise ValueError("this config.json is not a DSpark drafter's (no dflash_config.projector_type 'dspark'); "
+                             "for a DFlash drafter use --drafter dflash")
+        if extra.get("markov_head_type", "vanilla") != "vanilla":
+            raise ValueError(f"DSpark Markov head {extra['markov_head_type']!r} is not supported; use a 'vanilla' one")
+        if config.get("dspark_bonus_anchor") or extra.get("dspark_bonus_anchor"):
+            raise ValueError("DSpark checkpoints with the bonus anchor inside the block are not supported")
+        if "markov_rank" not in extra:
+            raise ValueError("DSpark config lacks dflash_config.markov_rank")
+        backbone = copy.deepcopy(config)
+        backbone["dflash_config"] = {k: v for k, v in extra.items() if k not in ("projector_type",)}
+        return cls(DFlashConfig.from_dict(backbone), int(extra["markov_rank"]),
+                   bool(extra.get("enable_confidence_head", False)),
+                   bool(extra.get("confidence_head_with_markov", True)), bool(extra.get("sample_from_anchor", True)))
+
+    def to_dict(self) -> dict:
+        """``config.json`` in the published layout."""
+        out = self.backbone.to_dict()
+        out["architectures"] = ["DSparkDraftModel"]
+        out["dflash_config"].update({
+            "projector_type": "dspark", "markov_rank": self.markov_rank, "markov_head_type": "vanilla",
+            "enable_confidence_head": self.confidence, "confidence_head_with_markov": self.confidence_with_markov,
+            "sample_from_anchor": self.sample_from_anchor})
+        return out
+
+
+class MarkovHead(nn.Module):
+    """The transition bias W2 W1[x_prev]: [..] int32 previous tokens -> [.., V] logits to add."""
+
+    def __init__(self, vocab_size: int, rank: int):
+        super().__init__()
+        self.markov_w1 = nn.Embedding(vocab_size, rank)
+        self.markov_w2 = nn.Linear(rank, vocab_size, bias=False)
+
+    def __call__(self, previous: mx.array) -> tuple[mx.array, mx.array]:
+        """Bias [.., V] and the previous token's embedding W1[x_prev] [.., r]."""
+        e = self.markov_w1(previous)
+        return self.markov_w2(e), e
+
+
+class ConfidenceHead(nn.Module):
+    """c = σ(proj([h, W1[x_prev]])): P(this position survives | the ones before it did), float32."""
+
+    def __init__(self, hidden_size: int, rank: int, with_markov: bool):
+        super().__init__()
+        self.with_markov = with_markov
+        self.proj = nn.Linear(hidden_size + (rank if with_markov else 0), 1, bias=True)
+
+    def __call__(self, hidden: mx.array, markov: mx.array) -> mx.array:
+        x = mx.concatenate([hidden, markov.astype(hidden.dtype)], axis=-1) if self.with_markov else hidden
+        return mx.sigmoid(self.proj(x)[..., 0].astype(mx.float32))
+
+
+class DSparkNet(DFlashNet):
+    """The DFlash backbone (``DFlashNet``, unchanged) with DSpark's Markov and confidence heads.
+
+    Args:
+        config: Its shape.
+    """
+
+    def __init__(self, config: DSparkConfig):
+        super().__init__(config.backbone)
+        self.dspark = config
+        H, V = config.backbone.hidden_size, config.backbone.vocab_size
+        self.markov_head = MarkovHead(V, config.markov_rank)
+        if config.confidence:
+            self.confidence_head = ConfidenceHead(H, config.markov_rank, config.confidence_with_markov)
+
+    def proposal_rows(self, hidden: mx.array, logits: mx.array) -> tuple[mx.array, mx.array]:
+        """The block rows that score drafts 1..P: hidden [P, H] and base logits [P, V] of a block's [B, ·]."""
+        start = 0 if self.dspark.sample_from_anchor else 1
+        P = self.dspark.proposals
+        return hidden[start : start + P], logits[start : start + P]
+
+
+def load_dspark(spec: str | Path, target: nn.Module | None = None, dtype=None) -> DSparkNet:
+    """Load a DSpark drafter in the published layout from a folder or a Hugging Face repo.
+
+    Args:
+        spec: A folder (``config.json`` + ``*.safetensors``) or a repo id (fetched without code).
+        target: The target model; when given the drafter must fit it (``dflash.check_fits``).
+        dtype: Cast float weights to this dtype. Default: the target's embedding dtype, else float32.
+
+    Returns:
+        DSparkNet: Evaluated, in eval mode.
+
+    Raises:
+        FileNotFoundError: no config or weights.
+        ValueError: not a DSpark config, an unsupported variant, config and tensors that disagree, or
+            a drafter that does not fit the target (both sizes named).
+    """
+    raw_config, weights = _read(dflash_folder(str(spec)))
+    config = DSparkConfig.from_dict(raw_config)
+    if target is not None:
+        check_fits(config.backbone, target, f"DSpark drafter {spec}")
+    net = DSparkNet(config)
+    expected = dict(tree_flatten(net.parameters()))
+    missing, extra = sorted(set(expected) - set(weights)), sorted(set(weights) - set(expected))
+    if missing or extra:
+        what = f"lacks {', '.join(missing[:3])}" if missing else f"has unexpected {', '.join(extra[:3])}"
+        raise ValueError(f"DSpark drafter {spec} {what} for its config.json (markov_rank {config.markov_rank}, "
+                         f"confidence head {'on' if config.confidence else 'off'}); are they from the same checkpoint?")
+    for key, value in weights.items():
+        if tuple(value.shape) != tuple(expected[key].shape):
+            raise ValueError(f"DSpark drafter {spec}: tensor {key} has shape {tuple(value.shape)} but its config.json "
+                             f"implies {tuple(expected[key].shape)}; the config and weights disagree")
+    if dtype is None:
+        dtype = _embedding_dtype(target) if target is not None else mx.float32
+    net.load_weights([(k, v.astype(dtype)) for k, v in weights.items()], strict=True)
+    mx.eval(net.parameters())
+    net.eval()
+    return net
+
+
+def save_dspark(net: DSparkNet, folder: str | Path) -> None:
+    """Write ``config.json`` and ``model.safetensors`` in the published layout."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(net.parameters())))
+    (folder / "config.json").write_text(json.dumps(net.dspark.to_dict(), indent=2) + "\n")

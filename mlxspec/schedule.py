@@ -1,0 +1,250 @@
+"""Confidence-scheduled verification: verify the part of each draft with the best predicted tokens/s.
+
+DSpark (DeepSeek's DeepSpec, arXiv 2607.05147) sends the target, each round, only as many drafted
+tokens as pay for their verification; docs/acceptance.md 3.1. A drafter that reports per-node
+survival estimates (``Draft.survival``: its own prediction of P(node on the accepted path)) drafts
+its full length; ``ScheduledGamma.schedule`` then keeps the node set S (a prefix of a chain, a
+subtree of a tree) that maximises
+
+    τ(S) / (T_draft + T_verify(|S| + 1)),   τ(S) = 1 + Σ_{n ∈ S} ŝ(n),
+
+where ŝ is the survival recalibrated on this generation's observed acceptance (histogram binning,
+Zadrozny & Elkan 2001) and both times come from this machine's measured ``costmodel.Costs``. By
+linearity of expectation τ(S) is the expected number of tokens the round commits. Scheduling only
+decides which drafted nodes are verified; every kept node is verified by the unchanged exact rule,
+so the output distribution is untouched (docs/acceptance.md 3.2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .costmodel import Costs
+from .drafters.base import Draft
+
+#: Drafted length of a chain drafter under ``scheduled`` when the drafter sizes no rounds itself.
+DEFAULT_SCHEDULED_MAX = 8
+#: Equal-width bins of predicted survival in the calibration table and the reliability diagram.
+NUM_BINS = 10
+
+
+@dataclass
+class SurvivalCalibration:
+    """Predicted vs observed survival: the recalibration the scheduler uses and the reliability diagram.
+
+    Every verified node adds one observation (its predicted survival s, its depth, whether it was
+    on the accepted path). ``calibrate`` maps s to (kept + w·s) / (seen + w) of its bin, counts
+    decaying by ``1 − 1/window`` per round; a node without a prediction (NaN, e.g. an n-gram branch
+    merged into an EAGLE tree) gets its depth's observed rate, prior 0.5 per level.
+
+    Attributes:
+        window: Rounds the recalibration remembers. Default: ``64``.
+        prior_weight: Pseudo-observations behind the drafter's own estimate. Default: ``2``.
+        bin_seen, bin_kept: Decayed counts per bin [NUM_BINS].
+        depth_seen, depth_kept: Decayed counts of unpredicted nodes per depth.
+        totals: Undecayed tallies for display: ``"bins"`` and ``"depths"`` (predicted nodes per
+            depth, from 1), each a list of ``[nodes, sum of predicted survival, kept]``.
+    """
+
+    window: float = 64.0
+    prior_weight: float = 2.0
+    bin_seen: np.ndarray = field(default_factory=lambda: np.zeros(NUM_BINS))
+    bin_kept: np.ndarray = field(default_factory=lambda: np.zeros(NUM_BINS))
+    depth_seen: list[float] = field(default_factory=list)
+    depth_kept: list[float] = field(default_factory=list)
+    totals: dict = field(default_factory=lambda: {"bins": [[0, 0.0, 0] for _ in range(NUM_BINS)], "depths": []})
+
+    def calibrate(self, survival: np.ndarray, depths: np.ndarray) -> np.ndarray:
+        """Recalibrated survival of nodes with raw estimates ``survival`` [N] (NaN = none) at ``depths`` [N] (>= 1)."""
+        w = self.prior_weight
+        bins = _bins(survival)
+        out = (self.bin_kept[bins] + w * np.nan_to_num(survival)) / (self.bin_seen[bins] + w)
+        for i in np.flatnonzero(np.isnan(survival)):
+            d = int(depths[i]) - 1
+            seen = self.depth_seen[d] if d < len(self.depth_seen) else 0.0
+            kept = self.depth_kept[d] if d < len(self.depth_kept) else 0.0
+            out[i] = (kept + w * 0.5 ** (d + 1)) / (seen + w)
+        return out
+
+    def observe(self, survival: np.ndarray, depths: np.ndarray, kept: np.ndarray) -> None:
+        """Fold in one round's verified nodes: raw survival [N], depths [N] and kept [N] bool."""
+        decay = 1.0 - 1.0 / self.window
+        self.bin_seen *= decay
+        self.bin_kept *= decay
+        self.depth_seen = [c * decay for c in self.depth_seen]
+        self.depth_kept = [c * decay for c in self.depth_kept]
+        known = ~np.isnan(survival)
+        np.add.at(self.bin_seen, _bins(survival[known]), 1.0)
+        np.add.at(self.bin_kept, _bins(survival[known]), kept[known].astype(float))
+        for s, d, k in zip(survival, depths.tolist(), kept.tolist()):
+            if np.isnan(s):
+                grow = d - len(self.depth_seen)
+                self.depth_seen += [0.0] * max(grow, 0)
+                self.depth_kept += [0.0] * max(grow, 0)
+                self.depth_seen[d - 1] += 1.0
+                self.depth_kept[d - 1] += k
+                continue
+            self.totals["depths"] += [[0, 0.0, 0] for _ in range(d - len(self.totals["depths"]))]
+            for tally in (self.totals["bins"][int(_bins(np.array([s]))[0])], self.totals["depths"][d - 1]):
+                tally[0], tally[1], tally[2] = tally[0] + 1, tally[1] + float(s), tally[2] + int(k)
+
+
+def _bins(survival: np.ndarray) -> np.ndarray:
+    return np.clip((np.nan_to_num(survival) * NUM_BINS).astype(int), 0, NUM_BINS - 1)
+
+
+def closed_survival(calibrated: np.ndarray, tree) -> np.ndarray:
+    """``calibrated`` [N] made non-increasing from each node to its children and later siblings.
+
+    Then the best m nodes by (value, index) always include each kept node's parent and earlier
+    siblings, so the kept set is a tree whose sibling lists are prefixes in draw order: dropping a
+    later sibling leaves the earlier siblings' q (drawn before it) exact (docs/acceptance.md 3.2).
+    """
+    out = calibrated.astype(np.float64).copy()
+    previous: dict[int, int] = {}  # parent -> its latest child so far
+    for n, parent in enumerate(tree.parents):
+        if parent >= 0:
+            out[n] = min(out[n], out[parent])
+        if parent in previous:
+            out[n] = min(out[n], out[previous[parent]])
+        previous[parent] = n
+    return out
+
+
+def best_count(values: np.ndarray, costs: Costs, spent_s: float) -> int:
+    """m in 0..N maximising (1 + Σ_{i<m} values[i]) / (spent_s + T_verify(m + 1)); ``values`` [N] best first."""
+    gain = 1.0 + np.concatenate([[0.0], np.cumsum(values)])  # [N + 1]: τ(m)
+    cost = np.array([spent_s + costs.verify(m + 1) for m in range(len(values) + 1)])
+    return int(np.argmax(gain / cost))
+
+
+def stopping_length(values: np.ndarray, costs: Costs, spent_s: float) -> int:
+    """How many positions of a chain to verify, decided position by position (a stopping rule).
+
+    Position i is verified when the best predicted tokens/s of verifying through some m >= i
+    beats stopping before i; the prediction reads ``values[:i + 1]`` only, continuing the chain
+    geometrically by its last ratio. For a sampled chain whose ``values[i]`` depends on the tokens
+    before position i alone, the decision is therefore independent of token i (docs/acceptance.md 3.2).
+
+    Args:
+        values: Calibrated survival per position [K], non-increasing.
+        costs: Measured costs (``verify``).
+        spent_s: Drafting time already spent this round, seconds.
+
+    Returns:
+        int: positions verified, 0..K.
+    """
+    K, tau = len(values), 1.0
+    for i in range(K):
+        ratio = values[i] / values[i - 1] if i and values[i - 1] > 0 else values[i]
+        ahead = tau + np.cumsum(values[i] * ratio ** np.arange(K - i))  # τ through positions i..K-1
+        cost = np.array([spent_s + costs.verify(m + 2) for m in range(i, K)])
+        if np.max(ahead / cost) <= tau / (spent_s + costs.verify(i + 1)):
+            return i
+        tau += values[i]
+    return K
+
+
+class ScheduledGamma:
+    """``--num-draft-tokens scheduled``: draft the full length, verify the best predicted part of it.
+
+    ``choose_gamma`` gives the drafter its full length; ``schedule(draft)`` reads the draft's
+    survival estimates (one host read before the verify forward) and keeps the best m nodes,
+    m = argmax_m (1 + Σ_{i<m} ŝ_i) / (T_draft + T_verify(m + 1)) over the ŝ sorted best first
+    (module docstring; a sampled chain is cut by a stopping rule instead, see ``schedule``). T_draft is the round's drafting, already spent (``costs.draft_s`` per
+    level of depth), which makes longer verifications relatively cheaper. When even the best m
+    is predicted slower than plain decoding, the next ``probe_every`` rounds draft nothing. The
+    first drafting round, and the first after such a pause, is a probe that verifies the whole
+    draft, so the recalibration sees every position even when the drafter is under-confident.
+
+    Args:
+        costs: This machine's measured ``Costs`` for the target and drafter.
+        max_gamma: Depth the drafter drafts each round. Default: ``DEFAULT_SCHEDULED_MAX``.
+        probe_every: Plain rounds after a losing one before drafting again. Default: ``16``.
+        calibration: A ``SurvivalCalibration`` to continue. Default: a fresh one.
+
+    Attributes:
+        gamma: Depth of the draft verified this round (0: nothing verified).
+        kept_nodes: Draft nodes verified this round.
+        predicted_speedup: Predicted speedup of that choice over plain decoding.
+
+    Raises:
+        ValueError: ``max_gamma < 1``.
+    """
+
+    #: The per-round choices are recorded in the stats (``GenerationStats.gamma_rounds``).
+    adaptive = True
+
+    def __init__(self, costs: Costs, *, max_gamma: int = DEFAULT_SCHEDULED_MAX, probe_every: int = 16,
+                 calibration: SurvivalCalibration | None = None):
+        if max_gamma < 1:
+            raise ValueError(f"the scheduled draft length must be >= 1, got {max_gamma}")
+        self.costs, self.max_gamma, self.probe_every = costs, max_gamma, probe_every
+        self.calibration = calibration or SurvivalCalibration()
+        self.gamma, self.kept_nodes, self.predicted_speedup = 0, 0, 1.0
+        self._plain_left, self._pending, self._probe = 0, None, True
+
+    def choose_gamma(self) -> int:
+        """Depth the drafter drafts this round: ``max_gamma``, or 0 while pausing after a losing round."""
+        self.gamma, self.kept_nodes, self._pending = 0, 0, None
+        if self._plain_left > 0:
+            self._plain_left -= 1
+            self._probe = self._plain_left == 0
+            return 0
+        return self.max_gamma
+
+    def schedule(self, draft: Draft) -> Draft:
+        """The part of ``draft`` to verify (a draft without survival estimates is verified whole).
+
+        A deterministic draft (``logprobs`` None) keeps the best m nodes overall. A sampled chain is
+        cut by a stopping rule instead (``stopping_length``): whether position i is verified may
+        depend on the tokens before it but never on its own, or the verified token would no longer
+        be distributed as q (docs/acceptance.md 3.2). A sampled tree is verified whole.
+
+        Args:
+            draft: The drafter's proposal, ``survival`` [N] float32 (may be lazy: read here).
+
+        Returns:
+            Draft: ``draft.select(nodes)`` for the chosen node set.
+        """
+        sampled = draft.logprobs is not None
+        if draft.size == 0 or draft.survival is None or (sampled and not draft.tree.is_chain):
+            self.gamma = int(draft.tree.depths.max()) if draft.size else 0
+            self.kept_nodes = draft.size
+            return draft
+        raw = np.array(draft.survival, dtype=np.float64)  # the host read scheduling costs
+        depths = draft.tree.depths[1:]
+        value = closed_survival(self.calibration.calibrate(raw, depths), draft.tree)
+        spent = self.costs.draft_s * int(depths.max())
+        if sampled:
+            m = stopping_length(value, self.costs, spent)
+            nodes = list(range(m))
+        else:
+            order = sorted(range(draft.size), key=lambda n: (-value[n], n))
+            m = best_count(value[order], self.costs, spent)
+            nodes = sorted(order[:m])
+        tau = 1.0 + float(value[nodes].sum())
+        self.predicted_speedup = tau * self.costs.verify(1) / (spent + self.costs.verify(m + 1))
+        if self.predicted_speedup <= 1.0 and self.probe_every > 0:
+            self._plain_left = self.probe_every
+        if self._probe:  # decided before the draft was seen, so exact for any draft
+            m, nodes, self._probe = draft.size, list(range(draft.size)), False
+        kept = draft.select(nodes)
+        self._pending = (raw[nodes], depths[nodes])
+        self.gamma, self.kept_nodes = (int(kept.tree.depths.max()) if m else 0), m
+        return kept
+
+    def update(self, cycle) -> None:
+        """Learn from one round's ``CycleStats``: which verified nodes were on the accepted path (``path``)."""
+        if self._pending is None or not self.kept_nodes:
+            return
+        raw, depths = self._pending
+        kept = np.zeros(len(raw), dtype=bool)
+        kept[list(cycle.path)] = True
+        self.calibration.observe(raw, depths, kept)
+        self._pending = None
+
+    def __repr__(self) -> str:
+        return f"ScheduledGamma(max_gamma={self.max_gamma})"
