@@ -187,7 +187,8 @@ class EagleDrafter(Drafter):
         agrees with the tokens it was built from up to position i + 1."""
         held = self._history[: len(prompt)]
         common = next((i for i, (a, b) in enumerate(zip(held, prompt)) if a != b), len(held))
-        keep = min(self.cache[0].offset, max(common - 1, 0)) if hidden is not None else 0
+        # at least the last feature stays pending: propose runs the head from it
+        keep = max(0, min(self.cache[0].offset, common - 1, hidden.shape[0] - 1)) if hidden is not None else 0
         self.cache[0].trim(self.cache[0].offset - keep)
         # features of committed positions whose (feature, next token) pair is not in the cache yet
         self._pending = hidden[keep:] if hidden is not None and hidden.shape[0] > keep else None
