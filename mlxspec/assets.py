@@ -67,7 +67,7 @@ def shipped(kind: str, model_name: str) -> Path | None:
     heads by what the target is (``identity.shipped_for``).
 
     Args:
-        kind: ``"medusa"``, ``"eagle"``, ``"draft"``, ``"dflash"``, ``"mtp"`` or ``"dspark"``.
+        kind: ``"medusa"``, ``"eagle"``, ``"draft"`` or ``"dflash"``.
         model_name: The target's name (``loading.model_name``), e.g. ``"SmolLM2-135M-Instruct"``.
 
     Returns:
