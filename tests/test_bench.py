@@ -166,8 +166,13 @@ def test_bench_times_head_drafters_from_specs(tmp_path, tiny_model_dir, capsys, 
     from test_eagle import random_head
     from test_medusa import random_heads
 
+    from conftest import tiny_llama
+    from mlxspec.identity import write_card
+
     save_medusa(tmp_path / "models" / "medusa" / tiny_model_dir.name, random_heads(shared=True))
     save_eagle(random_head(1), tmp_path / "models" / "eagle" / tiny_model_dir.name)
+    for kind in ("medusa", "eagle"):
+        write_card(tmp_path / "models" / kind / tiny_model_dir.name, tiny_llama(seed=0))
     monkeypatch.setenv("MLXSPEC_MODELS", str(tmp_path / "models"))
     monkeypatch.setenv("MLXSPEC_CACHE", str(tmp_path / "cache"))
     prompts = tmp_path / "prompts.jsonl"

@@ -18,6 +18,7 @@ from mlxspec.gamma import FixedGamma
 from mlxspec.heads.dflash import save_dflash
 from mlxspec.heads.eagle import save_eagle
 from mlxspec.heads.medusa import save_medusa
+from mlxspec.identity import write_card
 from mlxspec.heads.mtp import init_mtp, save_mtp
 from test_dflash import random_dflash
 from test_eagle import random_head
@@ -30,10 +31,14 @@ PROMPT = [10, 20, 30, 40, 10, 20, 30, 41, 50, 60]
 
 
 def ship_heads(root, name: str, vocab: int) -> None:
-    """Random Medusa and EAGLE heads, a DFlash drafter and an MTP module: the assets shipped for ``name``."""
+    """Random Medusa and EAGLE heads, a DFlash drafter and an MTP module shipped in folders called ``name``;
+    the heads for ``tiny_llama(seed=0)`` of ``vocab`` (matched to the target by its card, ``identity.write_card``)."""
+    target = tiny_llama(seed=0, vocab_size=vocab)
     save_medusa(root / "medusa" / name, random_heads(vocab=vocab, shared=True))
     save_eagle(random_head(1, vocab=vocab), root / "eagle" / name)
     save_dflash(random_dflash(vocab=vocab, layer_ids=(0, 1)), root / "dflash" / name)
+    for kind in ("medusa", "eagle", "dflash"):
+        write_card(root / kind / name, target)
     like = tiny_llama(seed=5, vocab_size=vocab)
     save_mtp(init_mtp(like), root / "mtp" / name, like)
 

@@ -7,7 +7,7 @@ import os
 import sys
 from dataclasses import replace
 
-from ..assets import NAMED_MODELS, named_model_cache_path, named_model_path
+from ..assets import NAMED_MODELS, named_model_path
 from ..session import draft_model_spec
 from .common import (
     USER_ERRORS,
@@ -63,10 +63,7 @@ def fetch_named_models(args: argparse.Namespace) -> None:
     so the download's progress shows on stderr instead of garbling the app (first run only)."""
     for spec in (args.model, args.draft_model):
         if spec in NAMED_MODELS:
-            cached = named_model_cache_path(spec)
-            if not (cached.is_file() and cached.stat().st_size == NAMED_MODELS[spec].size):
-                print(f"mlxspec: fetching the model {spec} (first run only)…", file=sys.stderr, flush=True)
-            named_model_path(spec)
+            named_model_path(spec)  # says on stderr what it downloads, once
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..assets import require_shipped
+from ..identity import require_shipped_for
 from ..costmodel import Costs, load_or_calibrate
 from .base import Drafter
 
@@ -63,7 +63,7 @@ class DrafterContext:
     Attributes:
         target: The target, an mlx-lm model (its width, embedding, LM head, layers).
         tokenizer: The target's tokenizer, or ``None``.
-        target_name: The target's name for shipped assets (``loading.model_name``), or ``None``.
+        target_name: The target's name (``loading.model_name``), or ``None``; the suffix drafter keys its store by it.
         draft_model, draft_tokenizer: A loaded draft model and its tokenizer, or ``None``.
         on_measure: Called with a short description before a cost measurement that was not cached
             (the CLI prints it). Default: none.
@@ -79,16 +79,17 @@ class DrafterContext:
     target_path: str | None = None
 
     def asset(self, kind: str, given: str | None) -> str:
-        """``given`` (a path or repo id), else the ``kind`` asset shipped for the target (``assets.shipped``).
+        """``given`` (a path or repo id), else the ``kind`` head shipped for this target (matched by what
+        the model is, ``identity.shipped_for``, not by its name).
 
         Raises:
-            ValueError: nothing given and nothing ships for the target (or its name is unknown).
+            ValueError: nothing given and no head ships for this model.
         """
         if given:
             return given
-        if self.target_name is None:
-            raise ValueError(f"no {kind} weights given and the target's name is unknown; pass --{kind}-heads PATH_OR_REPO")
-        return str(require_shipped(kind, self.target_name))
+        if self.target is None:
+            raise ValueError(f"no {kind} weights given and no target; pass --{kind}-heads PATH_OR_REPO")
+        return str(require_shipped_for(kind, self.target))
 
     def verify_costs(self) -> Costs:
         """The target's measured verify costs on this machine (measured once, then cached)."""
@@ -235,7 +236,7 @@ def make_drafter(spec: str | DrafterSpec = "none", target=None, tokenizer=None, 
             ``"eagle:heads=PATH,depth=4"``). Default: ``"none"`` (plain decoding).
         target: The target model (needed by every drafter but ``ngram`` and ``none``).
         tokenizer: The target's tokenizer (``draft``: checked against the draft model's).
-        target_name: The target's name (``loading.model_name``), to find shipped heads and drafts.
+        target_name: The target's name (``loading.model_name``); the suffix drafter keys its store by it (heads are found by what the target is).
         draft_model, draft_tokenizer: A loaded draft model and its tokenizer (``draft``).
         on_measure: Told before a cost measurement that was not cached. Default: none.
         target_path: The target's folder, where ``mtp`` finds the model's own MTP layers. Default: none.
