@@ -162,7 +162,7 @@ def test_each_chat_turn_prefills_only_its_new_tokens(name, monkeypatch):
             # plus at most the last round's tokens, whose features the head had not read yet
             assert drafter.prefilled <= new_tokens[-1] + 3 + 1 < len(conversation) // 2
         conversation = conversation + result.tokens + [61 + turn, 62, 63]  # the answer and a follow-up
-    assert new_tokens[1] == new_tokens[2] == 3 + 1  # the follow-up, and the last answer token
+    assert new_tokens[1] == new_tokens[2] == 3  # the last answer token and the follow-up, but the new root
     assert counts["target"] == new_tokens
     if name == "draft":  # it may lack the last accepted draft of the previous answer
         assert len(counts["draft model"]) == 3
