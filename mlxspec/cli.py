@@ -28,6 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     Returns:
         int: The process exit status.
     """
+    entry = argv is None  # the process's own command line: a subcommand may re-run itself (OpenBLAS)
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
@@ -37,4 +38,4 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mlxspec: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
     module = importlib.import_module(SUBCOMMANDS[name][0])
-    return module.main(rest)
+    return module.main(rest, entry=entry)

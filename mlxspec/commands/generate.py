@@ -4,19 +4,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 from ..gamma import gamma_policy
 from ..generate import context_length, encode_prompt, stream_generate
 from ..metrics import GenerationStats, TokenEvent
 from .common import (
-    USER_ERRORS,
     ArgumentParser,
     add_model_args,
     add_sampling_args,
     check_args,
-    fail,
+    add_blas_arg,
+    run_main,
     load_models,
     measuring_note,
     sampling_from_args,
@@ -36,6 +35,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-chat-template", action="store_true",
                         help="feed the prompt as raw text instead of through the chat template")
     add_sampling_args(parser)
+    add_blas_arg(parser)
     parser.add_argument("--json", action="store_true",
                         help="print one JSON record (text and every stat) instead of streaming")
     return parser
@@ -154,16 +154,6 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run ``mlxspec generate``; returns the exit status (2 on a user error)."""
-    args = setup_arg_parser().parse_args(argv)
-    try:
-        return run(args)
-    except USER_ERRORS as e:
-        return fail(str(e))
-    except KeyboardInterrupt:
-        print(file=sys.stderr)
-        return 130
-    except BrokenPipeError:  # the reader went away (| head): stop quietly, as other tools do
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
+def main(argv: list[str] | None = None, *, entry: bool = False) -> int:
+    """Run ``mlxspec generate``; returns the exit status (2 on a user error). ``entry``: see ``run_main``."""
+    return run_main("generate", setup_arg_parser(), run, argv, entry=entry, fast_blas=True)
