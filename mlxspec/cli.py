@@ -8,9 +8,9 @@ import sys
 SUBCOMMANDS = {
     "generate": ("mlxspec.commands.generate", "generate text with speculative decoding"),
     "chat": ("mlxspec.commands.chat", "terminal chat that shows speculation as it happens"),
-    "train": ("mlxspec.commands.train", "train Medusa/EAGLE heads or a draft model for a target, and measure drafters"),
+    "train": ("mlxspec.commands.train", "build a corpus; train Medusa, EAGLE, DFlash or MTP heads or a draft model; measure drafters"),
     "verify": ("mlxspec.commands.verify", "check that speculation samples exactly as the target (a G-test)"),
-    "bench": ("mlxspec.commands.bench", "speed against plain decoding and mlx-lm's speculative decoding"),
+    "bench": ("mlxspec.commands.bench", "speed of every drafter against plain decoding (and mlx-lm's speculative decoding) here"),
     "convert": ("mlxspec.commands.convert", "write any model spec (GGUF, named model, folder) as an mlx-lm folder"),
 }
 
