@@ -9,6 +9,7 @@ import sys
 from ..gamma import gamma_policy
 from ..generate import context_length, encode_prompt, stream_generate
 from ..metrics import GenerationStats, TokenEvent
+from ..tree import TREE_PRESETS
 from .common import (
     ArgumentParser,
     add_model_args,
@@ -49,22 +50,53 @@ def build_prompt(tokenizer, prompt: str, system: str | None, use_chat_template: 
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
 
 
-def format_stats(stats: GenerationStats) -> str:
-    """The human-readable stats block printed after the answer."""
+def format_stats(stats: GenerationStats, drafter=None) -> str:
+    """The human-readable stats block printed after the answer.
+
+    Args:
+        stats: The run's totals.
+        drafter: The drafter used; a tree drafter's line names its tree and size, and α is
+            explained (it counts every drafted node, of which at most one path can be kept).
+    """
     per_position = " ".join(f"{rate:.2f}" for rate in stats.acceptance_per_position) or "-"
+    tree = tree_summary(drafter) if drafter is not None and drafter.makes_trees else None
+    drafter_line = (f"Drafter: {stats.drafter}, {tree}; cycles: {stats.cycles}" if tree else
+                    f"Drafter: {stats.drafter}, γ = {_gamma_summary(stats)}; cycles: {stats.cycles}")
     lines = [
         "=" * 10,
         f"Prompt: {stats.prompt_tokens} tokens" + (f", {stats.cached_tokens} reused from the cache" if stats.cached_tokens
                                                   else "") + (f", {stats.prompt_tps:.1f} tokens/s" if stats.prompt_tps else ""),
         f"Generation: {stats.generation_tokens} tokens, {stats.generation_tps:.1f} tokens/s "
         f"(finish: {stats.finish_reason})",
-        f"Drafter: {stats.drafter}, γ = {_gamma_summary(stats)}; cycles: {stats.cycles}",
+        drafter_line,
         f"Acceptance: α = {stats.alpha:.3f}, τ = {stats.tau:.2f} tokens/cycle",
-        f"Acceptance per draft position: {per_position}",
+        f"Acceptance per {'depth' if tree else 'draft position'}: {per_position}",
         f"Time: draft {stats.draft_s:.2f} s, verify {stats.verify_s:.2f} s",
         f"Peak memory: {stats.peak_memory_gb:.3f} GB",
     ]
+    if tree:
+        lines.insert(5, "  (a tree: α = accepted / all drafted nodes, and at most one path of them can be kept; "
+                        "τ and acceptance per depth say how far the kept path reached)")
     return "\n".join(lines)
+
+
+def tree_summary(drafter) -> str | None:
+    """What a tree drafter proposes, e.g. ``"tree mc_sim_7b_63 (63 nodes, depth 4)"`` or ``"depth-4 chain + a
+    6-token n-gram branch"``; ``None`` when the drafter says nothing about its tree."""
+    if drafter.name == "medusa":
+        size = len(drafter.choices)
+        preset = next((name for name, choices in TREE_PRESETS.items() if choices == drafter.choices), "from a file")
+        return f"tree {preset} ({size} nodes, depth {drafter.tree_depth})"
+    if drafter.name == "eagle":
+        if drafter.choices is not None:
+            shape = f"static tree of {len(drafter.choices)} nodes, depth {drafter.depth}"
+        elif drafter.top_k == 1:
+            shape = f"depth-{drafter.depth} chain"
+        else:
+            total = "sized each round" if drafter.budget is not None else f"at most {drafter.total_tokens} nodes"
+            shape = f"EAGLE-2 tree (depth {drafter.depth}, top-{drafter.top_k}, {total})"
+        return shape + (f" + a {drafter.ngram}-token n-gram branch" if drafter.ngram else "")
+    return None
 
 
 def _gamma_summary(stats: GenerationStats) -> str:
@@ -148,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(record))
     else:
         print()
-        print(format_stats(stats), file=sys.stderr)
+        print(format_stats(stats, loaded.drafter), file=sys.stderr)
         if typical:
             print("Verification: Medusa typical acceptance (LOSSY: not distributed as the target)", file=sys.stderr)
     return 0
