@@ -3,10 +3,11 @@
 DFlash: Block Diffusion for Flash Speculative Decoding (z-lab, arXiv 2602.06036; docs/dflash.md).
 The drafter has the target's width. The residual streams leaving K target layers are
 concatenated and fused, c = hidden_norm(fc(f)) (K H → H), and every drafter layer's attention
-takes c through its own k/v projections as extra keys and values in front of the block's own. One forward over ``[anchor, MASK, …, MASK]`` (block
-size B, the anchor being the last committed token) attends bidirectionally inside the block and
-gives, through the target's LM head, a distribution for every block position j ≥ 1: the token at
-position anchor + j itself (the masks are filled in place, not shifted).
+takes c through its own k/v projections as extra keys and values in front of the block's own.
+One forward over ``[anchor, MASK, …, MASK]`` (block size B, the anchor being the last committed
+token) attends bidirectionally inside the block and gives, through the target's LM head, a
+distribution for every block position j ≥ 1: the token at position anchor + j itself (the masks
+are filled in place, not shifted).
 
 The layers are Qwen3's (q/k RMS norms per head, SwiGLU MLP) and the parameter names equal the
 published z-lab layout (``fc``, ``hidden_norm``, ``norm``, ``layers.{i}.self_attn.{q,k,v,o}_proj``,
@@ -92,7 +93,8 @@ class DFlashConfig:
         set_("target_layer_ids", tuple(int(i) for i in ids) if ids is not None else
              default_target_layers(self.num_target_layers, self.num_hidden_layers))
         if self.block_size < 2:
-            raise ValueError(f"a DFlash block needs at least 2 positions (anchor + 1), got block_size {self.block_size}")
+            raise ValueError(f"a DFlash block needs at least 2 positions (anchor + 1), got block_size "
+                             f"{self.block_size}")
 
     @property
     def feature_layers(self) -> tuple[int, ...]:
@@ -158,9 +160,10 @@ class DFlashAttention(nn.Module):
         return (norm(out) if norm is not None else out).transpose(0, 2, 1, 3)  # [B, n, T, hd]
 
     def __call__(self, x: mx.array, context: mx.array, cache=None, block_offset=0, mask=None) -> mx.array:
-        """x: block [Nb, B, H]; context: fused features [1, S, H] at positions ``cache.offset`` (0 without
-        a cache) onwards, or ``None`` (only what the cache holds); ``block_offset``: each block's anchor position (int or [Nb]); ``mask``: bool
-        [Nb, 1, B, S_total + B] or ``None`` (everything visible)."""
+        """x: block [Nb, B, H]; context: fused features [1, S, H] at positions ``cache.offset`` (0
+        without a cache) onwards, or ``None`` (only what the cache holds); ``block_offset``: each
+        block's anchor position (int or [Nb]); ``mask``: bool [Nb, 1, B, S_total + B] or ``None``
+        (everything visible)."""
         Nb, B, _ = x.shape
         start = cache.offset if cache is not None else 0
         q = self.rope(self._heads(x, self.q_proj, self.n_heads, self.q_norm), offset=block_offset)
@@ -279,7 +282,9 @@ def _read(folder: Path) -> tuple[dict, dict]:
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"no config.json in {folder}; a DFlash drafter needs its config beside the weights")
-    shards = sorted(folder.glob("*.safetensors"))
+    single = folder / "model.safetensors"  # else shards; a training folder's optimizer state is no weights
+    shards = [single] if single.is_file() else sorted(
+        p for p in folder.glob("*.safetensors") if p.name != "optimizer.safetensors")
     if not shards:
         raise FileNotFoundError(f"no *.safetensors in {folder}")
     weights = {k.removeprefix("model."): v for s in shards for k, v in mx.load(str(s)).items()}

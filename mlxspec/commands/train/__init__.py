@@ -1,6 +1,8 @@
-"""``mlxspec train``: build a corpus, train heads (Medusa, EAGLE, MTP) or a draft model, and measure drafters.
+"""``mlxspec train``: build a corpus, train heads (Medusa, EAGLE, MTP), a draft model or a DFlash drafter,
+and measure drafters.
 
-One subcommand per module (``corpus``, ``medusa``, ``eagle``, ``draft``, ``mtp``, ``measure``), each with ``HELP``,
+One subcommand per module (``corpus``, ``medusa``, ``eagle``, ``draft``, ``mtp``, ``dflash``, ``measure``), each
+with ``HELP``,
 ``DESCRIPTION``, ``add_flags(parser)`` and ``run(args) -> int``; the training methods share their run
 flags, progress loop and evaluation line through ``shared``. Every training command resumes when run
 again with the same settings.
@@ -13,10 +15,11 @@ import shlex
 import sys
 
 from ..common import ArgumentParser, run_main
-from . import corpus, draft, eagle, measure, medusa, mtp
+from . import corpus, dflash, draft, eagle, measure, medusa, mtp
 
 #: Subcommands in the order ``--help`` lists them.
-METHODS = {"medusa": medusa, "corpus": corpus, "eagle": eagle, "draft": draft, "mtp": mtp, "measure": measure}
+METHODS = {"medusa": medusa, "corpus": corpus, "eagle": eagle, "draft": draft, "mtp": mtp, "dflash": dflash,
+           "measure": measure}
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
