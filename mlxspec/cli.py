@@ -8,9 +8,9 @@ import sys
 SUBCOMMANDS = {
     "generate": ("mlxspec.commands.generate", "generate text with speculative decoding"),
     "chat": ("mlxspec.commands.chat", "terminal chat that shows speculation as it happens"),
-    "train": ("mlxspec.commands.train", "train Medusa/EAGLE heads or a draft model for a target, and measure drafters"),
+    "train": ("mlxspec.commands.train", "build a corpus; train Medusa, EAGLE, DFlash or MTP heads or a draft model; measure drafters"),
     "verify": ("mlxspec.commands.verify", "check that speculation samples exactly as the target (a G-test)"),
-    "bench": ("mlxspec.commands.bench", "speed against plain decoding and mlx-lm's speculative decoding"),
+    "bench": ("mlxspec.commands.bench", "speed of every drafter against plain decoding (and mlx-lm's speculative decoding) here"),
     "convert": ("mlxspec.commands.convert", "write any model spec (GGUF, named model, folder) as an mlx-lm folder"),
 }
 
@@ -28,6 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     Returns:
         int: The process exit status.
     """
+    entry = argv is None  # the process's own command line: a subcommand may re-run itself (OpenBLAS)
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
@@ -37,4 +38,4 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mlxspec: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
     module = importlib.import_module(SUBCOMMANDS[name][0])
-    return module.main(rest)
+    return module.main(rest, entry=entry)

@@ -132,19 +132,37 @@ def test_speedup_is_the_median_of_paired_ratios():
     assert row.predicted_speedup == pytest.approx(costs["ngram"].speedup(2, 0.5))
 
 
-def test_reruns_with_openblas_when_the_reference_blas_is_loaded(monkeypatch):
+@pytest.mark.parametrize("command", ["bench", "generate", "chat"])
+def test_reruns_with_openblas_when_the_reference_blas_is_loaded(monkeypatch, command, capsys):
+    """From the command line (cli.main() reading sys.argv) only; a call from Python never re-executes."""
+    from mlxspec.commands import common
+
     calls = []
-    monkeypatch.delenv(bench_command.REEXEC_ENV, raising=False)
+    monkeypatch.delenv(common.REEXEC_ENV, raising=False)
     monkeypatch.setattr("sys.platform", "linux")
-    monkeypatch.setattr("mlxspec.commands.bench.blas_in_use", lambda: {"name": "reference BLAS"})
-    monkeypatch.setattr("mlxspec.commands.bench.find_fast_blas", lambda: "/opt/libblas.so.3")
-    monkeypatch.setattr("os.execve", lambda exe, argv, env: calls.append((argv, env)))
-    bench_command.maybe_use_fast_blas(["--max-tokens", "8"], "keep")
-    assert calls == []
-    bench_command.maybe_use_fast_blas(["--max-tokens", "8"], "auto")
+    monkeypatch.setattr(common, "blas_in_use", lambda: {"name": "reference BLAS"})
+    monkeypatch.setattr(common, "find_fast_blas", lambda: "/opt/libblas.so.3")
+
+    def execve(exe, argv, env):
+        calls.append((argv, env))
+        raise SystemExit(0)  # as the real one, which never returns
+
+    monkeypatch.setattr("os.execve", execve)
+    flags = ["--max-tokens", "-1"]  # the re-run would report it; this process must not get that far
+    monkeypatch.setattr("sys.argv", ["mlxspec", command, *flags, "--blas", "keep"])
+    assert main() == 2 and calls == []
+    monkeypatch.setattr("sys.argv", ["mlxspec", command, *flags])
+    with pytest.raises(SystemExit):
+        main()
     argv, env = calls[0]
-    assert argv[1:] == ["-m", "mlxspec", "bench", "--max-tokens", "8"]
-    assert env["LD_PRELOAD"].startswith("/opt/libblas.so.3") and env[bench_command.REEXEC_ENV] == "1"
+    assert argv[1:] == ["-m", "mlxspec", command, *flags]
+    assert env["LD_PRELOAD"].startswith("/opt/libblas.so.3") and env[common.REEXEC_ENV] == "1"
+    assert main([command, *flags]) == 2 and len(calls) == 1  # called from Python: runs as is
+    monkeypatch.setattr(common, "find_fast_blas", lambda: None)
+    monkeypatch.setattr("sys.argv", ["mlxspec", command, *flags])
+    capsys.readouterr()
+    assert main() == 2 and len(calls) == 1
+    assert "apt-get install libopenblas0-pthread" in capsys.readouterr().err
 
 
 def test_bad_flags_are_one_line_errors(capsys):

@@ -125,3 +125,24 @@ def test_flag_parsing_errors_are_one_line_too(capsys, flags, message):
 def test_a_bad_draft_model_is_named_as_such(capsys, tiny_model_dir):
     code, _, err = run(capsys, "--model", str(tiny_model_dir), "--draft-model", "/nope/draft", "--prompt", "hi")
     assert code == 2 and err.startswith("mlxspec: error: draft model: ") and "/nope/draft" in err
+
+
+def test_tree_stats_name_the_tree_and_explain_alpha(capsys, tiny_model_dir, tmp_path):
+    from mlxspec.heads.eagle import save_eagle
+    from mlxspec.heads.medusa import save_medusa
+    from test_eagle import random_head
+    from test_medusa import random_heads
+
+    save_medusa(tmp_path / "medusa", random_heads(shared=True))
+    save_eagle(random_head(1), tmp_path / "eagle")
+    base = ["--model", str(tiny_model_dir), "--prompt", "abcabcabc", "--max-tokens", "8"]
+    code, _, err = run(capsys, *base, "--drafter", "medusa:tree=small_15", "--medusa-heads", str(tmp_path / "medusa"))
+    assert code == 0, err
+    assert "Drafter: medusa, tree small_15 (15 nodes, depth " in err and "γ =" not in err
+    assert "Acceptance per depth:" in err and "(a tree: α = accepted / all drafted nodes" in err
+    code, _, err = run(capsys, *base, "--drafter", "eagle:depth=3,top_k=1,ngram=4", "--eagle-heads",
+                       str(tmp_path / "eagle"))
+    assert code == 0, err
+    assert "Drafter: eagle, depth-3 chain + a 4-token n-gram branch;" in err
+    code, _, err = run(capsys, *base, "--drafter", "ngram", "--num-draft-tokens", "3")
+    assert "Drafter: ngram, γ = 3;" in err and "(a tree" not in err

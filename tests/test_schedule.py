@@ -207,4 +207,4 @@ def test_cli_refuses_scheduled_without_survival_and_names_the_policy(tiny_model_
     assert len(err) == 1 and "the ngram drafter does not: use 'auto' or an integer" in err[0]
     stats = GenerationStats(drafter="draft", num_draft_tokens=8, gamma_rounds=[1, 0, 3])
     assert "γ = scheduled (mean 1.5, at most 8); fell back to plain decoding in 1 of 4 rounds" in \
-        format_stats(stats, "scheduled")
+        format_stats(stats, policy="scheduled")

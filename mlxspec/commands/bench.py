@@ -19,9 +19,9 @@ from ..data import load_sharegpt, read_prompts_jsonl, sample_prompts
 from ..drafters import drafter_types, parse_specs
 from ..gamma import AUTO, SCHEDULED
 from ..loading import DTYPES
-from ..machine import blas_in_use, find_fast_blas, machine_info
-from ..session import USER_ERRORS, ModelSpec, build_drafter, load_model
-from .common import ArgumentParser, fail
+from ..machine import blas_in_use, machine_info
+from ..session import ModelSpec, build_drafter, load_model
+from .common import ArgumentParser, run_main
 
 DEFAULT_GAMMAS = "auto,1,2,4,6,8"
 DEFAULT_TEMPS = "0,0.7"
@@ -29,8 +29,6 @@ DEFAULT_NUM_PROMPTS = 2
 DEFAULT_MAX_TOKENS = 64
 DEFAULT_MAX_PROMPT_TOKENS = 384
 DEFAULT_OUTPUT = "mlxspec-bench.json"
-#: Set in the re-executed process so it does not re-execute again.
-REEXEC_ENV = "MLXSPEC_BENCH_REEXEC"
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
@@ -110,29 +108,6 @@ def parse_temps(text: str) -> list[float]:
     if not temps or any(t < 0 for t in temps):
         raise ValueError(f"--temps must be numbers >= 0, got {text!r}")
     return temps
-
-
-def maybe_use_fast_blas(argv: list[str], mode: str) -> None:
-    """On Linux with the reference BLAS loaded and OpenBLAS installed, re-run with it preloaded.
-
-    ``LD_PRELOAD`` only works from the start of a process, hence ``os.execve``. The
-    command is printed, so the run can be reproduced by hand.
-    """
-    if mode != "auto" or not sys.platform.startswith("linux") or os.environ.get(REEXEC_ENV):
-        return
-    if blas_in_use()["name"] != "reference BLAS":
-        return
-    fast = find_fast_blas()
-    if fast is None:
-        print("mlxspec bench: MLX uses the reference BLAS, where verifying k tokens costs about k steps; "
-              "install OpenBLAS (apt-get install libopenblas0-pthread) for representative numbers",
-              file=sys.stderr)
-        return
-    preload = ":".join(filter(None, [fast, os.environ.get("LD_PRELOAD")]))
-    command = [sys.executable, "-m", "mlxspec", "bench", *argv]
-    print(f"mlxspec bench: re-running with a fast BLAS: LD_PRELOAD={preload} {' '.join(command[1:])} "
-          "(--blas keep to skip)", file=sys.stderr, flush=True)
-    os.execve(sys.executable, command, {**os.environ, "LD_PRELOAD": preload, REEXEC_ENV: "1"})
 
 
 def _load(args, specs: list):
@@ -263,15 +238,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, entry: bool = False) -> int:
     """Run ``mlxspec bench``; returns the exit status (2 on a user error)."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = setup_arg_parser().parse_args(argv)
-    maybe_use_fast_blas(argv, args.blas)
-    try:
-        return run(args, argv)
-    except USER_ERRORS as e:
-        return fail(str(e))
-    except KeyboardInterrupt:
-        print(file=sys.stderr)
-        return 130
+    return run_main("bench", setup_arg_parser(), lambda args: run(args, argv), argv, entry=entry, fast_blas=True,
+                    quiet_blas=False)

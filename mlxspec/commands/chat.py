@@ -8,22 +8,24 @@ import sys
 from dataclasses import replace
 
 from ..assets import NAMED_MODELS, named_model_path
+from ..gamma import AUTO
 from ..session import draft_model_spec
 from .common import (
-    USER_ERRORS,
     ArgumentParser,
     add_model_args,
     add_sampling_args,
     check_args,
     drafter_spec_from_args,
-    fail,
+    add_blas_arg,
+    run_main,
     model_spec,
     sampling_from_args,
     typical_from_args,
 )
 
-#: γ of the chat unless --num-draft-tokens says otherwise.
-DEFAULT_NUM_DRAFT_TOKENS = 4
+#: γ of the chat unless --num-draft-tokens says otherwise: auto, which falls back to plain decoding
+#: when speculation would lose on this machine (a fixed γ can be slower than plain).
+DEFAULT_NUM_DRAFT_TOKENS = AUTO
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
@@ -35,6 +37,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     add_model_args(parser, allow_auto=True, default_gamma=DEFAULT_NUM_DRAFT_TOKENS)
     parser.add_argument("--system", default=None, help="system prompt put before the conversation")
     add_sampling_args(parser)
+    add_blas_arg(parser)
     return parser
 
 
@@ -66,24 +69,23 @@ def fetch_named_models(args: argparse.Namespace) -> None:
             named_model_path(spec)  # says on stderr what it downloads, once
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run ``mlxspec chat``; returns the exit status (2 on a user error)."""
-    args = setup_arg_parser().parse_args(argv)
-    try:
-        config = checked_config(args)
-        if not (sys.stdin.isatty() and sys.stdout.isatty()):
-            raise ValueError("mlxspec chat needs a terminal; to answer from a script use 'mlxspec generate'")
-        fetch_named_models(args)
-    except USER_ERRORS as e:
-        return fail(str(e))
-    except KeyboardInterrupt:
-        return 130
+def run(args: argparse.Namespace) -> int:
+    """Check the flags, fetch named models, then run the app until it quits (the process ends there)."""
+    config = checked_config(args)
+    if not (sys.stdin.isatty() and sys.stdout.isatty()):
+        raise ValueError("mlxspec chat needs a terminal; to answer from a script use 'mlxspec generate'")
+    fetch_named_models(args)
     from mlxspec_app.app import SpecChatApp
     from mlxspec_app.engine import Engine
 
     engine = Engine(config)
     SpecChatApp(engine, system=args.system).run()  # closes the engine when it exits
     exit_now(0)
+
+
+def main(argv: list[str] | None = None, *, entry: bool = False) -> int:
+    """Run ``mlxspec chat``; returns the exit status (2 on a user error)."""
+    return run_main("chat", setup_arg_parser(), run, argv, entry=entry, fast_blas=True)
 
 
 def exit_now(status: int) -> None:

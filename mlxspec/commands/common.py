@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..assets import NAMED_MODELS
@@ -12,6 +14,7 @@ from ..drafters import Drafter, DrafterSpec, drafter_types
 from ..gamma import AUTO, SCHEDULED
 from ..generate import DEFAULT_MAX_TOKENS, DEFAULT_NUM_DRAFT_TOKENS
 from ..loading import DTYPES
+from ..machine import blas_in_use, find_fast_blas
 from ..sampling import SamplingParams
 from ..stops import check_stops
 from ..session import USER_ERRORS, LoadedModel, ModelSpec, draft_model_spec, load_model
@@ -20,7 +23,11 @@ from ..session import build_drafter as session_build_drafter
 
 __all__ = ["USER_ERRORS", "ArgumentParser", "LoadedModels", "add_drafter_args", "add_model_args", "add_sampling_args",
            "build_drafter", "check_args", "check_drafter_args", "drafter_spec_from_args", "fail", "load_models", "measuring_note",
-           "model_spec", "num_draft_tokens_arg", "sampling_from_args", "seed_arg", "typical_from_args"]
+           "model_spec", "num_draft_tokens_arg", "run_main", "sampling_from_args", "seed_arg", "typical_from_args",
+           "add_blas_arg", "use_fast_blas"]
+
+#: Set in a re-executed process so it does not re-execute again.
+REEXEC_ENV = "MLXSPEC_BLAS_REEXEC"
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -255,3 +262,69 @@ def fail(message: str) -> int:
     """Print a one-line error and return the exit status for user errors."""
     print(f"mlxspec: error: {message}", file=sys.stderr)
     return 2
+
+
+def add_blas_arg(parser: argparse.ArgumentParser) -> None:
+    """``--blas {auto,keep}``: on Linux, re-run with OpenBLAS preloaded when MLX uses the reference BLAS."""
+    parser.add_argument("--blas", choices=("auto", "keep"), default="auto",
+                        help="Linux: 'auto' re-runs the command with OpenBLAS preloaded when MLX's matmuls use the "
+                             "slow reference BLAS and OpenBLAS is installed (speculation needs it to pay off); "
+                             "'keep' runs as is. Default: auto")
+
+
+def use_fast_blas(command: str, argv: list[str], mode: str, *, quiet: bool = False) -> None:
+    """On Linux with the reference BLAS loaded and OpenBLAS installed, re-run ``mlxspec COMMAND ARGV`` with it preloaded.
+
+    ``LD_PRELOAD`` only works from the start of a process, hence ``os.execve``; the command is
+    printed unless ``quiet``. Without OpenBLAS, one line says how to install it.
+    """
+    if mode != "auto" or not sys.platform.startswith("linux") or os.environ.get(REEXEC_ENV):
+        return
+    if blas_in_use()["name"] != "reference BLAS":
+        return
+    fast = find_fast_blas()
+    if fast is None:
+        print(f"mlxspec {command}: MLX uses the reference BLAS, where verifying k tokens costs about k steps; "
+              "install OpenBLAS (apt-get install libopenblas0-pthread) for speculation to pay off",
+              file=sys.stderr)
+        return
+    preload = ":".join(filter(None, [fast, os.environ.get("LD_PRELOAD")]))
+    command_line = [sys.executable, "-m", "mlxspec", command, *argv]
+    if not quiet:
+        print(f"mlxspec {command}: re-running with a fast BLAS: LD_PRELOAD={preload} {' '.join(command_line[1:])} "
+              "(--blas keep to skip)", file=sys.stderr, flush=True)
+    os.execve(sys.executable, command_line, {**os.environ, "LD_PRELOAD": preload, REEXEC_ENV: "1"})
+
+
+def run_main(command: str, parser: argparse.ArgumentParser, run: Callable[[argparse.Namespace], int],
+             argv: list[str] | None, *, entry: bool = False, fast_blas: bool = False, quiet_blas: bool = True) -> int:
+    """What every subcommand's ``main`` does: parse, run, and turn user errors into one line.
+
+    Args:
+        command: The subcommand's name, e.g. ``"generate"``.
+        parser: Its parser (``setup_arg_parser()``).
+        run: ``run(args) -> int``, the exit status.
+        argv: The arguments after the subcommand; ``None`` reads ``sys.argv[1:]``.
+        entry: Whether this is the process's entry point (``mlxspec ...``, not a call from Python):
+            only then may it re-run itself with OpenBLAS (``use_fast_blas``). Default: ``False``.
+        fast_blas: Whether the command takes ``--blas`` and wants OpenBLAS. Default: ``False``.
+        quiet_blas: Re-run without printing the command line. Default: ``True``.
+
+    Returns:
+        int: ``run``'s status; 2 on a user error (``mlxspec: error: ...``), 130 on Ctrl-C, 0 when
+        the reader of stdout went away (``| head``).
+    """
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parser.parse_args(argv)
+    if entry and fast_blas:
+        use_fast_blas(command, argv, args.blas, quiet=quiet_blas)
+    try:
+        return run(args)
+    except USER_ERRORS as e:
+        return fail(str(e))
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # the reader went away (| head): stop quietly, as other tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0

@@ -19,7 +19,7 @@ from pathlib import Path
 import mlx.nn as nn
 
 from ..weights import DTYPES, QUANTIZED_TYPES
-from .common import USER_ERRORS, ArgumentParser, fail
+from .common import ArgumentParser, run_main
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
@@ -98,12 +98,13 @@ def convert(src: str, out: str | Path, *, dtype: str | None = None, requantize: 
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run ``mlxspec convert``; returns the exit status (2 on a user error)."""
-    args = setup_arg_parser().parse_args(argv)
-    try:
-        out = convert(args.src, args.out, dtype=args.dtype, requantize=args.requantize)
-    except USER_ERRORS as e:
-        return fail(str(e))
+def run(args: argparse.Namespace) -> int:
+    """Convert ``args.src`` into ``args.out``; returns 0."""
+    out = convert(args.src, args.out, dtype=args.dtype, requantize=args.requantize)
     print(f"mlxspec: wrote {out} (load it with mlx_lm.load({str(out)!r}) or --model {out})", file=sys.stderr)
     return 0
+
+
+def main(argv: list[str] | None = None, *, entry: bool = False) -> int:
+    """Run ``mlxspec convert``; returns the exit status (2 on a user error)."""
+    return run_main("convert", setup_arg_parser(), run, argv, entry=entry)

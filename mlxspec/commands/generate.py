@@ -4,20 +4,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 from ..costmodel import load_or_calibrate
 from ..gamma import AUTO, gamma_policy
 from ..generate import context_length, encode_prompt, stream_generate
 from ..metrics import GenerationStats, TokenEvent
+from ..tree import TREE_PRESETS
 from .common import (
-    USER_ERRORS,
     ArgumentParser,
     add_model_args,
     add_sampling_args,
     check_args,
-    fail,
+    add_blas_arg,
+    run_main,
     load_models,
     measuring_note,
     sampling_from_args,
@@ -40,6 +40,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--recalibrate", action="store_true",
                         help="with --num-draft-tokens auto: measure this machine's verify and draft costs again "
                              "(after a BLAS, load or hardware change) instead of using the cached ones")
+    add_blas_arg(parser)
     parser.add_argument("--json", action="store_true",
                         help="print one JSON record (text and every stat) instead of streaming")
     return parser
@@ -53,22 +54,54 @@ def build_prompt(tokenizer, prompt: str, system: str | None, use_chat_template: 
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
 
 
-def format_stats(stats: GenerationStats, policy: str = AUTO) -> str:
-    """The human-readable stats block printed after the answer (``policy``: ``--num-draft-tokens``'s word)."""
+def format_stats(stats: GenerationStats, drafter=None, policy: str = AUTO) -> str:
+    """The human-readable stats block printed after the answer.
+
+    Args:
+        stats: The run's totals.
+        drafter: The drafter used; a tree drafter's line names its tree and size, and α is
+            explained (it counts every drafted node, of which at most one path can be kept).
+        policy: ``--num-draft-tokens``'s word for an adaptive γ (``auto`` or ``scheduled``).
+    """
     per_position = " ".join(f"{rate:.2f}" for rate in stats.acceptance_per_position) or "-"
+    tree = tree_summary(drafter) if drafter is not None and drafter.makes_trees else None
+    drafter_line = (f"Drafter: {stats.drafter}, {tree}; cycles: {stats.cycles}" if tree else
+                    f"Drafter: {stats.drafter}, γ = {_gamma_summary(stats, policy)}; cycles: {stats.cycles}")
     lines = [
         "=" * 10,
         f"Prompt: {stats.prompt_tokens} tokens" + (f", {stats.cached_tokens} reused from the cache" if stats.cached_tokens
                                                   else "") + (f", {stats.prompt_tps:.1f} tokens/s" if stats.prompt_tps else ""),
         f"Generation: {stats.generation_tokens} tokens, {stats.generation_tps:.1f} tokens/s "
         f"(finish: {stats.finish_reason})",
-        f"Drafter: {stats.drafter}, γ = {_gamma_summary(stats, policy)}; cycles: {stats.cycles}",
+        drafter_line,
         f"Acceptance: α = {stats.alpha:.3f}, τ = {stats.tau:.2f} tokens/cycle",
-        f"Acceptance per draft position: {per_position}",
+        f"Acceptance per {'depth' if tree else 'draft position'}: {per_position}",
         f"Time: draft {stats.draft_s:.2f} s, verify {stats.verify_s:.2f} s",
         f"Peak memory: {stats.peak_memory_gb:.3f} GB",
     ]
+    if tree:
+        lines.insert(5, "  (a tree: α = accepted / all drafted nodes, and at most one path of them can be kept; "
+                        "τ and acceptance per depth say how far the kept path reached)")
     return "\n".join(lines)
+
+
+def tree_summary(drafter) -> str | None:
+    """What a tree drafter proposes, e.g. ``"tree mc_sim_7b_63 (63 nodes, depth 4)"`` or ``"depth-4 chain + a
+    6-token n-gram branch"``; ``None`` when the drafter says nothing about its tree."""
+    if drafter.name == "medusa":
+        size = len(drafter.choices)
+        preset = next((name for name, choices in TREE_PRESETS.items() if choices == drafter.choices), "from a file")
+        return f"tree {preset} ({size} nodes, depth {drafter.tree_depth})"
+    if drafter.name == "eagle":
+        if drafter.choices is not None:
+            shape = f"static tree of {len(drafter.choices)} nodes, depth {drafter.depth}"
+        elif drafter.top_k == 1:
+            shape = f"depth-{drafter.depth} chain"
+        else:
+            total = "sized each round" if drafter.budget is not None else f"at most {drafter.total_tokens} nodes"
+            shape = f"EAGLE-2 tree (depth {drafter.depth}, top-{drafter.top_k}, {total})"
+        return shape + (f" + a {drafter.ngram}-token n-gram branch" if drafter.ngram else "")
+    return None
 
 
 def _gamma_summary(stats: GenerationStats, policy: str) -> str:
@@ -155,22 +188,12 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(record))
     else:
         print()
-        print(format_stats(stats, str(args.num_draft_tokens)), file=sys.stderr)
+        print(format_stats(stats, loaded.drafter, str(args.num_draft_tokens)), file=sys.stderr)
         if typical:
             print("Verification: Medusa typical acceptance (LOSSY: not distributed as the target)", file=sys.stderr)
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run ``mlxspec generate``; returns the exit status (2 on a user error)."""
-    args = setup_arg_parser().parse_args(argv)
-    try:
-        return run(args)
-    except USER_ERRORS as e:
-        return fail(str(e))
-    except KeyboardInterrupt:
-        print(file=sys.stderr)
-        return 130
-    except BrokenPipeError:  # the reader went away (| head): stop quietly, as other tools do
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
+def main(argv: list[str] | None = None, *, entry: bool = False) -> int:
+    """Run ``mlxspec generate``; returns the exit status (2 on a user error). ``entry``: see ``run_main``."""
+    return run_main("generate", setup_arg_parser(), run, argv, entry=entry, fast_blas=True)

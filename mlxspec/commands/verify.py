@@ -11,7 +11,7 @@ from tqdm import tqdm
 
 from ..generate import encode_prompt
 from ..verify_check import DEFAULT_ALPHA, DEFAULT_PROMPTS, DEFAULT_SAMPLES, DEFAULT_TOKENS, VerifyReport, run_check
-from .common import USER_ERRORS, ArgumentParser, add_model_args, add_sampling_args, check_args, fail, load_models
+from .common import ArgumentParser, add_model_args, add_sampling_args, check_args, load_models, run_main
 from .common import sampling_from_args, typical_from_args
 from .generate import build_prompt
 
@@ -108,13 +108,6 @@ def run(args: argparse.Namespace) -> int:
     return 0 if report.passed != args.self_test else 1
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, entry: bool = False) -> int:
     """Run ``mlxspec verify``; returns 0 (PASS; with ``--self-test``: the broken rule FAILed), 1, or 2 on a user error."""
-    args = setup_arg_parser().parse_args(argv)
-    try:
-        return run(args)
-    except USER_ERRORS as e:
-        return fail(str(e))
-    except KeyboardInterrupt:
-        print(file=sys.stderr)
-        return 130
+    return run_main("verify", setup_arg_parser(), run, argv, entry=entry)

@@ -14,7 +14,7 @@ import argparse
 import shlex
 import sys
 
-from ..common import USER_ERRORS, ArgumentParser, fail
+from ..common import ArgumentParser, run_main
 from . import corpus, dflash, draft, eagle, measure, medusa, mtp
 
 #: Subcommands in the order ``--help`` lists them.
@@ -31,12 +31,12 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, entry: bool = False) -> int:
     """Run ``mlxspec train``; returns the exit status (2 on user errors, printed as one line)."""
-    argv = sys.argv[1:] if argv is None else argv
-    args = setup_arg_parser().parse_args(argv)
-    args.command = "mlxspec train " + shlex.join(argv)
-    try:
+    argv = sys.argv[1:] if argv is None else list(argv)
+
+    def run(args: argparse.Namespace) -> int:
+        args.command = "mlxspec train " + shlex.join(argv)
         return METHODS[args.method].run(args)
-    except USER_ERRORS as e:
-        return fail(str(e))
+
+    return run_main("train", setup_arg_parser(), run, argv, entry=entry)
