@@ -171,7 +171,8 @@ def test_scheduled_sampling_follows_the_target(lossless_models):
     stat, critical = chi_square(_sample(lossless_models[0], drafter, policy, params),
                                 exact_joint(lossless_models[0], params))
     assert stat < critical, f"chi-square {stat:.1f} >= {critical:.1f}"
-    assert min(lengths[0], lengths[1], lengths[2]) > 0  # drafts verified whole, cut and dropped
+    # drafts verified whole and cut (a round with no room left for a draft is a plain step, never scheduled)
+    assert min(lengths[1], lengths[2]) > 0
 
 
 def test_the_same_test_rejects_survival_that_reads_its_own_token(lossless_models):
