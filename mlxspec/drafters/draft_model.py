@@ -69,23 +69,17 @@ class DraftModelDrafter(Drafter):
         self.num_real_tokens = min(num_real_tokens, vocab_size)
         self.cache = speculative_cache(model)
         check_rewindable(self.cache, role="draft")
-        self._tokens: list[int] = []  # committed tokens in the cache
+        self._num_cached = 0  # committed tokens in the cache
         self._round_start = 0  # committed tokens when the last round was proposed
-        self._history: list[int] = []  # the committed sequence the last round was proposed after
         self._real = mx.arange(vocab_size) < self.num_real_tokens if self.num_real_tokens < vocab_size else None
 
-    @property
-    def _num_cached(self) -> int:
-        return len(self._tokens)
-
     def prefill(self, prompt, hidden=None):
-        """Keep the longest common prefix of what the cache holds and ``prompt[:-1]``; prefill the rest."""
-        held = self._tokens[: len(prompt) - 1]
-        common = next((i for i, (a, b) in enumerate(zip(held, prompt)) if a != b), len(held))
-        trim(self.cache, self.cache[0].offset - common)
-        prefill(self.model, self.cache, prompt[common:-1])
-        self._tokens = list(prompt[:-1])
-        self.prefilled = len(prompt) - 1 - common  # tokens this prefill ran (a chat turn: only the new ones)
+        """Read ``prompt[:-1]`` into a fresh cache (the whole prompt, every turn: keeping a common
+        prefix across turns made ``train.measure.replay`` disagree with the engine; to be redone)."""
+        self.cache = speculative_cache(self.model)
+        prefill(self.model, self.cache, prompt[:-1])
+        self._num_cached = len(prompt) - 1
+        self.prefilled = len(prompt) - 1
 
     def _fit_vocab(self, logits: mx.array) -> mx.array:
         """[T, V_draft] → [T, V_target], padding ids masked."""
@@ -113,7 +107,7 @@ class DraftModelDrafter(Drafter):
             logprobs.append(token_logprobs)
             confidence.append(_confidence(logits if token_logprobs is None else token_logprobs))
             inputs = token
-        self._round_start, self._history = len(history), history
+        self._round_start = len(history)
         if not tokens:
             return Draft.empty()
         q = None if sampling.greedy else mx.concatenate(logprobs, axis=0)
@@ -126,7 +120,7 @@ class DraftModelDrafter(Drafter):
         offset = self.cache[0].offset
         valid = min(offset, self._round_start + len(accepted), num_committed - 1)
         trim(self.cache, offset - valid)
-        self._tokens = self._history[:valid] if valid > len(self._tokens) else self._tokens[:valid]
+        self._num_cached = valid
         self._round_start = valid  # a round without a propose (plain) keeps what is cached
 
 
