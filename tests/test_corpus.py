@@ -68,3 +68,43 @@ def test_corpus_resumes_and_refuses_other_settings(tmp_path):
     assert [r.cached for r in again] == [True, False]
     with pytest.raises(ValueError, match="another model"):
         list(build_corpus(model, tokenizer, prompts, tmp_path / "a", max_new_tokens=4, batch_size=1))
+
+
+def test_corpus_of_data_answers_holds_the_targets_features_and_labels(tmp_path):
+    """--answers data: the target reads the given answers; features and top-k are its own on that text."""
+    model, tokenizer = tiny_llama(seed=5, num_layers=4, sharpen=4.0), byte_tokenizer()
+    prompts = _prompts(tokenizer, ["hi", "tell me more", "xyz"])
+    answers = [list(tokenizer.encode(t)) for t in ("hello there", "no", "a much longer answer that gets cut")]
+    records = list(build_corpus(model, tokenizer, prompts, tmp_path, answers=answers, max_new_tokens=10,
+                                batch_size=2, topk=4))
+    assert [r.done for r in records] == [2, 3]
+    cache = FeatureCache(tmp_path)
+    assert cache.manifest["source"] == "data" and cache.manifest["settings"]["answers"] == "data"
+    tap, head = HiddenTap(model, layers=default_aux_layers(4)), output_head(model)
+    e = 0
+    for c in range(cache.num_chunks):
+        arrays = cache.load_chunk(c)
+        for lo, hi in zip(arrays["offsets"][:-1], arrays["offsets"][1:]):
+            prompt, answer = prompts[e], answers[e][:10]
+            e += 1
+            tokens, mask = arrays["tokens"][lo:hi], arrays["mask"][lo:hi]
+            assert list(tokens) == prompt + answer and mask.sum() == len(answer) and mask[len(prompt):].all()
+            model.model(mx.array(tokens)[None])
+            np.testing.assert_allclose(arrays["hidden"][lo:hi], np.array(tap.final[0]), atol=2e-2)
+            np.testing.assert_allclose(arrays["aux"][lo:hi, 1], np.array(tap.layer_input(default_aux_layers(4)[1])[0]),
+                                       atol=2e-2)
+            logp = np.array(nn.log_softmax(head(tap.final[0]), axis=-1))
+            rows = np.arange(len(prompt) - 1, hi - lo - 1)
+            assert (arrays["greedy"][lo:hi][rows] == logp[rows].argmax(-1)).all()
+            ids = arrays["topk_ids"][lo:hi][rows]
+            assert (ids == np.argsort(-logp[rows], axis=-1)[:, :4]).all()
+            np.testing.assert_allclose(arrays["topk_logprobs"][lo:hi][rows].astype(np.float32),
+                                       np.take_along_axis(logp[rows], ids, axis=-1), atol=2e-2)
+            assert (arrays["topk_logprobs"][lo:hi][: len(prompt) - 1] == -np.inf).all()
+    assert e == 3
+    # the same prompts with other answers are another corpus
+    with pytest.raises(ValueError, match="another model"):
+        list(build_corpus(model, tokenizer, prompts, tmp_path, answers=[[1], [2], [3]], max_new_tokens=10,
+                          batch_size=2, topk=4))
+    with pytest.raises(ValueError, match="one non-empty answer per prompt"):
+        list(build_corpus(model, tokenizer, prompts, tmp_path / "b", answers=answers[:2]))

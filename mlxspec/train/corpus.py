@@ -17,6 +17,14 @@ second pass over the text is needed:
   tokens and their log-probabilities (temperature 1, normalised over the full vocabulary) at t;
   ids 0 and log-prob -inf where token t + 1 is not an answer token.
 
+With ``answers`` given (``mlxspec train corpus --answers data``), the answers are the dataset's own
+and the target only *reads* each example, in one forward over prompt + answer: the features and
+the top-k labels are still the target's, at every answer position, but nothing is decoded. On a
+CPU that is several times faster than decoding (one unpadded forward per example instead of one
+step per token), which is what makes a corpus affordable for a 1.5B target on two cores;
+``greedy`` is then the target's argmax, which need not be the next token of the text. EAGLE
+trains on fixed data this way (arXiv 2401.15077 section 4: "low sensitivity to training data").
+
 Examples are concatenated per chunk and delimited by ``offsets`` [E + 1]; the folder is read by
 ``features.FeatureCache`` like extracted features. One batch of prompts is one chunk, written
 atomically and listed in ``manifest.json`` when complete, so an interrupted build resumes at the
@@ -49,6 +57,7 @@ def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
 
 
 def build_corpus(model: nn.Module, tokenizer, prompts: list[list[int]], directory: str | Path, *,
+                 answers: list[list[int]] | None = None,
                  max_new_tokens: int = 256, batch_size: int = 32, topk: int = DEFAULT_TOPK,
                  aux_layers: tuple[int, ...] | None = None,
                  time_budget_s: float | None = None) -> Iterator[StoreProgress]:
@@ -60,6 +69,9 @@ def build_corpus(model: nn.Module, tokenizer, prompts: list[list[int]], director
         prompts: Prompt token ids (chat template applied, generation prompt added), in the order
             they are batched; sort them by length to waste less work on padding.
         directory: The corpus folder; an existing corpus of the same model and settings resumes.
+        answers: The dataset's answers to ``prompts`` (token ids, end token included), one list per
+            prompt: the target reads them instead of answering (see the module doc); each is cut to
+            ``max_new_tokens``. Default: ``None``, the target answers greedily.
         max_new_tokens: Longest answer, tokens. Default: ``256``.
         batch_size: Prompts decoded together (one chunk each). Default: ``32``.
         topk: Soft labels kept per position. Default: ``32``.
@@ -72,16 +84,21 @@ def build_corpus(model: nn.Module, tokenizer, prompts: list[list[int]], director
 
     Raises:
         ValueError: if ``directory`` holds a corpus of another model, other prompts or settings,
-            or a parameter is out of range.
+            or a parameter is out of range (or ``answers`` does not match ``prompts``).
     """
     if max_new_tokens < 1 or batch_size < 1 or topk < 1:
         raise ValueError("max_new_tokens, batch_size and topk must be >= 1")
+    if answers is not None:
+        if len(answers) != len(prompts) or not all(answers):
+            raise ValueError("answers must hold one non-empty answer per prompt")
+        answers = [list(a[:max_new_tokens]) for a in answers]
     layers = model.model.layers
     aux_layers = tuple(aux_layers) if aux_layers is not None else default_aux_layers(len(layers))
     directory = Path(directory)
     settings = {"max_new_tokens": max_new_tokens, "batch_size": batch_size, "topk": topk,
-                "aux_layers": list(aux_layers)}
-    manifest = _open_manifest(directory, model, prompts, settings)
+                "aux_layers": list(aux_layers), "answers": "target" if answers is None else "data"}
+    manifest = _open_manifest(directory, model, prompts if answers is None else
+                              [p + [-1] + a for p, a in zip(prompts, answers)], settings)
     tap = HiddenTap(model, layers=aux_layers)
     lm_head = output_head(model)
     eos = sorted(getattr(tokenizer, "eos_token_ids", ()) or ())
@@ -92,7 +109,10 @@ def build_corpus(model: nn.Module, tokenizer, prompts: list[list[int]], director
         if b < len(manifest["chunks"]):
             yield StoreProgress(b, num_chunks, hi, len(prompts), generated, time.perf_counter() - start, True)
             continue
-        arrays = _answer_batch(model, tap, lm_head, prompts[lo:hi], eos, max_new_tokens, topk, aux_layers)
+        if answers is None:
+            arrays = _answer_batch(model, tap, lm_head, prompts[lo:hi], eos, max_new_tokens, topk, aux_layers)
+        else:
+            arrays = _read_batch(model, tap, lm_head, prompts[lo:hi], answers[lo:hi], topk, aux_layers)
         generated += int(arrays["mask"].sum())
         name = f"chunk-{b:05d}.npz"
         write_chunk(directory / name, arrays)
@@ -122,12 +142,9 @@ def _answer_batch(model, tap: HiddenTap, lm_head, prompts: list[list[int]], eos:
     steps, ids, logps, active = [], [], [], mx.ones((B,), dtype=mx.bool_)
     last = tap.final[:, -1]
     for step in range(max_new_tokens):
-        logprobs = nn.log_softmax(lm_head(last).astype(mx.float32), axis=-1)  # [B, V]
-        best = mx.argpartition(-logprobs, kth=topk - 1, axis=-1)[:, :topk]
-        best_logp = mx.take_along_axis(logprobs, best, axis=-1)
-        order = mx.argsort(-best_logp, axis=-1)
-        ids.append(mx.take_along_axis(best, order, axis=-1))
-        logps.append(mx.take_along_axis(best_logp, order, axis=-1))
+        top_ids, top_logp = _topk(lm_head(last), topk)  # [B, K] each
+        ids.append(top_ids)
+        logps.append(top_logp)
         token = ids[-1][:, 0].astype(mx.int32)
         steps.append(token)
         if eos_ids is not None:
@@ -143,50 +160,86 @@ def _answer_batch(model, tap: HiddenTap, lm_head, prompts: list[list[int]], eos:
                  mx.concatenate(aux, axis=1), mx.stack(ids, axis=1), mx.stack(logps, axis=1))
 
 
+def _topk(logits: mx.array, k: int) -> tuple[mx.array, mx.array]:
+    """The ``k`` most likely ids and their log-softmax (full vocabulary, temperature 1), best first.
+
+    Args:
+        logits: [..., V] (any float dtype).
+
+    Returns:
+        ids [..., k] (uint32) and log-probabilities [..., k] (float32), sorted by decreasing log-probability.
+    """
+    logprobs = nn.log_softmax(logits.astype(mx.float32), axis=-1)
+    best = mx.argpartition(-logprobs, kth=k - 1, axis=-1)[..., :k]
+    best_logp = mx.take_along_axis(logprobs, best, axis=-1)
+    order = mx.argsort(-best_logp, axis=-1)
+    return mx.take_along_axis(best, order, axis=-1), mx.take_along_axis(best_logp, order, axis=-1)
+
+
+def _read_batch(model, tap: HiddenTap, lm_head, prompts: list[list[int]], answers: list[list[int]], topk: int,
+                aux_layers: tuple[int, ...]) -> dict[str, np.ndarray]:
+    """The target reads each prompt + given answer in one unpadded forward; returns the chunk's arrays."""
+    examples = []
+    for prompt, answer in zip(prompts, answers):
+        L, n = len(prompt), len(prompt) + len(answer)
+        model.model(mx.array(prompt + answer, dtype=mx.int32)[None])
+        hidden = tap.final[0]  # [n, H]
+        aux = mx.stack([tap.layer_input(i)[0] for i in aux_layers], axis=1)  # [n, 3, H]
+        ids, logps = _topk(lm_head(hidden[L - 1 : n - 1]), topk)  # position L-1+s predicts answer[s]
+        hidden, aux, logps = hidden.astype(mx.float16), aux.astype(mx.float16), logps.astype(mx.float16)
+        mx.eval(hidden, aux, ids, logps)
+        examples.append(_example(prompt, answer, np.array(hidden), np.array(aux), np.array(ids), np.array(logps)))
+    return _concatenate(examples)
+
+
+def _example(prompt: list[int], answer: list[int], hidden: np.ndarray, aux: np.ndarray, ids: np.ndarray,
+             logps: np.ndarray) -> dict[str, np.ndarray]:
+    """One example's arrays from its features [n, ...] and the top-k [A, K] at positions L-1 .. n-2."""
+    L, A = len(prompt), len(answer)
+    n, topk = L + A, ids.shape[-1]
+    k_ids = np.zeros((n, topk), dtype=np.int32)
+    k_logp = np.full((n, topk), -np.inf, dtype=np.float16)
+    k_ids[L - 1 : n - 1], k_logp[L - 1 : n - 1] = ids[:A], logps[:A]
+    greedy = np.full(n, -1, dtype=np.int32)
+    greedy[L - 1 : n - 1] = ids[:A, 0]
+    mask = np.zeros(n, dtype=bool)
+    mask[L:] = True
+    return {"tokens": np.array(prompt + answer, dtype=np.int32), "mask": mask, "hidden": hidden, "aux": aux,
+            "greedy": greedy, "topk_ids": k_ids, "topk_logprobs": k_logp}
+
+
+def _concatenate(examples: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """A chunk: the examples' arrays end to end, delimited by ``offsets`` [E + 1]."""
+    arrays = {k: np.concatenate([e[k] for e in examples]) for k in examples[0]}
+    arrays["offsets"] = np.cumsum([0] + [len(e["tokens"]) for e in examples]).astype(np.int64)
+    return arrays
+
+
 def _pack(prompts, padding, eos, steps, hidden, aux, ids, logps) -> dict[str, np.ndarray]:
     """Cut each row to its prompt + answer (ending at its first end token) and concatenate."""
     steps, hidden, aux = np.array(steps), np.array(hidden), np.array(aux)
     ids, logps = np.array(ids), np.array(logps.astype(mx.float16))
-    eos = set(eos)
-    out = {k: [] for k in ("tokens", "mask", "hidden", "aux", "greedy", "topk_ids", "topk_logprobs")}
-    lengths = []
+    eos, examples = set(eos), []
     for i, (prompt, pad) in enumerate(zip(prompts, padding)):
         answer = []
         for token in steps[i]:
             answer.append(int(token))
             if int(token) in eos:
                 break
-        L, A = len(prompt), len(answer)  # positions: the prompt, then the answer
-        n = L + A
-        h, a = hidden[i, pad : pad + n], aux[i, pad : pad + n]
-        topk = ids.shape[-1]
-        k_ids = np.zeros((n, topk), dtype=np.int32)
-        k_logp = np.full((n, topk), -np.inf, dtype=np.float16)
-        k_ids[L - 1 : n - 1], k_logp[L - 1 : n - 1] = ids[i, :A], logps[i, :A]  # position L-1+s predicts answer[s]
-        greedy = np.full(n, -1, dtype=np.int32)
-        greedy[L - 1 : n - 1] = ids[i, :A, 0]
-        mask = np.zeros(n, dtype=bool)
-        mask[L:] = True
-        out["tokens"].append(np.array(prompt + answer, dtype=np.int32))
-        out["mask"].append(mask)
-        out["hidden"].append(h)
-        out["aux"].append(a)
-        out["greedy"].append(greedy)
-        out["topk_ids"].append(k_ids)
-        out["topk_logprobs"].append(k_logp)
-        lengths.append(n)
-    arrays = {k: np.concatenate(v) for k, v in out.items()}
-    arrays["offsets"] = np.cumsum([0] + lengths).astype(np.int64)
-    return arrays
+        n = len(prompt) + len(answer)
+        examples.append(_example(prompt, answer, hidden[i, pad : pad + n], aux[i, pad : pad + n], ids[i], logps[i]))
+    return _concatenate(examples)
 
 
 def _open_manifest(directory: Path, model, prompts: list[list[int]], settings: dict) -> dict:
+    """The corpus's manifest; ``prompts`` are the example token lists the data fingerprint covers."""
     sha = hashlib.sha256(f"corpus-v{CORPUS_VERSION}:{json.dumps(settings, sort_keys=True)};".encode())
     for p in prompts:
         sha.update(np.array(p, dtype=np.int32).tobytes() + b"|")
     args = getattr(model, "args", None)
     manifest = {
-        "version": 1, "source": "self-distill", "corpus_version": CORPUS_VERSION,
+        "version": 1, "source": "self-distill" if settings["answers"] == "target" else "data",
+        "corpus_version": CORPUS_VERSION,
         "model": model_fingerprint(model), "data": sha.hexdigest()[:16],
         "hidden_size": getattr(args, "hidden_size", None), "vocab_size": getattr(args, "vocab_size", None),
         "prompts": len(prompts), "examples": 0, "tokens": 0, "masked_tokens": 0,

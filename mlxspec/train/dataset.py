@@ -139,6 +139,16 @@ def first_prompt(conversation: Conversation) -> str | None:
     return turns[roles.index("user")].text
 
 
+def first_answer(conversation: Conversation) -> str | None:
+    """The text of the assistant turn that answers ``first_prompt``, if there is one."""
+    turns = trim_leading(conversation)
+    roles = [t.role for t in turns]
+    if "user" not in roles:
+        return None
+    start = roles.index("user")
+    return next((t.text for t in turns[start:] if t.role == "assistant"), None)
+
+
 def _ids(rendered) -> list[int]:
     return list(rendered["input_ids"] if isinstance(rendered, dict) else rendered)
 
