@@ -200,7 +200,10 @@ class AutoGamma:
 
     The loop calls ``choose_gamma()`` before each propose and ``update(cycle_stats)``
     after each round. γ = 0 means the round is plain decoding. It falls back to plain
-    decoding (1) when no γ is predicted to win, and (2) when ``miss_rounds`` drafting rounds
+    decoding (1) when no γ is predicted to win from what it has seen (before any drafting round, when
+    only the prior α predicts a loss but the costs allow a win, the first round is a probe instead:
+    a costly draft model that agrees 90% of the time would otherwise wait ``probe_every`` plain
+    rounds before its first chance), and (2) when ``miss_rounds`` drafting rounds
     in a row kept nothing, whatever the prediction (a drafter that keeps missing, found within
     a few rounds even while the estimate still remembers better times). While falling back
     nothing is learned, so after a wait a short probe (``probe_gamma`` tokens) re-measures α;
@@ -263,7 +266,9 @@ class AutoGamma:
                 return self.gamma
         reach = self.estimate.reach(self.max_gamma)
         self.gamma, self.predicted_speedup = self.costs.best_gamma(reach, self.max_gamma, self.margin)
-        if self.gamma == 0:
+        if self.gamma == 0 and self.can_win and not self.estimate.drafted:
+            self.gamma, self.probing = self.probe_gamma, True  # only the prior says no: measure first
+        elif self.gamma == 0:
             self._back_off()
         return self.gamma
 

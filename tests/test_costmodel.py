@@ -80,6 +80,23 @@ def test_auto_gamma_follows_acceptance_and_probes_while_plain():
     assert np.diff(drafting[2:]).tolist() == [6, 11, 21]  # ... after 5, 10, 20 plain rounds: exponential back-off
 
 
+def test_auto_gamma_probes_first_when_only_the_prior_says_no():
+    """A costly draft (0.45 of a target step) loses at the prior α = 0.5 but wins at α = 0.9:
+    the first round measures instead of waiting ``probe_every`` plain rounds (Qwen2.5-Coder pair, issue 15)."""
+    costly = Costs(MEMORY_BOUND.verify_s, draft_s=0.45)
+    assert costly.best_gamma(0.5, 15) == (0, 1.0) and costly.best_gamma(0.9, 15)[0] > 0
+    good = AutoGamma(costly, probe_every=16)
+    choices = []
+    for _ in range(12):  # every draft accepted
+        choices.append(good.choose_gamma())
+        good.update(CycleStats(0, choices[-1], choices[-1], choices[-1] + 1, 0.0, 0.0, choices[-1]))
+    assert choices[0] == 2 and all(g > 0 for g in choices)
+    bad = AutoGamma(costly, probe_every=16)
+    first = bad.choose_gamma()
+    bad.update(CycleStats(0, first, 0, 1, 0.0, 0.0, first))  # the probe keeps nothing
+    assert first == 2 and [bad.choose_gamma() for _ in range(16)] == [0] * 16  # then it backs off
+
+
 def test_auto_gamma_back_off_is_capped_and_reset_by_a_hit():
     # a confident prior keeps predicting a gain, so only the miss rule falls back
     auto = AutoGamma(MEMORY_BOUND, probe_every=2, max_wait=8, estimate=AcceptanceEstimate(0.9, prior_weight=50))
