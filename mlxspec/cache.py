@@ -242,7 +242,7 @@ class PromptCache:
     request keeps the longest common prefix of what the cache holds and its prompt, trims the
     rest, and prefills only the new tokens. Drafters that read the target's features (Medusa,
     EAGLE) get the stored features of the kept prefix, so their state is rebuilt exactly as
-    after a full prefill; a draft model re-reads the prompt into its own cache.
+    after a full prefill; a draft model keeps the common prefix of its own cache the same way.
 
     Args:
         model: The target (its layer caches come from ``speculative_cache``).

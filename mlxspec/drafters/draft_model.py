@@ -45,9 +45,11 @@ def check_same_tokenizer(target_tokenizer, draft_tokenizer) -> None:
 class DraftModelDrafter(Drafter):
     """Drafts with a small mlx-lm model that shares the target's tokenizer.
 
-    Its KV cache holds a prefix of the committed tokens; each round feeds the
-    committed tokens it has not seen (the root, plus the last draft when every
-    draft was accepted), then drafts one token per forward.
+    Its KV cache holds a prefix of the committed tokens, whose ids it keeps in a list of
+    its own; each round feeds the committed tokens it has not seen (the root, plus the
+    last draft when every draft was accepted), then drafts one token per forward. A new
+    prompt that starts with what the cache holds (the next turn of a chat) reads only
+    the rest.
 
     Args:
         model: The draft model (any mlx-lm model with a trimmable KV cache).
@@ -69,17 +71,25 @@ class DraftModelDrafter(Drafter):
         self.num_real_tokens = min(num_real_tokens, vocab_size)
         self.cache = speculative_cache(model)
         check_rewindable(self.cache, role="draft")
+        self._tokens: list[int] = []  # ids of the cached positions (a prefix of the committed tokens)
         self._num_cached = 0  # committed tokens in the cache
         self._round_start = 0  # committed tokens when the last round was proposed
+        self._drafted: mx.array | None = None  # the last round's drafts [γ] (lazy)
         self._real = mx.arange(vocab_size) < self.num_real_tokens if self.num_real_tokens < vocab_size else None
 
     def prefill(self, prompt, hidden=None):
-        """Read ``prompt[:-1]`` into a fresh cache (the whole prompt, every turn: keeping a common
-        prefix across turns made ``train.measure.replay`` disagree with the engine; to be redone)."""
-        self.cache = speculative_cache(self.model)
-        prefill(self.model, self.cache, prompt[:-1])
-        self._num_cached = len(prompt) - 1
-        self.prefilled = len(prompt) - 1
+        """Read ``prompt[:-1]`` into the cache, keeping the longest prefix the cache already holds."""
+        context = list(prompt[:-1])
+        keep = 0
+        for cached, token in zip(self._tokens, context):
+            if cached != token:
+                break
+            keep += 1
+        trim(self.cache, self.cache[0].offset - keep)
+        prefill(self.model, self.cache, context[keep:])
+        self._tokens = context
+        self._num_cached = self._round_start = len(context)
+        self.prefilled = len(context) - keep
 
     def _fit_vocab(self, logits: mx.array) -> mx.array:
         """[T, V_draft] → [T, V_target], padding ids masked."""
@@ -107,7 +117,9 @@ class DraftModelDrafter(Drafter):
             logprobs.append(token_logprobs)
             confidence.append(_confidence(logits if token_logprobs is None else token_logprobs))
             inputs = token
+        self._tokens += history[len(self._tokens) :]
         self._round_start = len(history)
+        self._drafted = mx.concatenate(tokens) if tokens else None
         if not tokens:
             return Draft.empty()
         q = None if sampling.greedy else mx.concatenate(logprobs, axis=0)
@@ -120,6 +132,9 @@ class DraftModelDrafter(Drafter):
         offset = self.cache[0].offset
         valid = min(offset, self._round_start + len(accepted), num_committed - 1)
         trim(self.cache, offset - valid)
+        del self._tokens[valid:]
+        if valid > len(self._tokens):  # accepted drafts it fed while drafting (evaluated by the round's sync)
+            self._tokens += self._drafted.tolist()[: valid - len(self._tokens)]
         self._num_cached = valid
         self._round_start = valid  # a round without a propose (plain) keeps what is cached
 
