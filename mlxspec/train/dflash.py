@@ -32,14 +32,12 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx.utils import tree_map
 
 from ..heads.dflash import DFlashConfig, DFlashNet, load_dflash, save_dflash
 from ..taps import logits_width, model_body, output_head
-from .eagle import lm_head_matrix
-from .features import FeatureCache
-from .loop import EvalRecord, StepRecord, TrainConfig, fit
-from .store import model_fingerprint
+from .eagle import lm_head_matrix, soft_ce
+from .features import FeatureCache, check_corpus_arrays, chunk_batches, chunk_spans
+from .loop import EpochPlans, EvalRecord, StepRecord, TrainConfig, cast_copy, fit
 
 #: Settings that must match to resume a run (with the loop's own).
 RESUME_KEYS = ("num_layers", "block_size", "anchors_per_example", "batch_tokens", "max_seq_length", "mask_token_id",
@@ -107,14 +105,8 @@ def check_corpus(cache: FeatureCache, target: nn.Module | None = None) -> None:
         ValueError: another model made it, it lacks the layer features or soft labels, or one of its
             feature layers is the embedding (no target layer output).
     """
-    if target is not None and cache.manifest.get("model") not in (None, model_fingerprint(target)):
-        raise ValueError(f"the corpus in {cache.directory} was made by another model than this target; "
-                         "build one with this target (mlxspec train corpus --model ...)")
-    with np.load(cache.directory / cache.manifest["chunks"][0]["file"]) as data:
-        missing = sorted({"tokens", "mask", "offsets", "greedy", "aux", "topk_ids", "topk_logprobs"} - set(data.files))
-    if missing:
-        raise ValueError(f"{cache.directory} lacks {', '.join(missing)}: DFlash training needs a corpus from "
-                         "'mlxspec train corpus', not a Medusa feature cache")
+    check_corpus_arrays(cache, target, {"tokens", "mask", "offsets", "greedy", "aux", "topk_ids", "topk_logprobs"},
+                        "DFlash")
     if min(cache.manifest.get("aux_layers") or [0]) < 1:
         raise ValueError(f"the corpus in {cache.directory} records the input of layer 0 (the embedding), which is "
                          "no target layer's output; build it from a target with at least 4 layers")
@@ -158,27 +150,12 @@ class BlockBatch:
         return int(self.rows.shape[0])
 
 
-def _spans(arrays: dict, max_len: int) -> list[tuple[int, int]]:
-    """``(start, length)`` of each example (cut to ``max_len``) with an anchor: an answer token after position 1."""
-    offsets, mask = arrays["offsets"], arrays["mask"]
-    out = []
-    for e in range(len(offsets) - 1):
-        start, length = int(offsets[e]), int(min(offsets[e + 1] - offsets[e], max_len))
-        if length >= 3 and mask[start + 2 : start + length].any():
-            out.append((start, length))
-    return out
-
-
 def plan_epoch(cache: FeatureCache, config: DFlashTrainConfig, *, epoch: int = 0, shuffle: bool = True
                ) -> list[tuple[int, list[tuple[int, int]]]]:
     """The batches of one epoch as ``(chunk, [(start, length), ...])``: examples packed up to
     ``batch_tokens`` positions, chunks and examples permuted by (seed, epoch[, chunk]) with ``shuffle``."""
-    order = np.arange(cache.num_chunks)
-    if shuffle:
-        order = np.random.default_rng([config.seed, epoch]).permutation(cache.num_chunks)
     plan = []
-    for c in map(int, order):
-        spans = _spans(cache.load_arrays(c, ("tokens", "mask", "offsets")), config.max_seq_length)
+    for c, spans in chunk_spans(cache, config.max_seq_length, seed=config.seed, epoch=epoch, shuffle=shuffle):
         if shuffle:
             spans = [spans[i] for i in np.random.default_rng([config.seed, epoch, c]).permutation(len(spans))]
         current, used = [], 0
@@ -206,7 +183,7 @@ def make_batch(arrays: dict, spans: list[tuple[int, int]], config: DFlashTrainCo
     aux, tokens, answer = arrays["aux"], arrays["tokens"], arrays["mask"]
     feats, blocks, anchors, visible, greedy, label_at = [], [], [], [], [], []
     packed = 0
-    for e, (s, length) in enumerate(spans):
+    for s, length in spans:
         feats.append(aux[s : s + length].reshape(length, -1))
         rng = np.random.default_rng([*key, s])
         for i in _anchors(answer, s, length, config.anchors_per_example, rng):
@@ -243,12 +220,8 @@ def make_batch(arrays: dict, spans: list[tuple[int, int]], config: DFlashTrainCo
 def block_batches(cache: FeatureCache, plan, config: DFlashTrainConfig, mask_token_id: int, *, epoch: int,
                   start: int = 0) -> Iterator[BlockBatch]:
     """Materialise ``plan[start:]``, one chunk in memory at a time; anchors keyed by (seed, epoch, chunk)."""
-    loaded, arrays = None, None
-    for c, spans in plan[start:]:
-        if c != loaded:
-            arrays = None  # drop the previous chunk before reading the next
-            arrays, loaded = cache.load_chunk(c), c
-        yield make_batch(arrays, spans, config, mask_token_id, key=(config.seed, epoch, c))
+    return chunk_batches(cache, plan[start:], lambda arrays, c, spans: make_batch(
+        arrays, spans, config, mask_token_id, key=(config.seed, epoch, c)))
 
 
 # --- loss and held-out acceptance --------------------------------------------------------------
@@ -272,9 +245,7 @@ def dflash_loss(net: DFlashNet, batch: BlockBatch, embed, lm_weight: mx.array) -
     """
     hidden = _hidden(net, batch, embed)
     rows = hidden.reshape(-1, hidden.shape[-1])[batch.rows]  # [n, H]
-    logits = rows @ lm_weight[batch.union_ids].T  # [n, U]
-    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    ce = -(batch.label_probs * mx.take_along_axis(logprobs, batch.label_ids, axis=-1)).sum(-1)  # [n]
+    ce = soft_ce(rows @ lm_weight[batch.union_ids].T, batch.label_ids, batch.label_probs)  # [n]
     per_position = (batch.onehot @ ce) / mx.maximum(batch.onehot.sum(-1), 1.0)
     return (batch.weights * ce).sum() / mx.maximum(batch.weights.sum(), 1e-6), per_position
 
@@ -292,20 +263,34 @@ def evaluate(net: DFlashNet, embed, lm_head, cache: FeatureCache, config: DFlash
         hits.append(np.where(scored, guess[:, 1:] == batch.greedy[:, 1:], -1))  # -1: nothing to score
         seen += int(scored.sum())
     grid = np.concatenate(hits) if hits else np.zeros((0, config.block_size - 1), int)
+    return DFlashEvalRecord(**chain_record(grid), positions=seen)
+
+
+def chain_record(grid: np.ndarray) -> dict:
+    """``acceptance``, ``chain_acceptance`` and ``tau`` of a ``DFlashEvalRecord`` from the held-out hits
+    [n blocks, P drafts]: 1 agrees with the target's greedy token, 0 not, −1 nothing to score. The chain
+    acceptance counts the blocks with every draft scored."""
     acceptance = [float((col[col >= 0] == 1).mean()) if (col >= 0).any() else 0.0 for col in grid.T]
     full = grid[(grid >= 0).all(axis=1)]
     chain = np.cumprod(full == 1, axis=1).mean(axis=0).tolist() if len(full) else [0.0] * grid.shape[1]
-    return DFlashEvalRecord(acceptance=acceptance, chain_acceptance=chain, tau=1.0 + sum(chain), positions=seen)
+    return {"acceptance": acceptance, "chain_acceptance": chain, "tau": 1.0 + sum(chain)}
 
 
 # --- the task on the shared loop ---------------------------------------------------------------
 
 
 def init_net(target: nn.Module, config: DFlashTrainConfig, aux_layers: list[int]) -> DFlashNet:
-    """A fresh drafter shaped like ``config.num_layers`` layers of ``target``, reading the outputs of the
-    layers before the corpus's ``aux_layers`` (the inputs it recorded)."""
+    """A fresh drafter (``backbone_config``), evaluated."""
+    net = DFlashNet(backbone_config(target, config, aux_layers))
+    mx.eval(net.parameters())
+    return net
+
+
+def backbone_config(target: nn.Module, config: DFlashTrainConfig, aux_layers: list[int]) -> DFlashConfig:
+    """The shape of ``config.num_layers`` layers of ``target`` reading the outputs of the layers before the
+    corpus's ``aux_layers`` (the inputs it recorded), with ``config``'s block size and mask id."""
     args, vocab = target.args, int(logits_width(target))
-    shape = DFlashConfig(
+    return DFlashConfig(
         hidden_size=args.hidden_size, intermediate_size=args.intermediate_size, num_hidden_layers=config.num_layers,
         num_attention_heads=args.num_attention_heads,
         num_key_value_heads=getattr(args, "num_key_value_heads", None) or args.num_attention_heads,
@@ -314,12 +299,9 @@ def init_net(target: nn.Module, config: DFlashTrainConfig, aux_layers: list[int]
         mask_token_id=config.mask_token_id if config.mask_token_id >= 0 else vocab - 1,
         rms_norm_eps=args.rms_norm_eps, rope_theta=float(getattr(args, "rope_theta", 10000.0)),
         max_position_embeddings=int(getattr(args, "max_position_embeddings", None) or 32768))
-    net = DFlashNet(shape)
-    mx.eval(net.parameters())
-    return net
 
 
-class DFlashTask:
+class DFlashTask(EpochPlans):
     """DFlash on ``loop.fit``: one drafter over a self-distillation corpus of the frozen ``target``.
 
     Args:
@@ -334,6 +316,7 @@ class DFlashTask:
 
     resume_keys = RESUME_KEYS
     compile = False  # packed batches vary in shape
+    plan_epoch = staticmethod(plan_epoch)
 
     def __init__(self, target: nn.Module, train: FeatureCache, heldout: FeatureCache | None,
                  config: DFlashTrainConfig):
@@ -345,7 +328,6 @@ class DFlashTask:
         self.lm_weight = lm_head_matrix(target)
         vocab = int(logits_width(target))
         self.mask_token_id = config.mask_token_id if config.mask_token_id >= 0 else vocab - 1
-        self._plans: dict[int, list] = {}
 
     def init(self) -> DFlashNet:
         mx.random.seed(self.config.seed)  # the initial weights are a function of the settings, like the batches
@@ -357,19 +339,7 @@ class DFlashTask:
         return net
 
     def save(self, net: DFlashNet, folder: Path, dtype: str | None) -> None:
-        if dtype is not None:
-            copy = DFlashNet(net.config)
-            copy.update(tree_map(lambda a: a.astype(getattr(mx, dtype)), net.parameters()))
-            net = copy
-        save_dflash(net, folder)
-
-    def steps_in_epoch(self, epoch: int) -> int:
-        return len(self._plan(epoch))
-
-    def _plan(self, epoch: int) -> list:
-        if epoch not in self._plans:
-            self._plans[epoch] = plan_epoch(self.train, self.config, epoch=epoch)
-        return self._plans[epoch]
+        save_dflash(cast_copy(net, lambda: DFlashNet(net.config), dtype), folder)
 
     def batches(self, net, epoch: int, start: int) -> Iterator[BlockBatch]:
         return block_batches(self.train, self._plan(epoch), self.config, self.mask_token_id, epoch=epoch, start=start)

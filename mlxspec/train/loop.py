@@ -34,7 +34,7 @@ from typing import Any, Protocol
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
-from mlx.utils import tree_flatten, tree_unflatten
+from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from .store import write_json
 
@@ -183,6 +183,35 @@ class Task(Protocol):
 
     def evaluate(self, model: nn.Module) -> EvalRecord | None:
         """Held-out scores with ``epoch`` 0 (the loop sets it), or ``None`` without held-out data."""
+
+
+def cast_copy(model: nn.Module, make: Callable[[], nn.Module], dtype: str | None) -> nn.Module:
+    """What a task's ``save`` writes: ``model`` itself for ``dtype`` ``None``, else ``make()`` (an empty module of
+    the same shape) holding ``model``'s parameters with the floating ones cast to ``dtype`` (``"float16"``, ...)."""
+    if dtype is None:
+        return model
+    cast, copy = getattr(mx, dtype), make()
+    copy.update(tree_map(lambda a: a.astype(cast) if mx.issubdtype(a.dtype, mx.floating) else a, model.parameters()))
+    return copy
+
+
+class EpochPlans:
+    """A task whose epochs are planned ahead by ``plan_epoch(train, config, epoch=...)`` (a list of batches):
+    each epoch's plan is made once, and ``steps_in_epoch`` is its length.
+
+    A subclass sets ``plan_epoch`` (a static method) and has ``train`` and ``config``.
+    """
+
+    plan_epoch: Callable[..., list]
+
+    def steps_in_epoch(self, epoch: int) -> int:
+        return len(self._plan(epoch))
+
+    def _plan(self, epoch: int) -> list:
+        plans = self.__dict__.setdefault("_plans", {})
+        if epoch not in plans:
+            plans[epoch] = self.plan_epoch(self.train, self.config, epoch=epoch)
+        return plans[epoch]
 
 
 @dataclass
