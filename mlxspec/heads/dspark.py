@@ -112,9 +112,13 @@ class ConfidenceHead(nn.Module):
         self.with_markov = with_markov
         self.proj = nn.Linear(hidden_size + (rank if with_markov else 0), 1, bias=True)
 
-    def __call__(self, hidden: mx.array, markov: mx.array) -> mx.array:
+    def logits(self, hidden: mx.array, markov: mx.array) -> mx.array:
+        """The logit of c: hidden [.., H] and W1[x_prev] [.., r] -> [..] float32 (training uses it for a stable BCE)."""
         x = mx.concatenate([hidden, markov.astype(hidden.dtype)], axis=-1) if self.with_markov else hidden
-        return mx.sigmoid(self.proj(x)[..., 0].astype(mx.float32))
+        return self.proj(x)[..., 0].astype(mx.float32)
+
+    def __call__(self, hidden: mx.array, markov: mx.array) -> mx.array:
+        return mx.sigmoid(self.logits(hidden, markov))
 
 
 class DSparkNet(DFlashNet):

@@ -125,12 +125,14 @@ class BlockBatch:
         anchors: Each anchor's packed position, [Nb] int32.
         mask: What each block sees: its example's context before the anchor and its own block,
             [Nb, 1, 1, S + B] bool.
-        rows: Flat indices into [Nb * B] of the loss positions, [n] int32.
+        rows: Flat indices into [Nb * B] of the loss positions (block rows), [n] int32.
         label_ids: Soft labels as indices into ``union_ids``, [n, K] int32.
         label_probs: Their probabilities, [n, K] float32 (rows sum to 1).
         union_ids: Target ids of the softmax's columns, [U] int32.
-        weights: Loss weight per row, [n] float32; ``onehot``: row → block position j − 1, [B − 1, n].
-        greedy: The target's greedy token at each block position, [Nb, B] int32 (−1: none to score).
+        weights: Loss weight per row, [n] float32; ``onehot``: row → draft position j − 1, [P, n].
+        greedy: The target's greedy token at each block row, [Nb, B] int32 (−1: none to score).
+        previous: The text's token before the one each row scores, [Nb, B] int32 (the anchor for draft 1;
+            DSpark's teacher-forced Markov input; 0 in rows that score nothing).
     """
 
     features: mx.array
@@ -144,6 +146,7 @@ class BlockBatch:
     weights: mx.array
     onehot: mx.array
     greedy: np.ndarray
+    previous: mx.array
 
     @property
     def positions(self) -> int:
@@ -177,57 +180,75 @@ def _anchors(mask: np.ndarray, start: int, length: int, count: int, rng: np.rand
 
 
 def make_batch(arrays: dict, spans: list[tuple[int, int]], config: DFlashTrainConfig, mask_token_id: int, *,
-               key: tuple[int, ...]) -> BlockBatch:
-    """Materialise one batch from a loaded chunk (see ``BlockBatch``); ``key`` seeds the anchors."""
-    B = config.block_size
-    aux, tokens, answer = arrays["aux"], arrays["tokens"], arrays["mask"]
-    feats, blocks, anchors, visible, greedy, label_at = [], [], [], [], [], []
-    packed = 0
+               key: tuple[int, ...], first_row: int = 1) -> BlockBatch:
+    """Materialise one batch from a loaded chunk (see ``BlockBatch``); ``key`` seeds the anchors.
+
+    ``first_row`` is the block row that scores draft 1: 1 in DFlash (row j scores the token at anchor
+    + j), 0 in DSpark's published layout (row j − 1 does); drafts 1 … B − ``first_row`` are scored.
+    """
+    B, P = config.block_size, config.block_size - first_row
+    aux, tokens = arrays["aux"], arrays["tokens"]
+    feats, blocks, anchors, visible, greedy, previous, label_at = [], [], [], [], [], [], []
+    packed, pad = 0, [-1] * first_row
     for s, length in spans:
         feats.append(aux[s : s + length].reshape(length, -1))
         rng = np.random.default_rng([*key, s])
-        for i in _anchors(answer, s, length, config.anchors_per_example, rng):
+        for i in _anchors(arrays["mask"], s, length, config.anchors_per_example, rng):
             blocks.append([tokens[s + i]] + [mask_token_id] * (B - 1))
             anchors.append(packed + i)
             visible.append((packed, packed + i))
-            t = s + i + np.arange(1, B)  # the block's masked positions, in the chunk
-            inside = np.minimum(t, s + length - 1)
-            ok = (t < s + length) & answer[inside]
-            target_greedy = arrays["greedy"][inside - 1]  # the target's greedy choice for token t
-            greedy.append(np.concatenate([[-1], np.where(ok & (target_greedy >= 0), target_greedy, -1)]))
+            t, ok, target_greedy = _drafted(arrays, s + i, s + length, P)
+            greedy.append(pad + np.where(ok & (target_greedy >= 0), target_greedy, -1).tolist())
+            previous.append([0] * first_row + tokens[np.minimum(t, s + length) - 1].tolist())
             label_at.append(np.where(ok, t - 1, -1))  # top-K row holding the distribution of token t
         packed += length
     S, Nb = packed, len(blocks)
     lo, hi = np.array(visible).reshape(Nb, 2).T
     ctx = (np.arange(S)[None] >= lo[:, None]) & (np.arange(S)[None] < hi[:, None])
     mask = np.concatenate([ctx, np.ones((Nb, B), bool)], axis=1)[:, None, None]
-    greedy, label_at = np.array(greedy, np.int32).reshape(Nb, B), np.array(label_at).reshape(Nb, B - 1)
-    rows_grid = np.arange(Nb * B).reshape(Nb, B)[:, 1:]
+    labels = _soft_labels(arrays, np.array(label_at).reshape(Nb, P), first_row, B, config.position_decay)
+    return BlockBatch(mx.array(np.concatenate(feats).astype(np.float32)[None]), mx.array(np.array(blocks, np.int32)),
+                      mx.array(np.array(anchors, np.int32)), mx.array(mask), *labels,
+                      np.array(greedy, np.int32).reshape(Nb, B), mx.array(np.array(previous, np.int32).reshape(Nb, B)))
+
+
+def _drafted(arrays: dict, anchor: int, end: int, P: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Drafts 1 … P after the chunk position ``anchor`` of an example ending at ``end``: their chunk positions
+    t [P], whether each is an answer token of the example [P], and the target's greedy choice for each [P]."""
+    t = anchor + np.arange(1, P + 1)
+    inside = np.minimum(t, end - 1)
+    return t, (t < end) & arrays["mask"][inside], arrays["greedy"][inside - 1]
+
+
+def _soft_labels(arrays: dict, label_at: np.ndarray, first_row: int, B: int, decay: float) -> list[mx.array]:
+    """``BlockBatch``'s rows, label_ids, label_probs, union_ids, weights and onehot from the top-K row of each
+    draft's token (``label_at`` [Nb, P], −1: none)."""
+    Nb, P = label_at.shape
+    rows_grid = np.arange(Nb * B).reshape(Nb, B)[:, first_row:]
     sel = label_at >= 0
     ids, probs = arrays["topk_ids"][label_at[sel]], np.exp(arrays["topk_logprobs"][label_at[sel]].astype(np.float32))
     ok = probs.sum(-1) > 0
     ids, probs = ids[ok], probs[ok] / probs[ok].sum(-1, keepdims=True)
     rows, position = rows_grid[sel][ok], np.nonzero(sel)[1][ok]  # position: j - 1
     union = np.unique(ids)
-    onehot = (position[None] == np.arange(B - 1)[:, None]).astype(np.float32)
-    weights = (config.position_decay**position).astype(np.float32)
-    return BlockBatch(mx.array(np.concatenate(feats).astype(np.float32)[None]), mx.array(np.array(blocks, np.int32)),
-                      mx.array(np.array(anchors, np.int32)), mx.array(mask), mx.array(rows.astype(np.int32)),
-                      mx.array(np.searchsorted(union, ids).astype(np.int32)), mx.array(probs.astype(np.float32)),
-                      mx.array(union.astype(np.int32)), mx.array(weights), mx.array(onehot), greedy)
+    onehot = (position[None] == np.arange(P)[:, None]).astype(np.float32)
+    return [mx.array(rows.astype(np.int32)), mx.array(np.searchsorted(union, ids).astype(np.int32)),
+            mx.array(probs.astype(np.float32)), mx.array(union.astype(np.int32)),
+            mx.array((decay**position).astype(np.float32)), mx.array(onehot)]
 
 
 def block_batches(cache: FeatureCache, plan, config: DFlashTrainConfig, mask_token_id: int, *, epoch: int,
-                  start: int = 0) -> Iterator[BlockBatch]:
+                  start: int = 0, first_row: int = 1) -> Iterator[BlockBatch]:
     """Materialise ``plan[start:]``, one chunk in memory at a time; anchors keyed by (seed, epoch, chunk)."""
     return chunk_batches(cache, plan[start:], lambda arrays, c, spans: make_batch(
-        arrays, spans, config, mask_token_id, key=(config.seed, epoch, c)))
+        arrays, spans, config, mask_token_id, key=(config.seed, epoch, c), first_row=first_row))
 
 
 # --- loss and held-out acceptance --------------------------------------------------------------
 
 
-def _hidden(net: DFlashNet, batch: BlockBatch, embed) -> mx.array:
+def block_hidden(net: DFlashNet, batch: BlockBatch, embed) -> mx.array:
+    """The drafter's final-normed hidden states of every block row, [Nb, B, H] (one forward)."""
     return net(embed(batch.blocks), net.fuse(batch.features), None, batch.anchors, batch.mask)  # [Nb, B, H]
 
 
@@ -243,7 +264,7 @@ def dflash_loss(net: DFlashNet, batch: BlockBatch, embed, lm_weight: mx.array) -
     Returns:
         tuple: the loss (scalar, nats; weighted mean over rows) and the mean CE per block position [B − 1].
     """
-    hidden = _hidden(net, batch, embed)
+    hidden = block_hidden(net, batch, embed)
     rows = hidden.reshape(-1, hidden.shape[-1])[batch.rows]  # [n, H]
     ce = soft_ce(rows @ lm_weight[batch.union_ids].T, batch.label_ids, batch.label_probs)  # [n]
     per_position = (batch.onehot @ ce) / mx.maximum(batch.onehot.sum(-1), 1.0)
@@ -258,7 +279,7 @@ def evaluate(net: DFlashNet, embed, lm_head, cache: FeatureCache, config: DFlash
     for batch in block_batches(cache, plan_epoch(cache, config, shuffle=False), config, mask_token_id, epoch=0):
         if seen >= config.max_eval_positions:
             break
-        guess = np.array(mx.argmax(lm_head(_hidden(net, batch, embed)), axis=-1))  # [Nb, B]
+        guess = np.array(mx.argmax(lm_head(block_hidden(net, batch, embed)), axis=-1))  # [Nb, B]
         scored = batch.greedy[:, 1:] >= 0
         hits.append(np.where(scored, guess[:, 1:] == batch.greedy[:, 1:], -1))  # -1: nothing to score
         seen += int(scored.sum())

@@ -151,6 +151,9 @@ class Task(Protocol):
         data: The training data's folder (resolved): a run resumes only on the same data.
         resume_keys: The method's settings that must match to resume (the loop adds ``RESUME_KEYS``).
         compile: Whether ``loss`` may be ``mx.compile``d with the optimiser step (fixed batch shapes).
+        learning_rate_scales: Optional: top-level submodule name → multiplier of the learning rate for
+            its parameters (their own AdamW on the same schedule), e.g. a small read-out head that would
+            otherwise learn too slowly; absent or empty: one AdamW for everything.
     """
 
     data: str
@@ -243,6 +246,19 @@ def warmup_cosine(learning_rate: float, warmup_steps: int, total_steps: int):
     return optim.join_schedules([optim.linear_schedule(0.0, learning_rate, warmup), decay], [warmup])
 
 
+def make_optimizer(config: TrainConfig, total_steps: int, scales: dict[str, float] | None = None):
+    """AdamW on ``warmup_cosine`` over ``total_steps``; the parameters of each top-level submodule named in
+    ``scales`` get their own AdamW whose schedule is multiplied by its scale (an ``optim.MultiOptimizer``)."""
+    def adamw(scale: float):
+        return optim.AdamW(learning_rate=warmup_cosine(config.learning_rate * scale, config.warmup_steps, total_steps),
+                           betas=list(config.betas), weight_decay=config.weight_decay)
+
+    if not scales:
+        return adamw(1.0)
+    filters = [lambda path, _, name=name: path.split(".")[0] == name for name in scales]
+    return optim.MultiOptimizer([adamw(scale) for scale in scales.values()] + [adamw(1.0)], filters)
+
+
 def fit(task: Task, output: str | Path, config: TrainConfig, *, resume: bool = True
         ) -> Iterator[StepRecord | EvalRecord]:
     """Train ``task``'s model, checkpointing into ``output`` and resuming from there.
@@ -267,8 +283,7 @@ def fit(task: Task, output: str | Path, config: TrainConfig, *, resume: bool = T
     total = min(sum(per_epoch), config.max_steps) if config.max_steps else sum(per_epoch)
     if total == 0:
         raise ValueError(f"{task.data} has no training batches; check the data and --max-seq-length")
-    optimizer = optim.AdamW(learning_rate=warmup_cosine(config.learning_rate, config.warmup_steps, total),
-                            betas=list(config.betas), weight_decay=config.weight_decay)
+    optimizer = make_optimizer(config, total, getattr(task, "learning_rate_scales", None))
     state, model = _start(task, output, config, optimizer, resume)
     if state.global_step == 0 and not state.history:
         record = task.evaluate(model)
