@@ -164,3 +164,31 @@ class Drafter(ABC):
         target's features (``feature_layers``) at the verified nodes, root first, [N + 1, F],
         when ``needs_hidden``. Default: nothing."""
 
+
+def pending_features(pending: mx.array | None, cached: int, num_committed: int, accepted: list[int],
+                     hidden: mx.array | None) -> mx.array | None:
+    """A feature-reading drafter's features still to take in, after a verify forward (EAGLE, MTP, DFlash).
+
+    Such a drafter holds the target's features of ``cached`` committed positions in its own cache and
+    keeps those of later committed positions in ``pending``. The verify forward computed the features
+    of the root and of every drafted node (``hidden``, root first); the root's and each accepted
+    node's become committed, except those already known.
+
+    Args:
+        pending: Features not yet in the cache, [n, F], or ``None``.
+        cached: Positions already in the drafter's cache.
+        num_committed: Committed tokens after this round (``Drafter.commit``).
+        accepted: Accepted draft nodes, root to leaf.
+        hidden: The verify forward's features, [N + 1, F], or ``None`` (then nothing changes).
+
+    Returns:
+        mx.array | None: ``pending`` with the new rows appended (lazy).
+    """
+    if hidden is None:
+        return pending
+    known = cached + (0 if pending is None else pending.shape[0])
+    rows = ([0] + [node + 1 for node in accepted])[: max(num_committed - 1 - known, 0)]
+    if not rows:  # nothing new committed (e.g. a cost measurement's empty round)
+        return pending
+    new = hidden[mx.array(rows)]  # [n, F]: the root's and each accepted node's features
+    return new if pending is None else mx.concatenate([pending, new])

@@ -14,7 +14,7 @@ from mlx_lm.models.cache import KVCache
 from ..heads.dflash import DFlashNet, load_dflash
 from ..sampling import SamplingParams, sample
 from ..taps import model_body, output_head
-from .base import Draft, Drafter
+from .base import Draft, Drafter, pending_features
 from .registry import DrafterContext, DrafterType, option, register
 
 
@@ -71,14 +71,7 @@ class DFlashDrafter(Drafter):
         self._pending = hidden if hidden is not None and hidden.shape[0] > 0 else None
 
     def commit(self, num_committed, accepted, hidden=None):
-        if hidden is None:
-            return
-        known = self.cache[0].offset + (0 if self._pending is None else self._pending.shape[0])
-        rows = ([0] + [node + 1 for node in accepted])[: max(num_committed - 1 - known, 0)]
-        if not rows:  # nothing new committed (e.g. a cost measurement's empty round)
-            return
-        new = hidden[mx.array(rows)]  # [n, K H]: the root's and each accepted node's features
-        self._pending = new if self._pending is None else mx.concatenate([self._pending, new])
+        self._pending = pending_features(self._pending, self.cache[0].offset, num_committed, accepted, hidden)
 
     def block_logits(self, anchor: int, position: int) -> tuple[mx.array, mx.array]:
         """One drafter forward over the block at ``position`` (the anchor's): hidden [B, H] and

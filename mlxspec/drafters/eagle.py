@@ -19,7 +19,7 @@ from ..costmodel import load_or_calibrate
 from ..heads.eagle import EagleHead, load_eagle
 from ..taps import model_body, output_head
 from ..tree import Tree, read_eagle_tree, tree_from_choices
-from .base import Draft, Drafter
+from .base import Draft, Drafter, pending_features
 from .registry import DrafterContext, DrafterType, at_least, int_or_auto, option, register
 from .ngram import lookup_continuation
 
@@ -198,14 +198,7 @@ class EagleDrafter(Drafter):
     def commit(self, num_committed, accepted, hidden=None):
         if self.budget is not None:
             self.budget.update(len(accepted))
-        if hidden is None:
-            return
-        known = self.cache[0].offset + (0 if self._pending is None else self._pending.shape[0])
-        rows = ([0] + [node + 1 for node in accepted])[: max(num_committed - 1 - known, 0)]
-        if not rows:  # nothing new committed (e.g. a cost measurement's empty round)
-            return
-        new = hidden[mx.array(rows)]  # [n, F]: the root's and each accepted node's feature
-        self._pending = new if self._pending is None else mx.concatenate([self._pending, new])
+        self._pending = pending_features(self._pending, self.cache[0].offset, num_committed, accepted, hidden)
 
     def _step(self, features: mx.array, tokens: mx.array, mask=None, position: int | None = None) -> mx.array:
         """Draft layer over [T] nodes into the draft cache; all at ``position`` when given."""

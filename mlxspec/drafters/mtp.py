@@ -22,7 +22,7 @@ from ..assets import shipped
 from ..heads.mtp import TRAIN_COMMAND, MTPStack, has_mtp, load_mtp
 from ..sampling import SamplingParams, sample
 from ..taps import model_body, output_head
-from .base import Draft, Drafter
+from .base import Draft, Drafter, pending_features
 from .registry import DrafterContext, DrafterType, at_least, option, register
 
 #: Chain depth when neither the option nor the checkpoint's ``draft_depth`` sets one.
@@ -68,14 +68,7 @@ class MTPDrafter(Drafter):
         self._pending = hidden if hidden is not None and hidden.shape[0] > 0 else None
 
     def commit(self, num_committed, accepted, hidden=None):
-        if hidden is None:
-            return
-        known = self.cache[0].offset + (0 if self._pending is None else self._pending.shape[0])
-        rows = ([0] + [node + 1 for node in accepted])[: max(num_committed - 1 - known, 0)]
-        if not rows:
-            return
-        new = hidden[mx.array(rows)]  # [n, H]: the root's and each accepted node's feature
-        self._pending = new if self._pending is None else mx.concatenate([self._pending, new])
+        self._pending = pending_features(self._pending, self.cache[0].offset, num_committed, accepted, hidden)
 
     def propose(self, history, num_draft_tokens, sampling: SamplingParams):
         depth = min(num_draft_tokens, self.depth)

@@ -31,8 +31,8 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.qwen3 import MLP
 from mlx_lm.models.rope_utils import initialize_rope
 
-from ..loading import hub_folder, looks_like_repo_id
 from ..taps import logits_width, model_body
+from .checkpoints import check_tensors, embedding_dtype, local_or_hub, write_checkpoint
 
 DEFAULT_BLOCK_SIZE = 16
 
@@ -268,12 +268,7 @@ def dflash_folder(spec: str) -> Path:
         FileNotFoundError: a path that does not exist and does not look like a repo id.
         ValueError: a repo that cannot be fetched.
     """
-    path = Path(spec).expanduser()
-    if path.exists():
-        return path
-    if looks_like_repo_id(spec):
-        return hub_folder(spec, allow_patterns=["*.json", "*.safetensors"])
-    raise FileNotFoundError(f"no such DFlash drafter folder: {spec}; pass a folder or a Hugging Face repo id")
+    return local_or_hub(spec, ["*.json", "*.safetensors"], "no such DFlash drafter folder")
 
 
 def _read(folder: Path) -> tuple[dict, dict]:
@@ -335,33 +330,36 @@ def load_dflash(spec: str | Path, target: nn.Module | None = None, dtype=None) -
         ValueError: an unsupported variant, config and tensors that disagree, or a drafter that does
             not fit the target (both sizes named).
     """
+    return load_block_drafter(spec, target, dtype, DFlashConfig.from_dict, DFlashNet, "DFlash drafter",
+                              lambda c: f"for a {c.num_hidden_layers}-layer DFlashDraftModel; are its config.json and "
+                                        "weights from the same checkpoint?")
+
+
+def load_block_drafter(spec: str | Path, target: nn.Module | None, dtype, read_config, make_net, name: str,
+                       layout) -> DFlashNet:
+    """The loading steps DFlash and the drafters on its backbone (DSpark) share: read, check, build, fill.
+
+    Args:
+        spec, target, dtype: As ``load_dflash``.
+        read_config: ``config.json`` dict -> the drafter's config (raising ``ValueError`` on a bad one).
+        make_net: Config -> a fresh network (a ``DFlashNet``).
+        name: The drafter's kind in errors (``"DSpark drafter"``).
+        layout: Config -> what completes "lacks/has unexpected X …" (the layout the config implies).
+
+    Raises:
+        As ``load_dflash``.
+    """
     raw_config, weights = _read(dflash_folder(str(spec)))
-    config = DFlashConfig.from_dict(raw_config)
+    config = read_config(raw_config)
     if target is not None:
-        check_fits(config, target, f"DFlash drafter {spec}")
-    net = DFlashNet(config)
-    expected = dict(tree_flatten(net.parameters()))
-    missing, extra = sorted(set(expected) - set(weights)), sorted(set(weights) - set(expected))
-    if missing or extra:
-        what = f"lacks {', '.join(missing[:3])}" if missing else f"has unexpected {', '.join(extra[:3])}"
-        raise ValueError(f"DFlash drafter {spec} {what} for a {config.num_hidden_layers}-layer DFlashDraftModel; "
-                         "are its config.json and weights from the same checkpoint?")
-    for key, value in weights.items():
-        if tuple(value.shape) != tuple(expected[key].shape):
-            raise ValueError(f"DFlash drafter {spec}: tensor {key} has shape {tuple(value.shape)} but its config.json "
-                             f"implies {tuple(expected[key].shape)}; the config and weights disagree")
-    if dtype is None:
-        dtype = _embedding_dtype(target) if target is not None else mx.float32
+        check_fits(getattr(config, "backbone", config), target, f"{name} {spec}")
+    net = make_net(config)
+    check_tensors(net, weights, f"{name} {spec}", lacks=layout(config), extra=layout(config))
+    dtype = embedding_dtype(target) if dtype is None else dtype
     net.load_weights([(k, v.astype(dtype)) for k, v in weights.items()], strict=True)
     mx.eval(net.parameters())
     net.eval()
     return net
-
-
-def _embedding_dtype(target: nn.Module):
-    emb = model_body(target).embed_tokens
-    dtype = emb.scales.dtype if hasattr(emb, "scales") else emb.weight.dtype
-    return dtype if mx.issubdtype(dtype, mx.floating) else mx.float32
 
 
 def save_dflash(net: DFlashNet, folder: str | Path, extra_config: dict | None = None) -> None:
@@ -372,8 +370,4 @@ def save_dflash(net: DFlashNet, folder: str | Path, extra_config: dict | None = 
         folder: Created if missing.
         extra_config: More ``config.json`` entries (e.g. a training record). Default: none.
     """
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(net.parameters())))
-    config = {**net.config.to_dict(), **(extra_config or {})}
-    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    write_checkpoint(folder, dict(tree_flatten(net.parameters())), {**net.config.to_dict(), **(extra_config or {})})

@@ -20,7 +20,6 @@ beside the DFlash backbone's. The block's ``block_size`` counts proposals; with
 from __future__ import annotations
 
 import copy
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,7 +27,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from .dflash import DFlashConfig, DFlashNet, _embedding_dtype, _read, check_fits, dflash_folder
+from .checkpoints import write_checkpoint
+from .dflash import DFlashConfig, DFlashNet, load_block_drafter
 
 
 @dataclass(frozen=True)
@@ -112,9 +112,13 @@ class ConfidenceHead(nn.Module):
         self.with_markov = with_markov
         self.proj = nn.Linear(hidden_size + (rank if with_markov else 0), 1, bias=True)
 
-    def __call__(self, hidden: mx.array, markov: mx.array) -> mx.array:
+    def logits(self, hidden: mx.array, markov: mx.array) -> mx.array:
+        """The logit of c: hidden [.., H] and W1[x_prev] [.., r] -> [..] float32 (training uses it for a stable BCE)."""
         x = mx.concatenate([hidden, markov.astype(hidden.dtype)], axis=-1) if self.with_markov else hidden
-        return mx.sigmoid(self.proj(x)[..., 0].astype(mx.float32))
+        return self.proj(x)[..., 0].astype(mx.float32)
+
+    def __call__(self, hidden: mx.array, markov: mx.array) -> mx.array:
+        return mx.sigmoid(self.logits(hidden, markov))
 
 
 class DSparkNet(DFlashNet):
@@ -155,32 +159,11 @@ def load_dspark(spec: str | Path, target: nn.Module | None = None, dtype=None) -
         ValueError: not a DSpark config, an unsupported variant, config and tensors that disagree, or
             a drafter that does not fit the target (both sizes named).
     """
-    raw_config, weights = _read(dflash_folder(str(spec)))
-    config = DSparkConfig.from_dict(raw_config)
-    if target is not None:
-        check_fits(config.backbone, target, f"DSpark drafter {spec}")
-    net = DSparkNet(config)
-    expected = dict(tree_flatten(net.parameters()))
-    missing, extra = sorted(set(expected) - set(weights)), sorted(set(weights) - set(expected))
-    if missing or extra:
-        what = f"lacks {', '.join(missing[:3])}" if missing else f"has unexpected {', '.join(extra[:3])}"
-        raise ValueError(f"DSpark drafter {spec} {what} for its config.json (markov_rank {config.markov_rank}, "
-                         f"confidence head {'on' if config.confidence else 'off'}); are they from the same checkpoint?")
-    for key, value in weights.items():
-        if tuple(value.shape) != tuple(expected[key].shape):
-            raise ValueError(f"DSpark drafter {spec}: tensor {key} has shape {tuple(value.shape)} but its config.json "
-                             f"implies {tuple(expected[key].shape)}; the config and weights disagree")
-    if dtype is None:
-        dtype = _embedding_dtype(target) if target is not None else mx.float32
-    net.load_weights([(k, v.astype(dtype)) for k, v in weights.items()], strict=True)
-    mx.eval(net.parameters())
-    net.eval()
-    return net
+    return load_block_drafter(spec, target, dtype, DSparkConfig.from_dict, DSparkNet, "DSpark drafter",
+                              lambda c: f"for its config.json (markov_rank {c.markov_rank}, confidence head "
+                                        f"{'on' if c.confidence else 'off'}); are they from the same checkpoint?")
 
 
 def save_dspark(net: DSparkNet, folder: str | Path) -> None:
     """Write ``config.json`` and ``model.safetensors`` in the published layout."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(net.parameters())))
-    (folder / "config.json").write_text(json.dumps(net.dspark.to_dict(), indent=2) + "\n")
+    write_checkpoint(folder, dict(tree_flatten(net.parameters())), net.dspark.to_dict())

@@ -29,9 +29,9 @@ import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models import llama
 
-from ..loading import hub_folder, looks_like_repo_id
 from ..pickle_reader import load_torch_weights
-from ..taps import logits_width, model_body
+from ..taps import logits_width
+from .checkpoints import check_tensors, embedding_dtype, local_or_hub, write_checkpoint
 
 #: EAGLE-1/2 and EAGLE-3 draft RoPE base when the head's config has none (docs/heads.md 5.2).
 DEFAULT_ROPE_THETA = 10000.0
@@ -353,19 +353,9 @@ def check_fits(config: EagleConfig, target_hidden: int, target_vocab: int, sourc
 
 
 def _check_shapes(head: EagleHead, weights: dict, source: str) -> None:
-    expected = dict(tree_flatten(head.parameters()))
-    missing = sorted(set(expected) - set(weights))
-    if missing:
-        raise ValueError(f"{source} lacks tensors {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''} "
-                         f"of the EAGLE-{head.config.version} layout; is it an EAGLE head?")
-    extra = sorted(set(weights) - set(expected))
-    if extra:
-        raise ValueError(f"{source} has tensors {', '.join(extra[:4])}{' ...' if len(extra) > 4 else ''} that the "
-                         f"EAGLE-{head.config.version} layout lacks; an unsupported variant of the head?")
-    for key, value in weights.items():
-        if tuple(value.shape) != tuple(expected[key].shape):
-            raise ValueError(f"{source}: tensor {key} has shape {tuple(value.shape)} but its config.json implies "
-                             f"{tuple(expected[key].shape)}; the config and weights disagree")
+    layout = f"the EAGLE-{head.config.version} layout"
+    check_tensors(head, weights, source, lacks=f"of {layout}; is it an EAGLE head?",
+                  extra=f"that {layout} lacks; an unsupported variant of the head?", most=4)
 
 
 def load_eagle(spec: str | Path, target: nn.Module | None = None, dtype=None) -> EagleHead:
@@ -404,7 +394,7 @@ def load_eagle(spec: str | Path, target: nn.Module | None = None, dtype=None) ->
     head = EagleHead(cfg)
     _check_shapes(head, weights, str(spec))
     if dtype is None:
-        dtype = _compute_dtype(target) if target is not None else mx.float32
+        dtype = embedding_dtype(target)
     cast = {k: (v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v) for k, v in weights.items()}
     if "d2t" in cast:
         cast["d2t"] = cast["d2t"].astype(mx.int32)
@@ -423,25 +413,16 @@ def _t2d_from_d2t(d2t: mx.array, vocab_size: int) -> mx.array:
     return mx.array(mask)
 
 
-def _compute_dtype(target: nn.Module):
-    emb = model_body(target).embed_tokens
-    dtype = emb.scales.dtype if hasattr(emb, "scales") else emb.weight.dtype
-    return dtype if mx.issubdtype(dtype, mx.floating) else mx.float32
-
-
 def save_eagle(head: EagleHead, folder: str | Path) -> None:
     """Write ``config.json`` and ``model.safetensors`` in the published EAGLE layout.
 
     EAGLE-1/2: ``fc.*``, ``layers.0.*``; EAGLE-3: ``fc.weight``, ``midlayer.*``, ``norm.weight``,
     ``lm_head.weight`` and, with a reduced vocabulary, ``d2t`` (int64 offsets) and ``t2d`` (bool).
     """
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
     weights = dict(tree_flatten(head.parameters()))
     if "d2t" in weights:
         weights["d2t"] = weights["d2t"].astype(mx.int64)
-    mx.save_safetensors(str(folder / "model.safetensors"), weights)
-    (folder / "config.json").write_text(json.dumps(head.config.to_dict(), indent=2) + "\n")
+    write_checkpoint(folder, weights, head.config.to_dict())
 
 
 def eagle_folder(spec: str) -> Path:
@@ -452,9 +433,4 @@ def eagle_folder(spec: str) -> Path:
         FileNotFoundError: a path that does not exist and does not look like a repo id.
         ValueError: a repo that cannot be fetched.
     """
-    path = Path(spec).expanduser()
-    if path.exists():
-        return path
-    if looks_like_repo_id(spec):
-        return hub_folder(spec, allow_patterns=["*.json", "*.safetensors", "pytorch_model.bin"])
-    raise FileNotFoundError(f"no such EAGLE head folder or file: {spec}; pass a path or a Hugging Face repo id")
+    return local_or_hub(spec, ["*.json", "*.safetensors", "pytorch_model.bin"], "no such EAGLE head folder or file")

@@ -8,7 +8,6 @@ LM head (the shared-head "v2" format). Drafting with them is ``mlxspec.drafters.
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -17,8 +16,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from ..loading import hub_folder, looks_like_repo_id
 from ..pickle_reader import load_torch_weights
+from .checkpoints import local_or_hub, write_checkpoint
 
 
 @dataclass(frozen=True)
@@ -161,11 +160,8 @@ def load_medusa(path: str | Path, *, hidden_size: int, vocab_size: int) -> Medus
 
 def save_medusa(path: str | Path, heads: MedusaHeads) -> None:
     """Write ``medusa_lm_head.safetensors`` (published layout) and ``config.json`` into ``path``."""
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
     weights = {k.removeprefix("heads."): v for k, v in tree_flatten(heads.parameters())}
-    mx.save_safetensors(str(path / "medusa_lm_head.safetensors"), weights)
-    (path / "config.json").write_text(json.dumps(asdict(heads.config), indent=2) + "\n")
+    write_checkpoint(path, weights, asdict(heads.config), "medusa_lm_head.safetensors")
 
 
 def medusa_folder(spec: str) -> Path:
@@ -176,12 +172,8 @@ def medusa_folder(spec: str) -> Path:
         FileNotFoundError: a path that does not exist and does not look like a repo id.
         ValueError: a repo that cannot be fetched.
     """
-    path = Path(spec).expanduser()
-    if path.exists():
-        return path
-    if looks_like_repo_id(spec):
-        return hub_folder(spec, allow_patterns=["*.json", "*.safetensors", "medusa_lm_head.pt", "*.bin"])
-    raise FileNotFoundError(f"no such Medusa heads folder or file: {spec}; pass a path or a Hugging Face repo id")
+    return local_or_hub(spec, ["*.json", "*.safetensors", "medusa_lm_head.pt", "*.bin"],
+                        "no such Medusa heads folder or file")
 
 
 def _read_weights(path: Path) -> dict:

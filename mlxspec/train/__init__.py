@@ -5,7 +5,7 @@
 - ``store``: the chunked on-disk format both of those write (manifest, atomic chunks, progress).
 - ``features``: the frozen target's hidden states, cached on disk in chunks and streamed.
 - ``loop``: the one training loop (``fit``: state, resume, AdamW schedule, checkpoints, records).
-- ``medusa``, ``eagle``, ``draft``: each method as a small task on the loop.
+- ``medusa``, ``eagle``, ``draft``, ``mtp``, ``dflash``, ``dspark``: each method as a small task on the loop.
 - ``measure``: τ, acceptance per depth and tokens/s of trained heads on held-out prompts.
 """
 

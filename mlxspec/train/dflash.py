@@ -32,14 +32,12 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx.utils import tree_map
 
 from ..heads.dflash import DFlashConfig, DFlashNet, load_dflash, save_dflash
 from ..taps import logits_width, model_body, output_head
-from .eagle import lm_head_matrix
-from .features import FeatureCache
-from .loop import EvalRecord, StepRecord, TrainConfig, fit
-from .store import model_fingerprint
+from .eagle import lm_head_matrix, soft_ce
+from .features import FeatureCache, check_corpus_arrays, chunk_batches, chunk_spans
+from .loop import EpochPlans, EvalRecord, StepRecord, TrainConfig, cast_copy, fit
 
 #: Settings that must match to resume a run (with the loop's own).
 RESUME_KEYS = ("num_layers", "block_size", "anchors_per_example", "batch_tokens", "max_seq_length", "mask_token_id",
@@ -107,14 +105,8 @@ def check_corpus(cache: FeatureCache, target: nn.Module | None = None) -> None:
         ValueError: another model made it, it lacks the layer features or soft labels, or one of its
             feature layers is the embedding (no target layer output).
     """
-    if target is not None and cache.manifest.get("model") not in (None, model_fingerprint(target)):
-        raise ValueError(f"the corpus in {cache.directory} was made by another model than this target; "
-                         "build one with this target (mlxspec train corpus --model ...)")
-    with np.load(cache.directory / cache.manifest["chunks"][0]["file"]) as data:
-        missing = sorted({"tokens", "mask", "offsets", "greedy", "aux", "topk_ids", "topk_logprobs"} - set(data.files))
-    if missing:
-        raise ValueError(f"{cache.directory} lacks {', '.join(missing)}: DFlash training needs a corpus from "
-                         "'mlxspec train corpus', not a Medusa feature cache")
+    check_corpus_arrays(cache, target, {"tokens", "mask", "offsets", "greedy", "aux", "topk_ids", "topk_logprobs"},
+                        "DFlash")
     if min(cache.manifest.get("aux_layers") or [0]) < 1:
         raise ValueError(f"the corpus in {cache.directory} records the input of layer 0 (the embedding), which is "
                          "no target layer's output; build it from a target with at least 4 layers")
@@ -133,12 +125,14 @@ class BlockBatch:
         anchors: Each anchor's packed position, [Nb] int32.
         mask: What each block sees: its example's context before the anchor and its own block,
             [Nb, 1, 1, S + B] bool.
-        rows: Flat indices into [Nb * B] of the loss positions, [n] int32.
+        rows: Flat indices into [Nb * B] of the loss positions (block rows), [n] int32.
         label_ids: Soft labels as indices into ``union_ids``, [n, K] int32.
         label_probs: Their probabilities, [n, K] float32 (rows sum to 1).
         union_ids: Target ids of the softmax's columns, [U] int32.
-        weights: Loss weight per row, [n] float32; ``onehot``: row → block position j − 1, [B − 1, n].
-        greedy: The target's greedy token at each block position, [Nb, B] int32 (−1: none to score).
+        weights: Loss weight per row, [n] float32; ``onehot``: row → draft position j − 1, [P, n].
+        greedy: The target's greedy token at each block row, [Nb, B] int32 (−1: none to score).
+        previous: The text's token before the one each row scores, [Nb, B] int32 (the anchor for draft 1;
+            DSpark's teacher-forced Markov input; 0 in rows that score nothing).
     """
 
     features: mx.array
@@ -152,33 +146,19 @@ class BlockBatch:
     weights: mx.array
     onehot: mx.array
     greedy: np.ndarray
+    previous: mx.array
 
     @property
     def positions(self) -> int:
         return int(self.rows.shape[0])
 
 
-def _spans(arrays: dict, max_len: int) -> list[tuple[int, int]]:
-    """``(start, length)`` of each example (cut to ``max_len``) with an anchor: an answer token after position 1."""
-    offsets, mask = arrays["offsets"], arrays["mask"]
-    out = []
-    for e in range(len(offsets) - 1):
-        start, length = int(offsets[e]), int(min(offsets[e + 1] - offsets[e], max_len))
-        if length >= 3 and mask[start + 2 : start + length].any():
-            out.append((start, length))
-    return out
-
-
 def plan_epoch(cache: FeatureCache, config: DFlashTrainConfig, *, epoch: int = 0, shuffle: bool = True
                ) -> list[tuple[int, list[tuple[int, int]]]]:
     """The batches of one epoch as ``(chunk, [(start, length), ...])``: examples packed up to
     ``batch_tokens`` positions, chunks and examples permuted by (seed, epoch[, chunk]) with ``shuffle``."""
-    order = np.arange(cache.num_chunks)
-    if shuffle:
-        order = np.random.default_rng([config.seed, epoch]).permutation(cache.num_chunks)
     plan = []
-    for c in map(int, order):
-        spans = _spans(cache.load_arrays(c, ("tokens", "mask", "offsets")), config.max_seq_length)
+    for c, spans in chunk_spans(cache, config.max_seq_length, seed=config.seed, epoch=epoch, shuffle=shuffle):
         if shuffle:
             spans = [spans[i] for i in np.random.default_rng([config.seed, epoch, c]).permutation(len(spans))]
         current, used = [], 0
@@ -200,61 +180,75 @@ def _anchors(mask: np.ndarray, start: int, length: int, count: int, rng: np.rand
 
 
 def make_batch(arrays: dict, spans: list[tuple[int, int]], config: DFlashTrainConfig, mask_token_id: int, *,
-               key: tuple[int, ...]) -> BlockBatch:
-    """Materialise one batch from a loaded chunk (see ``BlockBatch``); ``key`` seeds the anchors."""
-    B = config.block_size
-    aux, tokens, answer = arrays["aux"], arrays["tokens"], arrays["mask"]
-    feats, blocks, anchors, visible, greedy, label_at = [], [], [], [], [], []
-    packed = 0
-    for e, (s, length) in enumerate(spans):
+               key: tuple[int, ...], first_row: int = 1) -> BlockBatch:
+    """Materialise one batch from a loaded chunk (see ``BlockBatch``); ``key`` seeds the anchors.
+
+    ``first_row`` is the block row that scores draft 1: 1 in DFlash (row j scores the token at anchor
+    + j), 0 in DSpark's published layout (row j − 1 does); drafts 1 … B − ``first_row`` are scored.
+    """
+    B, P = config.block_size, config.block_size - first_row
+    aux, tokens = arrays["aux"], arrays["tokens"]
+    feats, blocks, anchors, visible, greedy, previous, label_at = [], [], [], [], [], [], []
+    packed, pad = 0, [-1] * first_row
+    for s, length in spans:
         feats.append(aux[s : s + length].reshape(length, -1))
         rng = np.random.default_rng([*key, s])
-        for i in _anchors(answer, s, length, config.anchors_per_example, rng):
+        for i in _anchors(arrays["mask"], s, length, config.anchors_per_example, rng):
             blocks.append([tokens[s + i]] + [mask_token_id] * (B - 1))
             anchors.append(packed + i)
             visible.append((packed, packed + i))
-            t = s + i + np.arange(1, B)  # the block's masked positions, in the chunk
-            inside = np.minimum(t, s + length - 1)
-            ok = (t < s + length) & answer[inside]
-            target_greedy = arrays["greedy"][inside - 1]  # the target's greedy choice for token t
-            greedy.append(np.concatenate([[-1], np.where(ok & (target_greedy >= 0), target_greedy, -1)]))
+            t, ok, target_greedy = _drafted(arrays, s + i, s + length, P)
+            greedy.append(pad + np.where(ok & (target_greedy >= 0), target_greedy, -1).tolist())
+            previous.append([0] * first_row + tokens[np.minimum(t, s + length) - 1].tolist())
             label_at.append(np.where(ok, t - 1, -1))  # top-K row holding the distribution of token t
         packed += length
     S, Nb = packed, len(blocks)
     lo, hi = np.array(visible).reshape(Nb, 2).T
     ctx = (np.arange(S)[None] >= lo[:, None]) & (np.arange(S)[None] < hi[:, None])
     mask = np.concatenate([ctx, np.ones((Nb, B), bool)], axis=1)[:, None, None]
-    greedy, label_at = np.array(greedy, np.int32).reshape(Nb, B), np.array(label_at).reshape(Nb, B - 1)
-    rows_grid = np.arange(Nb * B).reshape(Nb, B)[:, 1:]
+    labels = _soft_labels(arrays, np.array(label_at).reshape(Nb, P), first_row, B, config.position_decay)
+    return BlockBatch(mx.array(np.concatenate(feats).astype(np.float32)[None]), mx.array(np.array(blocks, np.int32)),
+                      mx.array(np.array(anchors, np.int32)), mx.array(mask), *labels,
+                      np.array(greedy, np.int32).reshape(Nb, B), mx.array(np.array(previous, np.int32).reshape(Nb, B)))
+
+
+def _drafted(arrays: dict, anchor: int, end: int, P: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Drafts 1 … P after the chunk position ``anchor`` of an example ending at ``end``: their chunk positions
+    t [P], whether each is an answer token of the example [P], and the target's greedy choice for each [P]."""
+    t = anchor + np.arange(1, P + 1)
+    inside = np.minimum(t, end - 1)
+    return t, (t < end) & arrays["mask"][inside], arrays["greedy"][inside - 1]
+
+
+def _soft_labels(arrays: dict, label_at: np.ndarray, first_row: int, B: int, decay: float) -> list[mx.array]:
+    """``BlockBatch``'s rows, label_ids, label_probs, union_ids, weights and onehot from the top-K row of each
+    draft's token (``label_at`` [Nb, P], −1: none)."""
+    Nb, P = label_at.shape
+    rows_grid = np.arange(Nb * B).reshape(Nb, B)[:, first_row:]
     sel = label_at >= 0
     ids, probs = arrays["topk_ids"][label_at[sel]], np.exp(arrays["topk_logprobs"][label_at[sel]].astype(np.float32))
     ok = probs.sum(-1) > 0
     ids, probs = ids[ok], probs[ok] / probs[ok].sum(-1, keepdims=True)
     rows, position = rows_grid[sel][ok], np.nonzero(sel)[1][ok]  # position: j - 1
     union = np.unique(ids)
-    onehot = (position[None] == np.arange(B - 1)[:, None]).astype(np.float32)
-    weights = (config.position_decay**position).astype(np.float32)
-    return BlockBatch(mx.array(np.concatenate(feats).astype(np.float32)[None]), mx.array(np.array(blocks, np.int32)),
-                      mx.array(np.array(anchors, np.int32)), mx.array(mask), mx.array(rows.astype(np.int32)),
-                      mx.array(np.searchsorted(union, ids).astype(np.int32)), mx.array(probs.astype(np.float32)),
-                      mx.array(union.astype(np.int32)), mx.array(weights), mx.array(onehot), greedy)
+    onehot = (position[None] == np.arange(P)[:, None]).astype(np.float32)
+    return [mx.array(rows.astype(np.int32)), mx.array(np.searchsorted(union, ids).astype(np.int32)),
+            mx.array(probs.astype(np.float32)), mx.array(union.astype(np.int32)),
+            mx.array((decay**position).astype(np.float32)), mx.array(onehot)]
 
 
 def block_batches(cache: FeatureCache, plan, config: DFlashTrainConfig, mask_token_id: int, *, epoch: int,
-                  start: int = 0) -> Iterator[BlockBatch]:
+                  start: int = 0, first_row: int = 1) -> Iterator[BlockBatch]:
     """Materialise ``plan[start:]``, one chunk in memory at a time; anchors keyed by (seed, epoch, chunk)."""
-    loaded, arrays = None, None
-    for c, spans in plan[start:]:
-        if c != loaded:
-            arrays = None  # drop the previous chunk before reading the next
-            arrays, loaded = cache.load_chunk(c), c
-        yield make_batch(arrays, spans, config, mask_token_id, key=(config.seed, epoch, c))
+    return chunk_batches(cache, plan[start:], lambda arrays, c, spans: make_batch(
+        arrays, spans, config, mask_token_id, key=(config.seed, epoch, c), first_row=first_row))
 
 
 # --- loss and held-out acceptance --------------------------------------------------------------
 
 
-def _hidden(net: DFlashNet, batch: BlockBatch, embed) -> mx.array:
+def block_hidden(net: DFlashNet, batch: BlockBatch, embed) -> mx.array:
+    """The drafter's final-normed hidden states of every block row, [Nb, B, H] (one forward)."""
     return net(embed(batch.blocks), net.fuse(batch.features), None, batch.anchors, batch.mask)  # [Nb, B, H]
 
 
@@ -270,11 +264,9 @@ def dflash_loss(net: DFlashNet, batch: BlockBatch, embed, lm_weight: mx.array) -
     Returns:
         tuple: the loss (scalar, nats; weighted mean over rows) and the mean CE per block position [B − 1].
     """
-    hidden = _hidden(net, batch, embed)
+    hidden = block_hidden(net, batch, embed)
     rows = hidden.reshape(-1, hidden.shape[-1])[batch.rows]  # [n, H]
-    logits = rows @ lm_weight[batch.union_ids].T  # [n, U]
-    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    ce = -(batch.label_probs * mx.take_along_axis(logprobs, batch.label_ids, axis=-1)).sum(-1)  # [n]
+    ce = soft_ce(rows @ lm_weight[batch.union_ids].T, batch.label_ids, batch.label_probs)  # [n]
     per_position = (batch.onehot @ ce) / mx.maximum(batch.onehot.sum(-1), 1.0)
     return (batch.weights * ce).sum() / mx.maximum(batch.weights.sum(), 1e-6), per_position
 
@@ -287,25 +279,39 @@ def evaluate(net: DFlashNet, embed, lm_head, cache: FeatureCache, config: DFlash
     for batch in block_batches(cache, plan_epoch(cache, config, shuffle=False), config, mask_token_id, epoch=0):
         if seen >= config.max_eval_positions:
             break
-        guess = np.array(mx.argmax(lm_head(_hidden(net, batch, embed)), axis=-1))  # [Nb, B]
+        guess = np.array(mx.argmax(lm_head(block_hidden(net, batch, embed)), axis=-1))  # [Nb, B]
         scored = batch.greedy[:, 1:] >= 0
         hits.append(np.where(scored, guess[:, 1:] == batch.greedy[:, 1:], -1))  # -1: nothing to score
         seen += int(scored.sum())
     grid = np.concatenate(hits) if hits else np.zeros((0, config.block_size - 1), int)
+    return DFlashEvalRecord(**chain_record(grid), positions=seen)
+
+
+def chain_record(grid: np.ndarray) -> dict:
+    """``acceptance``, ``chain_acceptance`` and ``tau`` of a ``DFlashEvalRecord`` from the held-out hits
+    [n blocks, P drafts]: 1 agrees with the target's greedy token, 0 not, −1 nothing to score. The chain
+    acceptance counts the blocks with every draft scored."""
     acceptance = [float((col[col >= 0] == 1).mean()) if (col >= 0).any() else 0.0 for col in grid.T]
     full = grid[(grid >= 0).all(axis=1)]
     chain = np.cumprod(full == 1, axis=1).mean(axis=0).tolist() if len(full) else [0.0] * grid.shape[1]
-    return DFlashEvalRecord(acceptance=acceptance, chain_acceptance=chain, tau=1.0 + sum(chain), positions=seen)
+    return {"acceptance": acceptance, "chain_acceptance": chain, "tau": 1.0 + sum(chain)}
 
 
 # --- the task on the shared loop ---------------------------------------------------------------
 
 
 def init_net(target: nn.Module, config: DFlashTrainConfig, aux_layers: list[int]) -> DFlashNet:
-    """A fresh drafter shaped like ``config.num_layers`` layers of ``target``, reading the outputs of the
-    layers before the corpus's ``aux_layers`` (the inputs it recorded)."""
+    """A fresh drafter (``backbone_config``), evaluated."""
+    net = DFlashNet(backbone_config(target, config, aux_layers))
+    mx.eval(net.parameters())
+    return net
+
+
+def backbone_config(target: nn.Module, config: DFlashTrainConfig, aux_layers: list[int]) -> DFlashConfig:
+    """The shape of ``config.num_layers`` layers of ``target`` reading the outputs of the layers before the
+    corpus's ``aux_layers`` (the inputs it recorded), with ``config``'s block size and mask id."""
     args, vocab = target.args, int(logits_width(target))
-    shape = DFlashConfig(
+    return DFlashConfig(
         hidden_size=args.hidden_size, intermediate_size=args.intermediate_size, num_hidden_layers=config.num_layers,
         num_attention_heads=args.num_attention_heads,
         num_key_value_heads=getattr(args, "num_key_value_heads", None) or args.num_attention_heads,
@@ -314,12 +320,9 @@ def init_net(target: nn.Module, config: DFlashTrainConfig, aux_layers: list[int]
         mask_token_id=config.mask_token_id if config.mask_token_id >= 0 else vocab - 1,
         rms_norm_eps=args.rms_norm_eps, rope_theta=float(getattr(args, "rope_theta", 10000.0)),
         max_position_embeddings=int(getattr(args, "max_position_embeddings", None) or 32768))
-    net = DFlashNet(shape)
-    mx.eval(net.parameters())
-    return net
 
 
-class DFlashTask:
+class DFlashTask(EpochPlans):
     """DFlash on ``loop.fit``: one drafter over a self-distillation corpus of the frozen ``target``.
 
     Args:
@@ -334,6 +337,7 @@ class DFlashTask:
 
     resume_keys = RESUME_KEYS
     compile = False  # packed batches vary in shape
+    plan_epoch = staticmethod(plan_epoch)
 
     def __init__(self, target: nn.Module, train: FeatureCache, heldout: FeatureCache | None,
                  config: DFlashTrainConfig):
@@ -345,7 +349,6 @@ class DFlashTask:
         self.lm_weight = lm_head_matrix(target)
         vocab = int(logits_width(target))
         self.mask_token_id = config.mask_token_id if config.mask_token_id >= 0 else vocab - 1
-        self._plans: dict[int, list] = {}
 
     def init(self) -> DFlashNet:
         mx.random.seed(self.config.seed)  # the initial weights are a function of the settings, like the batches
@@ -357,19 +360,7 @@ class DFlashTask:
         return net
 
     def save(self, net: DFlashNet, folder: Path, dtype: str | None) -> None:
-        if dtype is not None:
-            copy = DFlashNet(net.config)
-            copy.update(tree_map(lambda a: a.astype(getattr(mx, dtype)), net.parameters()))
-            net = copy
-        save_dflash(net, folder)
-
-    def steps_in_epoch(self, epoch: int) -> int:
-        return len(self._plan(epoch))
-
-    def _plan(self, epoch: int) -> list:
-        if epoch not in self._plans:
-            self._plans[epoch] = plan_epoch(self.train, self.config, epoch=epoch)
-        return self._plans[epoch]
+        save_dflash(cast_copy(net, lambda: DFlashNet(net.config), dtype), folder)
 
     def batches(self, net, epoch: int, start: int) -> Iterator[BlockBatch]:
         return block_batches(self.train, self._plan(epoch), self.config, self.mask_token_id, epoch=epoch, start=start)

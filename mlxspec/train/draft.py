@@ -41,7 +41,6 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx.utils import tree_map
 
 from ..taps import model_body, output_head
 from .features import FeatureCache
@@ -58,7 +57,7 @@ from .draft_data import (
     steps_per_epoch,
     training_vocab,
 )
-from .loop import EvalRecord, StepRecord, fit
+from .loop import EvalRecord, StepRecord, cast_copy, fit
 
 # --- the draft model ---------------------------------------------------------------------------------
 
@@ -191,11 +190,7 @@ def save_draft(folder: str | Path, model: nn.Module, model_config: dict, tokeniz
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    if dtype is not None and dtype != "float32":
-        copy = build_draft(model_config)
-        copy.update(tree_map(lambda a: a.astype(getattr(mx, dtype)), model.parameters()))
-        model = copy
-    save_model(folder, model)
+    save_model(folder, cast_copy(model, lambda: build_draft(model_config), dtype))
     config = dict(model_config)
     eos = sorted(getattr(tokenizer, "eos_token_ids", None) or ())
     if eos:

@@ -38,7 +38,6 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx.utils import tree_map
 
 from ..heads.eagle import EagleConfig, EagleHead, load_eagle, save_eagle
 from ..taps import logits_width, model_body, output_head
@@ -55,7 +54,7 @@ from .eagle_data import (
     target_to_draft,
     token_counts,
 )
-from .loop import EvalRecord, StepRecord, fit
+from .loop import EpochPlans, EvalRecord, StepRecord, cast_copy, fit
 
 # --- the unrolled forward (training-time test) -------------------------------------------------
 
@@ -155,10 +154,11 @@ def unroll(head, embed, features: mx.array, tokens: mx.array, steps: int,
 # --- losses ---------------------------------------------------------------------------------
 
 
-def _soft_ce(logits: mx.array, ids: mx.array, probs: mx.array) -> mx.array:
-    """Σ over rows of -Σ_k p_k log softmax(logits)[ids_k]: logits [n, C], ids/probs [n, K]."""
+def soft_ce(logits: mx.array, ids: mx.array, probs: mx.array) -> mx.array:
+    """Soft cross-entropy per row, -Σ_k p_k log softmax(logits)[ids_k] (nats): logits [n, C] over C candidate
+    columns (a sampled softmax), ``ids`` [n, K] int32 columns of the soft labels, ``probs`` [n, K] -> [n]."""
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    return -(probs * mx.take_along_axis(logprobs, ids, axis=-1)).sum()
+    return -(probs * mx.take_along_axis(logprobs, ids, axis=-1)).sum(-1)
 
 
 def eagle3_loss(head, batch: SequenceBatch, embed, config: EagleTrainConfig) -> tuple[mx.array, mx.array]:
@@ -181,7 +181,7 @@ def eagle3_loss(head, batch: SequenceBatch, embed, config: EagleTrainConfig) -> 
     per_step = []
     for k, x in enumerate(outs):
         rows = x.reshape(-1, x.shape[-1])[batch.rows[k]]  # [n_k, H]
-        ce = _soft_ce(head.logits(rows), batch.label_ids[k], batch.label_probs[k])
+        ce = soft_ce(head.logits(rows), batch.label_ids[k], batch.label_probs[k]).sum()
         per_step.append(ce / max(int(batch.rows[k].shape[0]), 1))
     per_step = mx.stack(per_step)
     weights = mx.array([config.step_decay**k for k in range(len(outs))])
@@ -213,7 +213,7 @@ def eagle1_loss(head, batch: SequenceBatch, embed, lm_weight: mx.array, config: 
     true = batch.next_features.reshape(-1, H)[batch.rows[0]]
     regression = nn.losses.smooth_l1_loss(rows, true, reduction="none").mean(-1).sum() / n
     logits = rows @ lm_weight[batch.union_ids].T  # [n, U]
-    ce = _soft_ce(logits, batch.label_ids[0], batch.label_probs[0]) / n
+    ce = soft_ce(logits, batch.label_ids[0], batch.label_probs[0]).sum() / n
     return regression + config.ce_weight * ce, ce[None], regression
 
 
@@ -334,7 +334,7 @@ def feature_rms(cache: FeatureCache, max_positions: int = 4096) -> np.ndarray:
     return np.sqrt((aux**2).mean(axis=(0, 2)))
 
 
-class EagleTask:
+class EagleTask(EpochPlans):
     """EAGLE-1 or EAGLE-3 on ``loop.fit``: one head over a self-distillation corpus of the frozen ``target``.
 
     Args:
@@ -349,6 +349,7 @@ class EagleTask:
 
     resume_keys = RESUME_KEYS
     compile = False  # batches are whole examples of varying length
+    plan_epoch = staticmethod(plan_epoch)
 
     def __init__(self, target: nn.Module, train: FeatureCache, heldout: FeatureCache | None,
                  config: EagleTrainConfig):
@@ -358,7 +359,7 @@ class EagleTask:
         self.data = str(train.directory.resolve())
         self.embed = model_body(target).embed_tokens
         self.lm_weight = lm_head_matrix(target) if config.version == 1 else None
-        self.to_draft, self._plans = None, {}
+        self.to_draft = None
 
     def init(self) -> EagleHead:
         d2t, vocab = None, int(logits_width(self.target))
@@ -380,21 +381,7 @@ class EagleTask:
         return head
 
     def save(self, head: EagleHead, folder: Path, dtype: str | None) -> None:
-        if dtype is not None:
-            copy = EagleHead(head.config)
-            cast = getattr(mx, dtype)
-            copy.update(tree_map(lambda a: a.astype(cast) if mx.issubdtype(a.dtype, mx.floating) else a,
-                                 head.parameters()))
-            head = copy
-        save_eagle(head, folder)
-
-    def steps_in_epoch(self, epoch: int) -> int:
-        return len(self._plan(epoch))
-
-    def _plan(self, epoch: int) -> list:
-        if epoch not in self._plans:
-            self._plans[epoch] = plan_epoch(self.train, self.config, epoch=epoch)
-        return self._plans[epoch]
+        save_eagle(cast_copy(head, lambda: EagleHead(head.config), dtype), folder)
 
     def batches(self, head, epoch: int, start: int) -> Iterator[SequenceBatch]:
         return sequence_batches(self.train, self._plan(epoch), self.config, self.to_draft, start=start)

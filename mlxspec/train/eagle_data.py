@@ -11,9 +11,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .features import FeatureCache
+from .features import FeatureCache, check_corpus_arrays, chunk_batches, chunk_spans
 from .loop import EvalRecord, TrainConfig
-from .store import model_fingerprint
 
 
 VERSIONS = (1, 3)
@@ -112,17 +111,9 @@ def check_corpus(cache: FeatureCache, version: int, target: nn.Module | None = N
             ``topk_ids``/``topk_logprobs`` (a Medusa feature cache rather than a
             self-distillation corpus), or no ``aux`` features for EAGLE-3.
     """
-    if target is not None and cache.manifest.get("model") not in (None, model_fingerprint(target)):
-        raise ValueError(f"the corpus in {cache.directory} was made by another model than this target; "
-                         "build one with this target (mlxspec train corpus --model ...)")
-    with np.load(cache.directory / cache.manifest["chunks"][0]["file"]) as data:
-        names = set(data.files)
     need = {"tokens", "mask", "offsets", "greedy", "hidden", "topk_ids", "topk_logprobs"} | (
         {"aux"} if version == 3 else set())
-    missing = sorted(need - names)
-    if missing:
-        raise ValueError(f"{cache.directory} lacks {', '.join(missing)}: EAGLE training needs a self-distillation "
-                         "corpus (mlxspec.train.corpus), not a Medusa feature cache")
+    check_corpus_arrays(cache, target, need, "EAGLE")
 
 
 def token_counts(cache: FeatureCache, vocab_size: int) -> np.ndarray:
@@ -211,17 +202,6 @@ class SequenceBatch:
         return int(self.rows[0].shape[0])
 
 
-def _spans(arrays: dict, max_len: int) -> list[tuple[int, int]]:
-    """``(start, length)`` of each example (cut to ``max_len``) that predicts an assistant token."""
-    offsets, mask = arrays["offsets"], arrays["mask"]
-    out = []
-    for e in range(len(offsets) - 1):
-        start, length = int(offsets[e]), int(min(offsets[e + 1] - offsets[e], max_len))
-        if length >= 3 and mask[start + 2 : start + length].any():
-            out.append((start, length))
-    return out
-
-
 def _group(spans: list[tuple[int, int]], batch_tokens: int, rng: np.random.Generator | None):
     """Batches of similar-length spans with at most ``batch_tokens`` padded tokens each."""
     if rng is None:  # in corpus order
@@ -252,12 +232,8 @@ def plan_epoch(cache: FeatureCache, config: EagleTrainConfig, *, epoch: int = 0,
     batches (what resuming relies on); batches group examples of similar length. Without it,
     examples come in corpus order.
     """
-    order = np.arange(cache.num_chunks)
-    if shuffle:
-        order = np.random.default_rng([config.seed, epoch]).permutation(cache.num_chunks)
     plan = []
-    for c in map(int, order):
-        spans = _spans(cache.load_arrays(c, ("tokens", "mask", "offsets")), config.max_seq_length)
+    for c, spans in chunk_spans(cache, config.max_seq_length, seed=config.seed, epoch=epoch, shuffle=shuffle):
         rng = np.random.default_rng([config.seed, epoch, c]) if shuffle else None
         plan.extend((c, batch) for batch in _group(spans, config.batch_tokens, rng))
     return plan
@@ -335,11 +311,6 @@ def make_batch(arrays: dict, spans: list[tuple[int, int]], config: EagleTrainCon
 def sequence_batches(cache: FeatureCache, plan, config: EagleTrainConfig, to_draft: np.ndarray | None, *,
                      start: int = 0) -> Iterator[SequenceBatch]:
     """Materialise ``plan[start:]``, loading each chunk once (one chunk in memory at a time)."""
-    loaded, arrays = None, None
-    for c, spans in plan[start:]:
-        if c != loaded:
-            arrays = None  # drop the previous chunk before reading the next
-            arrays, loaded = cache.load_chunk(c), c
-        yield make_batch(arrays, spans, config, to_draft)
+    return chunk_batches(cache, plan[start:], lambda arrays, c, spans: make_batch(arrays, spans, config, to_draft))
 
 

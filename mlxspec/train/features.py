@@ -300,3 +300,67 @@ def _batch(arrays: dict, valid: np.ndarray, positions: np.ndarray, num_heads: in
     greedy = np.pad(np.maximum(arrays["greedy"][target - 1], 0), ((0, 0), (0, pad)))  # -1 only where not valid
     ok = np.pad(valid[:, positions].astype(np.float32), ((0, 0), (0, pad)))
     return Batch(mx.array(hidden), mx.array(labels.astype(np.int32)), mx.array(ok), mx.array(greedy.astype(np.int32)))
+
+
+# --- reading a self-distillation corpus (what the EAGLE, MTP, DFlash and DSpark trainers share) ---------
+
+
+def check_corpus_arrays(cache: FeatureCache, target: nn.Module | None, need: set[str], method: str) -> None:
+    """Refuse a corpus of another model, or one without the arrays ``need`` (one line naming the fix).
+
+    Args:
+        cache: The corpus (or a Medusa feature cache, which lacks the soft labels).
+        target: The target it must have been made by, or ``None`` to skip that check.
+        need: Array names every chunk must hold (``tokens``, ``topk_ids``, ``aux``, ...).
+        method: The trainer, for the message (``"DFlash"``).
+
+    Raises:
+        ValueError: another model made it, or arrays are missing.
+    """
+    if target is not None and cache.manifest.get("model") not in (None, model_fingerprint(target)):
+        raise ValueError(f"the corpus in {cache.directory} was made by another model than this target; "
+                         "build one with this target (mlxspec train corpus --model ...)")
+    with np.load(cache.directory / cache.manifest["chunks"][0]["file"]) as data:
+        missing = sorted(need - set(data.files))
+    if missing:
+        raise ValueError(f"{cache.directory} lacks {', '.join(missing)}: {method} training needs a corpus from "
+                         "'mlxspec train corpus', not a Medusa feature cache")
+
+
+def chunk_batches(cache: FeatureCache, plan: list, make) -> Iterator:
+    """``make(arrays, chunk, spans)`` for each ``(chunk, spans)`` of ``plan`` (a trainer's batches in order),
+    loading each chunk once and holding one in memory at a time."""
+    loaded, arrays = None, None
+    for c, spans in plan:
+        if c != loaded:
+            arrays = None  # drop the previous chunk before reading the next
+            arrays, loaded = cache.load_chunk(c), c
+        yield make(arrays, c, spans)
+
+
+def chunk_spans(cache: FeatureCache, max_len: int, *, seed: int, epoch: int, shuffle: bool
+                ) -> Iterator[tuple[int, list[tuple[int, int]]]]:
+    """``(chunk, example_spans)`` of every chunk: in the order a generator seeded with (seed, epoch) permutes
+    them with ``shuffle`` (a resumed run replays it), else in corpus order."""
+    order = np.arange(cache.num_chunks)
+    if shuffle:
+        order = np.random.default_rng([seed, epoch]).permutation(cache.num_chunks)
+    for c in map(int, order):
+        yield c, example_spans(cache.load_arrays(c, ("tokens", "mask", "offsets")), max_len)
+
+
+def example_spans(arrays: dict, max_len: int) -> list[tuple[int, int]]:
+    """``(start, length)`` of each example of a chunk (cut to ``max_len`` tokens) that has an answer token
+    after its second position: the examples a draft position (or a block's anchor) can be trained on.
+
+    Args:
+        arrays: A chunk's ``offsets`` [E + 1] and ``mask`` [N] (answer tokens).
+        max_len: Most tokens kept per example.
+    """
+    offsets, mask = arrays["offsets"], arrays["mask"]
+    out = []
+    for e in range(len(offsets) - 1):
+        start, length = int(offsets[e]), int(min(offsets[e + 1] - offsets[e], max_len))
+        if length >= 3 and mask[start + 2 : start + length].any():
+            out.append((start, length))
+    return out

@@ -34,7 +34,7 @@ from typing import Any, Protocol
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
-from mlx.utils import tree_flatten, tree_unflatten
+from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from .store import write_json
 
@@ -151,6 +151,9 @@ class Task(Protocol):
         data: The training data's folder (resolved): a run resumes only on the same data.
         resume_keys: The method's settings that must match to resume (the loop adds ``RESUME_KEYS``).
         compile: Whether ``loss`` may be ``mx.compile``d with the optimiser step (fixed batch shapes).
+        learning_rate_scales: Optional: top-level submodule name → multiplier of the learning rate for
+            its parameters (their own AdamW on the same schedule), e.g. a small read-out head that would
+            otherwise learn too slowly; absent or empty: one AdamW for everything.
     """
 
     data: str
@@ -185,6 +188,35 @@ class Task(Protocol):
         """Held-out scores with ``epoch`` 0 (the loop sets it), or ``None`` without held-out data."""
 
 
+def cast_copy(model: nn.Module, make: Callable[[], nn.Module], dtype: str | None) -> nn.Module:
+    """What a task's ``save`` writes: ``model`` itself for ``dtype`` ``None``, else ``make()`` (an empty module of
+    the same shape) holding ``model``'s parameters with the floating ones cast to ``dtype`` (``"float16"``, ...)."""
+    if dtype is None:
+        return model
+    cast, copy = getattr(mx, dtype), make()
+    copy.update(tree_map(lambda a: a.astype(cast) if mx.issubdtype(a.dtype, mx.floating) else a, model.parameters()))
+    return copy
+
+
+class EpochPlans:
+    """A task whose epochs are planned ahead by ``plan_epoch(train, config, epoch=...)`` (a list of batches):
+    each epoch's plan is made once, and ``steps_in_epoch`` is its length.
+
+    A subclass sets ``plan_epoch`` (a static method) and has ``train`` and ``config``.
+    """
+
+    plan_epoch: Callable[..., list]
+
+    def steps_in_epoch(self, epoch: int) -> int:
+        return len(self._plan(epoch))
+
+    def _plan(self, epoch: int) -> list:
+        plans = self.__dict__.setdefault("_plans", {})
+        if epoch not in plans:
+            plans[epoch] = self.plan_epoch(self.train, self.config, epoch=epoch)
+        return plans[epoch]
+
+
 @dataclass
 class _State:
     config: dict
@@ -214,6 +246,19 @@ def warmup_cosine(learning_rate: float, warmup_steps: int, total_steps: int):
     return optim.join_schedules([optim.linear_schedule(0.0, learning_rate, warmup), decay], [warmup])
 
 
+def make_optimizer(config: TrainConfig, total_steps: int, scales: dict[str, float] | None = None):
+    """AdamW on ``warmup_cosine`` over ``total_steps``; the parameters of each top-level submodule named in
+    ``scales`` get their own AdamW whose schedule is multiplied by its scale (an ``optim.MultiOptimizer``)."""
+    def adamw(scale: float):
+        return optim.AdamW(learning_rate=warmup_cosine(config.learning_rate * scale, config.warmup_steps, total_steps),
+                           betas=list(config.betas), weight_decay=config.weight_decay)
+
+    if not scales:
+        return adamw(1.0)
+    filters = [lambda path, _, name=name: path.split(".")[0] == name for name in scales]
+    return optim.MultiOptimizer([adamw(scale) for scale in scales.values()] + [adamw(1.0)], filters)
+
+
 def fit(task: Task, output: str | Path, config: TrainConfig, *, resume: bool = True
         ) -> Iterator[StepRecord | EvalRecord]:
     """Train ``task``'s model, checkpointing into ``output`` and resuming from there.
@@ -238,8 +283,7 @@ def fit(task: Task, output: str | Path, config: TrainConfig, *, resume: bool = T
     total = min(sum(per_epoch), config.max_steps) if config.max_steps else sum(per_epoch)
     if total == 0:
         raise ValueError(f"{task.data} has no training batches; check the data and --max-seq-length")
-    optimizer = optim.AdamW(learning_rate=warmup_cosine(config.learning_rate, config.warmup_steps, total),
-                            betas=list(config.betas), weight_decay=config.weight_decay)
+    optimizer = make_optimizer(config, total, getattr(task, "learning_rate_scales", None))
     state, model = _start(task, output, config, optimizer, resume)
     if state.global_step == 0 and not state.history:
         record = task.evaluate(model)

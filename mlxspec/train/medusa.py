@@ -21,12 +21,11 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx.utils import tree_map
 
 from ..heads.medusa import MedusaConfig, MedusaHeads, load_medusa, save_medusa
 from ..taps import logits_width, output_head
 from .features import LABELS, Batch, FeatureCache
-from .loop import EvalRecord, StepRecord, TrainConfig, fit
+from .loop import EvalRecord, StepRecord, TrainConfig, cast_copy, fit
 
 #: Settings that must match to resume a run (with the loop's own).
 RESUME_KEYS = ("num_heads", "num_layers", "own_lm_head", "labels", "batch_size", "train_vocab")
@@ -180,11 +179,7 @@ class MedusaTask:
         return load_medusa(folder, hidden_size=hidden_size, vocab_size=vocab_size)
 
     def save(self, heads: MedusaHeads, folder: Path, dtype: str | None) -> None:
-        if dtype is not None:
-            copy = MedusaHeads(heads.config)
-            copy.update(tree_map(lambda a: a.astype(getattr(mx, dtype)), heads.parameters()))
-            heads = copy
-        save_medusa(folder, heads)
+        save_medusa(folder, cast_copy(heads, lambda: MedusaHeads(heads.config), dtype))
 
     def steps_in_epoch(self, epoch: int) -> int:
         return self.train.steps_per_epoch(self.config.num_heads, self.config.batch_size)

@@ -20,13 +20,12 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_map
 
 from ..heads.mtp import MTPStack, init_mtp, load_mtp, save_mtp
-from .eagle import EagleTask, _soft_ce, unroll
+from .eagle import EagleTask, soft_ce, unroll
 from .eagle_data import EagleTrainConfig, SequenceBatch
 from .features import FeatureCache
-from .loop import EvalRecord, StepRecord, fit
+from .loop import EvalRecord, StepRecord, cast_copy, fit
 
 
 @dataclass(frozen=True)
@@ -75,7 +74,7 @@ def mtp_loss(stack: MTPStack, batch: SequenceBatch, embed, lm_weight: mx.array,
     per_step = []
     for k, x in enumerate(outs):
         rows = x.reshape(-1, x.shape[-1])[batch.rows[k]]  # [n_k, H]
-        ce = _soft_ce(rows @ head.T, batch.label_ids[k], batch.label_probs[k])
+        ce = soft_ce(rows @ head.T, batch.label_ids[k], batch.label_probs[k]).sum()
         per_step.append(ce / max(int(batch.rows[k].shape[0]), 1))
     per_step = mx.stack(per_step)
     weights = mx.array([config.step_decay**k for k in range(len(outs))])
@@ -104,12 +103,7 @@ class MTPTask(EagleTask):
         return stack
 
     def save(self, stack: MTPStack, folder: Path, dtype: str | None) -> None:
-        if dtype is not None:
-            copy = init_mtp(self.target)
-            cast = getattr(mx, dtype)
-            copy.update(tree_map(lambda a: a.astype(cast), stack.parameters()))
-            stack = copy
-        save_mtp(stack, folder, self.target)
+        save_mtp(cast_copy(stack, lambda: init_mtp(self.target), dtype), folder, self.target)
 
     def loss(self, stack: MTPStack):
         return lambda batch: mtp_loss(stack, batch, self.embed, self.lm_weight, self.config)

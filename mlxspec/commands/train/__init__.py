@@ -1,10 +1,9 @@
-"""``mlxspec train``: build a corpus, train heads (Medusa, EAGLE, MTP), a draft model or a DFlash drafter,
-and measure drafters.
+"""``mlxspec train``: build a corpus, train heads (Medusa, EAGLE, MTP), a draft model or a DFlash or DSpark
+drafter, and measure drafters.
 
-One subcommand per module (``corpus``, ``medusa``, ``eagle``, ``draft``, ``mtp``, ``dflash``, ``measure``), each
-with ``HELP``,
-``DESCRIPTION``, ``add_flags(parser)`` and ``run(args) -> int``; the training methods share their run
-flags, progress loop and evaluation line through ``shared``. Every training command resumes when run
+One subcommand per module (``corpus``, ``medusa``, ``eagle``, ``draft``, ``mtp``, ``dflash``, ``dspark``,
+``measure``), each with ``HELP``, ``DESCRIPTION``, ``add_flags(parser)`` and ``run(args) -> int``; the training
+methods share their run flags, progress loop and evaluation line through ``shared``. Every training command resumes when run
 again with the same settings.
 """
 
@@ -15,11 +14,11 @@ import shlex
 import sys
 
 from ..common import ArgumentParser, run_main
-from . import corpus, dflash, draft, eagle, measure, medusa, mtp
+from . import corpus, dflash, draft, dspark, eagle, measure, medusa, mtp
 
 #: Subcommands in the order ``--help`` lists them.
 METHODS = {"medusa": medusa, "corpus": corpus, "eagle": eagle, "draft": draft, "mtp": mtp, "dflash": dflash,
-           "measure": measure}
+           "dspark": dspark, "measure": measure}
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:

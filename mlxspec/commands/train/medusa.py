@@ -27,6 +27,7 @@ from .shared import (
     HELDOUT_PROMPTS,
     add_data_flag,
     add_run_flags,
+    fmt,
     heldout_split,
     make_config,
     open_corpus,
@@ -157,8 +158,5 @@ def _extract(model, examples, name: str, args) -> FeatureCache:
 
 def scores(record: MedusaEvalRecord) -> str:
     """Held-out top-1 accuracy per head (text and target greedy) and the target's top-10 hit rate."""
-    def fmt(values):
-        return " ".join(f"{v:.3f}" for v in values)
-
     return (f"held-out top-1 per head: {fmt(record.accuracy)} (text), {fmt(record.target_accuracy)} "
             f"(target greedy), top-10 {fmt(record.target_top10)} [{record.positions} positions]")

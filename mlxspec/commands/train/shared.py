@@ -10,18 +10,22 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from tqdm import tqdm
 
+from ...loading import load
 from ...train import dataset
 from ...train.features import FeatureCache
 from ...train.loop import SAVE_DTYPES, EvalRecord, StepRecord, TrainConfig
 from ...train.store import MANIFEST
 
 TRAIN, VALIDATION = "train", "validation"
+TRAINING_RECORD = "training.json"
 HELDOUT_PROMPTS = "heldout_prompts.jsonl"
 DEFAULT_MAX_PROMPT_TOKENS = 512
 #: Config fields whose flag has another name (the unit or a shorter word).
@@ -134,6 +138,65 @@ def open_corpus(path: str) -> tuple[FeatureCache, FeatureCache | None]:
         raise FileNotFoundError(f"no corpus in {root}; build one with: mlxspec train corpus --output {root}")
     validation = root / VALIDATION
     return FeatureCache(root / TRAIN), FeatureCache(validation) if (validation / MANIFEST).is_file() else None
+
+
+def corpus_help(records: str) -> str:
+    """``--corpus`` help of a method that reads a ``mlxspec train corpus`` folder whose chunks hold ``records``."""
+    return (f"corpus folder from 'mlxspec train corpus' (the target's own answers with its {records}); its "
+            "validation part scores each epoch")
+
+
+def run_on_corpus(args: argparse.Namespace, config_cls: type[TrainConfig], train, scores, what: str,
+                  top_fields: tuple[str, ...] = ()) -> int:
+    """Run a corpus-trained method (EAGLE, MTP, DFlash, DSpark): load the target in float32, train with
+    progress, write ``OUTPUT/training.json`` (command, settings, corpus, time, held-out history), say where.
+
+    Args:
+        args: The parsed flags (``--model``, ``--corpus``, ``--output`` and the config's).
+        config_cls: The method's config dataclass (``make_config``).
+        train: ``train(target, train_cache, heldout_cache, output, config)``, a generator of the loop's records.
+        scores: The method's held-out line (``train_with_progress``).
+        what: What the output folder holds, for the closing note (``"drafter"``).
+        top_fields: Config fields also recorded at the top of ``training.json`` (EAGLE's ``version``).
+
+    Returns:
+        int: 0.
+
+    Raises:
+        ValueError, FileNotFoundError: bad flags, no corpus, or a corpus or run the method refuses.
+    """
+    config = make_config(config_cls, args)
+    train_cache, heldout_cache = open_corpus(args.corpus)
+    output = Path(args.output).expanduser()
+    model, _ = load(args.model, dtype="float32")
+    t0 = time.perf_counter()
+    history = train_with_progress(train(model, train_cache, heldout_cache, output, config), scores)
+    record = {
+        "command": args.command, "target": args.model, **{k: getattr(config, k) for k in top_fields},
+        "config": dataclasses.asdict(config),
+        "corpus": {"train": str(train_cache.directory), "heldout": str(heldout_cache.directory)
+                   if heldout_cache else None, "train_tokens": train_cache.num_tokens,
+                   "train_answer_tokens": train_cache.manifest.get("masked_tokens")},
+        "train_s": round(time.perf_counter() - t0, 1), "heldout": history,
+    }
+    (output / TRAINING_RECORD).write_text(json.dumps(record, indent=2) + "\n")
+    last = next((h["checkpoint"] for h in reversed(history) if h["checkpoint"]), None)
+    copy = f" and {last} ({config.save_dtype})" if last else ""
+    say(f"{what} in {output} (float32, resumable){copy}; record in {output / TRAINING_RECORD}")
+    return 0
+
+
+def chain_scores(record, unit: str) -> str:
+    """The held-out line of a chain drafter: agreement with the target's greedy token per ``unit`` (``"step"``,
+    ``"block position"``), the chain acceptance and τ (``record``: ``acceptance``, ``chain_acceptance``, ``tau``,
+    ``positions``)."""
+    return (f"held-out agreement with the target's greedy token per {unit}: {fmt(record.acceptance)}; "
+            f"chain {fmt(record.chain_acceptance)}; τ ≈ {record.tau:.2f} [{record.positions} positions]")
+
+
+def fmt(values) -> str:
+    """Scores per position or head as ``"0.412 0.305 …"``."""
+    return " ".join(f"{v:.3f}" for v in values)
 
 
 def heldout_split(conversations, tokenizer, data: str, num_heldout: int, seed: int,
