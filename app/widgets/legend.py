@@ -9,7 +9,7 @@ from .chat_message import KIND_CLASSES
 
 LABELS = (
     ("accepted", "accepted draft"),
-    ("resampled", "resampled: a draft was rejected, the target picked this"),
+    ("resampled", "resampled (not an error)"),
     ("bonus", "bonus / target"),
 )
 
@@ -26,5 +26,5 @@ class Legend(Widget):
             if i:
                 text.append(" · ")
             text.append(label, self.get_component_rich_style(KIND_CLASSES[kind], partial=True))
-        text.append("   F4 colours")
+        text.append("   F4: red")
         return text
