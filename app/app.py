@@ -11,6 +11,8 @@ from textual.containers import Horizontal, Vertical
 from textual.reactive import reactive
 from textual.widgets import Button, Footer, Header, Input
 
+from mlxspec.drafters import DRAFTERS
+
 from .messages import (
     EngineInfo,
     EngineReady,
@@ -43,6 +45,7 @@ class SpecChatApp(App):
         Binding("question_mark", "help", "Keys", show=False),
         Binding("f2", "drafter", "Drafter"),
         Binding("f3", "toggle_plain", "Plain text"),
+        Binding("f4", "toggle_vivid", "Colours"),
         Binding("ctrl+l", "clear", "Clear"),
         Binding("f9", "save_svg", "Screenshot", show=False),
         Binding("pageup", "scroll_chat(-1)", "Scroll up", show=False),
@@ -56,11 +59,14 @@ class SpecChatApp(App):
     """An answer is running: locks Enter (one answer at a time) and enables Stop."""
     plain: reactive[bool] = reactive(False)
     """Every message drawn without token colours (each message can still be toggled by a click)."""
+    vivid: reactive[bool] = reactive(False)
+    """Resampled tokens in full red instead of the calm underline (F4; ``mlxspec chat --vivid``)."""
 
-    def __init__(self, engine, system: str | None = None):
+    def __init__(self, engine, system: str | None = None, vivid: bool = False):
         super().__init__()
         self.engine = engine
         self.system = system
+        self.set_reactive(SpecChatApp.vivid, vivid)
         self.history: list[dict] = []
         """Finished turns as ``role``/``content`` dicts (the system prompt is added when sending)."""
         self.info: EngineInfo | None = None
@@ -81,9 +87,12 @@ class SpecChatApp(App):
         yield Footer()
 
     def on_mount(self) -> None:
+        self.set_class(self.vivid, "-vivid")
         self._stats_panel = self.query_one(StatsPanel)
+        # the chat screen's widgets, kept: a dialog (F1, F2) on top hides them from query_one
+        self._parts = {key: self.query_one(key) for key in (LoadBar, ChatLog, Legend, "#prompt", "#stop")}
         self._add_system()
-        self.query_one("#prompt", Input).focus()
+        self._part("#prompt").focus()
         self.engine.start(self._post_from_engine)
 
     def on_unmount(self) -> None:
@@ -95,9 +104,16 @@ class SpecChatApp(App):
         target = self._stats_panel if isinstance(message, StatsUpdated) else self
         target.post_message(message)
 
+    def _part(self, key):
+        """A widget of the chat screen, found once (``on_mount`` finds them all while it is on top)."""
+        parts = self.__dict__.setdefault("_parts", {})
+        if key not in parts:
+            parts[key] = self.query_one(key)
+        return parts[key]
+
     @property
     def chat_log(self) -> ChatLog:
-        return self.query_one(ChatLog)
+        return self._part(ChatLog)
 
     def conversation(self) -> list[dict]:
         """What the model sees: the system prompt (if any) and every turn."""
@@ -129,13 +145,13 @@ class SpecChatApp(App):
     def action_stop(self) -> None:
         if self.generating:
             self.engine.cancel(self._request_id)
-            self.query_one("#stop", Button).label = "Stopping…"
+            self._part("#stop").label = "Stopping…"
             if self._answer is not None:
                 self._answer.border_subtitle = "stopping after this round…"
-        self.query_one("#prompt", Input).focus()
+        self._part("#prompt").focus()
 
     def watch_generating(self, generating: bool) -> None:
-        stop = self.query_one("#stop", Button)
+        stop = self._part("#stop")
         stop.disabled, stop.label = not generating, "Stop"
 
     # Engine messages
@@ -163,7 +179,7 @@ class SpecChatApp(App):
         self._finish_answer(failed=True)
         if not kept and self.history and self.history[-1]["role"] == "user":
             unsent = self.history.pop()  # the model never answered it: do not send it twice
-            prompt = self.query_one("#prompt", Input)
+            prompt = self._part("#prompt")
             if not prompt.value:  # give it back, so nothing typed is lost
                 prompt.value = unsent["content"]
             message.error += " (your message was not added to the conversation; it is back in the input)"
@@ -183,18 +199,18 @@ class SpecChatApp(App):
 
     @on(LoadProgress)
     def _on_load_progress(self, message: LoadProgress) -> None:
-        self.query_one(LoadBar).step(message.what, message.step, message.total)
+        self._part(LoadBar).step(message.what, message.step, message.total)
 
     @on(LoadFailed)
     def _on_load_failed(self, message: LoadFailed) -> None:
-        self.query_one(LoadBar).done()
+        self._part(LoadBar).done()
         self.chat_log.add("error", message.error)
         if self.info is None:
             self._stats_panel.show_no_model()
 
     @on(EngineReady)
     def _on_ready(self, message: EngineReady) -> None:
-        self.query_one(LoadBar).done()
+        self._part(LoadBar).done()
         self.info = message.info
         self._stats_panel.show_info(message.info)
         self.sub_title = message.info.model_name
@@ -208,7 +224,7 @@ class SpecChatApp(App):
 
     def action_drafter(self) -> None:
         if self.info is None:
-            info = EngineInfo("no model", False, None, "ngram", 4, ("draft", "ngram", "none"))
+            info = EngineInfo("no model", False, None, "ngram", "auto", DRAFTERS)
         else:
             info = self.info
         self.push_screen(DrafterScreen(info), self._switch)
@@ -217,7 +233,7 @@ class SpecChatApp(App):
         if choice is None:
             return
         self.engine.configure(choice.drafter, choice.num_draft_tokens, model=choice.model,
-                              draft_model=choice.draft_model)
+                              draft_model=choice.draft_model, dtype=choice.dtype, draft_dtype=choice.draft_dtype)
         if self.generating:
             self.notify("The switch applies from the next answer.")
 
@@ -232,6 +248,15 @@ class SpecChatApp(App):
     def watch_plain(self, plain: bool) -> None:
         for message in self.chat_log.messages:
             message.plain = plain
+
+    def action_toggle_vivid(self) -> None:
+        self.vivid = not self.vivid
+
+    def watch_vivid(self, vivid: bool) -> None:
+        """Swap the marks' styles (``app.tcss``: ``.-vivid``) and redraw what uses them."""
+        self.set_class(vivid, "-vivid")
+        for widget in (*self.chat_log.messages, self._part(Legend)):
+            widget.refresh()
 
     def action_clear(self) -> None:
         """Forget the conversation (a running answer is stopped)."""

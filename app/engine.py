@@ -14,7 +14,7 @@ import queue
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from collections.abc import Callable, Iterator
 
 import mlx.core as mx
@@ -41,6 +41,8 @@ from .messages import (
 
 #: Shortest time between two token batches, seconds (the UI needs no more than ~30 frames/s).
 FLUSH_S = 1 / 30
+#: The dtype word that loads a model as stored (``app.screens.drafter.AS_STORED``).
+AS_STORED = "as stored"
 #: γ when a requested one cannot be used.
 DEFAULT_NUM_DRAFT_TOKENS = 4
 #: Rounds kept for the τ sparkline.
@@ -196,6 +198,8 @@ class _Loaded:
     target: LoadedModel | None = None
     draft: LoadedModel | None = None
     drafter: object = None
+    spec: DrafterSpec | None = None  # the drafter's spec: its settings, shown in F2
+    specs: dict = field(default_factory=dict)  # the last settings of every drafter used, by name
     num_draft_tokens: int | str = 4
     policy: object = None  # the γ policy of every answer until the next configure (auto learns across turns)
     prompt_cache: PromptCache | None = None  # the target's cache, reused across the turns of the conversation
@@ -210,10 +214,12 @@ class _Generate:
 
 @dataclass(frozen=True)
 class _Configure:
-    drafter: str | None
+    drafter: DrafterSpec | str | None
     num_draft_tokens: int | str | None
-    model: ModelSpec | None
-    draft_model: ModelSpec | None
+    model: str | ModelSpec | None
+    draft_model: str | ModelSpec | None
+    dtype: str | None = None  # a dtype to reload the target in ("as stored" = none), or None to keep it
+    draft_dtype: str | None = None
 
 
 class Engine:
@@ -233,7 +239,7 @@ class Engine:
 
     def start(self, post: Post) -> None:
         """Start the engine thread; it loads the configured models first."""
-        self._requests.put(_Configure(self.config.drafter.name, self.config.num_draft_tokens,
+        self._requests.put(_Configure(self.config.drafter, self.config.num_draft_tokens,
                                       self.config.model, self.config.draft_model))
         self._thread = threading.Thread(target=self._run, args=(post,), name="mlxspec-engine", daemon=True)
         self._thread.start()
@@ -249,13 +255,14 @@ class Engine:
         if event is not None:
             event.set()
 
-    def configure(self, drafter: str | None = None, num_draft_tokens: int | str | None = None,
-                  model: str | None = None, draft_model: str | None = None) -> None:
-        """Queue a switch of drafter, γ (an integer or ``"auto"``), target or draft model (specs
-        loaded in the configured dtypes; ``None`` keeps the current one)."""
-        c = self.config
-        self._requests.put(_Configure(drafter, num_draft_tokens, model and ModelSpec(model, c.model.dtype),
-                                      draft_model and ModelSpec(draft_model, c.draft_dtype)))
+    def configure(self, drafter: DrafterSpec | str | None = None, num_draft_tokens: int | str | None = None,
+                  model: str | None = None, draft_model: str | None = None, *, dtype: str | None = None,
+                  draft_dtype: str | None = None) -> None:
+        """Queue a switch of drafter (a name, or a ``DrafterSpec`` with its settings), γ (an integer or
+        ``"auto"``), target or draft model, or their dtypes (``float32``, ``float16``, ``bfloat16`` or
+        ``"as stored"``; a change reloads that model). ``None`` keeps what is in use; a new model is
+        loaded in the dtype of the one it replaces unless a dtype is given."""
+        self._requests.put(_Configure(drafter, num_draft_tokens, model, draft_model, dtype, draft_dtype))
 
     def close(self, timeout_s: float = 30.0) -> bool:
         """Cancel everything, stop the thread and wait up to ``timeout_s`` for it (an answer stops
@@ -312,8 +319,8 @@ class Engine:
         state = replace(self._state)
         if request.num_draft_tokens is not None:
             state.num_draft_tokens = request.num_draft_tokens
-        loads = [(role, spec) for role, spec in (("target model", request.model),
-                                                 ("draft model", request.draft_model)) if spec]
+        loads = [(role, spec) for role, spec in (("target model", self._model_spec(request, draft=False)),
+                                                 ("draft model", self._model_spec(request, draft=True))) if spec]
         total = len(loads) + 1
         for step, (role, spec) in enumerate(loads, 1):
             post(LoadProgress(f"Loading the {role} {spec.spec}", step, total))
@@ -330,18 +337,21 @@ class Engine:
                 state.draft = loaded
         if state.target is None:
             return
-        name = request.drafter or (state.drafter.name if state.drafter else "ngram")
+        spec = self._spec(request.drafter, state)
+        name = spec.name
         post(LoadProgress(f"Building the {name} drafter", total, total))
 
         def note(what: str) -> None:
             post(LoadProgress(f"Measuring {what} on this machine (once; cached)", total, total))
 
         try:
-            state.drafter = self._make_drafter(name, state, note)
+            state.drafter, state.spec = self._make_drafter(spec, state, note), spec
             check_fits(state.target, state.drafter)
+            state.specs = {**state.specs, name: spec}
         except Exception as e:
             keep = state.drafter if state.drafter is not None and not request.model else None
             state.drafter = keep or self._fallback(state, note)  # an old drafter may not fit a new target
+            state.spec = self._state.spec if keep is not None else DrafterSpec(state.drafter.name)
             post(LoadFailed(f"Cannot use the {name} drafter: {one_line(e)}; keeping the {state.drafter.name} drafter"))
         try:
             state.policy = gamma_policy(state.num_draft_tokens, state.target.model, state.drafter, on_measure=note)
@@ -362,12 +372,36 @@ class Engine:
             drafter = self._make_drafter("none", state, on_measure)
         return drafter
 
-    def _make_drafter(self, name: str, state: _Loaded, on_measure=None):
-        """The configured spec for its own drafter name, defaults for any other."""
-        spec = self.config.drafter if self.config.drafter.name == name else DrafterSpec(name)
-        return build_drafter(spec, state.target, state.draft, on_measure)
+    def _spec(self, drafter: DrafterSpec | str | None, state: _Loaded) -> DrafterSpec:
+        """A drafter by name gets the settings it has now (or was started with), else its defaults."""
+        if isinstance(drafter, DrafterSpec):
+            return drafter
+        name = drafter or (state.spec.name if state.spec else "ngram")
+        for known in (state.spec, state.specs.get(name), self.config.drafter):
+            if known is not None and known.name == name:
+                return known
+        return DrafterSpec(name)
+
+    def _model_spec(self, request: _Configure, draft: bool) -> ModelSpec | None:
+        """The model a request loads: a new spec, or the loaded one again in a new dtype (``None``: nothing)."""
+        spec, dtype = (request.draft_model, request.draft_dtype) if draft else (request.model, request.dtype)
+        if isinstance(spec, ModelSpec):
+            return spec
+        loaded = self._state.draft if draft else self._state.target
+        if spec is None and (dtype is None or loaded is None):
+            return None
+        keep = loaded.spec.dtype if loaded is not None else (self.config.draft_dtype if draft else self.config.model.dtype)
+        dtype = keep if dtype is None else None if dtype == AS_STORED else dtype
+        return ModelSpec(spec or loaded.spec.spec, dtype)
+
+    def _make_drafter(self, spec: DrafterSpec | str, state: _Loaded, on_measure=None):
+        """Build ``spec`` (a name: see ``_spec``) for the loaded models."""
+        return build_drafter(self._spec(spec, state), state.target, state.draft, on_measure)
 
     def _info(self) -> EngineInfo:
         s = self._state
+        options = tuple((f.name, str(getattr(s.spec.options, f.name))) for f in fields(s.spec.options)
+                        if getattr(s.spec.options, f.name) != f.default) if s.spec else ()
         return EngineInfo(s.target.display, s.target.quantized, s.draft.display if s.draft else None, s.drafter.name,
-                          s.num_draft_tokens, DRAFTERS)
+                          s.num_draft_tokens, DRAFTERS, options, s.target.spec.dtype,
+                          s.draft.spec.dtype if s.draft else None)

@@ -22,6 +22,9 @@ class EngineInfo:
         drafter: Drafter in use (``"draft"``, ``"ngram"``, ``"none"``, ...).
         num_draft_tokens: γ, tokens drafted per round, or ``"auto"``.
         drafters: Every drafter name the engine knows.
+        options: The drafter's options that differ from their defaults, as ``(field, text)`` pairs
+            (what its spec string or ``--<drafter>-<field>`` flags set).
+        dtype, draft_dtype: The dtypes the target and draft model were loaded in; ``None`` = as stored.
     """
 
     model_name: str
@@ -30,6 +33,9 @@ class EngineInfo:
     drafter: str
     num_draft_tokens: int | str
     drafters: tuple[str, ...]
+    options: tuple[tuple[str, str], ...] = ()
+    dtype: str | None = None
+    draft_dtype: str | None = None
 
 
 @dataclass(frozen=True)

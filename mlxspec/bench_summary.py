@@ -10,7 +10,7 @@ import statistics
 from collections import defaultdict
 from dataclasses import dataclass
 
-from .bench import BASELINE, RunRecord, System
+from .bench import BASELINE, CONTROL, RunRecord, System
 from .costmodel import Costs, alpha_mle, expected_tau
 from .gamma import AUTO, SCHEDULED
 from .schedule import NUM_BINS
@@ -167,6 +167,59 @@ def _mark_best(rows: list[SummaryRow]) -> None:
                 best[key] = row
     for row in best.values():
         row.best = True
+
+
+# ---------------------------------------------------------------- the verdict
+
+
+@dataclass
+class Verdict:
+    """The answer to "is it faster here, and what should I set?" for one prompt kind at one temperature.
+
+    Attributes:
+        kind, temp: What the verdict is about.
+        system: The fastest mlxspec setting that drafts (``System.name``), or ``None`` when none ran.
+        drafter: Its drafter spec string (what ``--drafter`` takes), or ``None``.
+        gamma: Its γ (what ``--num-draft-tokens`` takes), or ``None``.
+        speedup: Its median speedup over plain mlx-lm (1.0 when none ran).
+        noise: The noise floor: the largest |ratio − 1| of the plain-vs-plain control run's pairs
+            (``mlx-lm (again)``), or ``None`` without a control run.
+        wins: Whether ``speedup`` exceeds 1 by more than ``noise`` (by anything, without a control).
+    """
+
+    kind: str
+    temp: float
+    system: str | None
+    drafter: str | None
+    gamma: int | str | None
+    speedup: float
+    noise: float | None
+    wins: bool
+
+
+def verdicts(rows: list[SummaryRow], systems: list[System]) -> list[Verdict]:
+    """One ``Verdict`` per kind × temperature: the mlxspec setting (drafter and γ, plain decoding
+    excluded) with the best median speedup, and whether it beats plain decoding beyond the noise floor.
+
+    Args:
+        rows: From ``summarize``.
+        systems: The systems the rows are about (their drafters and γ).
+    """
+    by_name = {s.name: s for s in systems}
+    out = []
+    for kind, temp in dict.fromkeys((r.kind, r.temp) for r in rows):
+        group = [r for r in rows if (r.kind, r.temp) == (kind, temp)]
+        control = next((r for r in group if r.system == CONTROL), None)
+        noise = max(abs(control.speedup_min - 1), abs(control.speedup_max - 1)) if control else None
+        candidates = [r for r in group if by_name[r.system].engine == "mlxspec" and by_name[r.system].gamma != 0]
+        best = max(candidates, key=lambda r: r.speedup, default=None)
+        if best is None:
+            out.append(Verdict(kind, temp, None, None, None, 1.0, noise, False))
+            continue
+        system = by_name[best.system]
+        wins = best.speedup > 1.0 + (noise or 0.0)
+        out.append(Verdict(kind, temp, system.name, system.drafter, system.gamma, best.speedup, noise, wins))
+    return out
 
 
 # ---------------------------------------------------------------- tables and plots

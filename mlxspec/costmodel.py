@@ -35,6 +35,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from .cache import prefill, trim
 from .loading import default_cache_dir
 from .machine import machine_fingerprint
+from .progress import progress_bar
 from .sampling import SamplingParams
 
 #: Largest verify width calibrated (γ + 1 ≤ this, so γ ≤ 15).
@@ -195,6 +196,69 @@ def alpha_mle(rounds: list[tuple[int, int]]) -> float:
 # ---------------------------------------------------------------- automatic γ
 
 
+class TreeBudget:
+    """How many draft nodes to verify this round, from measured costs (``total_tokens="auto"``).
+
+    EAGLE-2 (arXiv 2406.16858, section 3) observes that a node's cumulative draft probability
+    (the product of the draft's confidences along its path) approximates the chance that the
+    target accepts it. Keeping the m most probable candidates therefore yields
+    τ(m) ≈ 1 + c · Σ_{i<m} exp(s_i) tokens per round, where s_i are the sorted cumulative draft
+    log-probabilities and c corrects the draft's calibration: the running ratio of accepted
+    nodes to the sum exp(s_i) predicted for the nodes kept, over recent rounds. A round costs
+    T_draft + T_verify(m + 1) (``costmodel.Costs``, measured on this machine), so the budget is
+    the m with the most tokens per second, τ(m) / (T_draft + T_verify(m + 1)), at least 1 node.
+
+    With ``allow_plain`` the budget may be 0 nodes: a plain step (1 token in T_verify(1)) when no
+    m is predicted to give more tokens per second than that.
+
+    Args:
+        costs: The target's measured ``Costs`` (its verify curve; extrapolated past 16 tokens).
+        max_nodes: Most draft nodes kept (root excluded). Default: ``63``.
+        window: Rounds the calibration remembers (exponential forgetting). Default: ``32``.
+        prior_weight: Pseudo-nodes behind the prior calibration c = 1. Default: ``2``.
+        allow_plain: Whether ``choose`` may return 0. Default: ``False``.
+
+    Attributes:
+        draft_s: Running estimate of one round's draft time, seconds.
+        calibration: c, accepted nodes per predicted node.
+    """
+
+    def __init__(self, costs, *, max_nodes: int = 63, window: float = 32.0, prior_weight: float = 2.0,
+                 allow_plain: bool = False):
+        self.costs, self.max_nodes, self.decay, self.prior = costs, max_nodes, 1.0 - 1.0 / window, prior_weight
+        self.allow_plain = allow_plain
+        self.draft_s, self.predicted, self.accepted, self.pending = None, 0.0, 0.0, None
+
+    @property
+    def calibration(self) -> float:
+        return (self.accepted + self.prior) / (self.predicted + self.prior)
+
+    def choose(self, sorted_scores: np.ndarray, draft_s: float) -> int:
+        """Nodes to keep (1 <= m <= len(sorted_scores); 0 with ``allow_plain``) given the candidates'
+        log scores (cumulative draft log-probabilities), best first, shape [C]; ``draft_s`` is this
+        round's draft time in seconds."""
+        self.draft_s = draft_s if self.draft_s is None else 0.8 * self.draft_s + 0.2 * draft_s
+        gain = 1.0 + self.calibration * np.cumsum(np.exp(sorted_scores[: self.max_nodes].astype(np.float64)))
+        cost = np.array([self.draft_s + self.costs.verify(m + 1) for m in range(1, len(gain) + 1)])
+        m = int(np.argmax(gain / cost)) + 1 if len(gain) else 0
+        # plain decoding makes 1 token per T_verify(1) and drafts nothing
+        if self.allow_plain and (m == 0 or gain[m - 1] / cost[m - 1] <= 1.0 / self.costs.verify(1)):
+            self.pending = None
+            return 0
+        self.pending = float(gain[m - 1] - 1.0) / self.calibration  # Σ exp(s) over the kept nodes
+        return m
+
+    def update(self, num_accepted: int) -> None:
+        """Fold in the round whose budget ``choose`` set last: it accepted ``num_accepted`` nodes."""
+        if self.pending is None:
+            return
+        self.predicted = self.predicted * self.decay + self.pending
+        self.accepted = self.accepted * self.decay + num_accepted
+        self.pending = None
+
+
+
+
 class AutoGamma:
     """Picks γ before every round from measured costs and running acceptance.
 
@@ -313,12 +377,14 @@ def calibrate_verify(model: nn.Module, *, context_tokens: int = DEFAULT_CONTEXT_
         _time_forward(model, cache, block[:k])
     samples: dict[int, list[float]] = {k: [] for k in VERIFY_GRID}
     start = time.perf_counter()
-    for rep in range(5):
-        for k in VERIFY_GRID:
-            samples[k].append(_time_forward(model, cache, block[:k]))
-        elapsed = time.perf_counter() - start
-        if elapsed * (rep + 2) / (rep + 1) > budget_s:
-            break
+    with progress_bar(5 * len(VERIFY_GRID), "mlxspec: measuring the verify cost", "forward") as bar:
+        for rep in range(5):
+            for k in VERIFY_GRID:
+                samples[k].append(_time_forward(model, cache, block[:k]))
+                bar.update()
+            elapsed = time.perf_counter() - start
+            if elapsed * (rep + 2) / (rep + 1) > budget_s:
+                break
     measured = [statistics.median(samples[k]) for k in VERIFY_GRID]
     curve = np.interp(np.arange(1, MAX_VERIFY_TOKENS + 1), VERIFY_GRID, measured)
     return _non_decreasing(curve.tolist())

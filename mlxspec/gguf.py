@@ -64,6 +64,7 @@ from mlxspec.ggml_quants import (
     dequantize_affine,
     dequantize_sub_blocks,
 )
+from mlxspec.progress import progress_bar
 from mlxspec.weights import check_dtype, finish, one_line
 
 SUPPORTED_TYPES = (*FLOAT_TYPES, *AFFINE_BITS, *SUB_BLOCK_TYPES)
@@ -314,13 +315,16 @@ def read_tensors(
     """
     data = np.memmap(path, dtype=np.uint8, mode="r")
     out = {}
-    for name, info in header.tensors.items():
-        arrays = _decode(data, info, name, dequantize=dequantize, requantize=requantize)
-        mx.eval(*arrays.values())
-        stem = name.removesuffix(".weight")
-        if len(arrays) > 1 and stem == name:
-            raise ValueError(f"quantized tensor '{name}' is not a weight; this file is not supported.")
-        out.update({(f"{stem}.{k}" if k != "weight" else name): v for k, v in arrays.items()})
+    what = "dequantizing" if dequantize else "loading"
+    with progress_bar(len(header.tensors), f"mlxspec: {what} {Path(path).name}", "tensor") as bar:
+        for name, info in header.tensors.items():
+            arrays = _decode(data, info, name, dequantize=dequantize, requantize=requantize)
+            mx.eval(*arrays.values())
+            stem = name.removesuffix(".weight")
+            if len(arrays) > 1 and stem == name:
+                raise ValueError(f"quantized tensor '{name}' is not a weight; this file is not supported.")
+            out.update({(f"{stem}.{k}" if k != "weight" else name): v for k, v in arrays.items()})
+            bar.update()
     del data
     return out
 

@@ -127,3 +127,36 @@ def check_fits(target: LoadedModel, drafter: Drafter) -> None:
     """
     if drafter.name != "none":
         (check_compactable if drafter.makes_trees else check_rewindable)(speculative_cache(target.model))
+
+
+def runnable_drafters(specs: list[DrafterSpec], target: LoadedModel, draft: LoadedModel | None = None,
+                      on_measure: Callable[[str], None] | None = None) -> tuple[dict[str, Drafter], dict[str, str]]:
+    """Build each drafter that can run on ``target`` as it is; say why each other one cannot.
+
+    A drafter runs when its weights are given in its spec or ship for this target (heads matched by
+    the model's card, ``identity.shipped_for``; drafts by name), its draft model is loaded, and the
+    target's cache serves it (``check_fits``).
+
+    Args:
+        specs: The drafters to try, e.g. one ``DrafterSpec(name)`` per registered name.
+        target: The loaded target.
+        draft: The loaded draft model, or ``None`` (then ``draft`` cannot run).
+        on_measure: Told before a cost measurement that was not cached. Default: none.
+
+    Returns:
+        tuple[dict[str, Drafter], dict[str, str]]: the built drafters by spec string, and for each
+        spec that cannot run, the one-line reason (what is missing and the flag that supplies it).
+    """
+    built, skipped = {}, {}
+    for spec in specs:
+        try:
+            if spec.name == "draft" and draft is None:
+                draft_model_spec(spec, None, target.spec)  # raises, saying what to pass, when none ships
+                raise ValueError(f"the draft model shipped for {target.name} was not loaded; load it and pass it")
+            drafter = build_drafter(spec, target, draft, on_measure)
+            check_fits(target, drafter)
+        except USER_ERRORS as e:
+            skipped[str(spec)] = str(e)
+            continue
+        built[str(spec)] = drafter
+    return built, skipped

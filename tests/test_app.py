@@ -14,7 +14,7 @@ from mlxspec_app.app import SpecChatApp
 from mlxspec_app.engine import one_line, relay
 from mlxspec_app.messages import EngineInfo, EngineReady, GenerationFailed, LoadFailed, LoadProgress
 from mlxspec_app.screens import DrafterScreen, HelpScreen
-from mlxspec_app.widgets import ChatMessage, StatsPanel, TauSparkline
+from mlxspec_app.widgets import ChatMessage, LoadBar, StatsPanel, TauSparkline
 from mlxspec.metrics import CycleStats, GenerationStats, TokenEvent
 
 INFO = EngineInfo("tiny[b] (MLX, float32)", False, None, "ngram", 4, ("draft", "ngram", "none"))
@@ -51,10 +51,10 @@ SPANS = [("Hel", "accepted"), ("lo", "accepted"), (" wor", "resampled"), ("ld", 
 class FakeEngine:
     """The engine's interface over scripted answers, in one thread like the real one."""
 
-    def __init__(self, answers, *, load_error=None, configure_error=None):
+    def __init__(self, answers, *, load_error=None, configure_error=None, info=INFO):
         self.answers = list(answers)
-        self.load_error, self.configure_error = load_error, configure_error
-        self.requests, self.configured = [], []
+        self.load_error, self.configure_error, self.info = load_error, configure_error, info
+        self.requests, self.configured, self.dtypes = [], [], []
         self.cancels: dict[int, threading.Event] = {}
         self.jobs: queue.Queue = queue.Queue()
 
@@ -70,8 +70,10 @@ class FakeEngine:
     def cancel(self, request_id):
         self.cancels[request_id].set()
 
-    def configure(self, drafter=None, num_draft_tokens=None, model=None, draft_model=None):
-        self.configured.append((drafter, num_draft_tokens, model, draft_model))
+    def configure(self, drafter=None, num_draft_tokens=None, model=None, draft_model=None, *, dtype=None,
+                  draft_dtype=None):
+        self.configured.append((drafter if drafter is None else str(drafter), num_draft_tokens, model, draft_model))
+        self.dtypes.append((dtype, draft_dtype))
         self.jobs.put(("configure", None))
 
     def close(self):
@@ -81,11 +83,11 @@ class FakeEngine:
 
     def _run(self):
         self.post(LoadProgress("Loading the target model /m/[bold]tiny", 1, 1))  # not markup
-        self.post(LoadFailed(self.load_error) if self.load_error else EngineReady(INFO))
+        self.post(LoadFailed(self.load_error) if self.load_error else EngineReady(self.info))
         while (job := self.jobs.get()) is not None:
             request_id, events = job
             if request_id == "configure":
-                self.post(LoadFailed(self.configure_error) if self.configure_error else EngineReady(INFO))
+                self.post(LoadFailed(self.configure_error) if self.configure_error else EngineReady(self.info))
                 continue
             cancelled = self.cancels[request_id]
             try:
@@ -127,9 +129,9 @@ def messages(app, role=None):
 
 
 def colour(style):
-    """``"green"``, ``"red"`` or ``"plain"`` for a Rich style."""
+    """``"green"``, ``"red"``, ``"underline"`` (no colour, underlined) or ``"plain"`` for a Rich style."""
     if style is None or style.color is None:
-        return "plain"
+        return "underline" if style is not None and style.underline else "plain"
     r, g, b = style.color.get_truecolor()
     return "green" if g > max(r, b) else "red" if r > max(g, b) else f"other {r, g, b}"
 
@@ -150,7 +152,8 @@ def run(coro):
     asyncio.run(coro)
 
 
-EXPECTED_COLOURS = {"accepted": "green", "resampled": "red", "bonus": "plain", "target": "plain"}
+# Calm by default: a resampled token (a rejected draft's correction, not an error) is only underlined.
+EXPECTED_COLOURS = {"accepted": "green", "resampled": "underline", "bonus": "plain", "target": "plain"}
 
 
 def test_answer_shows_coloured_tokens_and_tau():
@@ -190,7 +193,13 @@ def test_plain_text_toggle_keeps_colours_on_each_message():
             await pilot.press("f3")
             assert set(span_colours(answer)) == {"plain"}
             await pilot.press("f3")
-            assert "green" in span_colours(answer) and "red" in span_colours(answer)
+            assert "green" in span_colours(answer) and "underline" in span_colours(answer)
+            await pilot.press("f4")  # full colour: resampled tokens red
+            await pilot.pause()
+            assert span_colours(answer) == [{**EXPECTED_COLOURS, "resampled": "red"}[kind] for _, kind in SPANS]
+            await pilot.press("f4")
+            await pilot.pause()
+            assert span_colours(answer) == [EXPECTED_COLOURS[kind] for _, kind in SPANS]
             await pilot.click(answer)
             assert answer.plain and set(span_colours(answer)) == {"plain"}
             assert answer.spans == SPANS  # the kinds are kept for colouring again
@@ -247,7 +256,9 @@ def test_generation_and_load_errors_show_in_chat_and_keep_history():
             # The failed "three" is not in the history; the rest is intact.
             assert [m["content"] for m in app.history] == ["one", "Hello world, café! Bye", "two", "Hello wor"]
             await pilot.press("f2")
+            await pilot.pause()  # the dialog lays out its drafter's settings
             await pilot.click("#drafter-draft")
+            await pilot.pause()  # the dialog now shows the draft drafter's settings: the layout moved
             app.screen.query_one("#draft-spec").value = "/nope"
             await pilot.click("#apply")
             assert engine.configured == [("draft", 4, None, "/nope")]
@@ -284,11 +295,14 @@ def test_drafter_dialog_switches_drafter_and_gamma():
         async with app.run_test(size=(110, 40)) as pilot:
             await wait_for(pilot, lambda: app.info is not None)
             await pilot.press("f2")
+            await pilot.pause()  # the dialog lays out its drafter's settings
             assert isinstance(app.screen, DrafterScreen)
             await pilot.click("#drafter-draft")
+            await pilot.pause()  # each pick shows that drafter's settings: the layout moves
             await pilot.click("#apply")
             assert "needs a draft model" in str(app.screen.query_one("#drafter-error").render())
             await pilot.click("#drafter-none")
+            await pilot.pause()
             app.screen.query_one("#gamma").value = "6"
             await pilot.click("#apply")
             assert not isinstance(app.screen, DrafterScreen)
@@ -315,5 +329,64 @@ def test_clear_forgets_the_conversation():
             await send(pilot, app, "fresh")
             await wait_for(pilot, lambda: not app.generating)
             assert engine.requests[-1] == [{"role": "system", "content": "sys"}, {"role": "user", "content": "fresh"}]
+
+    run(body())
+
+
+def test_vivid_flag_starts_in_full_colour_and_the_legend_and_help_say_what_the_marks_mean():
+    async def body():
+        from mlxspec_app.widgets import Legend
+
+        app = SpecChatApp(FakeEngine([script(ROUNDS)]), vivid=True)
+        async with app.run_test(size=(130, 36)) as pilot:
+            await send(pilot, app, "hi")
+            await wait_for(pilot, lambda: not app.generating and messages(app, "assistant"))
+            assert "red" in span_colours(messages(app, "assistant")[0])
+            legend = app.query_one(Legend).render()
+            assert "resampled (not an error)" in legend.plain and legend.plain.endswith("F4: red")
+            await pilot.press("f1")
+            text = str(app.screen.query_one("#help-colours").render())
+            assert "not an error" in text and "underlined (red with F4)" in text
+
+    run(body())
+
+
+def test_drafter_dialog_starts_on_the_current_drafter_and_offers_its_settings():
+    async def body():
+        from textual.widgets import RadioSet, Select
+
+        from mlxspec.drafters import DRAFTERS
+
+        info = EngineInfo("tiny (MLX, float32)", False, None, "medusa", "auto", DRAFTERS, (("tree", "small_15"),),
+                          "float32")
+        engine = FakeEngine([], info=info)
+        app = SpecChatApp(engine)
+        async with app.run_test(size=(110, 60)) as pilot:
+            await wait_for(pilot, lambda: app.info is not None)
+            await pilot.press("f2")
+            await pilot.pause()
+            screen = app.screen
+            radio = screen.query_one(RadioSet)
+            assert screen.focused is radio and radio._selected == DRAFTERS.index("medusa")
+            assert screen.query_one("#option-tree").value == "small_15"  # the setting in use
+            assert "shipped" in screen.query_one("#option-heads").placeholder
+            assert screen.query_one("#dtype", Select).value == "float32"
+            await pilot.press("down", "space")  # the next drafter: eagle, with its own settings
+            await wait_for(pilot, lambda: screen.query("#option-depth"))
+            assert not screen.query("#option-tree").first().value  # eagle's tree: empty = its default
+            screen.query_one("#option-depth").value = "0"
+            await pilot.click("#apply")
+            assert "--eagle-depth must be >= 1" in str(screen.query_one("#drafter-error").render())
+            screen.query_one("#option-depth").value = "3"
+            screen.query_one("#dtype", Select).value = "bfloat16"
+            screen.query_one("#apply").press()  # (a click may land while the Select redraws)
+            await wait_for(pilot, lambda: engine.configured)
+            assert engine.configured == [("eagle:depth=3", "auto", None, None)]
+            assert engine.dtypes == [("bfloat16", None)]
+            await wait_for(pilot, lambda: len(app.chat_log.messages) == 2)  # "Ready" again, after the switch
+            await pilot.press("f1")  # the engine keeps posting while a dialog covers the chat
+            app.post_message(LoadProgress("Loading the target model x", 1, 2))
+            await pilot.pause()
+            assert isinstance(app.screen, HelpScreen) and not app._part(LoadBar).has_class("-idle")
 
     run(body())

@@ -93,9 +93,12 @@ def test_bench_prints_header_and_tables(bench_result):
     for line in ("mlxspec bench", "BLAS: ", "costs (draft): T_verify(1, 2, 4, 8, 16) = ", "target: ",
                  "| kind | temp | system | tok/s | speedup (min–max) | predicted |", "wrote "):
         assert line in stdout
-    compact = stdout.split("Best fixed γ")[1].split("Every system")[0]
-    assert "mlxspec ngram γ=auto" in compact and "| mlxspec ngram γ=2 * |" in compact
-    assert stdout.count("| grounded | 0.7 | mlxspec draft γ=2") == 2  # 1 draft γ: best in both tables
+    # one fixed γ: the best-γ table would repeat the full one, so only the full one is printed
+    assert "Best fixed γ" not in stdout and stdout.count("Every system") == 1
+    assert "| mlxspec ngram γ=2 * |" in stdout and "mlxspec ngram γ=auto" in stdout
+    assert stdout.count("| grounded | 0.7 | mlxspec draft γ=2") == 1
+    assert stdout.count("Verdict (") == 4  # one per kind × temperature, after the tables
+    assert stdout.rindex("Verdict (") > stdout.rindex("Every system")
 
 
 def test_make_systems():
@@ -218,3 +221,105 @@ def test_bench_times_head_drafters_from_specs(tmp_path, tiny_model_dir, capsys, 
     assert sum(d for d, _ in runs["mlxspec eagle γ=2"]["rounds"]) > 0
     assert main(["bench", "--drafters", "eagle:depth=0", "--blas", "keep"]) == 2
     assert "--eagle-depth must be >= 1" in capsys.readouterr().err
+
+
+def _ship_heads(root, tiny_model_dir):
+    """Random Medusa heads and an EAGLE head 'shipped' for the tiny target under ``root``/models."""
+    from mlxspec.heads.eagle import save_eagle
+    from mlxspec.heads.medusa import save_medusa
+    from test_eagle import random_head
+    from test_medusa import random_heads
+
+    from conftest import tiny_llama
+    from mlxspec.identity import write_card
+
+    save_medusa(root / "models" / "medusa" / tiny_model_dir.name, random_heads(shared=True))
+    save_eagle(random_head(1), root / "models" / "eagle" / tiny_model_dir.name)
+    for kind in ("medusa", "eagle"):
+        write_card(root / "models" / kind / tiny_model_dir.name, tiny_llama(seed=0, sharpen=4.0))
+    return root / "models"
+
+
+def test_bench_prompt_times_every_drafter_that_can_run_and_ends_with_a_verdict(tmp_path, tiny_model_dir, capsys,
+                                                                             monkeypatch):
+    monkeypatch.setenv("MLXSPEC_MODELS", str(_ship_heads(tmp_path, tiny_model_dir)))
+    monkeypatch.setenv("MLXSPEC_CACHE", str(tmp_path / "cache"))
+    output = tmp_path / "bench.json"
+    code = main(["bench", "--model", str(tiny_model_dir), "--prompt", "Copy: red green blue red green blue",
+                 "--num-draft-tokens", "2,3", "--repeats", "2", "--max-tokens", "8", "--output", str(output),
+                 "--blas", "keep"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    result = json.loads(output.read_text())
+    families = {s["drafter"] for s in result["systems"] if s["engine"] == "mlxspec"}
+    assert families == {"ngram", "suffix:shared=False", "medusa", "eagle", "none"}
+    for name in ("draft", "mtp", "dflash", "dspark"):  # nothing given, nothing ships: each says why, once
+        assert err.count(f"mlxspec bench: not timing {name}: ") == 1
+    assert "--draft-model" in err and "no DFlash drafter ships for this model" in err
+    assert result["settings"]["temps"] == [0.0] and result["prompt_ids"] == ["yours.1", "yours.2"]
+    assert {r["kind"] for r in result["runs"]} == {"your prompt"}
+    assert len(result["runs"]) == len(result["systems"]) * 2
+    assert "Best fixed γ" in out and "Every system" in out  # two fixed γ: the best-γ table says something new
+    [verdict] = result["verdicts"]
+    assert verdict["kind"] == "your prompt" and verdict["temp"] == 0.0 and verdict["noise"] is not None
+    assert verdict["system"] in {s["name"] for s in result["systems"]} and verdict["system"] != "mlxspec none"
+    generate, chat = verdict["commands"]
+    assert generate.startswith(f"mlxspec generate --model {tiny_model_dir} --drafter ")
+    assert generate.endswith("--blas keep --prompt 'Copy: red green blue red green blue'")
+    assert chat == "mlxspec chat" + generate[len("mlxspec generate"):generate.index(" --prompt")]
+    closing = out.split("\nwrote ")[1].split("\n\nVerdict (")[1]  # the verdict closes the output
+    assert f"  {generate}\n  {chat}\n" in closing + "\n"
+    assert ("fastest is" in out) == verdict["wins"] and ("nothing beats plain" in out) != verdict["wins"]
+
+
+def test_bench_prompt_from_stdin_and_its_errors(monkeypatch, capsys, tmp_path, tiny_model_dir):
+    monkeypatch.setenv("MLXSPEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO("Say hi.".encode())))
+    output = tmp_path / "bench.json"
+    assert main(["bench", "--model", str(tiny_model_dir), "--prompt", "-", "--drafters", "ngram,none",
+                 "--num-draft-tokens", "2", "--repeats", "1", "--max-tokens", "4", "--no-control",
+                 "--output", str(output), "--blas", "keep"]) == 0
+    result = json.loads(output.read_text())
+    assert result["prompt_source"]["texts"] == {"yours.1": "Say hi."}
+    assert [s["name"] for s in result["systems"]] == [BASELINE, "mlxspec ngram γ=2", "mlxspec none"]
+    assert "no noise floor: --no-control" in capsys.readouterr().out
+    assert main(["bench", "--prompt", "hi", "--prompts", "sharegpt", "--blas", "keep"]) == 2
+    assert "mlxspec: error: --prompt and --prompts both name the prompts; pass one" in capsys.readouterr().err
+    assert main(["bench", "--prompt", "hi", "--repeats", "0", "--blas", "keep"]) == 2
+    assert "--repeats must be >= 1" in capsys.readouterr().err
+    assert main(["bench", "--prompt", "hi", "--eagle-heads", str(tmp_path / "none"), "--model",
+                 str(tiny_model_dir), "--blas", "keep", "--output", str(output)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mlxspec: error: the eagle drafter cannot run: ") and str(tmp_path / "none") in err
+
+
+def _runs(ratios: dict[str, list[float]]) -> list[RunRecord]:
+    """Runs of a baseline at 10 tokens/s and of each system at ``ratio`` × that, one per ratio (prompt)."""
+    runs = []
+    for system, values in {BASELINE: [1.0] * 3, **ratios}.items():
+        runs += [RunRecord(system, f"p{i}", "open", 0.0, 0, 10, 1.0, 10, 1.0 / r,
+                           rounds=[[2, 1]] if "γ" in system else []) for i, r in enumerate(values)]
+    return runs
+
+
+@pytest.mark.parametrize("ngram, wins", [([1.5, 1.4, 1.6], True), ([1.03, 1.05, 1.02], False)])
+def test_verdict_weighs_the_fastest_setting_against_the_noise_floor(ngram, wins):
+    from mlxspec.bench_summary import verdicts
+
+    systems = make_systems(["ngram", "none"], [2, 4], has_draft_model=False)
+    rows = summarize(_runs({CONTROL: [1.06, 0.96, 1.0], "mlxspec ngram γ=2": ngram,
+                            "mlxspec ngram γ=4": [1.01, 1.0, 0.99], "mlxspec none": [1.2, 1.2, 1.2]}),
+                     systems, {})
+    [verdict] = verdicts(rows, systems)
+    assert verdict.noise == pytest.approx(0.06)  # the control's widest swing
+    assert verdict.system == "mlxspec ngram γ=2" and verdict.drafter == "ngram" and verdict.gamma == 2
+    assert verdict.speedup == pytest.approx(ngram[0] if wins else 1.03) and verdict.wins == wins
+    result = {"flags": {"target": ["--model", "my model"], "draft": [], "blas": []},
+              "prompt_source": {"source": "--prompt", "texts": {"yours.1": "Hi there"}}}
+    generate, chat = bench_command.verdict_commands(verdict, result)
+    drafter = "--drafter ngram --num-draft-tokens 2" if wins else "--drafter none"
+    assert generate == f"mlxspec generate --model 'my model' {drafter} --prompt 'Hi there'"
+    assert chat == f"mlxspec chat --model 'my model' {drafter}"
+    text = bench_command.format_verdict(verdict, [generate, chat])
+    assert "±6%" in text and (("fastest is mlxspec ngram γ=2, 1.50×" in text) if wins
+                              else ("nothing beats plain decoding beyond the noise floor" in text))

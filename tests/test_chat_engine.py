@@ -139,3 +139,40 @@ def test_medusa_flags_reach_the_engine_config():
     assert (config.drafter.name, config.drafter.options.heads, config.drafter.options.tree) == \
         ("medusa", "h", "small_15")
     assert config.typical == (0.09, 0.3)
+
+
+def test_engine_switches_drafter_settings_and_reloads_the_target_in_another_dtype(tmp_path):
+    """F2's choices reach the real engine: a drafter with settings, then the same target in float16;
+    ``EngineReady`` reports the settings and dtype the dialog shows next time."""
+    import queue
+
+    from mlxspec.drafters import DrafterSpec
+    from mlxspec_app.messages import EngineReady, LoadFailed
+
+    model, tokenizer = tiny_llama(seed=3), byte_tokenizer()
+    save_model(tmp_path, model)
+    save_config(dict(model.args.__dict__, eos_token_id=256), tmp_path / "config.json")
+    tokenizer._tokenizer.save_pretrained(tmp_path)
+    engine, posted = Engine(EngineConfig(model=str(tmp_path), drafter="ngram:max=3", num_draft_tokens=2)), queue.Queue()
+    engine.start(posted.put)
+
+    def ready():
+        while not isinstance(message := posted.get(timeout=60), (EngineReady, LoadFailed)):
+            pass
+        assert isinstance(message, EngineReady), message
+        return message.info
+
+    try:
+        info = ready()
+        assert (info.drafter, info.options, info.dtype) == ("ngram", (("max", "3"),), None)
+        engine.configure(DrafterSpec.parse("ngram:min=2,max=2"), 3)
+        info = ready()
+        assert info.options == (("min", "2"), ("max", "2")) and info.num_draft_tokens == 3
+        engine.configure("none", dtype="float16")
+        info = ready()
+        assert (info.drafter, info.dtype, info.options) == ("none", "float16", ())
+        assert "float16" in info.model_name
+        engine.configure("ngram")  # by name: the settings it had
+        assert ready().options == (("min", "2"), ("max", "2"))
+    finally:
+        assert engine.close()

@@ -199,3 +199,24 @@ def test_cli_generate_defaults_to_auto(capsys, tiny_model_dir, tmp_path, monkeyp
 
 def test_blas_is_named():
     assert blas_in_use()["name"] in ("OpenBLAS", "reference BLAS", "Accelerate", "Intel MKL", "BLIS", "unknown")
+
+
+def test_progress_bars_go_to_a_terminal_stderr_only(monkeypatch, capsys):
+    import io
+
+    from mlxspec import progress
+
+    assert not progress.shows_progress()  # stderr captured (a pipe, a log, pytest, the chat app): no bar
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    terminal = Terminal()
+    monkeypatch.setattr("sys.stderr", terminal)
+    monkeypatch.setattr("sys.__stderr__", terminal)
+    assert progress.shows_progress()
+    with progress.progress_bar(3, "mlxspec: measuring the verify cost", "forward", delay_s=0) as bar:
+        bar.update(3)
+    assert "mlxspec: measuring the verify cost" in terminal.getvalue()
+    assert capsys.readouterr().out == ""  # never on stdout, which carries the answer or the JSON

@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 from conftest import byte_tokenizer, tiny_llama
 from mlxspec import SamplingParams, generate
+from mlxspec.costmodel import Costs
 from mlxspec.drafters.medusa import MedusaDrafter
 from mlxspec.heads.medusa import MedusaConfig, MedusaHeads, load_medusa, save_medusa
 from mlxspec.taps import output_head
@@ -171,3 +173,40 @@ def test_torch_pickle_heads_load_through_the_weights_only_reader():
     assert mx.allclose(heads.heads[1][0].linear.weight, expected["1.0.linear.weight"]).item()
     with pytest.raises(ValueError, match="refusing to load"):
         load_medusa(fixture.with_name("evil.pt"), hidden_size=8, vocab_size=16)
+
+
+def test_the_default_tree_is_priced_by_the_machine():
+    from mlxspec.drafters import DrafterSpec
+
+    assert DrafterSpec("medusa").options.tree == "auto" and str(DrafterSpec.parse("medusa:tree=auto")) == "medusa"
+
+
+def test_tree_budget_may_choose_plain_decoding():
+    from mlxspec.costmodel import TreeBudget
+
+    scores = np.log(np.array([0.9, 0.6, 0.3, 0.2]))
+    steep = TreeBudget(Costs([0.1 * k for k in range(1, 17)]), allow_plain=True)  # k tokens cost k steps
+    assert steep.choose(scores, draft_s=0.001) == 0 and steep.pending is None
+    assert TreeBudget(Costs([0.1 * k for k in range(1, 17)])).choose(scores, draft_s=0.001) == 1  # EAGLE's: >= 1
+    flat = TreeBudget(Costs([0.1] * 16), allow_plain=True)  # width costs nothing
+    assert flat.choose(scores, draft_s=0.001) == 4
+    assert flat.choose(scores[:0], draft_s=0.001) == 0
+
+
+@pytest.mark.parametrize("machine", ["flat", "steep"])
+def test_priced_tree_is_lossless_and_sized_by_the_verify_cost(machine):
+    """Where 64 tokens cost what one does, the priced tree keeps many nodes; where k tokens cost k
+    steps, it drafts nothing and the answer comes from plain steps; greedy output is plain greedy's."""
+    costs = {"flat": Costs([0.01] * 16), "steep": Costs([0.01 * k for k in range(1, 17)])}[machine]
+    target, tokenizer = tiny_llama(seed=0, sharpen=4.0), byte_tokenizer()
+    plain = generate(target, tokenizer, PROMPT, drafter="none", max_tokens=80, stop_tokens=set())
+    drafter = MedusaDrafter(random_heads(shared=True), output_head(target), MC_SIM_7B_63, costs=costs)
+    assert not drafter.lazy
+    sizes, propose = [], drafter.propose
+    drafter.propose = lambda *a: sizes.append((d := propose(*a)).size) or d
+    spec = generate(target, tokenizer, PROMPT, drafter=drafter, num_draft_tokens=4, max_tokens=80, stop_tokens=set())
+    assert spec.tokens == plain.tokens
+    if machine == "flat":
+        assert max(sizes) > 15 and spec.stats.drafted > 0
+    else:
+        assert set(sizes) == {0} and spec.stats.drafted == 0

@@ -1,7 +1,13 @@
-"""Switch drafter and γ without restarting; optionally load another draft or target model."""
+"""Switch drafter, its settings and γ without restarting; optionally load another model or dtype.
+
+The dialog opens with the keyboard on the current drafter (arrows move, Space or Enter picks) and
+shows the picked drafter's own settings, one field per option of its options dataclass in the
+registry (the same options as its ``--<drafter>-<option>`` flags): tree, heads path, depth, ...
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from textual import on
@@ -9,25 +15,42 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen
-from textual.widgets import Button, Input, Label, RadioButton, RadioSet
+from textual.widgets import Button, Input, Label, RadioButton, RadioSet, Select
+
+from mlxspec.drafters import DrafterSpec, drafter_types
+from mlxspec.loading import DTYPES
 
 from ..messages import EngineInfo
 
 MAX_DRAFT_TOKENS = 32
+#: The dtype choice that loads a model as stored (no cast).
+AS_STORED = "as stored"
+#: Drafters whose draft model's dtype is one of their settings.
+_DRAFT_DTYPE_DRAFTERS = ("draft",)
 
 
 @dataclass(frozen=True)
 class DrafterChoice:
-    """What the user picked; ``None`` model specs keep the loaded models."""
+    """What the user picked.
 
-    drafter: str
+    Attributes:
+        drafter: The drafter with the settings typed in (a ``DrafterSpec``, plain data).
+        num_draft_tokens: γ, an integer or ``"auto"``.
+        draft_model, model: Specs to load; ``None`` keeps the loaded models.
+        dtype, draft_dtype: A dtype to reload the target (draft model) in, ``AS_STORED``, or ``None``
+            to keep it as it is.
+    """
+
+    drafter: DrafterSpec
     num_draft_tokens: int | str
     draft_model: str | None = None
     model: str | None = None
+    dtype: str | None = None
+    draft_dtype: str | None = None
 
 
 class DrafterScreen(ModalScreen[DrafterChoice | None]):
-    """Radio buttons for the drafter, a γ field and two optional model specs.
+    """Radio buttons for the drafter, its settings, a γ field, the target's dtype and two model specs.
 
     Args:
         info: What the engine has loaded and uses now.
@@ -38,18 +61,25 @@ class DrafterScreen(ModalScreen[DrafterChoice | None]):
     def __init__(self, info: EngineInfo):
         super().__init__()
         self.info = info
+        self.kind = info.drafter if info.drafter in info.drafters else info.drafters[0]
+        """The drafter whose settings are shown."""
 
     def compose(self) -> ComposeResult:
         info = self.info
         with Vertical(id="drafter-box"):
-            yield Label("Drafter", classes="heading")
+            yield Label("Drafter (↑/↓ move, Space picks)", classes="heading")
             with RadioSet(id="drafter-kind"):
                 for kind in info.drafters:
                     label = kind if kind != "draft" or info.draft_name else "draft (give a draft model below)"
-                    yield RadioButton(label, value=kind == info.drafter, name=kind, id=f"drafter-{kind}")
+                    yield RadioButton(label, value=kind == self.kind, name=kind, id=f"drafter-{kind}")
             yield Label("γ, tokens drafted per round (0 = plain decoding; auto = picked each round)",
                         classes="caption")
             yield Input(str(info.num_draft_tokens), id="gamma")
+            yield Label("", id="options-heading", classes="caption", markup=False)
+            yield Vertical(*self._option_rows(self.kind), id="drafter-options")
+            yield Label("Target dtype (a change reloads the target)", classes="caption")
+            yield Select([(d, d) for d in (AS_STORED, *DTYPES)], value=info.dtype or AS_STORED, allow_blank=False,
+                         id="dtype")
             yield Label(f"Load a draft model (empty keeps {info.draft_name or 'none'})", classes="caption", markup=False)
             yield Input(placeholder="path, .gguf, Hugging Face repo or 'default'", id="draft-spec")
             yield Label("Load another target model (empty keeps the current one)", classes="caption")
@@ -58,6 +88,43 @@ class DrafterScreen(ModalScreen[DrafterChoice | None]):
             with Horizontal(id="drafter-buttons"):
                 yield Button("Apply", variant="primary", id="apply")
                 yield Button("Cancel", id="cancel")
+
+    def on_mount(self) -> None:
+        radio = self.query_one(RadioSet)
+        radio.focus()
+        # RadioSet highlights its first button on mount; the keyboard starts on the current drafter
+        radio._selected = self.info.drafters.index(self.kind)
+        self._caption()
+
+    def _caption(self) -> None:
+        fields = dataclasses.fields(drafter_types()[self.kind].options)
+        text = (f"{self.kind} settings (empty = the default shown)" if fields or self.kind in _DRAFT_DTYPE_DRAFTERS
+                else f"{self.kind} has no settings")
+        self.query_one("#options-heading", Label).update(text)
+
+    def _option_rows(self, kind: str) -> list[Horizontal]:
+        """One labelled field per option of ``kind``, holding its current value if it is the drafter in use."""
+        current = dict(self.info.options) if kind == self.info.drafter else {}
+        rows = []
+        for f in dataclasses.fields(drafter_types()[kind].options):
+            default = f.metadata["default_help"] or f.default
+            field = Input(current.get(f.name, ""), placeholder=f"default: {default}", id=f"option-{f.name}",
+                          compact=True)
+            rows.append(Horizontal(Label(f.name.replace("_", "-"), classes="option-name"), field, classes="option-row"))
+        if kind in _DRAFT_DTYPE_DRAFTERS:
+            select = Select([(d, d) for d in (AS_STORED, *DTYPES)], value=self.info.draft_dtype or AS_STORED,
+                            allow_blank=False, compact=True, id="draft-dtype")
+            rows.append(Horizontal(Label("draft dtype", classes="option-name"), select, classes="option-row"))
+        return rows
+
+    @on(RadioSet.Changed)
+    async def _show_options(self, event: RadioSet.Changed) -> None:
+        kind = event.pressed.name
+        box = self.query_one("#drafter-options", Vertical)
+        await box.remove_children()
+        await box.mount(*self._option_rows(kind))
+        self.kind = kind
+        self._caption()
 
     @on(Button.Pressed, "#cancel")
     def _cancel(self) -> None:
@@ -74,8 +141,6 @@ class DrafterScreen(ModalScreen[DrafterChoice | None]):
 
     def choice(self) -> DrafterChoice | str:
         """The picked settings, or an error message saying what to fix."""
-        pressed = self.query_one(RadioSet).pressed_button
-        kind = pressed.name if pressed is not None else self.info.drafter
         text = self.query_one("#gamma", Input).value.strip().lower()
         try:
             gamma = text if text == "auto" else int(text)
@@ -83,8 +148,38 @@ class DrafterScreen(ModalScreen[DrafterChoice | None]):
             gamma = -1
         if gamma != "auto" and not 0 <= gamma <= MAX_DRAFT_TOKENS:
             return f"γ must be 'auto' or a whole number from 0 to {MAX_DRAFT_TOKENS}"
+        pressed = self.query_one(RadioSet).pressed_button
+        name = pressed.name if pressed is not None else self.kind
+        shown = name == self.kind  # the settings on screen are this drafter's (not yet, right after a pick)
+        spec = self._spec(name, shown)
+        if isinstance(spec, str):
+            return spec
         draft_spec = self.query_one("#draft-spec", Input).value.strip() or None
         model_spec = self.query_one("#model-spec", Input).value.strip() or None
-        if kind == "draft" and not (draft_spec or self.info.draft_name):
-            return "The draft drafter needs a draft model: type one above, or start with --draft-model"
-        return DrafterChoice(kind, gamma, draft_spec, model_spec)
+        if name == "draft" and not (draft_spec or self.info.draft_name):
+            return "The draft drafter needs a draft model: type one below, or start with --draft-model"
+        dtype = self._changed("#dtype", self.info.dtype)
+        draft_dtype = self._changed("#draft-dtype", self.info.draft_dtype) if shown and name in _DRAFT_DTYPE_DRAFTERS \
+            else None
+        return DrafterChoice(spec, gamma, draft_spec, model_spec, dtype, draft_dtype)
+
+    def _spec(self, name: str, shown: bool) -> DrafterSpec | str:
+        """Drafter ``name`` with the typed settings (its defaults unless ``shown``), or what is wrong with one."""
+        kind, values = drafter_types()[name], {}
+        for f in dataclasses.fields(kind.options) if shown else ():
+            text = self.query_one(f"#option-{f.name}", Input).value.strip()
+            if not text:
+                continue
+            try:
+                values[f.name] = f.metadata["parse"](text)
+            except ValueError as e:
+                return f"{name} {f.name.replace('_', '-')}: {e}"
+        try:
+            return DrafterSpec(name, kind.options(**values))
+        except (ValueError, FileNotFoundError) as e:
+            return f"{name}: {e}"
+
+    def _changed(self, selector: str, loaded: str | None) -> str | None:
+        """The dtype picked in ``selector`` if it differs from the one ``loaded`` (``None`` = unchanged)."""
+        value = self.query_one(selector, Select).value
+        return None if value == (loaded or AS_STORED) else value

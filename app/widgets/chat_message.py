@@ -6,7 +6,7 @@ from rich.text import Text
 from textual.reactive import reactive
 from textual.widget import Widget
 
-#: Component class per token kind; ``app.tcss`` gives each its colour.
+#: Component class per token kind; ``app.tcss`` gives each its mark (colour or underline).
 KIND_CLASSES = {
     "accepted": "chat-message--accepted",
     "resampled": "chat-message--resampled",
@@ -19,7 +19,8 @@ class ChatMessage(Widget):
     """A user, assistant, system or error message.
 
     Assistant text is held as ``(text, kind)`` spans, one per committed token with text, and drawn
-    with the style of the kind's component class (accepted green, resampled red, the others plain).
+    with the style of the kind's component class (accepted green, resampled underlined, or red on the
+    app's ``-vivid`` class, the others plain).
     Clicking the message toggles plain text for it alone.
 
     Args:

@@ -1,4 +1,4 @@
-"""What the answer colours mean."""
+"""What the answer's token marks mean."""
 
 from __future__ import annotations
 
@@ -9,13 +9,14 @@ from .chat_message import KIND_CLASSES
 
 LABELS = (
     ("accepted", "accepted draft"),
-    ("resampled", "resampled (draft rejected)"),
+    ("resampled", "resampled (not an error)"),
     ("bonus", "bonus / target"),
 )
 
 
 class Legend(Widget):
-    """One line naming each token colour, drawn with the same component styles as ``ChatMessage``."""
+    """One line naming each token mark, each label drawn in its mark (the component styles of
+    ``ChatMessage``), and the key that swaps the calm marks for full colour."""
 
     COMPONENT_CLASSES = set(KIND_CLASSES.values())
 
@@ -23,7 +24,7 @@ class Legend(Widget):
         text = Text(end="")
         for i, (kind, label) in enumerate(LABELS):
             if i:
-                text.append("   ")
-            style = self.get_component_rich_style(KIND_CLASSES[kind], partial=True)
-            text.append("■ " + label, style)
+                text.append(" · ")
+            text.append(label, self.get_component_rich_style(KIND_CLASSES[kind], partial=True))
+        text.append("   F4: red")
         return text

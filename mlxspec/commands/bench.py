@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 import time
 from dataclasses import asdict
@@ -13,18 +14,25 @@ from pathlib import Path
 from tqdm import tqdm
 
 from ..bench import BenchModels, RunRecord, System, iter_runs, make_systems, without_unscheduled
-from ..bench_summary import format_table, summarize, write_plots
+from ..bench_summary import Verdict, format_table, summarize, verdicts, write_plots
 from ..costmodel import Costs, load_or_calibrate
 from ..data import load_sharegpt, read_prompts_jsonl, sample_prompts
-from ..drafters import drafter_types, parse_specs
+from ..drafters import DrafterSpec, drafter_types, parse_specs
 from ..gamma import AUTO, SCHEDULED
 from ..loading import DTYPES
 from ..machine import blas_in_use, machine_info
-from ..session import ModelSpec, build_drafter, load_model
-from .common import ArgumentParser, run_main
+from ..session import ModelSpec, build_drafter, draft_model_spec, load_model, runnable_drafters
+from .common import ArgumentParser, add_drafter_option_args, drafter_flags_given, run_main, with_drafter_flags
+from .generate import read_prompt
 
 DEFAULT_GAMMAS = "auto,1,2,4,6,8"
 DEFAULT_TEMPS = "0,0.7"
+#: With ``--prompt``: a shorter sweep, greedy decoding (as ``generate``'s default), each run repeated.
+DEFAULT_PROMPT_GAMMAS = "auto,2,4"
+DEFAULT_PROMPT_TEMPS = "0"
+DEFAULT_REPEATS = 3
+#: The prompt kind reported for ``--prompt``.
+PROMPT_KIND = "your prompt"
 DEFAULT_NUM_PROMPTS = 2
 DEFAULT_MAX_TOKENS = 64
 DEFAULT_MAX_PROMPT_TOKENS = 384
@@ -45,15 +53,27 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--drafters", default=None,
                         help="comma-separated mlxspec drafter specs, each a name with optional options, e.g. "
                              "'eagle,medusa:tree=small_15,ngram:max=3,none' (names: "
-                             f"{', '.join(drafter_types())}). "
-                             "Default: draft,ngram,none with --draft-model, else ngram,none")
-    parser.add_argument("--num-draft-tokens", default=DEFAULT_GAMMAS,
+                             f"{', '.join(drafter_types())}). Default with --prompt: every drafter that can run "
+                             "on the target (ngram, suffix and none always; draft, medusa, eagle, mtp, dflash, "
+                             "dspark when their weights are given or ship for it); else draft,ngram,none with "
+                             "--draft-model, else ngram,none")
+    parser.add_argument("--num-draft-tokens", default=None,
                         help=f"comma-separated γ sweep; 'auto' = automatic γ; 'scheduled' = confidence-scheduled "
-                             f"verification (docs/acceptance.md 3.1). Default: {DEFAULT_GAMMAS}")
-    parser.add_argument("--temps", default=DEFAULT_TEMPS, help=f"comma-separated temperatures. Default: {DEFAULT_TEMPS}")
-    parser.add_argument("--prompts", default="sharegpt",
+                             f"verification (docs/acceptance.md 3.1). Default: {DEFAULT_PROMPT_GAMMAS} with "
+                             f"--prompt, else {DEFAULT_GAMMAS}")
+    parser.add_argument("--temps", default=None,
+                        help=f"comma-separated temperatures. Default: {DEFAULT_PROMPT_TEMPS} with --prompt, "
+                             f"else {DEFAULT_TEMPS}")
+    parser.add_argument("--prompt", "-p", default=None,
+                        help="time one prompt of yours ('-' reads it from standard input) with every drafter that "
+                             "can run on the target, and end with a verdict: the fastest setting and the "
+                             "generate/chat flags for it")
+    parser.add_argument("--repeats", type=int, default=DEFAULT_REPEATS,
+                        help=f"with --prompt: times each system runs on it (the control's spread is the noise "
+                             f"floor). Default: {DEFAULT_REPEATS}")
+    parser.add_argument("--prompts", default=None,
                         help="'sharegpt' (first user turns of ShareGPT V3, fetched once) or a JSONL file of "
-                             '{"prompt": ..., "kind": ...} lines. Default: sharegpt')
+                             '{"prompt": ..., "kind": ...} lines. Default: sharegpt (unless --prompt)')
     parser.add_argument("--kinds", default="grounded,open",
                         help="ShareGPT prompt kinds, reported separately. Default: grounded,open")
     parser.add_argument("--num-prompts", type=int, default=DEFAULT_NUM_PROMPTS,
@@ -77,6 +97,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--blas", choices=("auto", "keep"), default="auto",
                         help="Linux: 'auto' re-runs the bench with a multithreaded OpenBLAS preloaded when the "
                              "reference BLAS is in use and OpenBLAS is installed; 'keep' never does. Default: auto")
+    add_drafter_option_args(parser)
     return parser
 
 
@@ -110,18 +131,58 @@ def parse_temps(text: str) -> list[float]:
     return temps
 
 
-def _load(args, specs: list):
-    """Models, drafters (by spec string) and (cached or measured) costs."""
+def _load(args, specs: list[DrafterSpec], discover: bool):
+    """Models, drafters (by spec string) and (cached or measured) costs.
+
+    With ``discover``, ``specs`` are candidates: those that cannot run on the target are left out
+    with a note on stderr (unless their own flags were given: then the reason is the error).
+    """
     def note(what: str) -> None:
         print(f"mlxspec bench: measuring {what} (once; cached)", file=sys.stderr, flush=True)
 
     target = load_model(ModelSpec(args.model, args.dtype))
-    draft = load_model(ModelSpec(args.draft_model, args.draft_dtype), role="draft model") if args.draft_model else None
+    draft = _load_draft(args, target, discover or any(spec.name == "draft" for spec in specs))
     names = {"target": target.display, "draft": draft.display if draft else None}
-    drafters = {str(spec): build_drafter(spec, target, draft, on_measure=note) for spec in specs}
+    if discover:
+        drafters, skipped = runnable_drafters(specs, target, draft, on_measure=note)
+        skipped = {DrafterSpec.parse(spec).name: reason for spec, reason in skipped.items()}
+        for name, reason in skipped.items():
+            if drafter_flags_given(args, name):  # asked for by its own flags: not a quiet skip
+                raise ValueError(f"the {name} drafter cannot run: {reason}")
+        for name, reason in skipped.items():
+            print(f"mlxspec bench: not timing {name}: {reason}", file=sys.stderr)
+    else:
+        drafters = {str(spec): build_drafter(spec, target, draft, on_measure=note) for spec in specs}
     costs = {name: load_or_calibrate(target.model, d, on_measure=note, refresh=args.recalibrate)
              for name, d in drafters.items() if name != "none"}
-    return BenchModels(target.model, target.tokenizer, draft.model if draft else None, drafters, costs), names
+    models = BenchModels(target.model, target.tokenizer, draft.model if draft else None, drafters, costs)
+    return models, names
+
+
+def _load_draft(args, target, wanted: bool):
+    """The draft model: ``--draft-model``, else (when ``wanted``) the one shipped for the target, else ``None``."""
+    if args.draft_model:
+        return load_model(ModelSpec(args.draft_model, args.draft_dtype), role="draft model")
+    if not wanted:
+        return None
+    try:
+        spec = draft_model_spec(DrafterSpec("draft"), None, target.spec, args.draft_dtype)
+    except ValueError:
+        return None  # none ships: the draft drafter is reported as skipped (or refused when asked for)
+    return load_model(spec, role="draft model")
+
+
+def _specs(args, discover: bool) -> list[DrafterSpec]:
+    """The drafters to time: every registered one (``discover``), or ``--drafters``; own flags applied.
+
+    The suffix drafter is timed on this request only (``shared=false``): its process-wide store would
+    hold the answers of earlier runs of the same prompt."""
+    if not discover:
+        text = args.drafters or ("draft,ngram,none" if args.draft_model else "ngram,none")
+        return [with_drafter_flags(spec, args) for spec in parse_specs(text)]
+    specs = [DrafterSpec(name) for name in drafter_types()]
+    specs = [spec.replace(shared=False) if spec.name == "suffix" else spec for spec in specs]
+    return [with_drafter_flags(spec, args) for spec in specs]
 
 
 def _prompts(args, tokenizer) -> tuple[list[tuple[str, str, list[int]]], dict]:
@@ -131,6 +192,11 @@ def _prompts(args, tokenizer) -> tuple[list[tuple[str, str, list[int]]], dict]:
             return tokenizer.encode(text)
         return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True))
 
+    if args.prompt_text is not None:
+        ids = render(args.prompt_text)
+        prompts = [(f"yours.{i + 1}", PROMPT_KIND, ids) for i in range(args.repeats)]
+        return prompts, {"source": "--prompt", "parse": f"your prompt ({len(ids)} tokens) × {args.repeats} repeats",
+                         "texts": {p[0]: args.prompt_text for p in prompts}}
     if args.prompts != "sharegpt":
         prompts = read_prompts_jsonl(args.prompts)
         source = {"source": str(args.prompts)}
@@ -167,15 +233,67 @@ def format_header(info: dict) -> str:
 
 
 def report(result: dict, runs: list, systems: list, costs: dict, args: argparse.Namespace) -> None:
-    """Summarise runs, print both tables, write the JSON (and plots)."""
+    """Summarise runs, print the tables (one when the sweep leaves nothing to pick), write the JSON
+    (and plots), and close with the verdict."""
     rows = summarize(runs, systems, costs)
-    print("\nBest fixed γ per system (*), auto γ and plain decoding:\n" + format_table(rows, compact=True))
+    compact = format_table(rows, compact=True)
+    if compact != format_table(rows):
+        print("\nBest fixed γ per system (*), auto γ and plain decoding:\n" + compact)
     print("\nEvery system (γ sweep), predicted vs measured speedup:\n" + format_table(rows))
-    result = {**result, "runs": [r.to_dict() for r in runs], "summary": [asdict(r) for r in rows]}
+    found = verdicts(rows, systems)
+    commands = [verdict_commands(v, result) for v in found]
+    result = {**result, "runs": [r.to_dict() for r in runs], "summary": [asdict(r) for r in rows],
+              "verdicts": [{**asdict(v), "commands": c} for v, c in zip(found, commands)]}
     if args.plots:
         result["plots"] = write_plots(rows, args.plots, runs)
     Path(args.output).write_text(json.dumps(result, indent=1))
     print(f"\nwrote {args.output}" + (f" and plots in {args.plots}" if args.plots else ""))
+    for verdict, lines in zip(found, commands):
+        print("\n" + format_verdict(verdict, lines))
+
+
+def format_verdict(verdict: Verdict, commands: list[str]) -> str:
+    """The closing lines: the fastest setting, its speedup beside the noise floor, and the commands to use."""
+    noise = (f"noise floor ±{verdict.noise:.0%}, from plain vs plain" if verdict.noise is not None
+             else "no noise floor: --no-control")
+    where = f"{verdict.kind}, temp {verdict.temp:g}"
+    if verdict.system is None:
+        head = f"Verdict ({where}): no mlxspec drafter ran; plain decoding:"
+    elif verdict.wins:
+        head = f"Verdict ({where}): fastest is {verdict.system}, {verdict.speedup:.2f}× plain decoding ({noise}). Use:"
+    else:
+        head = (f"Verdict ({where}): nothing beats plain decoding beyond the noise floor (best: {verdict.system}, "
+                f"{verdict.speedup:.2f}×; {noise}). Use plain decoding:")
+    tail = [] if verdict.wins else ["  (or keep the defaults: --num-draft-tokens auto falls back to plain decoding "
+                                    "when drafting loses)"]
+    return "\n".join([head, *(f"  {c}" for c in commands), *tail])
+
+
+def verdict_commands(verdict: Verdict, result: dict) -> list[str]:
+    """The ``mlxspec generate`` and ``mlxspec chat`` command lines for a verdict's setting (or plain decoding)."""
+    flags = list(result.get("flags", {}).get("target", []))
+    if verdict.wins:
+        if verdict.drafter == "draft":
+            flags += result.get("flags", {}).get("draft", [])
+        flags += ["--drafter", verdict.drafter, "--num-draft-tokens", str(verdict.gamma)]
+    else:
+        flags += ["--drafter", "none"]
+    if verdict.temp:
+        flags += ["--temp", f"{verdict.temp:g}"]
+    flags += result.get("flags", {}).get("blas", [])
+    line = " ".join(shlex.quote(f) for f in flags)
+    texts = list(result.get("prompt_source", {}).get("texts", {}).values())
+    prompt = texts[0] if result.get("prompt_source", {}).get("source") == "--prompt" and texts else None
+    prompt = shlex.quote(prompt) if prompt and len(prompt) <= 60 and "\n" not in prompt else "- < prompt.txt"
+    return [f"mlxspec generate {line} --prompt {prompt}", f"mlxspec chat {line}"]
+
+
+def _flags(args: argparse.Namespace) -> dict[str, list[str]]:
+    """The bench's own flags that ``generate`` and ``chat`` must repeat to run what was measured."""
+    target = (["--model", args.model] if args.model != "default" else []) + (["--dtype", args.dtype] if args.dtype else [])
+    draft = (["--draft-model", args.draft_model] if args.draft_model else []) + (
+        ["--draft-dtype", args.draft_dtype] if args.draft_dtype else [])
+    return {"target": target, "draft": draft, "blas": ["--blas", "keep"] if args.blas == "keep" else []}
 
 
 def resummarize(args: argparse.Namespace) -> int:
@@ -202,14 +320,23 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             raise ValueError("--plots needs matplotlib: pip install 'mlxspec[plot]'") from None
     if args.from_json:
         return resummarize(args)
-    gammas, temps = parse_gammas(args.num_draft_tokens), parse_temps(args.temps)
-    if args.max_tokens < 1 or args.num_prompts < 1:
-        raise ValueError("--max-tokens and --num-prompts must be >= 1")
-    specs = parse_specs(args.drafters or ("draft,ngram,none" if args.draft_model else "ngram,none"))
-    drafter_names = [str(spec) for spec in specs]
-    systems = make_systems(drafter_names, gammas, args.draft_model is not None, control=not args.no_control)
+    if args.prompt is not None and args.prompts is not None:
+        raise ValueError("--prompt and --prompts both name the prompts; pass one of them")
+    args.prompt_text = read_prompt(args) if args.prompt is not None else None
+    args.prompts = args.prompts or "sharegpt"
+    mine = args.prompt_text is not None
+    gammas = parse_gammas(args.num_draft_tokens or (DEFAULT_PROMPT_GAMMAS if mine else DEFAULT_GAMMAS))
+    temps = parse_temps(args.temps or (DEFAULT_PROMPT_TEMPS if mine else DEFAULT_TEMPS))
+    if args.max_tokens < 1 or args.num_prompts < 1 or args.repeats < 1:
+        raise ValueError("--max-tokens, --num-prompts and --repeats must be >= 1")
+    discover = mine and args.drafters is None
+    specs = _specs(args, discover)
+    if not discover and any(spec.name == "draft" for spec in specs) and not args.draft_model:
+        draft_model_spec(DrafterSpec("draft"), None, ModelSpec(args.model, args.dtype))  # fail before loading
     started = time.time()
-    models, names = _load(args, specs)
+    models, names = _load(args, specs, discover)
+    drafter_names = list(models.drafters)
+    systems = make_systems(drafter_names, gammas, models.draft_model is not None, control=not args.no_control)
     systems, dropped = without_unscheduled(systems, models.drafters)
     if dropped:
         print(f"mlxspec: note: skipping {', '.join(dropped)}: the drafter reports no survival estimates, "
@@ -223,7 +350,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             "prompt_source": prompt_source, "prompt_ids": [p[0] for p in prompts],
             "prompt_tokens": {p[0]: len(p[2]) for p in prompts},
             "costs": {name: asdict(c) for name, c in models.costs.items()},
-            "systems": [asdict(s) for s in systems]}
+            "systems": [asdict(s) for s in systems], "flags": _flags(args)}
     print(format_header(info), flush=True)
     runs = []
     total = len(systems) * len(prompts) * len(temps)

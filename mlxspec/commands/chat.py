@@ -32,10 +32,13 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(
         prog="mlxspec chat",
         description="Chat in the terminal with lossless speculative decoding: accepted draft tokens "
-                    "green, resampled tokens red, live τ and α. F1 in the app lists the keys.",
+                    "green, resampled tokens underlined (red with F4 or --vivid), live τ and α. F1 in the app "
+                    "lists the keys.",
     )
     add_model_args(parser, allow_auto=True, default_gamma=DEFAULT_NUM_DRAFT_TOKENS)
     parser.add_argument("--system", default=None, help="system prompt put before the conversation")
+    parser.add_argument("--vivid", action="store_true",
+                        help="paint resampled tokens red from the start (the default underlines them; F4 swaps)")
     add_sampling_args(parser)
     add_blas_arg(parser)
     return parser
@@ -79,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     from mlxspec_app.engine import Engine
 
     engine = Engine(config)
-    SpecChatApp(engine, system=args.system).run()  # closes the engine when it exits
+    SpecChatApp(engine, system=args.system, vivid=args.vivid).run()  # closes the engine when it exits
     exit_now(0)
 
 

@@ -21,8 +21,8 @@ from ..session import USER_ERRORS, LoadedModel, ModelSpec, draft_model_spec, loa
 from ..session import build_drafter as session_build_drafter
 
 
-__all__ = ["USER_ERRORS", "ArgumentParser", "LoadedModels", "add_drafter_args", "add_model_args", "add_sampling_args",
-           "build_drafter", "check_args", "check_drafter_args", "drafter_spec_from_args", "fail", "load_models", "measuring_note",
+__all__ = ["USER_ERRORS", "ArgumentParser", "LoadedModels", "add_drafter_args", "add_drafter_option_args", "add_model_args", "add_sampling_args",
+           "build_drafter", "check_args", "check_drafter_args", "drafter_spec_from_args", "drafter_flags_given", "with_drafter_flags", "fail", "load_models", "measuring_note",
            "model_spec", "num_draft_tokens_arg", "run_main", "sampling_from_args", "seed_arg", "typical_from_args",
            "add_blas_arg", "use_fast_blas"]
 
@@ -85,7 +85,13 @@ def add_drafter_args(parser: argparse.ArgumentParser) -> None:
                         help="how tokens are proposed: " + "; ".join(f"{k.name}: {k.summary}" for k in kinds.values())
                              + ". A spec such as 'eagle:depth=4,top_k=1' sets options too. "
                                "Default: draft with --draft-model, else ngram")
-    for kind in kinds.values():
+    add_drafter_option_args(parser)
+
+
+def add_drafter_option_args(parser: argparse.ArgumentParser) -> None:
+    """One flag per option of every registered drafter (``--eagle-heads``, ``--medusa-tree``, ...), each
+    defaulting to ``None`` (the dataclass's default applies)."""
+    for kind in drafter_types().values():
         for f in dataclasses.fields(kind.options):
             default = f.metadata["default_help"] or f.default
             parser.add_argument(f"--{kind.name}-{f.name.replace('_', '-')}", dest=f"{kind.name}_{f.name}",
@@ -138,8 +144,23 @@ def drafter_spec_from_args(args: argparse.Namespace, name: str | None = None) ->
     spec = args.drafter if name is None else DrafterSpec(name)
     if spec is None:
         spec = DrafterSpec("draft" if args.draft_model else "ngram")
-    given = {f.name: getattr(args, f"{spec.name}_{f.name}", None) for f in dataclasses.fields(spec.options)}
-    return spec.replace(**{key: value for key, value in given.items() if value is not None})
+    return with_drafter_flags(spec, args)
+
+
+def drafter_flags_given(args: argparse.Namespace, name: str) -> dict:
+    """The options of drafter ``name`` set by its own flags (``--eagle-heads X`` → ``{"heads": "X"}``)."""
+    fields = dataclasses.fields(drafter_types()[name].options)
+    given = {f.name: getattr(args, f"{name}_{f.name}", None) for f in fields}
+    return {key: value for key, value in given.items() if value is not None}
+
+
+def with_drafter_flags(spec: DrafterSpec, args: argparse.Namespace) -> DrafterSpec:
+    """``spec`` with the options its drafter's own flags set (the flags win).
+
+    Raises:
+        ValueError: an option value the drafter refuses, naming the flag.
+    """
+    return spec.replace(**drafter_flags_given(args, spec.name))
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:

@@ -91,7 +91,8 @@ def tree_summary(drafter) -> str | None:
     if drafter.name == "medusa":
         size = len(drafter.choices)
         preset = next((name for name, choices in TREE_PRESETS.items() if choices == drafter.choices), "from a file")
-        return f"tree {preset} ({size} nodes, depth {drafter.tree_depth})"
+        priced = ", the nodes this machine's verify cost pays for, each round" if drafter.budget is not None else ""
+        return f"tree {preset} ({size} nodes, depth {drafter.tree_depth}{priced})"
     if drafter.name == "eagle":
         if drafter.choices is not None:
             shape = f"static tree of {len(drafter.choices)} nodes, depth {drafter.depth}"

@@ -15,7 +15,7 @@ import numpy as np
 from mlx_lm.models.cache import KVCache
 
 from ..cache import TreeRoPE
-from ..costmodel import load_or_calibrate
+from ..costmodel import TreeBudget, load_or_calibrate  # noqa: F401 (TreeBudget: where it used to live)
 from ..heads.eagle import EagleHead, load_eagle
 from ..taps import model_body, output_head
 from ..tree import Tree, read_eagle_tree, tree_from_choices
@@ -34,56 +34,6 @@ DEFAULT_TOTAL_TOKENS = 60
 #: ``total_tokens="auto"``: the most nodes a round may keep, root included.
 AUTO_MAX_TOTAL_TOKENS = 64
 AUTO = "auto"
-
-
-class TreeBudget:
-    """How many draft nodes to verify this round, from measured costs (``total_tokens="auto"``).
-
-    EAGLE-2 (arXiv 2406.16858, section 3) observes that a node's cumulative draft probability
-    (the product of the draft's confidences along its path) approximates the chance that the
-    target accepts it. Keeping the m most probable candidates therefore yields
-    τ(m) ≈ 1 + c · Σ_{i<m} exp(s_i) tokens per round, where s_i are the sorted cumulative draft
-    log-probabilities and c corrects the draft's calibration: the running ratio of accepted
-    nodes to the sum exp(s_i) predicted for the nodes kept, over recent rounds. A round costs
-    T_draft + T_verify(m + 1) (``costmodel.Costs``, measured on this machine), so the budget is
-    the m with the most tokens per second, τ(m) / (T_draft + T_verify(m + 1)), at least 1 node.
-
-    Args:
-        costs: The target's measured ``Costs`` (its verify curve; extrapolated past 16 tokens).
-        max_nodes: Most draft nodes kept (root excluded). Default: ``AUTO_MAX_TOTAL_TOKENS - 1``.
-        window: Rounds the calibration remembers (exponential forgetting). Default: ``32``.
-        prior_weight: Pseudo-nodes behind the prior calibration c = 1. Default: ``2``.
-
-    Attributes:
-        draft_s: Running estimate of one round's draft time, seconds.
-        calibration: c, accepted nodes per predicted node.
-    """
-
-    def __init__(self, costs, *, max_nodes: int = AUTO_MAX_TOTAL_TOKENS - 1, window: float = 32.0,
-                 prior_weight: float = 2.0):
-        self.costs, self.max_nodes, self.decay, self.prior = costs, max_nodes, 1.0 - 1.0 / window, prior_weight
-        self.draft_s, self.predicted, self.accepted, self.pending = None, 0.0, 0.0, None
-
-    @property
-    def calibration(self) -> float:
-        return (self.accepted + self.prior) / (self.predicted + self.prior)
-
-    def choose(self, sorted_scores: np.ndarray, draft_s: float) -> int:
-        """Nodes to keep (1 <= m <= len(sorted_scores)) given the candidates' scores, best first [C]."""
-        self.draft_s = draft_s if self.draft_s is None else 0.8 * self.draft_s + 0.2 * draft_s
-        gain = 1.0 + self.calibration * np.cumsum(np.exp(sorted_scores[: self.max_nodes].astype(np.float64)))
-        cost = np.array([self.draft_s + self.costs.verify(m + 1) for m in range(1, len(gain) + 1)])
-        m = int(np.argmax(gain / cost)) + 1
-        self.pending = float(gain[m - 1] - 1.0) / self.calibration  # Σ exp(s) over the kept nodes
-        return m
-
-    def update(self, num_accepted: int) -> None:
-        """Fold in the round whose budget ``choose`` set last: it accepted ``num_accepted`` nodes."""
-        if self.pending is None:
-            return
-        self.predicted = self.predicted * self.decay + self.pending
-        self.accepted = self.accepted * self.decay + num_accepted
-        self.pending = None
 
 
 class EagleDrafter(Drafter):

@@ -2,23 +2,33 @@
 
 Cai et al. 2024, "Medusa" (arXiv 2401.10774), sections 2.1 (heads) and 2.3 (tree
 attention). Each round the heads' (``mlxspec.heads.medusa``) top-k tokens fill a static
-tree of rank paths (``mc_sim_7b_63`` by default, see ``mlxspec.tree``); the drafts are
-deterministic, so verification is the exact tree rule for one-hot q (docs/acceptance.md 2.4)
-and the output is distributed as the target's.
+tree of rank paths (``mlxspec.tree``); the drafts are deterministic, so verification is the exact
+tree rule for one-hot q (docs/acceptance.md 2.4) and the output is distributed as the target's.
+
+The default tree, ``auto``, is ``mc_sim_7b_63`` priced each round by this machine's measured verify
+cost (``costmodel.TreeBudget``, as EAGLE-2 sizes its trees): it keeps the nodes whose path
+probabilities pay for their verify width, and drafts nothing (a plain step) when none do, so on a
+machine where verifying 64 tokens costs several steps it verifies a few nodes or none.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import mlx.core as mx
+import numpy as np
 
+from ..costmodel import TreeBudget
 from ..heads.medusa import MedusaHeads, load_medusa, medusa_folder
 from ..sampling import SamplingParams
 from ..taps import logits_width, output_head
-from ..tree import DEFAULT_TREE, MC_SIM_7B_63, TREE_PRESETS, Tree, read_tree, tree_from_choices
+from ..tree import MC_SIM_7B_63, TREE_PRESETS, Tree, read_tree, tree_from_choices
 from .base import Draft, Drafter
 from .registry import DrafterContext, DrafterType, option, register
+
+#: ``--medusa-tree auto`` (the default): ``mc_sim_7b_63`` pruned each round by the measured verify cost.
+AUTO_TREE = "auto"
 
 
 class MedusaDrafter(Drafter):
@@ -28,6 +38,10 @@ class MedusaDrafter(Drafter):
         heads: Loaded ``MedusaHeads``.
         lm_head: The target's LM head (``taps.output_head(target)``).
         choices: Rank paths of the tree. Default: ``mc_sim_7b_63``.
+        costs: ``costmodel.Costs`` of the target on this machine (or a function returning them):
+            each round keeps the nodes with the best predicted tokens per second (``TreeBudget``,
+            which may keep none: a plain step), reading the nodes' path probabilities on the host
+            once. ``None`` verifies the whole tree every round, with no host read. Default: ``None``.
     """
 
     name = "medusa"
@@ -36,11 +50,14 @@ class MedusaDrafter(Drafter):
     needs_hidden = True
     reports_survival = True  # the heads' probabilities of each node's token, multiplied along its path
 
-    def __init__(self, heads: MedusaHeads, lm_head, choices: list[list[int]] | None = None):
+    def __init__(self, heads: MedusaHeads, lm_head, choices: list[list[int]] | None = None, costs=None):
         self.heads, self.lm_head = heads, lm_head
         choices = choices if choices is not None else MC_SIM_7B_63
         # a rank at or past the vocabulary has no token (tiny vocabularies); prefixes of kept paths stay
         self.choices = [c for c in choices if max(c) < heads.config.vocab_size]
+        costs = costs() if callable(costs) else costs
+        self.budget = TreeBudget(costs, max_nodes=len(self.choices), allow_plain=True) if costs is not None else None
+        self.lazy = self.budget is None  # a priced tree reads its nodes' scores on the host
         self._trees: dict[int, tuple[Tree, mx.array, mx.array, int]] = {}
         self._hidden = None  # [H]: hidden state at the position before the root
 
@@ -64,6 +81,7 @@ class MedusaDrafter(Drafter):
         depth = min(num_draft_tokens, self.heads.config.medusa_num_heads)
         if self._hidden is None or depth < 1:
             return Draft.empty()
+        start = time.perf_counter()
         tree, node_heads, node_ranks, top_k, ancestors = self._tree(depth)
         logits = self.heads(self._hidden[None], self.lm_head)[:depth, 0]  # [depth, V]
         best = mx.argpartition(-logits, kth=top_k - 1, axis=-1)[:, :top_k]  # [depth, top_k], unordered
@@ -73,9 +91,32 @@ class MedusaDrafter(Drafter):
         mx.async_eval(tokens)
         logprobs = logits.astype(mx.float32) - mx.logsumexp(logits.astype(mx.float32), axis=-1, keepdims=True)
         node_logprobs = mx.take_along_axis(logprobs, ranked, axis=-1)[node_heads, node_ranks]  # [N]
-        return Draft(tokens, tree, survival=mx.exp(ancestors @ node_logprobs))
+        scores = ancestors @ node_logprobs  # [N]: log path probabilities
+        if self.budget is None:
+            return Draft(tokens, tree, survival=mx.exp(scores))
+        return self._priced(tree, tokens, scores, start)
+
+    def _priced(self, tree: Tree, tokens: mx.array, scores: mx.array, start: float) -> Draft:
+        """The subtree of the nodes ``TreeBudget`` keeps (the best path probabilities, parents first)."""
+        host = np.array(scores.astype(mx.float32))
+        order = np.argsort(-host, kind="stable")  # a parent scores at least its child and comes first
+        keep = self.budget.choose(host[order], time.perf_counter() - start)
+        index, nodes, parents = {}, [], []
+        for node in np.sort(order[:keep]).tolist():
+            parent = tree.parents[node]
+            if parent >= 0 and parent not in index:  # rounding let a child outscore its parent
+                continue
+            index[node] = len(nodes)
+            nodes.append(node)
+            parents.append(index[parent] if parent >= 0 else -1)
+        if not nodes:
+            return Draft.empty()
+        rows = mx.array(nodes)
+        return Draft(tokens[rows], Tree(tuple(parents)), survival=mx.exp(scores[rows]))
 
     def commit(self, num_committed, accepted, hidden=None):
+        if self.budget is not None:
+            self.budget.update(len(accepted))
         if hidden is not None:
             self._hidden = hidden[accepted[-1] + 1 if accepted else 0]
 
@@ -90,10 +131,13 @@ class MedusaOptions:
 
     heads: str | None = option(None, "Medusa heads: a folder, a medusa_lm_head.safetensors/.pt file, or a Hugging "
                                      "Face repo id", default_help="the heads shipped in models/medusa/ for the target")
-    tree: str = option(DEFAULT_TREE, f"Medusa tree: a preset ({', '.join(TREE_PRESETS)}) or a JSON file of rank paths")
+    tree: str = option(AUTO_TREE, f"Medusa tree: 'auto' (mc_sim_7b_63, keeping each round the nodes this machine's "
+                                  f"measured verify cost pays for, none when plain decoding is faster), a preset "
+                                  f"({', '.join(TREE_PRESETS)}) verified whole, or a JSON file of rank paths")
 
     def __post_init__(self):
-        read_tree(self.tree)
+        if self.tree != AUTO_TREE:
+            read_tree(self.tree)
 
 
 def build(options: MedusaOptions, context: DrafterContext) -> MedusaDrafter:
@@ -101,6 +145,8 @@ def build(options: MedusaOptions, context: DrafterContext) -> MedusaDrafter:
     path = context.asset("medusa", options.heads and str(medusa_folder(options.heads)))
     target = context.target
     heads = load_medusa(path, hidden_size=target.args.hidden_size, vocab_size=logits_width(target))
+    if options.tree == AUTO_TREE:
+        return MedusaDrafter(heads, output_head(target), MC_SIM_7B_63, costs=context.verify_costs)
     return MedusaDrafter(heads, output_head(target), read_tree(options.tree))
 
 
