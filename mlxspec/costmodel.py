@@ -5,8 +5,8 @@ of γ drafts yields τ(α, γ) = (1 − α^(γ+1)) / (1 − α) tokens on averag
 
     speedup(γ) = τ(α, γ) · T_target(1) / (γ · T_draft + T_verify(γ + 1)).
 
-Both costs are *measured* on this machine (``calibrate_verify``, ``calibrate_draft``)
-and cached per model and machine under ``$MLXSPEC_CACHE/costs`` (default
+Both costs are *measured* on this machine (``calibration.calibrate_verify``,
+``calibrate_draft``) and cached per model and machine under ``$MLXSPEC_CACHE/costs`` (default
 ``~/.cache/mlxspec/costs``): the same model verifies 8 tokens for 1.8x one step on
 one machine and 7x on another, so no constant is right everywhere.
 
@@ -17,35 +17,14 @@ acceptance, and γ = 0 (plain decoding) when speculation is predicted to lose.
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-import json
-import statistics
-import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
-import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
-from mlx.utils import tree_flatten
-from mlx_lm.models.cache import make_prompt_cache
-
-from .cache import prefill, trim
-from .loading import default_cache_dir
-from .machine import machine_fingerprint
-from .progress import progress_bar
-from .sampling import SamplingParams
 
 #: Largest verify width calibrated (γ + 1 ≤ this, so γ ≤ 15).
 MAX_VERIFY_TOKENS = 16
-#: Widths measured; the others in 1..16 are interpolated.
-VERIFY_GRID = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
 #: Context the costs are measured at (attention cost grows with it).
 DEFAULT_CONTEXT_TOKENS = 256
-#: Calibration repeats the grid while it stays within this many seconds (at least once, at most 5 times).
-DEFAULT_BUDGET_S = 6.0
 
 
 # ---------------------------------------------------------------- prediction
@@ -82,7 +61,7 @@ class Costs:
 
     Attributes:
         verify_s: ``[k - 1]`` = seconds for one target forward over k tokens with the
-            host read that ends a round, k = 1..16 (interpolated between ``VERIFY_GRID``
+            host read that ends a round, k = 1..16 (interpolated between ``calibration.VERIFY_GRID``
             points, non-decreasing). ``verify_s[0]`` is T_target(1), a plain step.
         draft_s: Seconds per drafted token (0 for a drafter that costs nothing measurable).
         context_tokens: Cache length the costs were measured at.
@@ -352,155 +331,3 @@ class AutoGamma:
     def _back_off(self) -> None:
         self._wait, self._interval = self._interval, min(2 * self._interval, self.max_wait)
         self._misses, self._probe_due = 0, True
-
-
-# ---------------------------------------------------------------- calibration
-
-
-def calibrate_verify(model: nn.Module, *, context_tokens: int = DEFAULT_CONTEXT_TOKENS,
-                     budget_s: float = DEFAULT_BUDGET_S, seed: int = 0) -> list[float]:
-    """Time one target forward over k = 1..16 tokens after a ``context_tokens`` prefix.
-
-    Each timing ends with the host read of the argmax, as a round does. The grid
-    ``VERIFY_GRID`` is measured (repeated while within ``budget_s``, median kept),
-    interpolated to every k, and made non-decreasing (pool-adjacent-violators).
-
-    Returns:
-        list[float]: ``[k - 1]`` = seconds, length 16.
-    """
-    vocab = _vocab_size(model)
-    rng = np.random.default_rng(seed)
-    cache = make_prompt_cache(model)
-    prefill(model, cache, rng.integers(0, vocab, size=context_tokens).tolist())
-    block = rng.integers(0, vocab, size=MAX_VERIFY_TOKENS).tolist()
-    for k in (1, MAX_VERIFY_TOKENS):  # warm-up
-        _time_forward(model, cache, block[:k])
-    samples: dict[int, list[float]] = {k: [] for k in VERIFY_GRID}
-    start = time.perf_counter()
-    with progress_bar(5 * len(VERIFY_GRID), "mlxspec: measuring the verify cost", "forward") as bar:
-        for rep in range(5):
-            for k in VERIFY_GRID:
-                samples[k].append(_time_forward(model, cache, block[:k]))
-                bar.update()
-            elapsed = time.perf_counter() - start
-            if elapsed * (rep + 2) / (rep + 1) > budget_s:
-                break
-    measured = [statistics.median(samples[k]) for k in VERIFY_GRID]
-    curve = np.interp(np.arange(1, MAX_VERIFY_TOKENS + 1), VERIFY_GRID, measured)
-    return _non_decreasing(curve.tolist())
-
-
-def calibrate_draft(drafter, history: list[int], *, num_draft_tokens: int = 4, reps: int = 3,
-                    hidden_size: int | None = None) -> float:
-    """Seconds per drafted token: ``drafter.propose`` of γ tokens after ``history``, timed to the sync.
-
-    Uses only the ``Drafter`` interface (``prefill``, ``propose``, ``commit``), so any
-    drafter can be measured; one that reads the target's hidden states gets zeros of
-    width ``hidden_size``. The drafter is left as after a round that kept nothing.
-    """
-    width = (hidden_size or 0) * max(1, len(getattr(drafter, "feature_layers", ())))  # EAGLE-3 reads 3 layers
-    zeros = (lambda n: [mx.zeros((n, width))]) if getattr(drafter, "needs_hidden", False) else (lambda n: [])
-    drafter.prefill(history, *zeros(len(history) - 1))
-    times = []
-    for rep in range(reps + 1):
-        t0 = time.perf_counter()
-        draft = drafter.propose(history, num_draft_tokens, SamplingParams())
-        mx.eval(draft.tokens)
-        if rep:  # the first is a warm-up
-            times.append(time.perf_counter() - t0)
-        drafter.commit(len(history), [], *zeros(draft.size + 1))
-    return statistics.median(times) / num_draft_tokens
-
-
-def load_or_calibrate(model: nn.Module, drafter=None, *, cache_dir: Path | None = None,
-                      context_tokens: int = DEFAULT_CONTEXT_TOKENS, refresh: bool = False,
-                      on_measure: Callable[[str], None] | None = None) -> Costs:
-    """``Costs`` for ``model`` and ``drafter`` on this machine, measured once and then cached.
-
-    The verify curve is cached per target (architecture, dtypes) + machine (CPU, cores,
-    BLAS, MLX version and device); the draft cost per drafter (its model's fingerprint)
-    + machine. Files live in ``cache_dir`` (default ``$MLXSPEC_CACHE/costs``).
-
-    Args:
-        model: The target.
-        drafter: A ``Drafter``, or ``None`` for plain decoding (draft cost 0).
-        cache_dir: Where cost files live. Default: ``default_cache_dir() / "costs"``.
-        context_tokens: Prefix length of the measurements. Default: ``256``.
-        refresh: Measure again even if cached. Default: ``False``.
-        on_measure: Called with a short description before each measurement that was not
-            cached (a CLI prints it). Default: none.
-    """
-    cache_dir = Path(cache_dir) if cache_dir else default_cache_dir() / "costs"
-    machine = machine_fingerprint()
-    target_key = {"what": "verify", "model": model_fingerprint(model), "machine": machine,
-                  "context": context_tokens, "grid": VERIFY_GRID}
-    verify_s = _cached(cache_dir, target_key, refresh, on_measure, "the target's verify cost for 1..16 tokens",
-                       lambda: calibrate_verify(model, context_tokens=context_tokens))
-    draft_s = 0.0
-    if drafter is not None and getattr(drafter, "name", "none") != "none":
-        draft_model = getattr(drafter, "model", None)
-        draft_key = {"what": "draft", "drafter": drafter.name, "machine": machine,
-                     "model": model_fingerprint(draft_model) if draft_model is not None else None,
-                     "context": context_tokens}
-        history = np.random.default_rng(1).integers(0, _vocab_size(model), size=context_tokens).tolist()
-        hidden_size = getattr(getattr(model, "args", None), "hidden_size", None)
-        draft_s = _cached(cache_dir, draft_key, refresh, on_measure, f"the {drafter.name} drafter's cost per token",
-                          lambda: calibrate_draft(drafter, history, hidden_size=hidden_size))
-    return Costs(verify_s, draft_s, context_tokens)
-
-
-def _time_forward(model, cache, tokens: list[int]) -> float:
-    t0 = time.perf_counter()
-    logits = model(mx.array(tokens, dtype=mx.int32)[None], cache=cache)
-    mx.eval(logits[0].argmax(axis=-1))
-    elapsed = time.perf_counter() - t0
-    trim(cache, len(tokens))
-    return elapsed
-
-
-def _non_decreasing(values: list[float]) -> list[float]:
-    """Least-squares non-decreasing fit (pool-adjacent-violators): noise must not make k+1 cheaper than k."""
-    blocks: list[list[float]] = []  # [mean, count]
-    for v in values:
-        blocks.append([v, 1])
-        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
-            (m2, c2), (m1, c1) = blocks.pop(), blocks.pop()
-            blocks.append([(m1 * c1 + m2 * c2) / (c1 + c2), c1 + c2])
-    return [m for m, c in blocks for _ in range(c)]
-
-
-def _vocab_size(model) -> int:
-    size = getattr(getattr(model, "args", None), "vocab_size", None)
-    return int(size) if size else 256
-
-
-def _cached(cache_dir: Path, key: dict, refresh: bool, on_measure, what: str, measure):
-    blob = json.dumps(key, sort_keys=True, default=str)
-    path = cache_dir / f"{key['what']}-{hashlib.sha256(blob.encode()).hexdigest()[:16]}.json"
-    if not refresh and path.is_file():
-        try:
-            return json.loads(path.read_text())["value"]
-        except (ValueError, KeyError, OSError):
-            pass  # a damaged cache file is measured again
-    if on_measure is not None:
-        on_measure(what)
-    value = measure()
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(".part")
-    partial.write_text(json.dumps({"key": json.loads(blob), "value": value, "measured_at": time.time()}))
-    partial.replace(path)
-    return value
-
-
-# ---------------------------------------------------------------- fingerprints
-
-
-def model_fingerprint(model: nn.Module) -> dict:
-    """What a model's speed depends on: class, config, parameter count, dtypes, quantization."""
-    args = getattr(model, "args", None)
-    config = dataclasses.asdict(args) if dataclasses.is_dataclass(args) else {}
-    params = tree_flatten(model.parameters())
-    bits = sorted({m.bits for _, m in model.named_modules() if hasattr(m, "bits") and hasattr(m, "group_size")})
-    return {"class": f"{type(model).__module__}.{type(model).__name__}", "config": config,
-            "parameters": int(sum(p.size for _, p in params)),
-            "dtypes": sorted({str(p.dtype) for _, p in params}), "quantized_bits": bits}

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from .costmodel import AutoGamma, Costs, load_or_calibrate
+from .calibration import load_or_calibrate
+from .costmodel import AutoGamma, Costs
 from .drafters import Drafter
 from .schedule import DEFAULT_SCHEDULED_MAX, ScheduledGamma
 

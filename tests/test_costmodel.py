@@ -9,13 +9,13 @@ import pytest
 from conftest import byte_tokenizer, tiny_llama
 from mlxspec import GenerationStats, generate, make_drafter
 from mlxspec.commands.generate import format_stats
+from mlxspec.calibration import load_or_calibrate
 from mlxspec.costmodel import (
     AcceptanceEstimate,
     AutoGamma,
     Costs,
     alpha_mle,
     expected_tau,
-    load_or_calibrate,
     tau_from_reach,
 )
 from mlxspec.machine import blas_in_use

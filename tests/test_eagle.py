@@ -490,9 +490,7 @@ def test_eagle_from_the_command_line(capsys, tmp_path, tiny_model_dir):
 
 
 def test_chat_takes_the_eagle_flags(tmp_path, tiny_model_dir):
-    from types import SimpleNamespace
-
-    from mlxspec_app.engine import Engine
+    from mlxspec_app.engine import Engine, _Loaded
     from mlxspec.commands import chat
     from mlxspec.session import LoadedModel, ModelSpec
 
@@ -500,7 +498,7 @@ def test_chat_takes_the_eagle_flags(tmp_path, tiny_model_dir):
     args = chat.setup_arg_parser().parse_args(["--model", str(tiny_model_dir), "--drafter", "eagle", "--eagle-heads",
                                                str(tmp_path / "head"), "--eagle-top-k", "2", "--eagle-depth", "3"])
     target = LoadedModel(tiny_llama(), byte_tokenizer(), ModelSpec("tiny"), "tiny", "tiny (MLX, float32)", False)
-    drafter = Engine(chat.engine_config(args))._make_drafter("eagle", SimpleNamespace(target=target, draft=None))
+    drafter = Engine(chat.engine_config(args))._make_drafter("eagle", _Loaded(target=target))
     assert isinstance(drafter, EagleDrafter) and (drafter.top_k, drafter.depth, drafter.total_tokens) == (2, 3, 60)
 
 

@@ -15,12 +15,13 @@ from tqdm import tqdm
 
 from ..bench import BenchModels, RunRecord, System, iter_runs, make_systems, without_unscheduled
 from ..bench_summary import Verdict, format_table, summarize, verdicts, write_plots
-from ..costmodel import Costs, load_or_calibrate
+from ..calibration import load_or_calibrate
+from ..costmodel import Costs
 from ..data import load_sharegpt, read_prompts_jsonl, sample_prompts
 from ..drafters import DrafterSpec, drafter_types, parse_specs
 from ..gamma import AUTO, SCHEDULED
 from ..loading import DTYPES
-from ..machine import blas_in_use, machine_info
+from ..machine import machine_info
 from ..session import ModelSpec, build_drafter, draft_model_spec, load_model, runnable_drafters
 from .common import ArgumentParser, add_drafter_option_args, drafter_flags_given, run_main, with_drafter_flags
 from .generate import read_prompt

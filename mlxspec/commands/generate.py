@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from ..costmodel import load_or_calibrate
+from ..calibration import load_or_calibrate
 from ..gamma import AUTO, gamma_policy
 from ..generate import context_length, encode_prompt, stream_generate
 from ..metrics import GenerationStats, TokenEvent

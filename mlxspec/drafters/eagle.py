@@ -15,7 +15,8 @@ import numpy as np
 from mlx_lm.models.cache import KVCache
 
 from ..cache import TreeRoPE
-from ..costmodel import TreeBudget, load_or_calibrate  # noqa: F401 (TreeBudget: where it used to live)
+from ..calibration import load_or_calibrate
+from ..costmodel import TreeBudget  # noqa: F401 (where it used to live)
 from ..heads.eagle import EagleHead, load_eagle
 from ..taps import model_body, output_head
 from ..tree import Tree, read_eagle_tree, tree_from_choices
@@ -63,7 +64,7 @@ class EagleDrafter(Drafter):
         total_tokens: Nodes per verify forward, the root included (EAGLE's ``total_token``), or
             ``"auto"``: each round keeps the number of nodes with the best predicted tokens per
             second on this machine (``TreeBudget``; the target's verify cost is measured once per
-            machine and cached, see ``costmodel.load_or_calibrate``), at most 64.
+            machine and cached, see ``calibration.load_or_calibrate``), at most 64.
         tree: ``None``/``"dynamic"``, or a static tree of rank paths (EAGLE-1, docs/heads.md 4.4): a
             preset (``"eagle1_25"``), a list such as ``[[0], [1], [0, 0]]`` or a JSON file; a rank
             indexes the draft's top-k at the parent. ``top_k``/``total_tokens`` then do not apply.

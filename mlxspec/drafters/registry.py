@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..identity import require_shipped_for
-from ..costmodel import Costs, load_or_calibrate
+from ..calibration import load_or_calibrate
+from ..costmodel import Costs
 from .base import Drafter
 
 
