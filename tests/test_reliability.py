@@ -135,10 +135,13 @@ def test_a_prompt_cache_is_reused_across_turns_exactly(name):
     assert third.tokens == plain_greedy(target, other, 8) and store.tokens == other + third.tokens[:-1]
 
 
+OWN_CACHE = ("draft", "eagle", "mtp", "dflash", "dspark")  # drafters with a cache of their own
+
+
 @pytest.mark.parametrize("name", DRAFTERS)
 def test_each_chat_turn_prefills_only_its_new_tokens(name, monkeypatch):
     """Counted, not timed: the target's prefill, the draft model's own prefill and the EAGLE head's
-    rows each run only the tokens a turn adds to the conversation."""
+    rows (and MTP's, DFlash's, DSpark's) each run only the tokens a turn adds to the conversation."""
     import sys
 
     engine, draft_module = sys.modules["mlxspec.generate"], sys.modules["mlxspec.drafters.draft_model"]
@@ -158,7 +161,7 @@ def test_each_chat_turn_prefills_only_its_new_tokens(name, monkeypatch):
                           stop_tokens=set(), prompt_cache=store)
         assert result.tokens == plain_greedy(target, conversation, 10)
         new_tokens.append(len(conversation) - 1 - before)
-        if turn and hasattr(drafter, "prefilled"):  # the EAGLE head's or draft model's own cache
+        if turn and name in OWN_CACHE:  # the draft model's or the feature-reading drafter's own cache
             # plus at most the last round's tokens, whose features the head had not read yet
             assert drafter.prefilled <= new_tokens[-1] + 3 + 1 < len(conversation) // 2
         conversation = conversation + result.tokens + [61 + turn, 62, 63]  # the answer and a follow-up

@@ -192,3 +192,33 @@ def pending_features(pending: mx.array | None, cached: int, num_committed: int, 
         return pending
     new = hidden[mx.array(rows)]  # [n, F]: the root's and each accepted node's features
     return new if pending is None else mx.concatenate([pending, new])
+
+
+def feature_prefill(cache: list, held: list[int], prompt: list[int], hidden: mx.array | None,
+                    *, reads_next_token: bool) -> mx.array | None:
+    """Start a prompt in a feature-reading drafter (EAGLE, MTP, DFlash): keep what a chat turn shares.
+
+    The drafter's own cache holds one entry per committed position, built from the tokens ``held``;
+    entries that the new ``prompt`` still agrees with stay, later ones are trimmed, and the target's
+    features of the positions after them become pending (read at the next ``propose``). Entry i
+    holds the feature of position i, plus, when ``reads_next_token`` (EAGLE, MTP), token i + 1; the
+    last feature then always stays pending, since ``propose`` runs the drafter from it.
+
+    Args:
+        cache: The drafter's KV caches, one per layer, all at the same offset (trimmed in place).
+        held: The tokens the cache entries were built from.
+        prompt: The new prompt (a chat turn: the whole conversation so far).
+        hidden: The target's features of ``prompt[:-1]``, [len(prompt) - 1, F], or ``None``.
+        reads_next_token: Whether entry i also depends on token i + 1.
+
+    Returns:
+        mx.array | None: The pending features, [n, F], or ``None`` when every one is cached.
+    """
+    common = next((i for i, (a, b) in enumerate(zip(held, prompt)) if a != b), min(len(held), len(prompt)))
+    keep = 0
+    if hidden is not None:
+        lag = 1 if reads_next_token else 0
+        keep = max(0, min(cache[0].offset, common - lag, hidden.shape[0] - lag))
+    for c in cache:
+        c.trim(c.offset - keep)
+    return hidden[keep:] if hidden is not None and hidden.shape[0] > keep else None

@@ -14,7 +14,7 @@ from mlx_lm.models.cache import KVCache
 from ..heads.dflash import DFlashNet, load_dflash
 from ..sampling import SamplingParams, sample
 from ..taps import model_body, output_head
-from .base import Draft, Drafter, pending_features
+from .base import Draft, Drafter, feature_prefill, pending_features
 from .registry import DrafterContext, DrafterType, option, register
 
 
@@ -58,6 +58,7 @@ class DFlashDrafter(Drafter):
         self.net, self.config = net, net.config
         self.feature_layers = self.config.feature_layers
         self.embed, self.lm_head = model_body(target).embed_tokens, output_head(target)
+        self.cache, self._history = [KVCache() for _ in self.net.layers], []  # and the tokens it was built from
         self.prefill([], None)
 
     @property
@@ -66,9 +67,14 @@ class DFlashDrafter(Drafter):
         return self.config.block_size - 1
 
     def prefill(self, prompt, hidden=None):
-        self.cache = [KVCache() for _ in self.net.layers]
+        """Keep the cached context the new prompt shares (a chat turn); the rest of ``hidden`` is pending.
+
+        Entry i holds the fused features of position i alone, so it stays valid while the prompt
+        agrees with the tokens it was built from up to position i."""
         # target features of committed positions not yet in the drafter's cache, [n, K H]
-        self._pending = hidden if hidden is not None and hidden.shape[0] > 0 else None
+        self._pending = feature_prefill(self.cache, self._history, prompt, hidden, reads_next_token=False)
+        self._history = prompt
+        self.prefilled = 0 if self._pending is None else self._pending.shape[0]
 
     def commit(self, num_committed, accepted, hidden=None):
         self._pending = pending_features(self._pending, self.cache[0].offset, num_committed, accepted, hidden)
@@ -87,6 +93,7 @@ class DFlashDrafter(Drafter):
         K = min(num_draft_tokens, self.config.block_size - 1)
         if K < 1 or (self._pending is None and self.cache[0].offset == 0):
             return Draft.empty()
+        self._history = history
         _, logits = self.block_logits(history[-1], len(history) - 1)
         tokens, q = sample(logits[1 : K + 1], sampling)  # [K], [K, V] or None (greedy)
         mx.async_eval(tokens)

@@ -54,6 +54,7 @@ class DSparkDrafter(DFlashDrafter):
         K = min(num_draft_tokens, self.max_draft_tokens)
         if K < 1 or (self._pending is None and self.cache[0].offset == 0):
             return Draft.empty()
+        self._history = history
         hidden, logits = self.net.proposal_rows(*self.block_logits(history[-1], len(history) - 1))  # [P, H], [P, V]
         previous = mx.array(history[-1:], dtype=mx.int32)
         tokens, qs, confidence = [], [], []

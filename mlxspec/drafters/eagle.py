@@ -20,7 +20,7 @@ from ..costmodel import TreeBudget  # noqa: F401 (where it used to live)
 from ..heads.eagle import EagleHead, load_eagle
 from ..taps import model_body, output_head
 from ..tree import Tree, read_eagle_tree, tree_from_choices
-from .base import Draft, Drafter, pending_features
+from .base import Draft, Drafter, feature_prefill, pending_features
 from .registry import DrafterContext, DrafterType, at_least, int_or_auto, option, register
 from .ngram import lookup_continuation
 
@@ -136,13 +136,7 @@ class EagleDrafter(Drafter):
 
         Entry i holds (feature of position i, token i + 1), so it stays valid while the prompt
         agrees with the tokens it was built from up to position i + 1."""
-        held = self._history[: len(prompt)]
-        common = next((i for i, (a, b) in enumerate(zip(held, prompt)) if a != b), len(held))
-        # at least the last feature stays pending: propose runs the head from it
-        keep = max(0, min(self.cache[0].offset, common - 1, hidden.shape[0] - 1)) if hidden is not None else 0
-        self.cache[0].trim(self.cache[0].offset - keep)
-        # features of committed positions whose (feature, next token) pair is not in the cache yet
-        self._pending = hidden[keep:] if hidden is not None and hidden.shape[0] > keep else None
+        self._pending = feature_prefill(self.cache, self._history, prompt, hidden, reads_next_token=True)
         self._history = prompt
         self.prefilled = 0 if self._pending is None else self._pending.shape[0]  # head rows the next propose runs
 

@@ -22,7 +22,7 @@ from ..assets import shipped
 from ..heads.mtp import TRAIN_COMMAND, MTPStack, has_mtp, load_mtp
 from ..sampling import SamplingParams, sample
 from ..taps import model_body, output_head
-from .base import Draft, Drafter, pending_features
+from .base import Draft, Drafter, feature_prefill, pending_features
 from .registry import DrafterContext, DrafterType, at_least, option, register
 
 #: Chain depth when neither the option nor the checkpoint's ``draft_depth`` sets one.
@@ -56,6 +56,7 @@ class MTPDrafter(Drafter):
         body = model_body(target)
         self.stack, self.depth = stack, depth
         self.embed, self.lm_head = body.embed_tokens, output_head(target)
+        self.cache, self._history = [KVCache() for _ in self.stack.first.blocks], []  # and the tokens it was built from
         self.prefill([], None)
 
     @property
@@ -64,8 +65,11 @@ class MTPDrafter(Drafter):
         return self.depth
 
     def prefill(self, prompt, hidden=None):
-        self.cache = [KVCache() for _ in self.stack.first.blocks]
-        self._pending = hidden if hidden is not None and hidden.shape[0] > 0 else None
+        """Keep the cache entries the new prompt shares (a chat turn), as EAGLE does: entry i holds
+        (feature of position i, token i + 1); the rest of ``hidden`` is pending."""
+        self._pending = feature_prefill(self.cache, self._history, prompt, hidden, reads_next_token=True)
+        self._history = prompt
+        self.prefilled = 0 if self._pending is None else self._pending.shape[0]
 
     def commit(self, num_committed, accepted, hidden=None):
         self._pending = pending_features(self._pending, self.cache[0].offset, num_committed, accepted, hidden)
@@ -74,6 +78,7 @@ class MTPDrafter(Drafter):
         depth = min(num_draft_tokens, self.depth)
         if depth < 1 or self._pending is None:
             return Draft.empty()
+        self._history = history
         module, n = self.stack.first, self._pending.shape[0]
         out = module(self._pending[None], mx.array(history[-n:], dtype=mx.int32)[None], self.embed,
                      cache=self.cache)[0]  # [n, H]

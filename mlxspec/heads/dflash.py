@@ -169,8 +169,8 @@ class DFlashAttention(nn.Module):
         q = self.rope(self._heads(x, self.q_proj, self.n_heads, self.q_norm), offset=block_offset)
         k = self.rope(self._heads(x, self.k_proj, self.n_kv_heads, self.k_norm), offset=block_offset)
         v = self._heads(x, self.v_proj, self.n_kv_heads)
-        if context is None:  # nothing new: the cached context alone
-            k_ctx, v_ctx = cache.state
+        if context is None:  # nothing new: the cached context alone (its buffers may be longer)
+            k_ctx, v_ctx = cache.keys[..., :start, :], cache.values[..., :start, :]
         else:
             k_ctx = self.rope(self._heads(context, self.k_proj, self.n_kv_heads, self.k_norm), offset=start)
             v_ctx = self._heads(context, self.v_proj, self.n_kv_heads)
