@@ -239,6 +239,7 @@ def test_generation_and_load_errors_show_in_chat_and_keep_history():
             script([ROUNDS[0], RuntimeError("device lost")], end=False),
             script([ValueError("the prompt has 9000 tokens but the model's context is 8192")], end=False),
             script([[("Fine", "target")]]),
+            script([[("Also fine", "target")]]),
         ]
         engine = FakeEngine(answers, configure_error="Could not load the draft model /nope: No such file")
         app = SpecChatApp(engine)
@@ -253,8 +254,16 @@ def test_generation_and_load_errors_show_in_chat_and_keep_history():
             assert "context is 8192" in messages(app, "error")[1].text
             assert "not added" in messages(app, "error")[1].text
             assert app.query_one("#prompt").value == "three"  # the unanswered message is back in the input
-            # The failed "three" is not in the history; the rest is intact.
+            # The failed "three" is not in the history; the rest is intact. Its bubble says it was not sent.
             assert [m["content"] for m in app.history] == ["one", "Hello world, café! Bye", "two", "Hello wor"]
+            unsent = messages(app, "user")[-1]
+            assert unsent.text == "three" and unsent.has_class("-failed") and unsent.border_subtitle == "not sent"
+            await pilot.click("#prompt")
+            await pilot.press("enter")  # sent again: it replaces the bubble marked not sent
+            await wait_for(pilot, lambda: not app.generating)
+            assert [m.text for m in messages(app, "user")] == ["one", "two", "three"]
+            assert not messages(app, "user")[-1].has_class("-failed")
+            assert app.history[-2:] == [{"role": "user", "content": "three"}, {"role": "assistant", "content": "Fine"}]
             await pilot.press("f2")
             await pilot.pause()  # the dialog lays out its drafter's settings
             await pilot.click("#drafter-draft")
@@ -266,9 +275,31 @@ def test_generation_and_load_errors_show_in_chat_and_keep_history():
             assert "/nope" in messages(app, "error")[2].text
             await send(pilot, app, "four")
             await wait_for(pilot, lambda: not app.generating)
-            assert messages(app, "assistant")[-1].text == "Fine"
-            assert [m["content"] for m in engine.requests[-1]][-2:] == ["Hello wor", "four"]
-            assert [m.role for m in messages(app, "user")] == ["user"] * 4
+            assert messages(app, "assistant")[-1].text == "Also fine"
+            assert [m["content"] for m in engine.requests[-1]][-4:] == ["Hello wor", "three", "Fine", "four"]
+            assert [m.text for m in messages(app, "user")] == ["one", "two", "three", "four"]
+
+    run(body())
+
+
+def test_a_failed_message_stays_marked_not_sent_while_something_else_is_typed():
+    async def body():
+        engine = FakeEngine([script([WAIT], end=False), script([[("ok", "target")]])])
+        app = SpecChatApp(engine)
+        async with app.run_test(size=(110, 36)) as pilot:
+            await send(pilot, app, "lost?")
+            app.query_one("#prompt").value = "typed meanwhile"
+            app.post_message(GenerationFailed(app._request_id, "device lost"))
+            await wait_for(pilot, lambda: messages(app, "error"))
+            assert app.query_one("#prompt").value == "typed meanwhile"  # not overwritten
+            assert "marked not sent" in messages(app, "error")[0].text and app.history == []
+            engine.cancel(app._request_id)  # let the fake engine go on
+            await send(pilot, app, "other")
+            await wait_for(pilot, lambda: not app.generating and messages(app, "assistant"))
+            # Another message does not replace it: it stays, marked, and out of the conversation.
+            assert [(m.text, m.has_class("-failed")) for m in messages(app, "user")] == [("lost?", True),
+                                                                                       ("other", False)]
+            assert engine.requests[-1] == [{"role": "user", "content": "other"}]
 
     run(body())
 
