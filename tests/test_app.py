@@ -347,6 +347,37 @@ def test_drafter_dialog_switches_drafter_and_gamma():
     run(body())
 
 
+def test_drafter_dialog_enter_on_the_list_applies_and_gamma_has_the_cli_bound():
+    async def body():
+        from textual.widgets import Label
+
+        from mlxspec.gamma import MAX_NUM_DRAFT_TOKENS
+
+        long_name = "SmolLM2-135M-Instruct-Q4_K_M.gguf (GGUF, float16) from a folder with a long name"
+        engine = FakeEngine([], info=EngineInfo(INFO.model_name, False, long_name, "ngram", "auto", INFO.drafters))
+        app = SpecChatApp(engine)
+        async with app.run_test(size=(110, 44)) as pilot:
+            await wait_for(pilot, lambda: app.info is not None)
+            await pilot.press("f2")
+            await pilot.pause()
+            screen = app.screen
+            box = screen.query_one("#drafter-box").content_region
+            for label in screen.query(Label):  # every caption fits the dialog (wrapped, not cut off)
+                assert label.region.right <= box.right, str(label.render())
+            screen.query_one("#gamma").value = str(MAX_NUM_DRAFT_TOKENS + 1)
+            await pilot.press("down", "enter")  # none: Enter picks it and applies, if γ is allowed
+            await pilot.pause()
+            assert f"from 0 to {MAX_NUM_DRAFT_TOKENS}" in str(screen.query_one("#drafter-error").render())
+            screen.query_one("#gamma").value = str(MAX_NUM_DRAFT_TOKENS)
+            screen.query_one("#drafter-kind").focus()
+            await pilot.press("enter")
+            await wait_for(pilot, lambda: engine.configured)
+            assert not isinstance(app.screen, DrafterScreen)
+            assert engine.configured == [("none", MAX_NUM_DRAFT_TOKENS, None, None)]
+
+    run(body())
+
+
 def test_clear_forgets_the_conversation():
     async def body():
         engine = FakeEngine([script(ROUNDS), script([[("again", "target")]])])

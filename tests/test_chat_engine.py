@@ -108,7 +108,9 @@ def test_real_engine_thread_answers_like_plain_greedy_decoding(tmp_path):
 
 def test_chat_command_rejects_bad_flags_before_starting_the_app(capsys):
     assert chat.main(["--num-draft-tokens", "-1"]) == 2
-    assert "--num-draft-tokens must be >= 0" in capsys.readouterr().err
+    assert "--num-draft-tokens must be from 0 to 64" in capsys.readouterr().err
+    assert chat.main(["--num-draft-tokens", "65"]) == 2  # the bound F2 has too: gamma.MAX_NUM_DRAFT_TOKENS
+    assert "--num-draft-tokens must be from 0 to 64" in capsys.readouterr().err
     assert chat.main(["--model", "no-draft-ships-for-this", "--drafter", "draft"]) == 2
     assert "needs a draft model" in capsys.readouterr().err
 

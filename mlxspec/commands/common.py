@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from ..assets import NAMED_MODELS
 from ..drafters import Drafter, DrafterSpec, drafter_types
-from ..gamma import AUTO, SCHEDULED
+from ..gamma import AUTO, MAX_NUM_DRAFT_TOKENS, SCHEDULED, check_num_draft_tokens
 from ..generate import DEFAULT_MAX_TOKENS, DEFAULT_NUM_DRAFT_TOKENS
 from ..loading import DTYPES
 from ..machine import blas_in_use, find_fast_blas
@@ -113,8 +113,8 @@ def add_model_args(parser: argparse.ArgumentParser, allow_auto: bool = False, de
     add_drafter_args(parser)
     if allow_auto:
         parser.add_argument("--num-draft-tokens", type=num_draft_tokens_arg, default=default_gamma,
-                            help="γ, tokens drafted per round; 0 = plain decoding; 'auto' lets a tree drafter "
-                                 "keep its own depth and picks γ for the others each round from costs measured "
+                            help=f"γ, tokens drafted per round, 0 to {MAX_NUM_DRAFT_TOKENS}; 0 = plain decoding; "
+                                 "'auto' lets a tree drafter keep its own depth and picks γ for the others each round from costs measured "
                                  "on this machine (once, cached) and the running acceptance, falling back to "
                                  "plain decoding when speculation would lose; 'scheduled' (draft, medusa, eagle, "
                                  "dflash, dspark) drafts the drafter's full length and verifies the part with the best predicted "
@@ -122,7 +122,8 @@ def add_model_args(parser: argparse.ArgumentParser, allow_auto: bool = False, de
                                  f"Default: {default_gamma}")
     else:
         parser.add_argument("--num-draft-tokens", type=int, default=DEFAULT_NUM_DRAFT_TOKENS,
-                            help=f"γ, tokens drafted per round; 0 = plain decoding. Default: {DEFAULT_NUM_DRAFT_TOKENS}")
+                            help=f"γ, tokens drafted per round, 0 to {MAX_NUM_DRAFT_TOKENS}; 0 = plain decoding. "
+                                 f"Default: {DEFAULT_NUM_DRAFT_TOKENS}")
     parser.add_argument("--dtype", choices=DTYPES, default=None,
                         help="load the target in this float dtype (dequantizes a quantized model). "
                              "Default: as stored")
@@ -190,8 +191,8 @@ def check_args(args: argparse.Namespace) -> None:
     Raises:
         ValueError: naming the flag and the allowed range.
     """
-    if isinstance(args.num_draft_tokens, int) and args.num_draft_tokens < 0:
-        raise ValueError(f"--num-draft-tokens must be >= 0, got {args.num_draft_tokens}")
+    if isinstance(args.num_draft_tokens, int):
+        check_num_draft_tokens(args.num_draft_tokens, "--num-draft-tokens")
     if args.max_tokens < 1:
         raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     sampling_from_args(args)
