@@ -20,8 +20,9 @@ from collections.abc import Callable, Iterator
 import mlx.core as mx
 
 from mlxspec.cache import PromptCache
+from mlxspec.calibration import load_or_calibrate
 from mlxspec.drafters import DRAFTERS, DrafterSpec
-from mlxspec.gamma import gamma_policy
+from mlxspec.gamma import AUTO, gamma_policy
 from mlxspec.generate import stream_generate
 from mlxspec.metrics import CycleStats, GenerationStats, TokenEvent
 from mlxspec.sampling import SamplingParams
@@ -67,6 +68,9 @@ class EngineConfig:
         typical: ``(threshold, alpha)`` for the LOSSY typical acceptance, or ``None``.
         draft_dtype: The dtype of a draft model loaded later from the chat (F2). Default: as stored.
         stop: Stop strings that end an answer (``stops.StopStrings``). Default: none.
+        recalibrate: With ``num_draft_tokens="auto"``, measure this machine's costs again the first time each
+            target and drafter pair is used, instead of using the cached ones (``mlxspec generate
+            --recalibrate``). Default: ``False``.
     """
 
     model: ModelSpec | str = "default"
@@ -79,6 +83,7 @@ class EngineConfig:
     typical: tuple[float, float] | None = None
     draft_dtype: str | None = None
     stop: tuple[str, ...] = ()
+    recalibrate: bool = False
 
     def __post_init__(self):
         if isinstance(self.model, str):
@@ -236,6 +241,7 @@ class Engine:
         self._cancels: dict[int, threading.Event] = {}
         self._thread: threading.Thread | None = None
         self._state = _Loaded()
+        self._recalibrated: set[tuple] = set()  # (target, drafter, draft model) whose costs --recalibrate measured
 
     def start(self, post: Post) -> None:
         """Start the engine thread; it loads the configured models first."""
@@ -354,7 +360,9 @@ class Engine:
             state.spec = self._state.spec if keep is not None else DrafterSpec(state.drafter.name)
             post(LoadFailed(f"Cannot use the {name} drafter: {one_line(e)}; keeping the {state.drafter.name} drafter"))
         try:
-            state.policy = gamma_policy(state.num_draft_tokens, state.target.model, state.drafter, on_measure=note)
+            costs = self._fresh_costs(state, note)
+            state.policy = gamma_policy(state.num_draft_tokens, state.target.model, state.drafter, costs=costs,
+                                        on_measure=note)
         except Exception as e:
             state.num_draft_tokens = DEFAULT_NUM_DRAFT_TOKENS
             state.policy = gamma_policy(state.num_draft_tokens, state.target.model, state.drafter)
@@ -362,6 +370,16 @@ class Engine:
                             f"{DEFAULT_NUM_DRAFT_TOKENS}"))
         self._state = state
         post(EngineReady(self._info()))
+
+    def _fresh_costs(self, state: _Loaded, on_measure):
+        """With ``recalibrate`` and γ auto, the costs measured again (as ``mlxspec generate --recalibrate``),
+        once per target and drafter pair; else ``None``: ``gamma_policy`` uses the cached ones."""
+        key = (state.target.spec, state.drafter.name, state.draft.spec if state.draft else None)
+        if not self.config.recalibrate or state.num_draft_tokens != AUTO or state.drafter.name == "none" \
+                or key in self._recalibrated:
+            return None
+        self._recalibrated.add(key)
+        return load_or_calibrate(state.target.model, state.drafter, refresh=True, on_measure=on_measure)
 
     def _fallback(self, state: _Loaded, on_measure):
         """The n-gram drafter, or plain decoding on a target whose cache cannot be rewound."""

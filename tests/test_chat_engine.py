@@ -178,3 +178,51 @@ def test_engine_switches_drafter_settings_and_reloads_the_target_in_another_dtyp
         assert ready().options == (("min", "2"), ("max", "2"))
     finally:
         assert engine.close()
+
+
+def test_recalibrate_measures_the_costs_again_once_per_target_and_drafter(tmp_path, monkeypatch):
+    """``mlxspec chat --recalibrate`` reaches the engine, which calls ``load_or_calibrate(refresh=True)`` as
+    ``mlxspec generate --recalibrate`` does: once per target and drafter pair; later switches use the cache."""
+    import queue
+
+    import mlxspec.gamma as gamma
+    import mlxspec_app.engine as engine_module
+    from mlxspec_app.messages import EngineReady, LoadFailed
+    from test_registry import FAKE_COSTS
+
+    args = chat.setup_arg_parser().parse_args(["--recalibrate"])
+    assert chat.engine_config(args).recalibrate and not chat.engine_config(chat.setup_arg_parser().parse_args([])) \
+        .recalibrate
+    calls = []
+
+    def measured(how):
+        def load_or_calibrate(model, drafter=None, *, refresh=False, on_measure=None):
+            calls.append((how, drafter.name, refresh))
+            return FAKE_COSTS
+        return load_or_calibrate
+
+    monkeypatch.setattr(engine_module, "load_or_calibrate", measured("engine"))
+    monkeypatch.setattr(gamma, "load_or_calibrate", measured("gamma_policy"))
+    model, tokenizer = tiny_llama(seed=3), byte_tokenizer()
+    save_model(tmp_path, model)
+    save_config(dict(model.args.__dict__, eos_token_id=256), tmp_path / "config.json")
+    tokenizer._tokenizer.save_pretrained(tmp_path)
+    engine = Engine(EngineConfig(model=str(tmp_path), drafter="ngram", num_draft_tokens="auto", recalibrate=True))
+    posted = queue.Queue()
+    engine.start(posted.put)
+
+    def ready():
+        while not isinstance(message := posted.get(timeout=60), (EngineReady, LoadFailed)):
+            pass
+        assert isinstance(message, EngineReady), message
+
+    try:
+        ready()
+        assert calls == [("engine", "ngram", True)]
+        engine.configure("none")
+        ready()
+        engine.configure("ngram")  # measured once already in this chat: the cached costs
+        ready()
+        assert calls == [("engine", "ngram", True), ("gamma_policy", "ngram", False)]
+    finally:
+        assert engine.close()

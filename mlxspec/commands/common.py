@@ -24,7 +24,7 @@ from ..session import build_drafter as session_build_drafter
 __all__ = ["USER_ERRORS", "ArgumentParser", "LoadedModels", "add_drafter_args", "add_drafter_option_args", "add_model_args", "add_sampling_args",
            "build_drafter", "check_args", "check_drafter_args", "drafter_spec_from_args", "drafter_flags_given", "with_drafter_flags", "fail", "load_models", "measuring_note",
            "model_spec", "num_draft_tokens_arg", "run_main", "sampling_from_args", "seed_arg", "typical_from_args",
-           "add_blas_arg", "use_fast_blas"]
+           "add_blas_arg", "add_recalibrate_arg", "use_fast_blas"]
 
 #: Set in a re-executed process so it does not re-execute again.
 REEXEC_ENV = "MLXSPEC_BLAS_REEXEC"
@@ -177,6 +177,13 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=seed_arg, default=None, help="random seed in [0, 2**64). Default: none")
     parser.add_argument("--stop", action="append", default=None, metavar="TEXT",
                         help="end the answer at this text, which is not printed; repeat for several. Default: none")
+
+
+def add_recalibrate_arg(parser: argparse.ArgumentParser) -> None:
+    """``--recalibrate``: measure the costs behind ``auto`` again (``calibration.load_or_calibrate(refresh=True)``)."""
+    parser.add_argument("--recalibrate", action="store_true",
+                        help="with --num-draft-tokens auto: measure this machine's verify and draft costs again "
+                             "(after a BLAS, load or hardware change) instead of using the cached ones")
 
 
 def sampling_from_args(args: argparse.Namespace) -> SamplingParams:

@@ -17,6 +17,7 @@ from .common import (
     add_sampling_args,
     check_args,
     add_blas_arg,
+    add_recalibrate_arg,
     run_main,
     load_models,
     measuring_note,
@@ -37,9 +38,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-chat-template", action="store_true",
                         help="feed the prompt as raw text instead of through the chat template")
     add_sampling_args(parser)
-    parser.add_argument("--recalibrate", action="store_true",
-                        help="with --num-draft-tokens auto: measure this machine's verify and draft costs again "
-                             "(after a BLAS, load or hardware change) instead of using the cached ones")
+    add_recalibrate_arg(parser)
     add_blas_arg(parser)
     parser.add_argument("--json", action="store_true",
                         help="print one JSON record (text and every stat) instead of streaming")
