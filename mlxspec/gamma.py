@@ -11,6 +11,9 @@ and ``stream_generate(..., num_draft_tokens="auto")`` mean the same thing for ev
   full length and ``schedule.ScheduledGamma`` verifies the part with the best predicted tokens/s
   (docs/acceptance.md 3.1). It is a word of its own, not a kind of ``auto``: it needs those
   estimates, which not every drafter has, and it reads them on the host before verifying.
+
+Where a tree drafter keeps its own shape, a γ says little: ``tree_summary`` says in words what it
+drafts each round (``mlxspec generate``'s stats and the chat's panel both show it).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from .calibration import load_or_calibrate
 from .costmodel import AutoGamma, Costs
 from .drafters import Drafter
 from .schedule import DEFAULT_SCHEDULED_MAX, ScheduledGamma
+from .tree import TREE_PRESETS
 
 #: ``num_draft_tokens`` value that lets the policy choose.
 AUTO = "auto"
@@ -116,3 +120,24 @@ def gamma_policy(num_draft_tokens: int | str | GammaPolicy, model, drafter: Draf
     if drafter.tree_depth is not None:  # the cost model prices chains; a tree keeps its own shape
         return FixedGamma(drafter.tree_depth)
     return AutoGamma(costs if costs is not None else load_or_calibrate(model, drafter, on_measure=on_measure))
+
+
+def tree_summary(drafter) -> str | None:
+    """What a tree drafter proposes, e.g. ``"tree mc_sim_7b_63 (63 nodes, depth 4)"`` or ``"depth-4 chain + a
+    6-token n-gram branch"``; ``None`` when the drafter says nothing about its tree (γ then describes
+    its rounds)."""
+    if drafter.name == "medusa":
+        size = len(drafter.choices)
+        preset = next((name for name, choices in TREE_PRESETS.items() if choices == drafter.choices), "from a file")
+        priced = ", the nodes this machine's verify cost pays for, each round" if drafter.budget is not None else ""
+        return f"tree {preset} ({size} nodes, depth {drafter.tree_depth}{priced})"
+    if drafter.name == "eagle":
+        if drafter.choices is not None:
+            shape = f"static tree of {len(drafter.choices)} nodes, depth {drafter.depth}"
+        elif drafter.top_k == 1:
+            shape = f"depth-{drafter.depth} chain"
+        else:
+            total = "sized each round" if drafter.budget is not None else f"at most {drafter.total_tokens} nodes"
+            shape = f"EAGLE-2 tree (depth {drafter.depth}, top-{drafter.top_k}, {total})"
+        return shape + (f" + a {drafter.ngram}-token n-gram branch" if drafter.ngram else "")
+    return None

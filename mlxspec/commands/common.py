@@ -114,9 +114,10 @@ def add_model_args(parser: argparse.ArgumentParser, allow_auto: bool = False, de
     if allow_auto:
         parser.add_argument("--num-draft-tokens", type=num_draft_tokens_arg, default=default_gamma,
                             help=f"γ, tokens drafted per round, 0 to {MAX_NUM_DRAFT_TOKENS}; 0 = plain decoding; "
-                                 "'auto' lets a tree drafter keep its own depth and picks γ for the others each round from costs measured "
-                                 "on this machine (once, cached) and the running acceptance, falling back to "
-                                 "plain decoding when speculation would lose; 'scheduled' (draft, medusa, eagle, "
+                                 "'auto' lets a tree drafter keep its own depth and picks γ for the others each "
+                                 "round from costs measured on this machine (once, cached) and the running "
+                                 "acceptance, falling back to plain decoding when speculation would lose; "
+                                 "'scheduled' (draft, medusa, eagle, "
                                  "dflash, dspark) drafts the drafter's full length and verifies the part with the best predicted "
                                  "tokens/s from the draft's own confidence (docs/acceptance.md 3.1). "
                                  f"Default: {default_gamma}")

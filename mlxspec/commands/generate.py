@@ -7,10 +7,9 @@ import json
 import sys
 
 from ..calibration import load_or_calibrate
-from ..gamma import AUTO, gamma_policy
+from ..gamma import AUTO, gamma_policy, tree_summary
 from ..generate import context_length, encode_prompt, stream_generate
 from ..metrics import GenerationStats, TokenEvent
-from ..tree import TREE_PRESETS
 from .common import (
     ArgumentParser,
     add_model_args,
@@ -82,26 +81,6 @@ def format_stats(stats: GenerationStats, drafter=None, policy: str = AUTO) -> st
         lines.insert(5, "  (a tree: α = accepted / all drafted nodes, and at most one path of them can be kept; "
                         "τ and acceptance per depth say how far the kept path reached)")
     return "\n".join(lines)
-
-
-def tree_summary(drafter) -> str | None:
-    """What a tree drafter proposes, e.g. ``"tree mc_sim_7b_63 (63 nodes, depth 4)"`` or ``"depth-4 chain + a
-    6-token n-gram branch"``; ``None`` when the drafter says nothing about its tree."""
-    if drafter.name == "medusa":
-        size = len(drafter.choices)
-        preset = next((name for name, choices in TREE_PRESETS.items() if choices == drafter.choices), "from a file")
-        priced = ", the nodes this machine's verify cost pays for, each round" if drafter.budget is not None else ""
-        return f"tree {preset} ({size} nodes, depth {drafter.tree_depth}{priced})"
-    if drafter.name == "eagle":
-        if drafter.choices is not None:
-            shape = f"static tree of {len(drafter.choices)} nodes, depth {drafter.depth}"
-        elif drafter.top_k == 1:
-            shape = f"depth-{drafter.depth} chain"
-        else:
-            total = "sized each round" if drafter.budget is not None else f"at most {drafter.total_tokens} nodes"
-            shape = f"EAGLE-2 tree (depth {drafter.depth}, top-{drafter.top_k}, {total})"
-        return shape + (f" + a {drafter.ngram}-token n-gram branch" if drafter.ngram else "")
-    return None
 
 
 def _gamma_summary(stats: GenerationStats, policy: str) -> str:
