@@ -26,6 +26,7 @@ from .messages import (
 )
 from .screens import DrafterChoice, DrafterScreen, HelpScreen
 from .widgets import ChatLog, ChatMessage, Legend, LoadBar, StatsPanel
+from .widgets.stats_panel import alpha_text, drafting, stats_drafting
 
 
 class SpecChatApp(App):
@@ -228,8 +229,9 @@ class SpecChatApp(App):
         self.info = message.info
         self._stats_panel.show_info(message.info)
         self.sub_title = message.info.model_name
-        gamma = message.info.num_draft_tokens if message.info.drafter != "none" else 0
-        self.chat_log.add("info", f"Ready: {message.info.model_name}; drafter {message.info.drafter}, γ = {gamma}")
+        info = message.info
+        self.chat_log.add("info", f"Ready: {info.model_name}; drafter {info.drafter}, "
+                                  f"{drafting(info.drafter, info.num_draft_tokens, info.shape)}")
 
     # Other actions
 
@@ -293,11 +295,11 @@ class SpecChatApp(App):
 
 
 def summary(stats: StatsSnapshot, cancelled: bool, finish_reason: str | None) -> str:
-    """One line under a finished answer: τ, α, speed, drafter and how it ended."""
-    parts = [f"τ {stats.tau:.2f}", f"α {stats.alpha:.2f}", f"{stats.tokens_per_s:.1f} tok/s",
-             f"{stats.drafter} γ={stats.num_draft_tokens}"]
+    """One line under a finished answer: τ, α, speed, drafter and what it drafted, and how it ended."""
+    parts = [f"τ {stats.tau:.2f}", f"α {alpha_text(stats)}", f"{stats.tokens_per_s:.1f} tok/s"]
     if cancelled:
         parts.append("stopped")
     elif finish_reason == "length":
         parts.append("max tokens")
-    return " · ".join(parts)
+    # last: a long tree description is what the border cuts off
+    return " · ".join([*parts, f"{stats.drafter} {stats_drafting(stats, now=False)}"])

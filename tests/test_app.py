@@ -10,6 +10,8 @@ import asyncio
 import queue
 import threading
 
+import pytest
+
 from mlxspec_app.app import SpecChatApp
 from mlxspec_app.engine import one_line, relay
 from mlxspec_app.messages import EngineInfo, EngineReady, GenerationFailed, LoadFailed, LoadProgress
@@ -51,9 +53,11 @@ SPANS = [("Hel", "accepted"), ("lo", "accepted"), (" wor", "resampled"), ("ld", 
 class FakeEngine:
     """The engine's interface over scripted answers, in one thread like the real one."""
 
-    def __init__(self, answers, *, load_error=None, configure_error=None, info=INFO):
+    def __init__(self, answers, *, load_error=None, configure_error=None, info=INFO, drafting=None):
         self.answers = list(answers)
         self.load_error, self.configure_error, self.info = load_error, configure_error, info
+        # what the real engine tells relay about the drafter (drafter, num_draft_tokens, policy, shape)
+        self.drafting = {"drafter": "ngram", "num_draft_tokens": 4, **(drafting or {})}
         self.requests, self.configured, self.dtypes = [], [], []
         self.cancels: dict[int, threading.Event] = {}
         self.jobs: queue.Queue = queue.Queue()
@@ -91,8 +95,7 @@ class FakeEngine:
                 continue
             cancelled = self.cancels[request_id]
             try:
-                relay(self._replay(events, cancelled), request_id, self.post, cancelled,
-                      drafter="ngram", num_draft_tokens=4, flush_s=0)
+                relay(self._replay(events, cancelled), request_id, self.post, cancelled, **self.drafting, flush_s=0)
             except Exception as e:
                 self.post(GenerationFailed(request_id, one_line(e)))
 
@@ -179,6 +182,54 @@ def test_answer_shows_coloured_tokens_and_tau():
                                           {"role": "user", "content": "Say hello"}]
             assert app.history[-1] == {"role": "assistant", "content": "Hello world, café! Bye"}
             assert str(panel.query_one("#target").render()) == "tiny[b] (MLX, float32)\nquantized: no"
+
+    run(body())
+
+
+def picked(gammas, drafter="ngram"):
+    """Events of rounds whose policy picked γ = ``gammas[i]`` (0: a plain round), each keeping one draft."""
+    events, totals = [], GenerationStats(drafter=drafter, num_draft_tokens=max(gammas))
+    for cycle, gamma in enumerate(gammas):
+        kept = min(1, gamma)
+        events += [TokenEvent(100, "a", "accepted", cycle)] * kept + [
+            TokenEvent(101, "b", "resampled" if gamma else "target", cycle)]
+        events.append(CycleStats(cycle, gamma, kept, kept + 1, 0.01, 0.09, depth=gamma, gamma=gamma))
+        totals.add_cycle(events[-1])
+        totals.add_gamma(gamma)
+    totals.finish_reason, totals.generation_s = "stop", 0.5
+    return events + [totals]
+
+
+EAGLE_SHAPE = "depth-4 chain + a 6-token n-gram branch"  # gamma.tree_summary's words, as generate prints them
+
+
+@pytest.mark.parametrize("drafter,gamma,relayed,events,before,after,summary", [
+    # γ auto: the pick of the latest round and the mean, not the largest γ auto may pick (15)
+    ("ngram", "auto", {"num_draft_tokens": 15, "policy": "auto"}, picked([15, 15, 3]),
+     "ngram   γ auto", "ngram   γ auto (now 3, mean 11.0)", ("α 0.09 ·", "· ngram γ auto (mean 11.0)")),
+    # a tree drafter: its tree, not the depth that γ auto keeps (6)
+    ("eagle", "auto", {"drafter": "eagle", "num_draft_tokens": 6, "shape": EAGLE_SHAPE}, picked([6, 6], "eagle"),
+     f"eagle   {EAGLE_SHAPE}", f"eagle   {EAGLE_SHAPE}", ("α 0.17 ·", f"· eagle {EAGLE_SHAPE}")),
+    # nothing drafted: α is "–" everywhere, never 0.00
+    ("none", "auto", {"drafter": "none", "num_draft_tokens": 0}, picked([0, 0], "none"),
+     "none   plain decoding", "none   plain decoding", ("α – ·", "· none plain decoding")),
+])
+def test_stats_say_what_is_drafted(drafter, gamma, relayed, events, before, after, summary):
+    async def body():
+        shape = relayed.get("shape")
+        info = EngineInfo("tiny (MLX, float32)", False, None, drafter, gamma, ("eagle", "ngram", "none"), shape=shape)
+        app = SpecChatApp(FakeEngine([events], info=info, drafting=relayed))
+        async with app.run_test(size=(130, 36)) as pilot:
+            await wait_for(pilot, lambda: app.info is not None)
+            panel = app.query_one(StatsPanel)
+            assert str(panel.query_one("#drafter").render()) == before
+            assert messages(app, "info")[0].text.endswith(before.replace("   ", ", "))  # the Ready line
+            await send(pilot, app, "hi")
+            await wait_for(pilot, lambda: not app.generating)
+            assert str(panel.query_one("#drafter").render()) == after
+            assert all(part in messages(app, "assistant")[0].border_subtitle for part in summary)
+            if drafter == "none":
+                assert str(panel.query_one("#alpha").render()) == "α  – (nothing drafted)"
 
     run(body())
 

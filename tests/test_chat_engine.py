@@ -226,3 +226,45 @@ def test_recalibrate_measures_the_costs_again_once_per_target_and_drafter(tmp_pa
         assert calls == [("engine", "ngram", True), ("gamma_policy", "ngram", False)]
     finally:
         assert engine.close()
+
+
+def test_the_engine_says_what_its_drafter_drafts(tiny_model_dir, tmp_path, monkeypatch):
+    """What the chat shows for the drafter is what ``mlxspec generate``'s stats say: a tree drafter's tree
+    (``gamma.tree_summary``) rather than the depth γ auto keeps, and with γ auto each round's pick."""
+    import queue
+
+    import mlxspec.gamma as gamma
+    from mlxspec.heads.eagle import save_eagle
+    from mlxspec_app.messages import EngineReady, LoadFailed
+    from test_costmodel import MEMORY_BOUND
+    from test_eagle import random_head
+
+    save_eagle(random_head(1), tmp_path / "eagle")
+    monkeypatch.setattr(gamma, "load_or_calibrate", lambda *a, **k: MEMORY_BOUND)  # drafting pays: auto drafts
+    spec = f"eagle:depth=3,top_k=1,ngram=4,heads={tmp_path / 'eagle'}"
+    engine = Engine(EngineConfig(model=str(tiny_model_dir), drafter=spec, num_draft_tokens="auto", max_tokens=12))
+    posted = queue.Queue()
+    engine.start(posted.put)
+
+    def wait(kinds):
+        while not isinstance(message := posted.get(timeout=60), kinds):
+            pass
+        return message
+
+    def answer(request_id):
+        engine.generate(request_id, [{"role": "user", "content": "abcabcabcabc"}])
+        return wait(GenerationDone).stats
+
+    try:
+        info = wait((EngineReady, LoadFailed)).info
+        assert (info.drafter, info.num_draft_tokens) == ("eagle", "auto")
+        assert info.shape == "depth-3 chain + a 4-token n-gram branch"
+        stats = answer(1)
+        assert stats.shape == info.shape and stats.policy is None  # auto keeps the tree's own depth
+        engine.configure("ngram")
+        assert wait((EngineReady, LoadFailed)).info.shape is None
+        stats = answer(2)
+        assert stats.policy == "auto" and stats.shape is None and stats.drafted > 0
+        assert 0 < stats.gamma_mean <= stats.num_draft_tokens == 15 and 0 <= stats.gamma_now <= 15
+    finally:
+        assert engine.close()

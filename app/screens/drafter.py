@@ -1,8 +1,9 @@
 """Switch drafter, its settings and γ without restarting; optionally load another model or dtype.
 
 The dialog opens with the keyboard on the current drafter (arrows move, Space picks, Enter picks and
-applies, as Enter does in every field) and shows the picked drafter's own settings, one field per option of its options dataclass in the
-registry (the same options as its ``--<drafter>-<option>`` flags): tree, heads path, depth, ...
+applies, as Enter does in every field) and shows the picked drafter's own settings, one field per
+option of its options dataclass in the registry (the same options as its ``--<drafter>-<option>``
+flags): tree, heads path, depth, ...
 """
 
 from __future__ import annotations
