@@ -26,6 +26,7 @@ from .messages import (
 )
 from .screens import DrafterChoice, DrafterScreen, HelpScreen
 from .widgets import ChatLog, ChatMessage, Legend, LoadBar, StatsPanel
+from .widgets.stats_panel import alpha_text, drafting, stats_drafting
 
 
 class SpecChatApp(App):
@@ -131,6 +132,9 @@ class SpecChatApp(App):
             self.notify("An answer is still running: Esc stops it.", severity="warning")
             return
         event.input.clear()
+        for unsent in self.chat_log.query_children(".user.-failed"):
+            if unsent.text == text:
+                unsent.remove()  # sent again: the new message replaces the one marked not sent
         self.chat_log.add("user", text)
         self.history.append({"role": "user", "content": text})
         self._request_id += 1
@@ -178,13 +182,24 @@ class SpecChatApp(App):
         kept = self._answer is not None and self._answer.text
         self._finish_answer(failed=True)
         if not kept and self.history and self.history[-1]["role"] == "user":
-            unsent = self.history.pop()  # the model never answered it: do not send it twice
-            prompt = self._part("#prompt")
-            if not prompt.value:  # give it back, so nothing typed is lost
-                prompt.value = unsent["content"]
-            message.error += " (your message was not added to the conversation; it is back in the input)"
+            message.error += f" ({self._unsend()})"
         self.chat_log.add("error", f"Generation failed: {message.error}")
         self.generating = False
+
+    def _unsend(self) -> str:
+        """Take the unanswered last message out of the history (so it is never sent twice) and mark its
+        bubble not sent; its text goes back into the input unless something is typed there. Sending the
+        same text again replaces the marked bubble. Returns what happened, for the error message."""
+        unsent = self.history.pop()
+        question = next((m for m in reversed(self.chat_log.messages) if m.role == "user"), None)
+        if question is not None:
+            question.add_class("-failed")
+            question.border_subtitle = "not sent"
+        prompt = self._part("#prompt")
+        if prompt.value:
+            return "your message was not added to the conversation; it is marked not sent"
+        prompt.value = unsent["content"]
+        return "your message was not added to the conversation; it is back in the input: Enter sends it again"
 
     def _finish_answer(self, failed: bool = False) -> None:
         """Keep the answer (complete or partial) in the history; a failed empty one is dropped."""
@@ -214,8 +229,9 @@ class SpecChatApp(App):
         self.info = message.info
         self._stats_panel.show_info(message.info)
         self.sub_title = message.info.model_name
-        gamma = message.info.num_draft_tokens if message.info.drafter != "none" else 0
-        self.chat_log.add("info", f"Ready: {message.info.model_name}; drafter {message.info.drafter}, γ = {gamma}")
+        info = message.info
+        self.chat_log.add("info", f"Ready: {info.model_name}; drafter {info.drafter}, "
+                                  f"{drafting(info.drafter, info.num_draft_tokens, info.shape)}")
 
     # Other actions
 
@@ -279,11 +295,11 @@ class SpecChatApp(App):
 
 
 def summary(stats: StatsSnapshot, cancelled: bool, finish_reason: str | None) -> str:
-    """One line under a finished answer: τ, α, speed, drafter and how it ended."""
-    parts = [f"τ {stats.tau:.2f}", f"α {stats.alpha:.2f}", f"{stats.tokens_per_s:.1f} tok/s",
-             f"{stats.drafter} γ={stats.num_draft_tokens}"]
+    """One line under a finished answer: τ, α, speed, drafter and what it drafted, and how it ended."""
+    parts = [f"τ {stats.tau:.2f}", f"α {alpha_text(stats)}", f"{stats.tokens_per_s:.1f} tok/s"]
     if cancelled:
         parts.append("stopped")
     elif finish_reason == "length":
         parts.append("max tokens")
-    return " · ".join(parts)
+    # last: a long tree description is what the border cuts off
+    return " · ".join([*parts, f"{stats.drafter} {stats_drafting(stats, now=False)}"])

@@ -20,8 +20,9 @@ from collections.abc import Callable, Iterator
 import mlx.core as mx
 
 from mlxspec.cache import PromptCache
+from mlxspec.calibration import load_or_calibrate
 from mlxspec.drafters import DRAFTERS, DrafterSpec
-from mlxspec.gamma import gamma_policy
+from mlxspec.gamma import AUTO, gamma_policy, tree_summary
 from mlxspec.generate import stream_generate
 from mlxspec.metrics import CycleStats, GenerationStats, TokenEvent
 from mlxspec.sampling import SamplingParams
@@ -67,6 +68,9 @@ class EngineConfig:
         typical: ``(threshold, alpha)`` for the LOSSY typical acceptance, or ``None``.
         draft_dtype: The dtype of a draft model loaded later from the chat (F2). Default: as stored.
         stop: Stop strings that end an answer (``stops.StopStrings``). Default: none.
+        recalibrate: With ``num_draft_tokens="auto"``, measure this machine's costs again the first time each
+            target and drafter pair is used, instead of using the cached ones (``mlxspec generate
+            --recalibrate``). Default: ``False``.
     """
 
     model: ModelSpec | str = "default"
@@ -79,6 +83,7 @@ class EngineConfig:
     typical: tuple[float, float] | None = None
     draft_dtype: str | None = None
     stop: tuple[str, ...] = ()
+    recalibrate: bool = False
 
     def __post_init__(self):
         if isinstance(self.model, str):
@@ -92,7 +97,8 @@ class EngineConfig:
 
 
 def relay(events: Iterator, request_id: int, post: Post, cancelled: threading.Event, *,
-          drafter: str, num_draft_tokens: int, flush_s: float = FLUSH_S) -> None:
+          drafter: str, num_draft_tokens: int, policy: str | None = None, shape: str | None = None,
+          flush_s: float = FLUSH_S) -> None:
     """Turn ``stream_generate`` events into batched UI messages; stop between rounds on cancel.
 
     Token texts are buffered and posted at most every ``flush_s`` (always after the last round);
@@ -105,6 +111,9 @@ def relay(events: Iterator, request_id: int, post: Post, cancelled: threading.Ev
         post: Thread-safe sink for messages (``App.post_message``).
         cancelled: Set by the UI to stop; checked after each round.
         drafter, num_draft_tokens: Shown in the stats until the final totals arrive.
+        policy: ``"auto"`` or ``"scheduled"`` when γ is picked each round (the stats then follow each
+            round's ``CycleStats.gamma``); ``None`` for a fixed γ. Default: ``None``.
+        shape: What a tree drafter proposes each round (``gamma.tree_summary``), or ``None``.
         flush_s: Shortest time between two batches, seconds. Default: ``1/30``.
 
     Raises:
@@ -113,13 +122,16 @@ def relay(events: Iterator, request_id: int, post: Post, cancelled: threading.Ev
     totals = GenerationStats(drafter=drafter, num_draft_tokens=num_draft_tokens)
     taus: deque[int] = deque(maxlen=SPARKLINE_ROUNDS)
     spans: list[tuple[str, str]] = []
-    last_flush = 0.0
+    last_flush, gamma_now = 0.0, 0
+
+    def view() -> StatsSnapshot:
+        return snapshot(totals, taus, policy=policy, shape=shape, gamma_now=gamma_now)
 
     def flush() -> None:
         if spans:
             post(TokensCommitted(request_id, tuple(spans)))
             spans.clear()
-        post(StatsUpdated(request_id, snapshot(totals, taus)))
+        post(StatsUpdated(request_id, view()))
 
     try:
         for event in events:
@@ -129,6 +141,9 @@ def relay(events: Iterator, request_id: int, post: Post, cancelled: threading.Ev
             elif isinstance(event, CycleStats):
                 totals.add_cycle(event)
                 taus.append(event.num_emitted)
+                if policy is not None:  # as stream_generate counts them in its final totals
+                    totals.add_gamma(event.gamma)
+                    gamma_now = event.gamma
                 if cancelled.is_set() or time.monotonic() - last_flush >= flush_s:
                     flush()
                     last_flush = time.monotonic()
@@ -142,14 +157,16 @@ def relay(events: Iterator, request_id: int, post: Post, cancelled: threading.Ev
             close()  # runs the generator's finally: caches end at the committed length
         if spans:
             post(TokensCommitted(request_id, tuple(spans)))
-    final = snapshot(totals, taus)
+    final = view()
     post(GenerationDone(request_id, cancelled.is_set() and totals.finish_reason is None,
                         totals.finish_reason, final))
 
 
-def snapshot(stats: GenerationStats, taus: deque[int] | tuple[int, ...]) -> StatsSnapshot:
+def snapshot(stats: GenerationStats, taus: deque[int] | tuple[int, ...], *, policy: str | None = None,
+             shape: str | None = None, gamma_now: int = 0) -> StatsSnapshot:
     """The panel's view of running totals; timing-based speed counts rounds only (no prefill)."""
     busy_s = stats.draft_s + stats.verify_s
+    picked = sum(stats.gamma_rounds)
     return StatsSnapshot(
         drafter=stats.drafter,
         num_draft_tokens=stats.num_draft_tokens,
@@ -162,6 +179,11 @@ def snapshot(stats: GenerationStats, taus: deque[int] | tuple[int, ...]) -> Stat
         draft_s=stats.draft_s,
         verify_s=stats.verify_s,
         taus=tuple(taus),
+        drafted=stats.drafted,
+        policy=policy,
+        gamma_now=gamma_now,
+        gamma_mean=sum(g * n for g, n in enumerate(stats.gamma_rounds)) / picked if picked else 0.0,
+        shape=shape,
     )
 
 
@@ -236,6 +258,7 @@ class Engine:
         self._cancels: dict[int, threading.Event] = {}
         self._thread: threading.Thread | None = None
         self._state = _Loaded()
+        self._recalibrated: set[tuple] = set()  # (target, drafter, draft model) that --recalibrate measured
 
     def start(self, post: Post) -> None:
         """Start the engine thread; it loads the configured models first."""
@@ -307,7 +330,8 @@ class Engine:
                 sampling=config.sampling, seed=config.seed, typical=config.typical, stop=config.stop,
                 prompt_cache=state.prompt_cache,
             )
-            relay(events, rid, post, request.cancelled, drafter=state.drafter.name, num_draft_tokens=gamma)
+            relay(events, rid, post, request.cancelled, drafter=state.drafter.name, num_draft_tokens=gamma,
+                  policy=state.num_draft_tokens if state.policy.adaptive else None, shape=_shape(state.drafter))
         except Exception as e:  # the thread must survive any failure; the UI shows it
             if state.target is not None:  # a round may have stopped half-way: start the cache afresh
                 state.prompt_cache = PromptCache(state.target.model)
@@ -354,7 +378,9 @@ class Engine:
             state.spec = self._state.spec if keep is not None else DrafterSpec(state.drafter.name)
             post(LoadFailed(f"Cannot use the {name} drafter: {one_line(e)}; keeping the {state.drafter.name} drafter"))
         try:
-            state.policy = gamma_policy(state.num_draft_tokens, state.target.model, state.drafter, on_measure=note)
+            costs = self._fresh_costs(state, note)
+            state.policy = gamma_policy(state.num_draft_tokens, state.target.model, state.drafter, costs=costs,
+                                        on_measure=note)
         except Exception as e:
             state.num_draft_tokens = DEFAULT_NUM_DRAFT_TOKENS
             state.policy = gamma_policy(state.num_draft_tokens, state.target.model, state.drafter)
@@ -362,6 +388,16 @@ class Engine:
                             f"{DEFAULT_NUM_DRAFT_TOKENS}"))
         self._state = state
         post(EngineReady(self._info()))
+
+    def _fresh_costs(self, state: _Loaded, on_measure):
+        """With ``recalibrate`` and γ auto, the costs measured again (as ``mlxspec generate --recalibrate``),
+        once per target and drafter pair; else ``None``: ``gamma_policy`` uses the cached ones."""
+        key = (state.target.spec, state.drafter.name, state.draft.spec if state.draft else None)
+        if not self.config.recalibrate or state.num_draft_tokens != AUTO or state.drafter.name == "none" \
+                or key in self._recalibrated:
+            return None
+        self._recalibrated.add(key)
+        return load_or_calibrate(state.target.model, state.drafter, refresh=True, on_measure=on_measure)
 
     def _fallback(self, state: _Loaded, on_measure):
         """The n-gram drafter, or plain decoding on a target whose cache cannot be rewound."""
@@ -404,4 +440,9 @@ class Engine:
                         if getattr(s.spec.options, f.name) != f.default) if s.spec else ()
         return EngineInfo(s.target.display, s.target.quantized, s.draft.display if s.draft else None, s.drafter.name,
                           s.num_draft_tokens, DRAFTERS, options, s.target.spec.dtype,
-                          s.draft.spec.dtype if s.draft else None)
+                          s.draft.spec.dtype if s.draft else None, _shape(s.drafter))
+
+
+def _shape(drafter) -> str | None:
+    """What a tree drafter proposes each round, as ``mlxspec generate`` says it; ``None`` for a chain."""
+    return tree_summary(drafter) if drafter.makes_trees else None

@@ -25,6 +25,8 @@ class EngineInfo:
         options: The drafter's options that differ from their defaults, as ``(field, text)`` pairs
             (what its spec string or ``--<drafter>-<field>`` flags set).
         dtype, draft_dtype: The dtypes the target and draft model were loaded in; ``None`` = as stored.
+        shape: What a tree drafter proposes each round, in the words of ``mlxspec generate``'s stats
+            (``gamma.tree_summary``: ``"depth-4 chain + a 6-token n-gram branch"``); ``None`` when γ says it.
     """
 
     model_name: str
@@ -36,6 +38,7 @@ class EngineInfo:
     options: tuple[tuple[str, str], ...] = ()
     dtype: str | None = None
     draft_dtype: str | None = None
+    shape: str | None = None
 
 
 @dataclass(frozen=True)
@@ -44,7 +47,7 @@ class StatsSnapshot:
 
     Attributes:
         drafter: Drafter in use.
-        num_draft_tokens: γ in use (0 for plain decoding).
+        num_draft_tokens: γ in use (0 for plain decoding); with ``policy`` the largest it may pick.
         cycles: Verify rounds so far.
         tokens: Tokens committed so far.
         tau: Mean acceptance length τ (accepted + 1 per round), tokens/round.
@@ -54,6 +57,11 @@ class StatsSnapshot:
         draft_s: Time spent drafting, seconds.
         verify_s: Time spent verifying, seconds.
         taus: τ of the latest rounds, oldest first (for the sparkline).
+        drafted: Draft tokens proposed so far (α means nothing while it is 0).
+        policy: ``"auto"`` or ``"scheduled"`` when γ is picked each round, else ``None`` (γ is fixed).
+        gamma_now: γ picked for the latest round (``CycleStats.gamma``).
+        gamma_mean: Mean γ picked over the rounds so far.
+        shape: What a tree drafter proposes each round (``EngineInfo.shape``), or ``None``.
     """
 
     drafter: str
@@ -67,6 +75,11 @@ class StatsSnapshot:
     draft_s: float = 0.0
     verify_s: float = 0.0
     taus: tuple[int, ...] = ()
+    drafted: int = 0
+    policy: str | None = None
+    gamma_now: int = 0
+    gamma_mean: float = 0.0
+    shape: str | None = None
 
 
 @dataclass

@@ -11,6 +11,9 @@ and ``stream_generate(..., num_draft_tokens="auto")`` mean the same thing for ev
   full length and ``schedule.ScheduledGamma`` verifies the part with the best predicted tokens/s
   (docs/acceptance.md 3.1). It is a word of its own, not a kind of ``auto``: it needs those
   estimates, which not every drafter has, and it reads them on the host before verifying.
+
+Where a tree drafter keeps its own shape, a γ says little: ``tree_summary`` says in words what it
+drafts each round (``mlxspec generate``'s stats and the chat's panel both show it).
 """
 
 from __future__ import annotations
@@ -21,11 +24,25 @@ from .calibration import load_or_calibrate
 from .costmodel import AutoGamma, Costs
 from .drafters import Drafter
 from .schedule import DEFAULT_SCHEDULED_MAX, ScheduledGamma
+from .tree import TREE_PRESETS
 
 #: ``num_draft_tokens`` value that lets the policy choose.
 AUTO = "auto"
 #: ``num_draft_tokens`` value for confidence-scheduled verification (``schedule.ScheduledGamma``).
 SCHEDULED = "scheduled"
+#: Largest fixed γ: ``mlxspec generate``/``chat``, the chat's F2 dialog and the API all refuse more. Four
+#: times what auto ever picks (15); a round that wide verifies like a prefill chunk, so a larger γ is a typo.
+MAX_NUM_DRAFT_TOKENS = 64
+
+
+def check_num_draft_tokens(gamma: int, name: str = "num_draft_tokens") -> None:
+    """Refuse a fixed γ outside ``0..MAX_NUM_DRAFT_TOKENS``.
+
+    Raises:
+        ValueError: naming ``name`` (a flag or field) and the allowed range.
+    """
+    if not 0 <= gamma <= MAX_NUM_DRAFT_TOKENS:
+        raise ValueError(f"{name} must be from 0 to {MAX_NUM_DRAFT_TOKENS} (0 = plain decoding), got {gamma}")
 
 
 class FixedGamma:
@@ -35,15 +52,14 @@ class FixedGamma:
         gamma: Tokens drafted per round (0 = plain decoding).
 
     Raises:
-        ValueError: ``gamma < 0``.
+        ValueError: ``gamma`` outside ``0..MAX_NUM_DRAFT_TOKENS``.
     """
 
     #: Whether the per-round choice is recorded in the stats (it is the same every round).
     adaptive = False
 
     def __init__(self, gamma: int):
-        if gamma < 0:
-            raise ValueError(f"num_draft_tokens must be >= 0, got {gamma}")
+        check_num_draft_tokens(gamma)
         self.max_gamma = self.gamma = gamma
 
     def choose_gamma(self) -> int:
@@ -69,8 +85,8 @@ def gamma_policy(num_draft_tokens: int | str | GammaPolicy, model, drafter: Draf
     """The γ policy for one generation.
 
     Args:
-        num_draft_tokens: An integer γ >= 0, ``"auto"``, ``"scheduled"``, or a policy to reuse as
-            it is (an ``AutoGamma`` or ``ScheduledGamma`` keeps what it learned across answers).
+        num_draft_tokens: An integer γ from 0 to ``MAX_NUM_DRAFT_TOKENS``, ``"auto"``, ``"scheduled"``, or a
+            policy to reuse as it is (an ``AutoGamma`` or ``ScheduledGamma`` keeps what it learned across answers).
         model: The target (its verify cost is measured for ``"auto"``).
         drafter: The drafter the rounds use.
         costs: Measured ``Costs`` to use for ``"auto"`` instead of the cached or measured ones.
@@ -80,15 +96,16 @@ def gamma_policy(num_draft_tokens: int | str | GammaPolicy, model, drafter: Draf
         GammaPolicy: ``FixedGamma``, ``AutoGamma`` or ``ScheduledGamma``.
 
     Raises:
-        ValueError: a negative γ, a string other than ``"auto"`` and ``"scheduled"``, or
-            ``"scheduled"`` with a drafter that reports no survival estimates.
+        ValueError: a γ outside ``0..MAX_NUM_DRAFT_TOKENS``, a string other than ``"auto"`` and
+            ``"scheduled"``, or ``"scheduled"`` with a drafter that reports no survival estimates.
     """
     if isinstance(num_draft_tokens, (FixedGamma, AutoGamma, ScheduledGamma)):
         return num_draft_tokens
     if isinstance(num_draft_tokens, str) and num_draft_tokens not in (AUTO, SCHEDULED):
-        raise ValueError(f"num_draft_tokens must be an integer >= 0, 'auto' or 'scheduled', got {num_draft_tokens!r}")
-    if isinstance(num_draft_tokens, int) and num_draft_tokens < 0:
-        raise ValueError(f"num_draft_tokens must be >= 0, got {num_draft_tokens}")
+        raise ValueError(f"num_draft_tokens must be an integer from 0 to {MAX_NUM_DRAFT_TOKENS}, 'auto' or "
+                         f"'scheduled', got {num_draft_tokens!r}")
+    if isinstance(num_draft_tokens, int):
+        check_num_draft_tokens(num_draft_tokens)
     if drafter.name == "none":
         return FixedGamma(0)
     if num_draft_tokens == SCHEDULED:
@@ -103,3 +120,24 @@ def gamma_policy(num_draft_tokens: int | str | GammaPolicy, model, drafter: Draf
     if drafter.tree_depth is not None:  # the cost model prices chains; a tree keeps its own shape
         return FixedGamma(drafter.tree_depth)
     return AutoGamma(costs if costs is not None else load_or_calibrate(model, drafter, on_measure=on_measure))
+
+
+def tree_summary(drafter) -> str | None:
+    """What a tree drafter proposes, e.g. ``"tree mc_sim_7b_63 (63 nodes, depth 4)"`` or ``"depth-4 chain + a
+    6-token n-gram branch"``; ``None`` when the drafter says nothing about its tree (γ then describes
+    its rounds)."""
+    if drafter.name == "medusa":
+        size = len(drafter.choices)
+        preset = next((name for name, choices in TREE_PRESETS.items() if choices == drafter.choices), "from a file")
+        priced = ", the nodes this machine's verify cost pays for, each round" if drafter.budget is not None else ""
+        return f"tree {preset} ({size} nodes, depth {drafter.tree_depth}{priced})"
+    if drafter.name == "eagle":
+        if drafter.choices is not None:
+            shape = f"static tree of {len(drafter.choices)} nodes, depth {drafter.depth}"
+        elif drafter.top_k == 1:
+            shape = f"depth-{drafter.depth} chain"
+        else:
+            total = "sized each round" if drafter.budget is not None else f"at most {drafter.total_tokens} nodes"
+            shape = f"EAGLE-2 tree (depth {drafter.depth}, top-{drafter.top_k}, {total})"
+        return shape + (f" + a {drafter.ngram}-token n-gram branch" if drafter.ngram else "")
+    return None

@@ -71,7 +71,6 @@ class _Round:
     finish_reason: str | None
     prefill_s: float = 0.0
     cached_tokens: int = 0
-    gamma: int = 0  # the γ the policy chose for the round
 
 
 def encode_prompt(tokenizer, prompt: str | list[int]) -> list[int]:
@@ -239,12 +238,12 @@ def speculative_rounds(
             drafter.commit(len(history), [node - 1 for node in path[:keep]], hidden)
             draft_s, verify_s = clock.split(t0, t1, time.perf_counter(), num_drafted)
             stats = CycleStats(cycle, num_drafted, min(len(path), keep), keep, draft_s, verify_s, depth,
-                               tuple(node - 1 for node in path))
+                               tuple(node - 1 for node in path), chosen)
             generated += keep
             if cycle % 64 == 63:
                 mx.clear_cache()
-            yield _Round(tokens[:keep], kinds[:keep], stats, finish_reason, prefill_s if cycle == 0 else 0.0, cached,
-                         chosen)
+            yield _Round(tokens[:keep], kinds[:keep], stats, finish_reason, prefill_s if cycle == 0 else 0.0,
+                         cached)
             if finish_reason:
                 return
     finally:
@@ -436,7 +435,7 @@ def stream_generate(
         stats.add_cycle(round_.stats)
         policy.update(round_.stats)
         if policy.adaptive:
-            stats.add_gamma(round_.gamma)
+            stats.add_gamma(round_.stats.gamma)
         stats.generation_s = time.perf_counter() - start
         if round_.finish_reason:
             stats.finish_reason = round_.finish_reason

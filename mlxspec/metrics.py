@@ -49,6 +49,7 @@ class CycleStats:
         verify_s: Seconds spent in the target forward, acceptance and commit.
         depth: Deepest draft node (γ for a full chain; 0 when nothing was drafted).
         path: The draft nodes (0-based, root to leaf) the target accepted, before any stop cut.
+        gamma: γ the policy picked for the round (0: a plain round); with ``auto`` it changes each round.
     """
 
     cycle: int
@@ -59,6 +60,7 @@ class CycleStats:
     verify_s: float
     depth: int = 0
     path: tuple[int, ...] = ()
+    gamma: int = 0
 
 
 @dataclass

@@ -10,6 +10,8 @@ import asyncio
 import queue
 import threading
 
+import pytest
+
 from mlxspec_app.app import SpecChatApp
 from mlxspec_app.engine import one_line, relay
 from mlxspec_app.messages import EngineInfo, EngineReady, GenerationFailed, LoadFailed, LoadProgress
@@ -51,9 +53,11 @@ SPANS = [("Hel", "accepted"), ("lo", "accepted"), (" wor", "resampled"), ("ld", 
 class FakeEngine:
     """The engine's interface over scripted answers, in one thread like the real one."""
 
-    def __init__(self, answers, *, load_error=None, configure_error=None, info=INFO):
+    def __init__(self, answers, *, load_error=None, configure_error=None, info=INFO, drafting=None):
         self.answers = list(answers)
         self.load_error, self.configure_error, self.info = load_error, configure_error, info
+        # what the real engine tells relay about the drafter (drafter, num_draft_tokens, policy, shape)
+        self.drafting = {"drafter": "ngram", "num_draft_tokens": 4, **(drafting or {})}
         self.requests, self.configured, self.dtypes = [], [], []
         self.cancels: dict[int, threading.Event] = {}
         self.jobs: queue.Queue = queue.Queue()
@@ -91,8 +95,7 @@ class FakeEngine:
                 continue
             cancelled = self.cancels[request_id]
             try:
-                relay(self._replay(events, cancelled), request_id, self.post, cancelled,
-                      drafter="ngram", num_draft_tokens=4, flush_s=0)
+                relay(self._replay(events, cancelled), request_id, self.post, cancelled, **self.drafting, flush_s=0)
             except Exception as e:
                 self.post(GenerationFailed(request_id, one_line(e)))
 
@@ -183,6 +186,54 @@ def test_answer_shows_coloured_tokens_and_tau():
     run(body())
 
 
+def picked(gammas, drafter="ngram"):
+    """Events of rounds whose policy picked γ = ``gammas[i]`` (0: a plain round), each keeping one draft."""
+    events, totals = [], GenerationStats(drafter=drafter, num_draft_tokens=max(gammas))
+    for cycle, gamma in enumerate(gammas):
+        kept = min(1, gamma)
+        events += [TokenEvent(100, "a", "accepted", cycle)] * kept + [
+            TokenEvent(101, "b", "resampled" if gamma else "target", cycle)]
+        events.append(CycleStats(cycle, gamma, kept, kept + 1, 0.01, 0.09, depth=gamma, gamma=gamma))
+        totals.add_cycle(events[-1])
+        totals.add_gamma(gamma)
+    totals.finish_reason, totals.generation_s = "stop", 0.5
+    return events + [totals]
+
+
+EAGLE_SHAPE = "depth-4 chain + a 6-token n-gram branch"  # gamma.tree_summary's words, as generate prints them
+
+
+@pytest.mark.parametrize("drafter,gamma,relayed,events,before,after,summary", [
+    # γ auto: the pick of the latest round and the mean, not the largest γ auto may pick (15)
+    ("ngram", "auto", {"num_draft_tokens": 15, "policy": "auto"}, picked([15, 15, 3]),
+     "ngram   γ auto", "ngram   γ auto (now 3, mean 11.0)", ("α 0.09 ·", "· ngram γ auto (mean 11.0)")),
+    # a tree drafter: its tree, not the depth that γ auto keeps (6)
+    ("eagle", "auto", {"drafter": "eagle", "num_draft_tokens": 6, "shape": EAGLE_SHAPE}, picked([6, 6], "eagle"),
+     f"eagle   {EAGLE_SHAPE}", f"eagle   {EAGLE_SHAPE}", ("α 0.17 ·", f"· eagle {EAGLE_SHAPE}")),
+    # nothing drafted: α is "–" everywhere, never 0.00
+    ("none", "auto", {"drafter": "none", "num_draft_tokens": 0}, picked([0, 0], "none"),
+     "none   plain decoding", "none   plain decoding", ("α – ·", "· none plain decoding")),
+])
+def test_stats_say_what_is_drafted(drafter, gamma, relayed, events, before, after, summary):
+    async def body():
+        shape = relayed.get("shape")
+        info = EngineInfo("tiny (MLX, float32)", False, None, drafter, gamma, ("eagle", "ngram", "none"), shape=shape)
+        app = SpecChatApp(FakeEngine([events], info=info, drafting=relayed))
+        async with app.run_test(size=(130, 36)) as pilot:
+            await wait_for(pilot, lambda: app.info is not None)
+            panel = app.query_one(StatsPanel)
+            assert str(panel.query_one("#drafter").render()) == before
+            assert messages(app, "info")[0].text.endswith(before.replace("   ", ", "))  # the Ready line
+            await send(pilot, app, "hi")
+            await wait_for(pilot, lambda: not app.generating)
+            assert str(panel.query_one("#drafter").render()) == after
+            assert all(part in messages(app, "assistant")[0].border_subtitle for part in summary)
+            if drafter == "none":
+                assert str(panel.query_one("#alpha").render()) == "α  – (nothing drafted)"
+
+    run(body())
+
+
 def test_plain_text_toggle_keeps_colours_on_each_message():
     async def body():
         app = SpecChatApp(FakeEngine([script(ROUNDS)]))
@@ -239,6 +290,7 @@ def test_generation_and_load_errors_show_in_chat_and_keep_history():
             script([ROUNDS[0], RuntimeError("device lost")], end=False),
             script([ValueError("the prompt has 9000 tokens but the model's context is 8192")], end=False),
             script([[("Fine", "target")]]),
+            script([[("Also fine", "target")]]),
         ]
         engine = FakeEngine(answers, configure_error="Could not load the draft model /nope: No such file")
         app = SpecChatApp(engine)
@@ -253,8 +305,16 @@ def test_generation_and_load_errors_show_in_chat_and_keep_history():
             assert "context is 8192" in messages(app, "error")[1].text
             assert "not added" in messages(app, "error")[1].text
             assert app.query_one("#prompt").value == "three"  # the unanswered message is back in the input
-            # The failed "three" is not in the history; the rest is intact.
+            # The failed "three" is not in the history; the rest is intact. Its bubble says it was not sent.
             assert [m["content"] for m in app.history] == ["one", "Hello world, café! Bye", "two", "Hello wor"]
+            unsent = messages(app, "user")[-1]
+            assert unsent.text == "three" and unsent.has_class("-failed") and unsent.border_subtitle == "not sent"
+            await pilot.click("#prompt")
+            await pilot.press("enter")  # sent again: it replaces the bubble marked not sent
+            await wait_for(pilot, lambda: not app.generating)
+            assert [m.text for m in messages(app, "user")] == ["one", "two", "three"]
+            assert not messages(app, "user")[-1].has_class("-failed")
+            assert app.history[-2:] == [{"role": "user", "content": "three"}, {"role": "assistant", "content": "Fine"}]
             await pilot.press("f2")
             await pilot.pause()  # the dialog lays out its drafter's settings
             await pilot.click("#drafter-draft")
@@ -266,9 +326,31 @@ def test_generation_and_load_errors_show_in_chat_and_keep_history():
             assert "/nope" in messages(app, "error")[2].text
             await send(pilot, app, "four")
             await wait_for(pilot, lambda: not app.generating)
-            assert messages(app, "assistant")[-1].text == "Fine"
-            assert [m["content"] for m in engine.requests[-1]][-2:] == ["Hello wor", "four"]
-            assert [m.role for m in messages(app, "user")] == ["user"] * 4
+            assert messages(app, "assistant")[-1].text == "Also fine"
+            assert [m["content"] for m in engine.requests[-1]][-4:] == ["Hello wor", "three", "Fine", "four"]
+            assert [m.text for m in messages(app, "user")] == ["one", "two", "three", "four"]
+
+    run(body())
+
+
+def test_a_failed_message_stays_marked_not_sent_while_something_else_is_typed():
+    async def body():
+        engine = FakeEngine([script([WAIT], end=False), script([[("ok", "target")]])])
+        app = SpecChatApp(engine)
+        async with app.run_test(size=(110, 36)) as pilot:
+            await send(pilot, app, "lost?")
+            app.query_one("#prompt").value = "typed meanwhile"
+            app.post_message(GenerationFailed(app._request_id, "device lost"))
+            await wait_for(pilot, lambda: messages(app, "error"))
+            assert app.query_one("#prompt").value == "typed meanwhile"  # not overwritten
+            assert "marked not sent" in messages(app, "error")[0].text and app.history == []
+            engine.cancel(app._request_id)  # let the fake engine go on
+            await send(pilot, app, "other")
+            await wait_for(pilot, lambda: not app.generating and messages(app, "assistant"))
+            # Another message does not replace it: it stays, marked, and out of the conversation.
+            assert [(m.text, m.has_class("-failed")) for m in messages(app, "user")] == [("lost?", True),
+                                                                                       ("other", False)]
+            assert engine.requests[-1] == [{"role": "user", "content": "other"}]
 
     run(body())
 
@@ -312,6 +394,37 @@ def test_drafter_dialog_switches_drafter_and_gamma():
             assert isinstance(app.screen, HelpScreen)
             await pilot.press("escape")
             assert not isinstance(app.screen, HelpScreen)
+
+    run(body())
+
+
+def test_drafter_dialog_enter_on_the_list_applies_and_gamma_has_the_cli_bound():
+    async def body():
+        from textual.widgets import Label
+
+        from mlxspec.gamma import MAX_NUM_DRAFT_TOKENS
+
+        long_name = "SmolLM2-135M-Instruct-Q4_K_M.gguf (GGUF, float16) from a folder with a long name"
+        engine = FakeEngine([], info=EngineInfo(INFO.model_name, False, long_name, "ngram", "auto", INFO.drafters))
+        app = SpecChatApp(engine)
+        async with app.run_test(size=(110, 44)) as pilot:
+            await wait_for(pilot, lambda: app.info is not None)
+            await pilot.press("f2")
+            await pilot.pause()
+            screen = app.screen
+            box = screen.query_one("#drafter-box").content_region
+            for label in screen.query(Label):  # every caption fits the dialog (wrapped, not cut off)
+                assert label.region.right <= box.right, str(label.render())
+            screen.query_one("#gamma").value = str(MAX_NUM_DRAFT_TOKENS + 1)
+            await pilot.press("down", "enter")  # none: Enter picks it and applies, if γ is allowed
+            await pilot.pause()
+            assert f"from 0 to {MAX_NUM_DRAFT_TOKENS}" in str(screen.query_one("#drafter-error").render())
+            screen.query_one("#gamma").value = str(MAX_NUM_DRAFT_TOKENS)
+            screen.query_one("#drafter-kind").focus()
+            await pilot.press("enter")
+            await wait_for(pilot, lambda: engine.configured)
+            assert not isinstance(app.screen, DrafterScreen)
+            assert engine.configured == [("none", MAX_NUM_DRAFT_TOKENS, None, None)]
 
     run(body())
 

@@ -108,7 +108,9 @@ def test_real_engine_thread_answers_like_plain_greedy_decoding(tmp_path):
 
 def test_chat_command_rejects_bad_flags_before_starting_the_app(capsys):
     assert chat.main(["--num-draft-tokens", "-1"]) == 2
-    assert "--num-draft-tokens must be >= 0" in capsys.readouterr().err
+    assert "--num-draft-tokens must be from 0 to 64" in capsys.readouterr().err
+    assert chat.main(["--num-draft-tokens", "65"]) == 2  # the bound F2 has too: gamma.MAX_NUM_DRAFT_TOKENS
+    assert "--num-draft-tokens must be from 0 to 64" in capsys.readouterr().err
     assert chat.main(["--model", "no-draft-ships-for-this", "--drafter", "draft"]) == 2
     assert "needs a draft model" in capsys.readouterr().err
 
@@ -174,5 +176,95 @@ def test_engine_switches_drafter_settings_and_reloads_the_target_in_another_dtyp
         assert "float16" in info.model_name
         engine.configure("ngram")  # by name: the settings it had
         assert ready().options == (("min", "2"), ("max", "2"))
+    finally:
+        assert engine.close()
+
+
+def test_recalibrate_measures_the_costs_again_once_per_target_and_drafter(tmp_path, monkeypatch):
+    """``mlxspec chat --recalibrate`` reaches the engine, which calls ``load_or_calibrate(refresh=True)`` as
+    ``mlxspec generate --recalibrate`` does: once per target and drafter pair; later switches use the cache."""
+    import queue
+
+    import mlxspec.gamma as gamma
+    import mlxspec_app.engine as engine_module
+    from mlxspec_app.messages import EngineReady, LoadFailed
+    from test_registry import FAKE_COSTS
+
+    args = chat.setup_arg_parser().parse_args(["--recalibrate"])
+    assert chat.engine_config(args).recalibrate and not chat.engine_config(chat.setup_arg_parser().parse_args([])) \
+        .recalibrate
+    calls = []
+
+    def measured(how):
+        def load_or_calibrate(model, drafter=None, *, refresh=False, on_measure=None):
+            calls.append((how, drafter.name, refresh))
+            return FAKE_COSTS
+        return load_or_calibrate
+
+    monkeypatch.setattr(engine_module, "load_or_calibrate", measured("engine"))
+    monkeypatch.setattr(gamma, "load_or_calibrate", measured("gamma_policy"))
+    model, tokenizer = tiny_llama(seed=3), byte_tokenizer()
+    save_model(tmp_path, model)
+    save_config(dict(model.args.__dict__, eos_token_id=256), tmp_path / "config.json")
+    tokenizer._tokenizer.save_pretrained(tmp_path)
+    engine = Engine(EngineConfig(model=str(tmp_path), drafter="ngram", num_draft_tokens="auto", recalibrate=True))
+    posted = queue.Queue()
+    engine.start(posted.put)
+
+    def ready():
+        while not isinstance(message := posted.get(timeout=60), (EngineReady, LoadFailed)):
+            pass
+        assert isinstance(message, EngineReady), message
+
+    try:
+        ready()
+        assert calls == [("engine", "ngram", True)]
+        engine.configure("none")
+        ready()
+        engine.configure("ngram")  # measured once already in this chat: the cached costs
+        ready()
+        assert calls == [("engine", "ngram", True), ("gamma_policy", "ngram", False)]
+    finally:
+        assert engine.close()
+
+
+def test_the_engine_says_what_its_drafter_drafts(tiny_model_dir, tmp_path, monkeypatch):
+    """What the chat shows for the drafter is what ``mlxspec generate``'s stats say: a tree drafter's tree
+    (``gamma.tree_summary``) rather than the depth γ auto keeps, and with γ auto each round's pick."""
+    import queue
+
+    import mlxspec.gamma as gamma
+    from mlxspec.heads.eagle import save_eagle
+    from mlxspec_app.messages import EngineReady, LoadFailed
+    from test_costmodel import MEMORY_BOUND
+    from test_eagle import random_head
+
+    save_eagle(random_head(1), tmp_path / "eagle")
+    monkeypatch.setattr(gamma, "load_or_calibrate", lambda *a, **k: MEMORY_BOUND)  # drafting pays: auto drafts
+    spec = f"eagle:depth=3,top_k=1,ngram=4,heads={tmp_path / 'eagle'}"
+    engine = Engine(EngineConfig(model=str(tiny_model_dir), drafter=spec, num_draft_tokens="auto", max_tokens=12))
+    posted = queue.Queue()
+    engine.start(posted.put)
+
+    def wait(kinds):
+        while not isinstance(message := posted.get(timeout=60), kinds):
+            pass
+        return message
+
+    def answer(request_id):
+        engine.generate(request_id, [{"role": "user", "content": "abcabcabcabc"}])
+        return wait(GenerationDone).stats
+
+    try:
+        info = wait((EngineReady, LoadFailed)).info
+        assert (info.drafter, info.num_draft_tokens) == ("eagle", "auto")
+        assert info.shape == "depth-3 chain + a 4-token n-gram branch"
+        stats = answer(1)
+        assert stats.shape == info.shape and stats.policy is None  # auto keeps the tree's own depth
+        engine.configure("ngram")
+        assert wait((EngineReady, LoadFailed)).info.shape is None
+        stats = answer(2)
+        assert stats.policy == "auto" and stats.shape is None and stats.drafted > 0
+        assert 0 < stats.gamma_mean <= stats.num_draft_tokens == 15 and 0 <= stats.gamma_now <= 15
     finally:
         assert engine.close()

@@ -54,7 +54,8 @@ def test_prompt_from_stdin(tiny_model_dir):
 
 
 @pytest.mark.parametrize("flags,message", [
-    (["--num-draft-tokens", "-1"], "--num-draft-tokens must be >= 0"),
+    (["--num-draft-tokens", "-1"], "--num-draft-tokens must be from 0 to 64"),
+    (["--num-draft-tokens", "1000"], "--num-draft-tokens must be from 0 to 64"),  # gamma.MAX_NUM_DRAFT_TOKENS
     (["--temp", "-1"], "temp must be >= 0"),
     (["--top-p", "0"], r"top_p must be in (0, 1]"),
     (["--top-p", "1.5"], r"top_p must be in (0, 1]"),

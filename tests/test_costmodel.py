@@ -3,11 +3,13 @@ calibration cache, and ``num_draft_tokens="auto"`` in the loop and the CLI."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 import pytest
 
 from conftest import byte_tokenizer, tiny_llama
-from mlxspec import GenerationStats, generate, make_drafter
+from mlxspec import GenerationStats, generate, make_drafter, stream_generate
 from mlxspec.commands.generate import format_stats
 from mlxspec.calibration import load_or_calibrate
 from mlxspec.costmodel import (
@@ -19,7 +21,7 @@ from mlxspec.costmodel import (
     tau_from_reach,
 )
 from mlxspec.machine import blas_in_use
-from mlxspec.metrics import CycleStats
+from mlxspec.metrics import CycleStats, TokenEvent
 
 #: A memory-bound target: verifying k tokens costs 1 + 0.1 (k - 1) plain steps.
 MEMORY_BOUND = Costs([1.0 + 0.1 * (k - 1) for k in range(1, 17)], draft_s=0.0)
@@ -163,11 +165,15 @@ def test_auto_in_the_loop_is_lossless_and_reports_fallback():
     fallback = generate(model, tokenizer, REPETITIVE, drafter="ngram", max_tokens=40,
                         num_draft_tokens=AutoGamma(COMPUTE_BOUND)).stats
     assert fallback.drafted == 0 and fallback.plain_fallback_rounds == fallback.cycles == 40
-    fast = generate(model, tokenizer, REPETITIVE, drafter="ngram", max_tokens=40,
-                    num_draft_tokens=AutoGamma(MEMORY_BOUND))
-    assert fast.tokens == plain
-    assert fast.stats.drafted > 0 and sum(fast.stats.gamma_rounds) == fast.stats.cycles
-    assert fast.stats.num_draft_tokens == 15
+    events = list(stream_generate(model, tokenizer, REPETITIVE, drafter="ngram", max_tokens=40,
+                                  num_draft_tokens=AutoGamma(MEMORY_BOUND)))
+    assert [e.token for e in events if isinstance(e, TokenEvent)] == plain
+    stats, rounds = events[-1], [e for e in events if isinstance(e, CycleStats)]
+    assert stats.drafted > 0 and sum(stats.gamma_rounds) == stats.cycles
+    assert stats.num_draft_tokens == 15
+    # each round says the γ auto picked for it (the chat shows the latest); the histogram counts them
+    assert Counter(r.gamma for r in rounds) == {g: n for g, n in enumerate(stats.gamma_rounds) if n}
+    assert all(r.depth <= r.gamma for r in rounds) and any(r.gamma > 0 for r in rounds)
 
 
 def test_auto_rejects_other_strings():

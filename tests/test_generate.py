@@ -186,7 +186,8 @@ def test_mismatched_tokenizer_is_refused(tokenizer):
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    ({"num_draft_tokens": -1}, "num_draft_tokens"),
+    ({"num_draft_tokens": -1}, "num_draft_tokens must be from 0 to 64"),
+    ({"num_draft_tokens": 65}, "num_draft_tokens must be from 0 to 64"),  # gamma.MAX_NUM_DRAFT_TOKENS
     ({"max_tokens": 0}, "max_tokens"),
     ({"drafter": "medusa-typo"}, "unknown drafter"),
 ])

@@ -1,8 +1,9 @@
 """Switch drafter, its settings and γ without restarting; optionally load another model or dtype.
 
-The dialog opens with the keyboard on the current drafter (arrows move, Space or Enter picks) and
-shows the picked drafter's own settings, one field per option of its options dataclass in the
-registry (the same options as its ``--<drafter>-<option>`` flags): tree, heads path, depth, ...
+The dialog opens with the keyboard on the current drafter (arrows move, Space picks, Enter picks and
+applies, as Enter does in every field) and shows the picked drafter's own settings, one field per
+option of its options dataclass in the registry (the same options as its ``--<drafter>-<option>``
+flags): tree, heads path, depth, ...
 """
 
 from __future__ import annotations
@@ -14,15 +15,16 @@ from textual import on
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
+from textual.message import Message
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, RadioButton, RadioSet, Select
 
 from mlxspec.drafters import DrafterSpec, drafter_types
+from mlxspec.gamma import AUTO, MAX_NUM_DRAFT_TOKENS, check_num_draft_tokens
 from mlxspec.loading import DTYPES
 
 from ..messages import EngineInfo
 
-MAX_DRAFT_TOKENS = 32
 #: The dtype choice that loads a model as stored (no cast).
 AS_STORED = "as stored"
 #: Drafters whose draft model's dtype is one of their settings.
@@ -49,6 +51,30 @@ class DrafterChoice:
     draft_dtype: str | None = None
 
 
+class DrafterList(RadioSet):
+    """The drafters: arrows move, Space picks (the dialog then shows the pick's settings), Enter picks
+    and applies the dialog, as Enter does in its fields."""
+
+    BINDINGS = [Binding("enter", "apply", "Apply", show=False)]
+
+    @dataclass
+    class Applied(Message):
+        """Enter on ``drafter``."""
+
+        drafter: str
+
+    @property
+    def highlighted(self) -> str | None:
+        """The drafter under the keyboard highlight (what Space would pick)."""
+        return self._nodes[self._selected].name if self._selected is not None else None
+
+    def action_apply(self) -> None:
+        name = self.highlighted
+        self.action_toggle_button()
+        if name is not None:
+            self.post_message(self.Applied(name))
+
+
 class DrafterScreen(ModalScreen[DrafterChoice | None]):
     """Radio buttons for the drafter, its settings, a γ field, the target's dtype and two model specs.
 
@@ -67,13 +93,13 @@ class DrafterScreen(ModalScreen[DrafterChoice | None]):
     def compose(self) -> ComposeResult:
         info = self.info
         with Vertical(id="drafter-box"):
-            yield Label("Drafter (↑/↓ move, Space picks)", classes="heading")
-            with RadioSet(id="drafter-kind"):
+            yield Label("Drafter (↑/↓ move, Space picks, Enter applies)", classes="heading")
+            with DrafterList(id="drafter-kind"):
                 for kind in info.drafters:
                     label = kind if kind != "draft" or info.draft_name else "draft (give a draft model below)"
                     yield RadioButton(label, value=kind == self.kind, name=kind, id=f"drafter-{kind}")
-            yield Label("γ, tokens drafted per round (0 = plain decoding; auto = picked each round)",
-                        classes="caption")
+            yield Label(f"γ, tokens drafted per round: 0 to {MAX_NUM_DRAFT_TOKENS} (0 = plain decoding), or auto "
+                        "(picked each round)", classes="caption")
             yield Input(str(info.num_draft_tokens), id="gamma")
             yield Label("", id="options-heading", classes="caption", markup=False)
             yield Vertical(*self._option_rows(self.kind), id="drafter-options")
@@ -133,23 +159,30 @@ class DrafterScreen(ModalScreen[DrafterChoice | None]):
     @on(Button.Pressed, "#apply")
     @on(Input.Submitted)
     def _apply(self) -> None:
-        choice = self.choice()
+        self._close(self.choice())
+
+    @on(DrafterList.Applied)
+    def _apply_highlighted(self, event: DrafterList.Applied) -> None:
+        self._close(self.choice(event.drafter))
+
+    def _close(self, choice: DrafterChoice | str) -> None:
+        """Dismiss with ``choice``, or show what to fix and stay open."""
         if isinstance(choice, str):
             self.query_one("#drafter-error", Label).update(choice)
         else:
             self.dismiss(choice)
 
-    def choice(self) -> DrafterChoice | str:
-        """The picked settings, or an error message saying what to fix."""
+    def choice(self, drafter: str | None = None) -> DrafterChoice | str:
+        """The settings for ``drafter`` (default: the picked one), or an error message saying what to fix."""
         text = self.query_one("#gamma", Input).value.strip().lower()
         try:
-            gamma = text if text == "auto" else int(text)
+            gamma = text if text == AUTO else int(text)
+            if gamma != AUTO:
+                check_num_draft_tokens(gamma)  # the bound of --num-draft-tokens
         except ValueError:
-            gamma = -1
-        if gamma != "auto" and not 0 <= gamma <= MAX_DRAFT_TOKENS:
-            return f"γ must be 'auto' or a whole number from 0 to {MAX_DRAFT_TOKENS}"
+            return f"γ must be 'auto' or a whole number from 0 to {MAX_NUM_DRAFT_TOKENS}"
         pressed = self.query_one(RadioSet).pressed_button
-        name = pressed.name if pressed is not None else self.kind
+        name = drafter or (pressed.name if pressed is not None else self.kind)
         shown = name == self.kind  # the settings on screen are this drafter's (not yet, right after a pick)
         spec = self._spec(name, shown)
         if isinstance(spec, str):

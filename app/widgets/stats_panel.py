@@ -49,16 +49,16 @@ class StatsPanel(Vertical):
         """Show one answer's running totals."""
         last = f"   this round {stats.tau_cycle}" if stats.cycles else ""
         self._set("#tau", f"τ  {stats.tau:.2f}{last}")
-        self._set("#alpha", f"α  {stats.alpha:.2f}" if stats.num_draft_tokens else "α  – (nothing drafted)")
+        self._set("#alpha", f"α  {alpha_text(stats)}" + ("" if stats.drafted else " (nothing drafted)"))
         spark = self.query_one(TauSparkline)
         spark.top, spark.values = stats.num_draft_tokens + 1, stats.taus
         self._set("#speed", f"{stats.tokens_per_s:.1f} tokens/s\n{stats.tokens} tokens in {stats.cycles} rounds")
         self._set("#timing", f"draft  {stats.draft_s:.2f} s\nverify {stats.verify_s:.2f} s")
-        self._set("#drafter", f"{stats.drafter}   γ = {stats.num_draft_tokens}")
+        self._set("#drafter", f"{stats.drafter}   {stats_drafting(stats)}")
 
     def show_info(self, info: EngineInfo) -> None:
         """Show what is loaded and the drafter that the next answer will use."""
-        self._set("#drafter", f"{info.drafter}   γ = {info.num_draft_tokens}")
+        self._set("#drafter", f"{info.drafter}   {drafting(info.drafter, info.num_draft_tokens, info.shape)}")
         self._set("#target", f"{info.model_name}\nquantized: {'yes' if info.quantized else 'no'}")
         self._set("#draft", info.draft_name or "none loaded")
 
@@ -68,3 +68,27 @@ class StatsPanel(Vertical):
 
     def _set(self, selector: str, text: str) -> None:
         self.query_one(selector, Static).update(text)
+
+
+def drafting(drafter: str, gamma: int | str, shape: str | None = None, detail: str = "") -> str:
+    """What each round drafts, as the panel, an answer's summary and the Ready line say it: a tree
+    drafter's tree (``gamma.tree_summary``, the words of ``mlxspec generate``'s stats), ``γ 4``,
+    ``γ auto`` with ``detail`` in brackets, or ``plain decoding`` when nothing is drafted."""
+    if drafter == "none" or gamma == 0:
+        return "plain decoding"
+    if shape:
+        return shape
+    return f"γ {gamma}" + (f" ({detail})" if detail and isinstance(gamma, str) else "")
+
+
+def stats_drafting(stats: StatsSnapshot, now: bool = True) -> str:
+    """``drafting`` for an answer: with γ picked each round, the latest pick (``now``) and the mean."""
+    detail = ""
+    if stats.policy and stats.cycles:
+        detail = (f"now {stats.gamma_now}, " if now else "") + f"mean {stats.gamma_mean:.1f}"
+    return drafting(stats.drafter, stats.policy or stats.num_draft_tokens, stats.shape, detail)
+
+
+def alpha_text(stats: StatsSnapshot) -> str:
+    """α to two decimals, or ``–`` while nothing was drafted (plain decoding, or auto falling back)."""
+    return f"{stats.alpha:.2f}" if stats.drafted else "–"

@@ -17,6 +17,7 @@ from .common import (
     check_args,
     drafter_spec_from_args,
     add_blas_arg,
+    add_recalibrate_arg,
     run_main,
     model_spec,
     sampling_from_args,
@@ -40,6 +41,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--vivid", action="store_true",
                         help="paint resampled tokens red from the start (the default underlines them; F4 swaps)")
     add_sampling_args(parser)
+    add_recalibrate_arg(parser)
     add_blas_arg(parser)
     return parser
 
@@ -52,6 +54,7 @@ def engine_config(args: argparse.Namespace):
         model=model_spec(args), draft_model=model_spec(args, draft=True), drafter=drafter_spec_from_args(args),
         num_draft_tokens=args.num_draft_tokens, sampling=sampling_from_args(args), max_tokens=args.max_tokens,
         seed=args.seed, typical=typical_from_args(args), draft_dtype=args.draft_dtype, stop=tuple(args.stop or ()),
+        recalibrate=args.recalibrate,
     )
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from ..assets import NAMED_MODELS
 from ..drafters import Drafter, DrafterSpec, drafter_types
-from ..gamma import AUTO, SCHEDULED
+from ..gamma import AUTO, MAX_NUM_DRAFT_TOKENS, SCHEDULED, check_num_draft_tokens
 from ..generate import DEFAULT_MAX_TOKENS, DEFAULT_NUM_DRAFT_TOKENS
 from ..loading import DTYPES
 from ..machine import blas_in_use, find_fast_blas
@@ -24,7 +24,7 @@ from ..session import build_drafter as session_build_drafter
 __all__ = ["USER_ERRORS", "ArgumentParser", "LoadedModels", "add_drafter_args", "add_drafter_option_args", "add_model_args", "add_sampling_args",
            "build_drafter", "check_args", "check_drafter_args", "drafter_spec_from_args", "drafter_flags_given", "with_drafter_flags", "fail", "load_models", "measuring_note",
            "model_spec", "num_draft_tokens_arg", "run_main", "sampling_from_args", "seed_arg", "typical_from_args",
-           "add_blas_arg", "use_fast_blas"]
+           "add_blas_arg", "add_recalibrate_arg", "use_fast_blas"]
 
 #: Set in a re-executed process so it does not re-execute again.
 REEXEC_ENV = "MLXSPEC_BLAS_REEXEC"
@@ -113,16 +113,18 @@ def add_model_args(parser: argparse.ArgumentParser, allow_auto: bool = False, de
     add_drafter_args(parser)
     if allow_auto:
         parser.add_argument("--num-draft-tokens", type=num_draft_tokens_arg, default=default_gamma,
-                            help="γ, tokens drafted per round; 0 = plain decoding; 'auto' lets a tree drafter "
-                                 "keep its own depth and picks γ for the others each round from costs measured "
-                                 "on this machine (once, cached) and the running acceptance, falling back to "
-                                 "plain decoding when speculation would lose; 'scheduled' (draft, medusa, eagle, "
+                            help=f"γ, tokens drafted per round, 0 to {MAX_NUM_DRAFT_TOKENS}; 0 = plain decoding; "
+                                 "'auto' lets a tree drafter keep its own depth and picks γ for the others each "
+                                 "round from costs measured on this machine (once, cached) and the running "
+                                 "acceptance, falling back to plain decoding when speculation would lose; "
+                                 "'scheduled' (draft, medusa, eagle, "
                                  "dflash, dspark) drafts the drafter's full length and verifies the part with the best predicted "
                                  "tokens/s from the draft's own confidence (docs/acceptance.md 3.1). "
                                  f"Default: {default_gamma}")
     else:
         parser.add_argument("--num-draft-tokens", type=int, default=DEFAULT_NUM_DRAFT_TOKENS,
-                            help=f"γ, tokens drafted per round; 0 = plain decoding. Default: {DEFAULT_NUM_DRAFT_TOKENS}")
+                            help=f"γ, tokens drafted per round, 0 to {MAX_NUM_DRAFT_TOKENS}; 0 = plain decoding. "
+                                 f"Default: {DEFAULT_NUM_DRAFT_TOKENS}")
     parser.add_argument("--dtype", choices=DTYPES, default=None,
                         help="load the target in this float dtype (dequantizes a quantized model). "
                              "Default: as stored")
@@ -178,6 +180,13 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
                         help="end the answer at this text, which is not printed; repeat for several. Default: none")
 
 
+def add_recalibrate_arg(parser: argparse.ArgumentParser) -> None:
+    """``--recalibrate``: measure the costs behind ``auto`` again (``calibration.load_or_calibrate(refresh=True)``)."""
+    parser.add_argument("--recalibrate", action="store_true",
+                        help="with --num-draft-tokens auto: measure this machine's verify and draft costs again "
+                             "(after a BLAS, load or hardware change) instead of using the cached ones")
+
+
 def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
     """Validated ``SamplingParams`` from the parsed flags (raises ``ValueError``)."""
     return SamplingParams(temp=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
@@ -190,8 +199,8 @@ def check_args(args: argparse.Namespace) -> None:
     Raises:
         ValueError: naming the flag and the allowed range.
     """
-    if isinstance(args.num_draft_tokens, int) and args.num_draft_tokens < 0:
-        raise ValueError(f"--num-draft-tokens must be >= 0, got {args.num_draft_tokens}")
+    if isinstance(args.num_draft_tokens, int):
+        check_num_draft_tokens(args.num_draft_tokens, "--num-draft-tokens")
     if args.max_tokens < 1:
         raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     sampling_from_args(args)

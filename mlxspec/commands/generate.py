@@ -7,16 +7,16 @@ import json
 import sys
 
 from ..calibration import load_or_calibrate
-from ..gamma import AUTO, gamma_policy
+from ..gamma import AUTO, gamma_policy, tree_summary
 from ..generate import context_length, encode_prompt, stream_generate
 from ..metrics import GenerationStats, TokenEvent
-from ..tree import TREE_PRESETS
 from .common import (
     ArgumentParser,
     add_model_args,
     add_sampling_args,
     check_args,
     add_blas_arg,
+    add_recalibrate_arg,
     run_main,
     load_models,
     measuring_note,
@@ -37,9 +37,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-chat-template", action="store_true",
                         help="feed the prompt as raw text instead of through the chat template")
     add_sampling_args(parser)
-    parser.add_argument("--recalibrate", action="store_true",
-                        help="with --num-draft-tokens auto: measure this machine's verify and draft costs again "
-                             "(after a BLAS, load or hardware change) instead of using the cached ones")
+    add_recalibrate_arg(parser)
     add_blas_arg(parser)
     parser.add_argument("--json", action="store_true",
                         help="print one JSON record (text and every stat) instead of streaming")
@@ -83,26 +81,6 @@ def format_stats(stats: GenerationStats, drafter=None, policy: str = AUTO) -> st
         lines.insert(5, "  (a tree: α = accepted / all drafted nodes, and at most one path of them can be kept; "
                         "τ and acceptance per depth say how far the kept path reached)")
     return "\n".join(lines)
-
-
-def tree_summary(drafter) -> str | None:
-    """What a tree drafter proposes, e.g. ``"tree mc_sim_7b_63 (63 nodes, depth 4)"`` or ``"depth-4 chain + a
-    6-token n-gram branch"``; ``None`` when the drafter says nothing about its tree."""
-    if drafter.name == "medusa":
-        size = len(drafter.choices)
-        preset = next((name for name, choices in TREE_PRESETS.items() if choices == drafter.choices), "from a file")
-        priced = ", the nodes this machine's verify cost pays for, each round" if drafter.budget is not None else ""
-        return f"tree {preset} ({size} nodes, depth {drafter.tree_depth}{priced})"
-    if drafter.name == "eagle":
-        if drafter.choices is not None:
-            shape = f"static tree of {len(drafter.choices)} nodes, depth {drafter.depth}"
-        elif drafter.top_k == 1:
-            shape = f"depth-{drafter.depth} chain"
-        else:
-            total = "sized each round" if drafter.budget is not None else f"at most {drafter.total_tokens} nodes"
-            shape = f"EAGLE-2 tree (depth {drafter.depth}, top-{drafter.top_k}, {total})"
-        return shape + (f" + a {drafter.ngram}-token n-gram branch" if drafter.ngram else "")
-    return None
 
 
 def _gamma_summary(stats: GenerationStats, policy: str) -> str:
