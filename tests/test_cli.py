@@ -87,6 +87,27 @@ def test_help_lists_commands(capsys):
     assert main(["nope"]) == 2
 
 
+@pytest.mark.parametrize("command,fix", [
+    ("foo", "choose one of generate, chat, train, verify, bench, convert"),
+    ("generte", "did you mean 'generate'?"),
+    ("--model", "--model comes after a command, as in 'mlxspec generate --model ...'"),
+])
+def test_an_unknown_command_is_one_line_with_the_fix(capsys, command, fix):
+    assert main([command, "--prompt", "hi"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("mlxspec: error: ") and err.count("\n") == 1
+    assert fix in err and "run 'mlxspec --help'" in err
+
+
+def test_version(capsys):
+    from importlib.metadata import version
+
+    for flag in ("--version", "-V"):
+        assert main([flag]) == 0
+        out = capsys.readouterr().out
+        assert out.startswith(f"mlxspec {version('mlxspec')} (mlx ") and out.count("\n") == 1
+
+
 def test_medusa_from_the_command_line(capsys, tmp_path, tiny_model_dir):
     from test_medusa import random_heads
 
