@@ -11,7 +11,8 @@ from importlib.metadata import PackageNotFoundError, version
 SUBCOMMANDS = {
     "generate": ("mlxspec.commands.generate", "generate text with speculative decoding"),
     "chat": ("mlxspec.commands.chat", "terminal chat that shows speculation as it happens"),
-    "train": ("mlxspec.commands.train", "build a corpus; train Medusa, EAGLE, DFlash or MTP heads or a draft model; measure drafters"),
+    "train": ("mlxspec.commands.train", "build a corpus; train a draft model or Medusa, EAGLE, MTP, DFlash or "
+                                        "DSpark drafters; measure drafters"),
     "verify": ("mlxspec.commands.verify", "check that speculation samples exactly as the target (a G-test)"),
     "bench": ("mlxspec.commands.bench", "speed of every drafter against plain decoding (and mlx-lm's speculative decoding) here"),
     "convert": ("mlxspec.commands.convert", "write any model spec (GGUF, named model, folder) as an mlx-lm folder"),

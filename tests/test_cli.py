@@ -87,6 +87,17 @@ def test_help_lists_commands(capsys):
     assert main(["nope"]) == 2
 
 
+def test_help_names_every_training_method(capsys):
+    from mlxspec.commands.train import METHODS
+
+    assert main(["--help"]) == 0
+    train_line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("  train "))
+    names = {"mtp": "MTP", "dflash": "DFlash", "dspark": "DSpark", "eagle": "EAGLE", "medusa": "Medusa",
+             "draft": "a draft model", "corpus": "a corpus", "measure": "measure drafters"}
+    assert set(METHODS) <= set(names)  # a new method: name it here and in cli.SUBCOMMANDS
+    assert [name for name in METHODS if names[name] not in train_line] == []
+
+
 @pytest.mark.parametrize("command,fix", [
     ("foo", "choose one of generate, chat, train, verify, bench, convert"),
     ("generte", "did you mean 'generate'?"),
