@@ -178,3 +178,23 @@ def test_tree_stats_name_the_tree_and_explain_alpha(capsys, tiny_model_dir, tmp_
     assert "Drafter: eagle, depth-3 chain + a 4-token n-gram branch;" in err
     code, _, err = run(capsys, *base, "--drafter", "ngram", "--num-draft-tokens", "3")
     assert "Drafter: ngram, γ = 3;" in err and "(a tree" not in err
+
+
+def test_every_help_is_plain_text_from_a_capital():
+    """What --help prints is read by people: a description that starts a sentence, no RST ``markup``."""
+    import argparse
+    import importlib
+
+    from mlxspec.cli import SUBCOMMANDS
+
+    def parsers(parser, name):
+        yield name, parser
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub, child in action.choices.items():
+                    yield from parsers(child, f"{name} {sub}")
+
+    for command, (module, _) in SUBCOMMANDS.items():
+        for name, parser in parsers(importlib.import_module(module).setup_arg_parser(), command):
+            assert parser.description and parser.description[0].isupper(), name
+            assert "``" not in parser.format_help(), name
