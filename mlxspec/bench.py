@@ -50,12 +50,14 @@ class System:
         drafter: ``"draft"``, ``"ngram"`` or ``"none"`` for mlxspec; ``"draft"`` for
             mlx-lm-spec; ``None`` for plain mlx-lm.
         gamma: γ, ``"auto"`` or ``"scheduled"``; 0 for plain decoding.
+        note: What its row should say about it (e.g. a tree priced as plain decoding); empty for nothing.
     """
 
     name: str
     engine: str
     drafter: str | None = None
     gamma: int | str = 0
+    note: str = ""
 
     @property
     def family(self) -> str:

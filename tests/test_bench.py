@@ -21,7 +21,7 @@ RUN_FIELDS = {"system", "prompt_id", "kind", "temp", "seed", "prompt_tokens", "p
 ROW_FIELDS = {"system", "family", "gamma", "kind", "temp", "pairs", "speedup", "speedup_min", "speedup_max",
               "predicted_speedup", "generation_tps", "prompt_tps", "alpha", "alpha_mle", "tau",
               "acceptance_per_position", "tau_histogram", "cycle_draft_ms", "cycle_verify_ms", "cycle_other_ms",
-              "peak_memory_gb", "same_output", "mean_gamma", "plain_fallback", "best"}
+              "peak_memory_gb", "same_output", "mean_gamma", "plain_fallback", "best", "note"}
 
 
 @pytest.fixture(scope="module")
@@ -221,6 +221,32 @@ def test_bench_times_head_drafters_from_specs(tmp_path, tiny_model_dir, capsys, 
     assert sum(d for d, _ in runs["mlxspec eagle γ=2"]["rounds"]) > 0
     assert main(["bench", "--drafters", "eagle:depth=0", "--blas", "keep"]) == 2
     assert "--eagle-depth must be >= 1" in capsys.readouterr().err
+
+
+def test_a_medusa_tree_priced_as_plain_is_timed_once_and_its_row_says_why(tmp_path, tiny_model_dir, capsys,
+                                                                          monkeypatch):
+    from mlxspec.drafters import registry
+    from mlxspec.heads.medusa import save_medusa
+    from test_medusa import random_heads
+
+    save_medusa(tmp_path / "heads", random_heads(shared=True))
+    steep = Costs([0.01 * k for k in range(1, 17)])  # k tokens cost k steps: no tree can pay
+    monkeypatch.setattr(registry.DrafterContext, "verify_costs", lambda self: steep)
+    monkeypatch.setenv("MLXSPEC_CACHE", str(tmp_path / "cache"))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "Say hi.", "kind": "open"}) + "\n")
+    output = tmp_path / "bench.json"
+    assert main(["bench", "--model", str(tiny_model_dir), "--drafters", "medusa,none", "--medusa-heads",
+                 str(tmp_path / "heads"), "--prompts", str(prompts), "--num-draft-tokens", "auto,2,4", "--temps", "0",
+                 "--max-tokens", "4", "--no-control", "--output", str(output), "--blas", "keep"]) == 0
+    out, err = capsys.readouterr()
+    result = json.loads(output.read_text())
+    medusa = f"mlxspec medusa:heads={tmp_path / 'heads'} γ=auto"
+    assert [s["name"] for s in result["systems"]] == [BASELINE, medusa, "mlxspec none"]
+    assert err.count("tree auto → plain") == 1 and f"timing it once, as '{medusa}'" in err
+    [row] = [r for r in result["summary"] if r["system"] == medusa]
+    assert row["note"].startswith("tree auto → plain: the cost model predicts no gain on this machine")
+    assert f"| {medusa} |" in out and "| tree auto → plain: " in out
 
 
 def _ship_heads(root, tiny_model_dir):

@@ -180,6 +180,23 @@ def test_tree_stats_name_the_tree_and_explain_alpha(capsys, tiny_model_dir, tmp_
     assert "Drafter: ngram, γ = 3;" in err and "(a tree" not in err
 
 
+def test_a_medusa_tree_priced_as_plain_says_so(capsys, tiny_model_dir, tmp_path, monkeypatch):
+    from mlxspec.costmodel import Costs
+    from mlxspec.drafters import registry
+    from mlxspec.heads.medusa import save_medusa
+    from test_medusa import random_heads
+
+    save_medusa(tmp_path / "medusa", random_heads(shared=True))
+    steep = Costs([0.01 * k for k in range(1, 17)])  # k tokens cost k steps: no tree can pay
+    monkeypatch.setattr(registry.DrafterContext, "verify_costs", lambda self: steep)
+    code, _, err = run(capsys, "--model", str(tiny_model_dir), "--prompt", "hi", "--max-tokens", "4",
+                       "--drafter", "medusa", "--medusa-heads", str(tmp_path / "medusa"))
+    assert code == 0, err
+    assert ("Drafter: medusa, tree auto → plain: the cost model predicts no gain on this machine, so the heads "
+            "are not run; cycles: ") in err
+    assert "(a tree" not in err and err.count("tree auto → plain") == 1
+
+
 def test_every_help_is_plain_text_from_a_capital():
     """What --help prints is read by people: a description that starts a sentence, no RST ``markup``."""
     import argparse

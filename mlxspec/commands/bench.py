@@ -8,7 +8,7 @@ import os
 import shlex
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from tqdm import tqdm
@@ -24,7 +24,7 @@ from ..loading import DTYPES
 from ..machine import machine_info
 from ..session import ModelSpec, build_drafter, draft_model_spec, load_model, runnable_drafters
 from .common import ArgumentParser, add_drafter_option_args, drafter_flags_given, run_main, with_drafter_flags
-from .generate import read_prompt
+from .generate import PRICED_PLAIN, read_prompt
 
 DEFAULT_GAMMAS = "auto,1,2,4,6,8"
 DEFAULT_TEMPS = "0,0.7"
@@ -186,6 +186,21 @@ def _specs(args, discover: bool) -> list[DrafterSpec]:
     return [with_drafter_flags(spec, args) for spec in specs]
 
 
+def _once_if_priced_plain(systems: list[System], drafters: dict) -> list[System]:
+    """A tree priced as plain decoding (``MedusaDrafter.priced_plain``) takes plain steps at every γ: its
+    first system only (γ auto by default), its row saying why, and one line on stderr."""
+    out, seen = [], set()
+    for system in systems:
+        if system.engine != "mlxspec" or not getattr(drafters[system.drafter], "priced_plain", False):
+            out.append(system)
+        elif system.drafter not in seen:
+            seen.add(system.drafter)
+            out.append(replace(system, note=PRICED_PLAIN))
+            print(f"mlxspec bench: {system.drafter}: {PRICED_PLAIN}; timing it once, as '{system.name}'",
+                  file=sys.stderr)
+    return out
+
+
 def _prompts(args, tokenizer) -> tuple[list[tuple[str, str, list[int]]], dict]:
     """``(id, kind, ids)`` per prompt, and where they came from."""
     def render(text: str) -> list[int]:
@@ -342,6 +357,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     if dropped:
         print(f"mlxspec: note: skipping {', '.join(dropped)}: the drafter reports no survival estimates, "
               "which scheduled verification needs", file=sys.stderr)
+    systems = _once_if_priced_plain(systems, models.drafters)
     prompts, prompt_source = _prompts(args, models.tokenizer)
     info = {"command": ["mlxspec", "bench", *argv], "started": time.strftime("%Y-%m-%d %H:%M:%S"),
             "machine": machine_info(), "models": names,

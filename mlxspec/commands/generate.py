@@ -54,6 +54,10 @@ def build_prompt(tokenizer, prompt: str, system: str | None, use_chat_template: 
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
 
 
+#: What the stats say of a Medusa tree that ``--medusa-tree auto`` priced as plain decoding.
+PRICED_PLAIN = "tree auto → plain: the cost model predicts no gain on this machine, so the heads are not run"
+
+
 def format_stats(stats: GenerationStats, drafter=None, policy: str = AUTO) -> str:
     """The human-readable stats block printed after the answer.
 
@@ -79,7 +83,7 @@ def format_stats(stats: GenerationStats, drafter=None, policy: str = AUTO) -> st
         f"Time: draft {stats.draft_s:.2f} s, verify {stats.verify_s:.2f} s",
         f"Peak memory: {stats.peak_memory_gb:.3f} GB",
     ]
-    if tree:
+    if tree and tree != PRICED_PLAIN:
         lines.insert(5, "  (a tree: α = accepted / all drafted nodes, and at most one path of them can be kept; "
                         "τ and acceptance per depth say how far the kept path reached)")
     return "\n".join(lines)
@@ -89,6 +93,8 @@ def tree_summary(drafter) -> str | None:
     """What a tree drafter proposes, e.g. ``"tree mc_sim_7b_63 (63 nodes, depth 4)"`` or ``"depth-4 chain + a
     6-token n-gram branch"``; ``None`` when the drafter says nothing about its tree."""
     if drafter.name == "medusa":
+        if drafter.priced_plain:
+            return PRICED_PLAIN
         size = len(drafter.choices)
         preset = next((name for name, choices in TREE_PRESETS.items() if choices == drafter.choices), "from a file")
         priced = ", the nodes this machine's verify cost pays for, each round" if drafter.budget is not None else ""
@@ -157,7 +163,7 @@ def _note_context_cap(model, tokenizer, prompt, max_tokens: int) -> None:
 def run(args: argparse.Namespace) -> int:
     check_args(args)
     prompt_text = read_prompt(args)
-    loaded = load_models(args, on_measure=None if args.json else measuring_note("the automatic EAGLE tree size"))
+    loaded = load_models(args, on_measure=None if args.json else measuring_note("the automatic tree size"))
     prompt = build_prompt(loaded.tokenizer, prompt_text, args.system, not args.no_chat_template)
     _note_context_cap(loaded.model, loaded.tokenizer, prompt, args.max_tokens)
     note = None if args.json else measuring_note(f"--num-draft-tokens {args.num_draft_tokens}")
