@@ -167,6 +167,17 @@ def test_messages_name_what_is_missing_and_the_fix(tmp_path):
         load(str(short))
 
 
+def test_no_shipped_asset_points_at_the_command_that_makes_one():
+    """What ``require_shipped_for`` says when nothing ships: the flag, and a command that exists."""
+    from mlxspec.assets import SHIPPED_MARKERS, WHAT
+    from mlxspec.commands.train import METHODS
+
+    assert set(WHAT) == set(SHIPPED_MARKERS)
+    for kind, (_, flag, make) in WHAT.items():
+        assert flag.startswith(f"--{kind}-") or kind == "draft", kind
+        assert make == f"mlxspec train {kind}" and kind in METHODS, kind
+
+
 def test_closing_the_engine_mid_answer_exits_cleanly(tiny_model_dir):
     """What Ctrl+Q does: close() mid-answer stops the engine thread after its round, then the process exits
     (a plain exit here aborted in about 1 run of 3 on this machine: MLX's stream threads were torn down)."""
