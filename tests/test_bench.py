@@ -168,6 +168,32 @@ def test_reruns_with_openblas_when_the_reference_blas_is_loaded(monkeypatch, com
     assert "apt-get install libopenblas0-pthread" in capsys.readouterr().err
 
 
+def test_the_rerun_line_is_a_shell_command(monkeypatch, capsys):
+    """bench prints the command it re-runs with OpenBLAS: pasted into a shell, it runs the same thing."""
+    import shlex
+    import sys
+
+    from mlxspec.commands import common
+
+    monkeypatch.delenv(common.REEXEC_ENV, raising=False)
+    monkeypatch.setattr("sys.platform", "linux")
+    monkeypatch.setattr(common, "blas_in_use", lambda: {"name": "reference BLAS"})
+    monkeypatch.setattr(common, "find_fast_blas", lambda: "/opt/open blas/libblas.so.3")
+
+    def execve(exe, argv, env):
+        raise SystemExit(0)
+
+    monkeypatch.setattr("os.execve", execve)
+    flags = ["--prompt", "What's 2 + 2? Say \"four\".", "--model", "my model"]
+    monkeypatch.setattr("sys.argv", ["mlxspec", "bench", *flags])
+    with pytest.raises(SystemExit):
+        main()
+    line = capsys.readouterr().err.strip()
+    assert line.startswith("mlxspec bench: re-running with a fast BLAS (--blas keep to skip): LD_PRELOAD=")
+    words = shlex.split(line.split(" (--blas keep to skip): ", 1)[1])
+    assert words == ["LD_PRELOAD=/opt/open blas/libblas.so.3", sys.executable, "-m", "mlxspec", "bench", *flags]
+
+
 def test_bad_flags_are_one_line_errors(capsys):
     assert main(["bench", "--num-draft-tokens", "0,2", "--blas", "keep"]) == 2
     assert "--num-draft-tokens takes 'auto', 'scheduled' and integers >= 1" in capsys.readouterr().err

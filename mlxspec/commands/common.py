@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import shlex
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -311,9 +312,9 @@ def use_fast_blas(command: str, argv: list[str], mode: str, *, quiet: bool = Fal
         return
     preload = ":".join(filter(None, [fast, os.environ.get("LD_PRELOAD")]))
     command_line = [sys.executable, "-m", "mlxspec", command, *argv]
-    if not quiet:
-        print(f"mlxspec {command}: re-running with a fast BLAS: LD_PRELOAD={preload} {' '.join(command_line[1:])} "
-              "(--blas keep to skip)", file=sys.stderr, flush=True)
+    if not quiet:  # the command last, as a shell would take it: the line can be copied and pasted
+        print(f"mlxspec {command}: re-running with a fast BLAS (--blas keep to skip): "
+              f"LD_PRELOAD={shlex.quote(preload)} {shlex.join(command_line)}", file=sys.stderr, flush=True)
     os.execve(sys.executable, command_line, {**os.environ, "LD_PRELOAD": preload, REEXEC_ENV: "1"})
 
 
