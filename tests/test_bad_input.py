@@ -44,6 +44,13 @@ def test_an_empty_prompt_is_refused_with_or_without_the_chat_template(capsys, ti
                        "the prompt is empty")
 
 
+@pytest.mark.parametrize("command", ["generate", "chat"])
+def test_an_empty_stop_string_names_the_flag_and_the_fix(capsys, command):
+    one_line_error(capsys, [command, "--stop", "###", "--stop", ""],
+                   "argument --stop: the stop text is empty; give the text that ends the answer (e.g. --stop '###') "
+                   "or leave --stop out")
+
+
 def run_cli(args, **kwargs):
     return subprocess.run([sys.executable, "-m", "mlxspec", *args], capture_output=True, **kwargs)
 

@@ -49,6 +49,14 @@ def seed_arg(value: str) -> int:
     return seed
 
 
+def stop_arg(value: str) -> str:
+    """``--stop``: non-empty text (``stops.check_stops`` refuses an empty one too, without naming the flag)."""
+    if not value:
+        raise argparse.ArgumentTypeError("the stop text is empty; give the text that ends the answer "
+                                         "(e.g. --stop '###') or leave --stop out")
+    return value
+
+
 def num_draft_tokens_arg(value: str) -> int | str:
     """``--num-draft-tokens``: an integer, ``auto`` or ``scheduled`` (``gamma.gamma_policy``)."""
     if value in (AUTO, SCHEDULED):
@@ -175,7 +183,7 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repetition-penalty", type=float, default=None,
                         help="mlx-lm's repetition penalty (> 0; 1 = off). Default: off")
     parser.add_argument("--seed", type=seed_arg, default=None, help="random seed in [0, 2**64). Default: none")
-    parser.add_argument("--stop", action="append", default=None, metavar="TEXT",
+    parser.add_argument("--stop", action="append", type=stop_arg, default=None, metavar="TEXT",
                         help="end the answer at this text, which is not printed; repeat for several. Default: none")
 
 
