@@ -120,6 +120,25 @@ def test_a_corrupt_safetensors_file_is_one_line(capsys, tmp_path, tiny_model_dir
                    "draft model")
 
 
+@pytest.mark.parametrize("kind", ["medusa", "eagle"])
+def test_a_head_file_that_is_damaged_or_no_head_says_what_to_pass(capsys, tmp_path, tiny_model_dir, kind):
+    cut = tmp_path / ("medusa_lm_head.safetensors" if kind == "medusa" else "model.safetensors")
+    cut.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{\"a\":")  # a header cut off
+    text = tmp_path / "notes.txt"
+    text.write_text("not weights")
+    fix = {"medusa": "pass Medusa heads instead: a folder with medusa_lm_head.safetensors (as 'mlxspec train medusa' "
+                     "writes), that file, or a Hugging Face repo id",
+           "eagle": "pass an EAGLE head instead: a folder with config.json and model.safetensors (as 'mlxspec train "
+                    "eagle' writes), that file, or a Hugging Face repo id"}[kind]
+    problems = {cut: f"{cut} is not a readable safetensors file: it is cut off or another kind of file",
+                tmp_path: f"{cut} is not a readable safetensors file", text: f"cannot read {text}: not a torch checkpoint",
+                tiny_model_dir: str(tiny_model_dir)}  # a model, not heads
+    for given, problem in problems.items():
+        err = one_line_error(capsys, ["generate", "--model", str(tiny_model_dir), "--prompt", "hi", "--drafter", kind,
+                                      f"--{kind}-heads", str(given)], fix)
+        assert problem in err, err
+
+
 # --- fuzz ---------------------------------------------------------------------------------------
 
 
