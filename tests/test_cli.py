@@ -215,3 +215,29 @@ def test_every_help_is_plain_text_from_a_capital():
         for name, parser in parsers(importlib.import_module(module).setup_arg_parser(), command):
             assert parser.description and parser.description[0].isupper(), name
             assert "``" not in parser.format_help(), name
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_ctrl_c_mid_answer_ends_the_line_and_says_how_far_it_got(capsys, tiny_model_dir, monkeypatch, as_json):
+    from mlxspec.commands import generate as command
+    from mlxspec.metrics import TokenEvent
+
+    real = command.stream_generate
+
+    def interrupted_after_five(*args, **kwargs):
+        seen = 0
+        for event in real(*args, **kwargs):
+            yield event
+            seen += isinstance(event, TokenEvent)
+            if seen == 5:
+                raise KeyboardInterrupt  # as a Ctrl+C during the next round
+
+    monkeypatch.setattr(command, "stream_generate", interrupted_after_five)
+    code, out, err = run(capsys, "--model", str(tiny_model_dir), "--prompt", "hello", "--max-tokens", "20",
+                         "--drafter", "none", "--no-chat-template", *(["--json"] if as_json else []))
+    assert code == 130 and err.count("\n") == 1
+    assert err.startswith("mlxspec: interrupted (Ctrl+C) after 5 generated tokens; ")
+    if as_json:
+        assert out == "" and "--json prints no record" in err
+    else:
+        assert out.endswith("\n") and out.strip() and "the partial answer is on standard output" in err

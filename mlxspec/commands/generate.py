@@ -160,6 +160,17 @@ def _note_context_cap(model, tokenizer, prompt, max_tokens: int) -> None:
               f"{limit - num} (the prompt has {num})", file=sys.stderr)
 
 
+def _interrupted(num_tokens: int, json_record: bool) -> int:
+    """Ctrl+C mid-answer: end the streamed line, say so in one line on stderr; exit status 130 (128 + SIGINT)."""
+    if json_record:
+        where = "--json prints no record of an interrupted answer"
+    else:
+        print(flush=True)
+        where = "the partial answer is on standard output"
+    print(f"mlxspec: interrupted (Ctrl+C) after {num_tokens} generated tokens; {where}", file=sys.stderr)
+    return 130
+
+
 def run(args: argparse.Namespace) -> int:
     check_args(args)
     prompt_text = read_prompt(args)
@@ -178,13 +189,17 @@ def run(args: argparse.Namespace) -> int:
         stop=args.stop,
     )
     text = []
-    for event in events:
-        if isinstance(event, TokenEvent):
-            text.append(event.text)
-            if not args.json:
-                print(event.text, end="", flush=True)
-        elif isinstance(event, GenerationStats):
-            stats = event
+    try:
+        for event in events:
+            if isinstance(event, TokenEvent):
+                text.append(event.text)
+                if not args.json:
+                    print(event.text, end="", flush=True)
+            elif isinstance(event, GenerationStats):
+                stats = event
+    except KeyboardInterrupt:
+        events.close()  # its finally leaves the caches at what was committed
+        return _interrupted(len(text), args.json)
     if args.json:
         record = {"model": loaded.target.display, "draft_model": loaded.draft.display if loaded.draft else None,
                   "text": "".join(text), "num_draft_tokens_requested": args.num_draft_tokens, "temp": args.temp,
