@@ -171,6 +171,26 @@ def without_unscheduled(systems: list[System], drafters: dict) -> tuple[list[Sys
     return [s for s in systems if s.name not in dropped], dropped
 
 
+def estimate_s(costs: Costs, num_systems: int, prompts: list[list[int]], num_temps: int, max_tokens: int) -> float:
+    """Rough seconds ``iter_runs`` will take, from the target's measured costs.
+
+    Every run prefills its prompt in 16-token forwards and makes ``max_tokens`` plain steps: what
+    speculation gains or loses, and answers that stop early, are left out, as are the draft model's
+    own prefill and anything before the runs (loading, calibration). The warm-ups are counted.
+
+    Args:
+        costs: The target's ``Costs`` (only its verify curve is used).
+        num_systems: Systems timed (``make_systems``).
+        prompts: Token ids of each prompt.
+        num_temps: Temperatures.
+        max_tokens: Most tokens per run.
+    """
+    step = costs.verify(1)
+    prefill = sum(-(-len(ids) // 16) * costs.verify(16) for ids in prompts)
+    runs = num_systems * num_temps * (prefill + len(prompts) * max_tokens * step)
+    return runs + num_systems * (costs.verify(WARMUP_TOKENS) + WARMUP_TOKENS * step)
+
+
 def iter_runs(models: BenchModels, systems: list[System], prompts: list[tuple[str, str, list[int]]],
               temps: list[float], *, seed: int, max_tokens: int) -> Iterator[RunRecord]:
     """Run every system on every (prompt, temperature), interleaved; yield each run's record.

@@ -324,6 +324,31 @@ def test_bench_prompt_times_every_drafter_that_can_run_and_ends_with_a_verdict(t
     assert ("fastest is" in out) == verdict["wins"] and ("nothing beats plain" in out) != verdict["wins"]
 
 
+def test_bench_prompt_defaults_to_auto_and_says_how_many_runs_and_how_long_first(tmp_path, tiny_model_dir, capsys,
+                                                                                monkeypatch):
+    monkeypatch.setenv("MLXSPEC_CACHE", str(tmp_path / "cache"))
+    output = tmp_path / "bench.json"
+    assert main(["bench", "--model", str(tiny_model_dir), "--prompt", "Say hi.", "--drafters", "ngram,none",
+                 "--max-tokens", "4", "--output", str(output), "--blas", "keep"]) == 0
+    err = capsys.readouterr().err
+    result = json.loads(output.read_text())
+    assert [s["name"] for s in result["systems"]] == [BASELINE, CONTROL, "mlxspec ngram γ=auto", "mlxspec none"]
+    assert len(result["runs"]) == 4 * 3  # systems × the default 3 repeats
+    line = next(line for line in err.splitlines() if line.startswith("mlxspec bench: 12 runs"))
+    assert line.startswith("mlxspec bench: 12 runs (4 systems × 3 repeats of your prompt × 1 temperature), up to "
+                           "about ")
+    assert "(if every answer runs to 4 tokens, at " in line and result["estimated_s"] > 0
+    assert err.index(line) < err.index("0/12")  # before the progress bar starts
+
+
+def test_the_duration_estimate_counts_prefill_steps_and_warm_ups():
+    from mlxspec.bench import WARMUP_TOKENS, estimate_s
+
+    costs = Costs([0.1] * 16)  # every forward of up to 16 tokens: 0.1 s
+    # 2 systems × 1 temperature × (a 20-token prompt in 2 forwards + 10 steps) + 2 warm-ups (1 forward + 4 steps)
+    assert estimate_s(costs, 2, [[1] * 20], 1, 10) == pytest.approx(2 * (0.2 + 1.0) + 2 * (0.1 + WARMUP_TOKENS * 0.1))
+
+
 def test_bench_prompt_from_stdin_and_its_errors(monkeypatch, capsys, tmp_path, tiny_model_dir):
     monkeypatch.setenv("MLXSPEC_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO("Say hi.".encode())))

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from ..bench import BenchModels, RunRecord, System, iter_runs, make_systems, without_unscheduled
+from ..bench import BenchModels, RunRecord, System, estimate_s, iter_runs, make_systems, without_unscheduled
 from ..bench_summary import Verdict, format_table, summarize, verdicts, write_plots
 from ..calibration import load_or_calibrate
 from ..costmodel import Costs
@@ -28,8 +28,9 @@ from .generate import PRICED_PLAIN, read_prompt
 
 DEFAULT_GAMMAS = "auto,1,2,4,6,8"
 DEFAULT_TEMPS = "0,0.7"
-#: With ``--prompt``: a shorter sweep, greedy decoding (as ``generate``'s default), each run repeated.
-DEFAULT_PROMPT_GAMMAS = "auto,2,4"
+#: With ``--prompt``: automatic γ only (what generate and chat default to; a γ sweep multiplies the runs),
+#: greedy decoding (as ``generate``'s default), each run repeated for the noise floor.
+DEFAULT_PROMPT_GAMMAS = "auto"
 DEFAULT_PROMPT_TEMPS = "0"
 DEFAULT_REPEATS = 3
 #: The prompt kind reported for ``--prompt``.
@@ -61,17 +62,19 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num-draft-tokens", default=None,
                         help=f"comma-separated γ sweep; 'auto' = automatic γ; 'scheduled' = confidence-scheduled "
                              f"verification (docs/acceptance.md 3.1). Default: {DEFAULT_PROMPT_GAMMAS} with "
-                             f"--prompt, else {DEFAULT_GAMMAS}")
+                             f"--prompt (the setting generate and chat use unless told otherwise: every fixed γ "
+                             f"adds a run per drafter and repeat; pass e.g. auto,2,4 to sweep), else {DEFAULT_GAMMAS}")
     parser.add_argument("--temps", default=None,
                         help=f"comma-separated temperatures. Default: {DEFAULT_PROMPT_TEMPS} with --prompt, "
                              f"else {DEFAULT_TEMPS}")
     parser.add_argument("--prompt", "-p", default=None,
                         help="time one prompt of yours ('-' reads it from standard input) with every drafter that "
                              "can run on the target, and end with a verdict: the fastest setting and the "
-                             "generate/chat flags for it")
+                             "generate/chat flags for it. It prints the number of runs and a rough duration "
+                             "before they start (minutes on a CPU)")
     parser.add_argument("--repeats", type=int, default=DEFAULT_REPEATS,
-                        help=f"with --prompt: times each system runs on it (the control's spread is the noise "
-                             f"floor). Default: {DEFAULT_REPEATS}")
+                        help=f"with --prompt: times each system runs on it (the control's spread over the repeats "
+                             f"is the noise floor, so fewer than 3 leaves it weak). Default: {DEFAULT_REPEATS}")
     parser.add_argument("--prompts", default=None,
                         help="'sharegpt' (first user turns of ShareGPT V3, fetched once) or a JSONL file of "
                              '{"prompt": ..., "kind": ...} lines. Default: sharegpt (unless --prompt)')
@@ -248,6 +251,24 @@ def format_header(info: dict) -> str:
     return "\n".join(lines)
 
 
+def _announce(info: dict, costs: dict, prompts: list[list[int]], max_tokens: int, total: int,
+              mine: bool) -> float | None:
+    """Say on stderr how many runs follow and, from the measured costs, about how long they take at most
+    (answers that stop early take less); returns the estimate in seconds (``None`` when no cost was
+    measured: only plain decoding runs)."""
+    systems, temps = len(info["systems"]), len(info["settings"]["temps"])
+    what = f"{len(prompts)} {'repeats of your prompt' if mine else 'prompts'}"
+    line = f"mlxspec bench: {total} runs ({systems} systems × {what} × {temps} temperature{'s' * (temps > 1)})"
+    cost = next(iter(costs.values()), None)
+    seconds = estimate_s(cost, systems, prompts, temps, max_tokens) if cost else None
+    if seconds is not None:
+        took = f"{seconds / 60:.0f} min" if seconds >= 90 else f"{seconds:.0f} s"
+        line += (f", up to about {took} here (if every answer runs to {max_tokens} tokens, at "
+                 f"{1000 * cost.verify(1):.0f} ms a plain step)")
+    print(line, file=sys.stderr, flush=True)
+    return seconds
+
+
 def report(result: dict, runs: list, systems: list, costs: dict, args: argparse.Namespace) -> None:
     """Summarise runs, print the tables (one when the sweep leaves nothing to pick), write the JSON
     (and plots), and close with the verdict."""
@@ -371,6 +392,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     print(format_header(info), flush=True)
     runs = []
     total = len(systems) * len(prompts) * len(temps)
+    info["estimated_s"] = _announce(info, models.costs, [p[2] for p in prompts], args.max_tokens, total, mine)
     with tqdm(total=total, desc="bench", unit="run", file=sys.stderr) as bar:
         for record in iter_runs(models, systems, prompts, temps, seed=args.seed, max_tokens=args.max_tokens):
             runs.append(record)
