@@ -46,7 +46,7 @@ WHAT = {
     "draft": ("draft model ships", "--draft-model PATH_OR_REPO", "mlxspec train draft"),
     "dflash": ("DFlash drafter ships", "--dflash-heads PATH_OR_REPO", "mlxspec train dflash"),
     "mtp": ("MTP module ships", "--mtp-weights FOLDER", "mlxspec train mtp"),
-    "dspark": ("DSpark drafter ships", "--dspark-heads PATH_OR_REPO", "docs/dspark.md"),
+    "dspark": ("DSpark drafter ships", "--dspark-heads PATH_OR_REPO", "mlxspec train dspark"),
 }
 
 

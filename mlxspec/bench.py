@@ -50,12 +50,14 @@ class System:
         drafter: ``"draft"``, ``"ngram"`` or ``"none"`` for mlxspec; ``"draft"`` for
             mlx-lm-spec; ``None`` for plain mlx-lm.
         gamma: γ, ``"auto"`` or ``"scheduled"``; 0 for plain decoding.
+        note: What its row should say about it (e.g. a tree priced as plain decoding); empty for nothing.
     """
 
     name: str
     engine: str
     drafter: str | None = None
     gamma: int | str = 0
+    note: str = ""
 
     @property
     def family(self) -> str:
@@ -167,6 +169,26 @@ def without_unscheduled(systems: list[System], drafters: dict) -> tuple[list[Sys
     """``systems`` less the ``scheduled`` ones whose drafter reports no survival estimates, and their names."""
     dropped = [s.name for s in systems if s.gamma == SCHEDULED and not drafters[s.drafter].reports_survival]
     return [s for s in systems if s.name not in dropped], dropped
+
+
+def estimate_s(costs: Costs, num_systems: int, prompts: list[list[int]], num_temps: int, max_tokens: int) -> float:
+    """Rough seconds ``iter_runs`` will take, from the target's measured costs.
+
+    Every run prefills its prompt in 16-token forwards and makes ``max_tokens`` plain steps: what
+    speculation gains or loses, and answers that stop early, are left out, as are the draft model's
+    own prefill and anything before the runs (loading, calibration). The warm-ups are counted.
+
+    Args:
+        costs: The target's ``Costs`` (only its verify curve is used).
+        num_systems: Systems timed (``make_systems``).
+        prompts: Token ids of each prompt.
+        num_temps: Temperatures.
+        max_tokens: Most tokens per run.
+    """
+    step = costs.verify(1)
+    prefill = sum(-(-len(ids) // 16) * costs.verify(16) for ids in prompts)
+    runs = num_systems * num_temps * (prefill + len(prompts) * max_tokens * step)
+    return runs + num_systems * (costs.verify(WARMUP_TOKENS) + WARMUP_TOKENS * step)
 
 
 def iter_runs(models: BenchModels, systems: list[System], prompts: list[tuple[str, str, list[int]]],

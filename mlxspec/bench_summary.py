@@ -36,6 +36,7 @@ class SummaryRow:
         same_output: Fraction of runs whose output equals the baseline's (temperature 0 only).
         mean_gamma, plain_fallback: Auto / scheduled γ's mean choice and fraction of rounds at γ = 0.
         best: Whether this is its family's best fixed γ for this kind and temperature.
+        note: The system's own note (``System.note``).
     """
 
     system: str
@@ -63,6 +64,7 @@ class SummaryRow:
     mean_gamma: float | None = None
     plain_fallback: float | None = None
     best: bool = False
+    note: str = ""
 
 
 def summarize(runs: list[RunRecord], systems: list[System], costs: dict[str, Costs]) -> list[SummaryRow]:
@@ -100,7 +102,7 @@ def _row(system: System, kind: str, temp: float, group: list[RunRecord], baselin
         (kept + len(rounds)) / len(rounds) if rounds else None,
         _per_position(rounds), _histogram([n + 1 for _, n in rounds]),
         *_cycle_split(group, len(rounds)),
-        max(r.peak_memory_gb for r in group), sum(same) / len(same) if same else None,
+        max(r.peak_memory_gb for r in group), sum(same) / len(same) if same else None, note=system.note,
     )
     if gamma_rounds:
         total = sum(gamma_rounds)
@@ -257,12 +259,12 @@ def _split(r: SummaryRow) -> str:
 
 
 def _notes(r: SummaryRow) -> str:
-    if r.mean_gamma is None:
-        return ""
-    note = f"mean γ {r.mean_gamma:.1f}"
-    if r.plain_fallback:
-        note += f"; plain decoding in {r.plain_fallback:.0%} of rounds"
-    return note
+    notes = [r.note] if r.note else []
+    if r.mean_gamma is not None:
+        notes.append(f"mean γ {r.mean_gamma:.1f}")
+        if r.plain_fallback:
+            notes[-1] += f"; plain decoding in {r.plain_fallback:.0%} of rounds"
+    return "; ".join(notes)
 
 
 def write_plots(rows: list[SummaryRow], folder, runs: list[RunRecord] = ()) -> list[str]:

@@ -227,6 +227,25 @@ class TreeBudget:
         self.pending = float(gain[m - 1] - 1.0) / self.calibration  # Σ exp(s) over the kept nodes
         return m
 
+    def can_win(self, max_depth: int, draft_s: float) -> bool:
+        """Whether ``choose`` could ever keep a node, before any round: some m predicted to beat a plain step
+        even if every path probability were 1.
+
+        The path probabilities of a tree whose siblings are distinct tokens of one distribution sum to at
+        most 1 per depth, so with the prior calibration c = 1 (which no round changes while nothing is
+        drafted) m nodes predict at most 1 + min(m, ``max_depth``) tokens, in ``draft_s`` + T_verify(m + 1)
+        seconds. Always ``True`` without ``allow_plain``.
+
+        Args:
+            max_depth: The tree's depth.
+            draft_s: The least a round's drafting costs here, seconds.
+        """
+        if not self.allow_plain:
+            return True
+        nodes = np.arange(1, self.max_nodes + 1)
+        cost = draft_s + np.array([self.costs.verify(int(m) + 1) for m in nodes])
+        return bool(np.any((1.0 + np.minimum(nodes, max_depth)) / cost > 1.0 / self.costs.verify(1)))
+
     def update(self, num_accepted: int) -> None:
         """Fold in the round whose budget ``choose`` set last: it accepted ``num_accepted`` nodes."""
         if self.pending is None:

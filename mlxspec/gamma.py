@@ -122,11 +122,17 @@ def gamma_policy(num_draft_tokens: int | str | GammaPolicy, model, drafter: Draf
     return AutoGamma(costs if costs is not None else load_or_calibrate(model, drafter, on_measure=on_measure))
 
 
+#: What a Medusa tree priced as plain decoding at load time says (``TreeBudget.can_win``).
+PRICED_PLAIN = "tree auto → plain: the cost model predicts no gain on this machine, so the heads are not run"
+
+
 def tree_summary(drafter) -> str | None:
     """What a tree drafter proposes, e.g. ``"tree mc_sim_7b_63 (63 nodes, depth 4)"`` or ``"depth-4 chain + a
     6-token n-gram branch"``; ``None`` when the drafter says nothing about its tree (γ then describes
     its rounds)."""
     if drafter.name == "medusa":
+        if drafter.priced_plain:
+            return PRICED_PLAIN
         size = len(drafter.choices)
         preset = next((name for name, choices in TREE_PRESETS.items() if choices == drafter.choices), "from a file")
         priced = ", the nodes this machine's verify cost pays for, each round" if drafter.budget is not None else ""

@@ -44,6 +44,13 @@ def test_an_empty_prompt_is_refused_with_or_without_the_chat_template(capsys, ti
                        "the prompt is empty")
 
 
+@pytest.mark.parametrize("command", ["generate", "chat"])
+def test_an_empty_stop_string_names_the_flag_and_the_fix(capsys, command):
+    one_line_error(capsys, [command, "--stop", "###", "--stop", ""],
+                   "argument --stop: the stop text is empty; give the text that ends the answer (e.g. --stop '###') "
+                   "or leave --stop out")
+
+
 def run_cli(args, **kwargs):
     return subprocess.run([sys.executable, "-m", "mlxspec", *args], capture_output=True, **kwargs)
 
@@ -113,6 +120,25 @@ def test_a_corrupt_safetensors_file_is_one_line(capsys, tmp_path, tiny_model_dir
                    "draft model")
 
 
+@pytest.mark.parametrize("kind", ["medusa", "eagle"])
+def test_a_head_file_that_is_damaged_or_no_head_says_what_to_pass(capsys, tmp_path, tiny_model_dir, kind):
+    cut = tmp_path / ("medusa_lm_head.safetensors" if kind == "medusa" else "model.safetensors")
+    cut.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{\"a\":")  # a header cut off
+    text = tmp_path / "notes.txt"
+    text.write_text("not weights")
+    fix = {"medusa": "pass Medusa heads instead: a folder with medusa_lm_head.safetensors (as 'mlxspec train medusa' "
+                     "writes), that file, or a Hugging Face repo id",
+           "eagle": "pass an EAGLE head instead: a folder with config.json and model.safetensors (as 'mlxspec train "
+                    "eagle' writes), that file, or a Hugging Face repo id"}[kind]
+    problems = {cut: f"{cut} is not a readable safetensors file: it is cut off or another kind of file",
+                tmp_path: f"{cut} is not a readable safetensors file", text: f"cannot read {text}: not a torch checkpoint",
+                tiny_model_dir: str(tiny_model_dir)}  # a model, not heads
+    for given, problem in problems.items():
+        err = one_line_error(capsys, ["generate", "--model", str(tiny_model_dir), "--prompt", "hi", "--drafter", kind,
+                                      f"--{kind}-heads", str(given)], fix)
+        assert problem in err, err
+
+
 # --- fuzz ---------------------------------------------------------------------------------------
 
 
@@ -165,6 +191,17 @@ def test_messages_name_what_is_missing_and_the_fix(tmp_path):
     short.write_bytes(b"GGUF")
     with pytest.raises(ValueError, match="cut off: 4 bytes, shorter than a GGUF header"):
         load(str(short))
+
+
+def test_no_shipped_asset_points_at_the_command_that_makes_one():
+    """What ``require_shipped_for`` says when nothing ships: the flag, and a command that exists."""
+    from mlxspec.assets import SHIPPED_MARKERS, WHAT
+    from mlxspec.commands.train import METHODS
+
+    assert set(WHAT) == set(SHIPPED_MARKERS)
+    for kind, (_, flag, make) in WHAT.items():
+        assert flag.startswith(f"--{kind}-") or kind == "draft", kind
+        assert make == f"mlxspec train {kind}" and kind in METHODS, kind
 
 
 def test_closing_the_engine_mid_answer_exits_cleanly(tiny_model_dir):

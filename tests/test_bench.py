@@ -21,7 +21,7 @@ RUN_FIELDS = {"system", "prompt_id", "kind", "temp", "seed", "prompt_tokens", "p
 ROW_FIELDS = {"system", "family", "gamma", "kind", "temp", "pairs", "speedup", "speedup_min", "speedup_max",
               "predicted_speedup", "generation_tps", "prompt_tps", "alpha", "alpha_mle", "tau",
               "acceptance_per_position", "tau_histogram", "cycle_draft_ms", "cycle_verify_ms", "cycle_other_ms",
-              "peak_memory_gb", "same_output", "mean_gamma", "plain_fallback", "best"}
+              "peak_memory_gb", "same_output", "mean_gamma", "plain_fallback", "best", "note"}
 
 
 @pytest.fixture(scope="module")
@@ -168,6 +168,32 @@ def test_reruns_with_openblas_when_the_reference_blas_is_loaded(monkeypatch, com
     assert "apt-get install libopenblas0-pthread" in capsys.readouterr().err
 
 
+def test_the_rerun_line_is_a_shell_command(monkeypatch, capsys):
+    """bench prints the command it re-runs with OpenBLAS: pasted into a shell, it runs the same thing."""
+    import shlex
+    import sys
+
+    from mlxspec.commands import common
+
+    monkeypatch.delenv(common.REEXEC_ENV, raising=False)
+    monkeypatch.setattr("sys.platform", "linux")
+    monkeypatch.setattr(common, "blas_in_use", lambda: {"name": "reference BLAS"})
+    monkeypatch.setattr(common, "find_fast_blas", lambda: "/opt/open blas/libblas.so.3")
+
+    def execve(exe, argv, env):
+        raise SystemExit(0)
+
+    monkeypatch.setattr("os.execve", execve)
+    flags = ["--prompt", "What's 2 + 2? Say \"four\".", "--model", "my model"]
+    monkeypatch.setattr("sys.argv", ["mlxspec", "bench", *flags])
+    with pytest.raises(SystemExit):
+        main()
+    line = capsys.readouterr().err.strip()
+    assert line.startswith("mlxspec bench: re-running with a fast BLAS (--blas keep to skip): LD_PRELOAD=")
+    words = shlex.split(line.split(" (--blas keep to skip): ", 1)[1])
+    assert words == ["LD_PRELOAD=/opt/open blas/libblas.so.3", sys.executable, "-m", "mlxspec", "bench", *flags]
+
+
 def test_bad_flags_are_one_line_errors(capsys):
     assert main(["bench", "--num-draft-tokens", "0,2", "--blas", "keep"]) == 2
     assert "--num-draft-tokens takes 'auto', 'scheduled' and integers >= 1" in capsys.readouterr().err
@@ -223,6 +249,32 @@ def test_bench_times_head_drafters_from_specs(tmp_path, tiny_model_dir, capsys, 
     assert "--eagle-depth must be >= 1" in capsys.readouterr().err
 
 
+def test_a_medusa_tree_priced_as_plain_is_timed_once_and_its_row_says_why(tmp_path, tiny_model_dir, capsys,
+                                                                          monkeypatch):
+    from mlxspec.drafters import registry
+    from mlxspec.heads.medusa import save_medusa
+    from test_medusa import random_heads
+
+    save_medusa(tmp_path / "heads", random_heads(shared=True))
+    steep = Costs([0.01 * k for k in range(1, 17)])  # k tokens cost k steps: no tree can pay
+    monkeypatch.setattr(registry.DrafterContext, "verify_costs", lambda self: steep)
+    monkeypatch.setenv("MLXSPEC_CACHE", str(tmp_path / "cache"))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "Say hi.", "kind": "open"}) + "\n")
+    output = tmp_path / "bench.json"
+    assert main(["bench", "--model", str(tiny_model_dir), "--drafters", "medusa,none", "--medusa-heads",
+                 str(tmp_path / "heads"), "--prompts", str(prompts), "--num-draft-tokens", "auto,2,4", "--temps", "0",
+                 "--max-tokens", "4", "--no-control", "--output", str(output), "--blas", "keep"]) == 0
+    out, err = capsys.readouterr()
+    result = json.loads(output.read_text())
+    medusa = f"mlxspec medusa:heads={tmp_path / 'heads'} γ=auto"
+    assert [s["name"] for s in result["systems"]] == [BASELINE, medusa, "mlxspec none"]
+    assert err.count("tree auto → plain") == 1 and f"timing it once, as '{medusa}'" in err
+    [row] = [r for r in result["summary"] if r["system"] == medusa]
+    assert row["note"].startswith("tree auto → plain: the cost model predicts no gain on this machine")
+    assert f"| {medusa} |" in out and "| tree auto → plain: " in out
+
+
 def _ship_heads(root, tiny_model_dir):
     """Random Medusa heads and an EAGLE head 'shipped' for the tiny target under ``root``/models."""
     from mlxspec.heads.eagle import save_eagle
@@ -270,6 +322,31 @@ def test_bench_prompt_times_every_drafter_that_can_run_and_ends_with_a_verdict(t
     closing = out.split("\nwrote ")[1].split("\n\nVerdict (")[1]  # the verdict closes the output
     assert f"  {generate}\n  {chat}\n" in closing + "\n"
     assert ("fastest is" in out) == verdict["wins"] and ("nothing beats plain" in out) != verdict["wins"]
+
+
+def test_bench_prompt_defaults_to_auto_and_says_how_many_runs_and_how_long_first(tmp_path, tiny_model_dir, capsys,
+                                                                                monkeypatch):
+    monkeypatch.setenv("MLXSPEC_CACHE", str(tmp_path / "cache"))
+    output = tmp_path / "bench.json"
+    assert main(["bench", "--model", str(tiny_model_dir), "--prompt", "Say hi.", "--drafters", "ngram,none",
+                 "--max-tokens", "4", "--output", str(output), "--blas", "keep"]) == 0
+    err = capsys.readouterr().err
+    result = json.loads(output.read_text())
+    assert [s["name"] for s in result["systems"]] == [BASELINE, CONTROL, "mlxspec ngram γ=auto", "mlxspec none"]
+    assert len(result["runs"]) == 4 * 3  # systems × the default 3 repeats
+    line = next(line for line in err.splitlines() if line.startswith("mlxspec bench: 12 runs"))
+    assert line.startswith("mlxspec bench: 12 runs (4 systems × 3 repeats of your prompt × 1 temperature), up to "
+                           "about ")
+    assert "(if every answer runs to 4 tokens, at " in line and result["estimated_s"] > 0
+    assert err.index(line) < err.index("0/12")  # before the progress bar starts
+
+
+def test_the_duration_estimate_counts_prefill_steps_and_warm_ups():
+    from mlxspec.bench import WARMUP_TOKENS, estimate_s
+
+    costs = Costs([0.1] * 16)  # every forward of up to 16 tokens: 0.1 s
+    # 2 systems × 1 temperature × (a 20-token prompt in 2 forwards + 10 steps) + 2 warm-ups (1 forward + 4 steps)
+    assert estimate_s(costs, 2, [[1] * 20], 1, 10) == pytest.approx(2 * (0.2 + 1.0) + 2 * (0.1 + WARMUP_TOKENS * 0.1))
 
 
 def test_bench_prompt_from_stdin_and_its_errors(monkeypatch, capsys, tmp_path, tiny_model_dir):

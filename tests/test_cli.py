@@ -88,6 +88,38 @@ def test_help_lists_commands(capsys):
     assert main(["nope"]) == 2
 
 
+def test_help_names_every_training_method(capsys):
+    from mlxspec.commands.train import METHODS
+
+    assert main(["--help"]) == 0
+    train_line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("  train "))
+    names = {"mtp": "MTP", "dflash": "DFlash", "dspark": "DSpark", "eagle": "EAGLE", "medusa": "Medusa",
+             "draft": "a draft model", "corpus": "a corpus", "measure": "measure drafters"}
+    assert set(METHODS) <= set(names)  # a new method: name it here and in cli.SUBCOMMANDS
+    assert [name for name in METHODS if names[name] not in train_line] == []
+
+
+@pytest.mark.parametrize("command,fix", [
+    ("foo", "choose one of generate, chat, train, verify, bench, convert"),
+    ("generte", "did you mean 'generate'?"),
+    ("--model", "--model comes after a command, as in 'mlxspec generate --model ...'"),
+])
+def test_an_unknown_command_is_one_line_with_the_fix(capsys, command, fix):
+    assert main([command, "--prompt", "hi"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("mlxspec: error: ") and err.count("\n") == 1
+    assert fix in err and "run 'mlxspec --help'" in err
+
+
+def test_version(capsys):
+    from importlib.metadata import version
+
+    for flag in ("--version", "-V"):
+        assert main([flag]) == 0
+        out = capsys.readouterr().out
+        assert out.startswith(f"mlxspec {version('mlxspec')} (mlx ") and out.count("\n") == 1
+
+
 def test_medusa_from_the_command_line(capsys, tmp_path, tiny_model_dir):
     from test_medusa import random_heads
 
@@ -147,3 +179,66 @@ def test_tree_stats_name_the_tree_and_explain_alpha(capsys, tiny_model_dir, tmp_
     assert "Drafter: eagle, depth-3 chain + a 4-token n-gram branch;" in err
     code, _, err = run(capsys, *base, "--drafter", "ngram", "--num-draft-tokens", "3")
     assert "Drafter: ngram, γ = 3;" in err and "(a tree" not in err
+
+
+def test_a_medusa_tree_priced_as_plain_says_so(capsys, tiny_model_dir, tmp_path, monkeypatch):
+    from mlxspec.costmodel import Costs
+    from mlxspec.drafters import registry
+    from mlxspec.heads.medusa import save_medusa
+    from test_medusa import random_heads
+
+    save_medusa(tmp_path / "medusa", random_heads(shared=True))
+    steep = Costs([0.01 * k for k in range(1, 17)])  # k tokens cost k steps: no tree can pay
+    monkeypatch.setattr(registry.DrafterContext, "verify_costs", lambda self: steep)
+    code, _, err = run(capsys, "--model", str(tiny_model_dir), "--prompt", "hi", "--max-tokens", "4",
+                       "--drafter", "medusa", "--medusa-heads", str(tmp_path / "medusa"))
+    assert code == 0, err
+    assert ("Drafter: medusa, tree auto → plain: the cost model predicts no gain on this machine, so the heads "
+            "are not run; cycles: ") in err
+    assert "(a tree" not in err and err.count("tree auto → plain") == 1
+
+
+def test_every_help_is_plain_text_from_a_capital():
+    """What --help prints is read by people: a description that starts a sentence, no RST ``markup``."""
+    import argparse
+    import importlib
+
+    from mlxspec.cli import SUBCOMMANDS
+
+    def parsers(parser, name):
+        yield name, parser
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub, child in action.choices.items():
+                    yield from parsers(child, f"{name} {sub}")
+
+    for command, (module, _) in SUBCOMMANDS.items():
+        for name, parser in parsers(importlib.import_module(module).setup_arg_parser(), command):
+            assert parser.description and parser.description[0].isupper(), name
+            assert "``" not in parser.format_help(), name
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_ctrl_c_mid_answer_ends_the_line_and_says_how_far_it_got(capsys, tiny_model_dir, monkeypatch, as_json):
+    from mlxspec.commands import generate as command
+    from mlxspec.metrics import TokenEvent
+
+    real = command.stream_generate
+
+    def interrupted_after_five(*args, **kwargs):
+        seen = 0
+        for event in real(*args, **kwargs):
+            yield event
+            seen += isinstance(event, TokenEvent)
+            if seen == 5:
+                raise KeyboardInterrupt  # as a Ctrl+C during the next round
+
+    monkeypatch.setattr(command, "stream_generate", interrupted_after_five)
+    code, out, err = run(capsys, "--model", str(tiny_model_dir), "--prompt", "hello", "--max-tokens", "20",
+                         "--drafter", "none", "--no-chat-template", *(["--json"] if as_json else []))
+    assert code == 130 and err.count("\n") == 1
+    assert err.startswith("mlxspec: interrupted (Ctrl+C) after 5 generated tokens; ")
+    if as_json:
+        assert out == "" and "--json prints no record" in err
+    else:
+        assert out.endswith("\n") and out.strip() and "the partial answer is on standard output" in err

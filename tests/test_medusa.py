@@ -210,3 +210,36 @@ def test_priced_tree_is_lossless_and_sized_by_the_verify_cost(machine):
         assert max(sizes) > 15 and spec.stats.drafted > 0
     else:
         assert set(sizes) == {0} and spec.stats.drafted == 0
+
+
+def test_tree_budget_knows_before_any_round_when_no_tree_can_pay():
+    from mlxspec.costmodel import TreeBudget
+
+    steep = TreeBudget(Costs([0.1 * k for k in range(1, 17)]), allow_plain=True)  # k tokens cost k steps
+    assert not steep.can_win(max_depth=4, draft_s=0.0)  # m nodes add at most m tokens for m more steps
+    assert TreeBudget(Costs([0.1] * 16), allow_plain=True).can_win(max_depth=4, draft_s=0.05)
+    two_rows = TreeBudget(Costs([0.1, 0.185] + [0.1 * k for k in range(3, 17)]), allow_plain=True)
+    assert two_rows.can_win(max_depth=4, draft_s=0.0)  # 2 tokens in 1.85 steps
+    assert not two_rows.can_win(max_depth=4, draft_s=0.1)  # ... unless the heads cost a step
+    assert TreeBudget(steep.costs).can_win(max_depth=4, draft_s=1.0)  # EAGLE's budget always keeps a node
+
+
+@pytest.mark.parametrize("machine", ["flat", "steep"])
+def test_a_tree_priced_as_plain_runs_no_heads(machine):
+    """Where no tree can pay for its verify, the heads are never run: every round is a plain step."""
+    costs = {"flat": Costs([0.01] * 16), "steep": Costs([0.01 * k for k in range(1, 17)])}[machine]
+    target, tokenizer = tiny_llama(seed=0, sharpen=4.0), byte_tokenizer()
+    drafter = MedusaDrafter(random_heads(shared=True), output_head(target), MC_SIM_7B_63, costs=costs)
+    assert drafter.priced_plain == (machine == "steep")
+    calls, heads = [], drafter.heads
+
+    class Counted:
+        config = heads.config
+
+        def __call__(self, *args):
+            calls.append(1)
+            return heads(*args)
+
+    drafter.heads = Counted()
+    spec = generate(target, tokenizer, PROMPT, drafter=drafter, num_draft_tokens=4, max_tokens=20, stop_tokens=set())
+    assert (len(calls) == 0) == (machine == "steep") and (spec.stats.drafted == 0) == (machine == "steep")

@@ -8,18 +8,18 @@ import os
 import shlex
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from tqdm import tqdm
 
-from ..bench import BenchModels, RunRecord, System, iter_runs, make_systems, without_unscheduled
+from ..bench import BenchModels, RunRecord, System, estimate_s, iter_runs, make_systems, without_unscheduled
 from ..bench_summary import Verdict, format_table, summarize, verdicts, write_plots
 from ..calibration import load_or_calibrate
 from ..costmodel import Costs
 from ..data import load_sharegpt, read_prompts_jsonl, sample_prompts
 from ..drafters import DrafterSpec, drafter_types, parse_specs
-from ..gamma import AUTO, SCHEDULED
+from ..gamma import AUTO, PRICED_PLAIN, SCHEDULED
 from ..loading import DTYPES
 from ..machine import machine_info
 from ..session import ModelSpec, build_drafter, draft_model_spec, load_model, runnable_drafters
@@ -28,8 +28,9 @@ from .generate import read_prompt
 
 DEFAULT_GAMMAS = "auto,1,2,4,6,8"
 DEFAULT_TEMPS = "0,0.7"
-#: With ``--prompt``: a shorter sweep, greedy decoding (as ``generate``'s default), each run repeated.
-DEFAULT_PROMPT_GAMMAS = "auto,2,4"
+#: With ``--prompt``: automatic γ only (what generate and chat default to; a γ sweep multiplies the runs),
+#: greedy decoding (as ``generate``'s default), each run repeated for the noise floor.
+DEFAULT_PROMPT_GAMMAS = "auto"
 DEFAULT_PROMPT_TEMPS = "0"
 DEFAULT_REPEATS = 3
 #: The prompt kind reported for ``--prompt``.
@@ -61,17 +62,19 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num-draft-tokens", default=None,
                         help=f"comma-separated γ sweep; 'auto' = automatic γ; 'scheduled' = confidence-scheduled "
                              f"verification (docs/acceptance.md 3.1). Default: {DEFAULT_PROMPT_GAMMAS} with "
-                             f"--prompt, else {DEFAULT_GAMMAS}")
+                             f"--prompt (the setting generate and chat use unless told otherwise: every fixed γ "
+                             f"adds a run per drafter and repeat; pass e.g. auto,2,4 to sweep), else {DEFAULT_GAMMAS}")
     parser.add_argument("--temps", default=None,
                         help=f"comma-separated temperatures. Default: {DEFAULT_PROMPT_TEMPS} with --prompt, "
                              f"else {DEFAULT_TEMPS}")
     parser.add_argument("--prompt", "-p", default=None,
                         help="time one prompt of yours ('-' reads it from standard input) with every drafter that "
                              "can run on the target, and end with a verdict: the fastest setting and the "
-                             "generate/chat flags for it")
+                             "generate/chat flags for it. It prints the number of runs and a rough duration "
+                             "before they start (minutes on a CPU)")
     parser.add_argument("--repeats", type=int, default=DEFAULT_REPEATS,
-                        help=f"with --prompt: times each system runs on it (the control's spread is the noise "
-                             f"floor). Default: {DEFAULT_REPEATS}")
+                        help=f"with --prompt: times each system runs on it (the control's spread over the repeats "
+                             f"is the noise floor, so fewer than 3 leaves it weak). Default: {DEFAULT_REPEATS}")
     parser.add_argument("--prompts", default=None,
                         help="'sharegpt' (first user turns of ShareGPT V3, fetched once) or a JSONL file of "
                              '{"prompt": ..., "kind": ...} lines. Default: sharegpt (unless --prompt)')
@@ -186,6 +189,21 @@ def _specs(args, discover: bool) -> list[DrafterSpec]:
     return [with_drafter_flags(spec, args) for spec in specs]
 
 
+def _once_if_priced_plain(systems: list[System], drafters: dict) -> list[System]:
+    """A tree priced as plain decoding (``MedusaDrafter.priced_plain``) takes plain steps at every γ: its
+    first system only (γ auto by default), its row saying why, and one line on stderr."""
+    out, seen = [], set()
+    for system in systems:
+        if system.engine != "mlxspec" or not getattr(drafters[system.drafter], "priced_plain", False):
+            out.append(system)
+        elif system.drafter not in seen:
+            seen.add(system.drafter)
+            out.append(replace(system, note=PRICED_PLAIN))
+            print(f"mlxspec bench: {system.drafter}: {PRICED_PLAIN}; timing it once, as '{system.name}'",
+                  file=sys.stderr)
+    return out
+
+
 def _prompts(args, tokenizer) -> tuple[list[tuple[str, str, list[int]]], dict]:
     """``(id, kind, ids)`` per prompt, and where they came from."""
     def render(text: str) -> list[int]:
@@ -231,6 +249,24 @@ def format_header(info: dict) -> str:
         curve = " ".join(f"{1000 * c['verify_s'][k - 1]:.0f}" for k in (1, 2, 4, 8, 16))
         lines.append(f"costs ({name}): T_verify(1, 2, 4, 8, 16) = {curve} ms; T_draft = {1000 * c['draft_s']:.2f} ms/token")
     return "\n".join(lines)
+
+
+def _announce(info: dict, costs: dict, prompts: list[list[int]], max_tokens: int, total: int,
+              mine: bool) -> float | None:
+    """Say on stderr how many runs follow and, from the measured costs, about how long they take at most
+    (answers that stop early take less); returns the estimate in seconds (``None`` when no cost was
+    measured: only plain decoding runs)."""
+    systems, temps = len(info["systems"]), len(info["settings"]["temps"])
+    what = f"{len(prompts)} {'repeats of your prompt' if mine else 'prompts'}"
+    line = f"mlxspec bench: {total} runs ({systems} systems × {what} × {temps} temperature{'s' * (temps > 1)})"
+    cost = next(iter(costs.values()), None)
+    seconds = estimate_s(cost, systems, prompts, temps, max_tokens) if cost else None
+    if seconds is not None:
+        took = f"{seconds / 60:.0f} min" if seconds >= 90 else f"{seconds:.0f} s"
+        line += (f", up to about {took} here (if every answer runs to {max_tokens} tokens, at "
+                 f"{1000 * cost.verify(1):.0f} ms a plain step)")
+    print(line, file=sys.stderr, flush=True)
+    return seconds
 
 
 def report(result: dict, runs: list, systems: list, costs: dict, args: argparse.Namespace) -> None:
@@ -342,6 +378,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     if dropped:
         print(f"mlxspec: note: skipping {', '.join(dropped)}: the drafter reports no survival estimates, "
               "which scheduled verification needs", file=sys.stderr)
+    systems = _once_if_priced_plain(systems, models.drafters)
     prompts, prompt_source = _prompts(args, models.tokenizer)
     info = {"command": ["mlxspec", "bench", *argv], "started": time.strftime("%Y-%m-%d %H:%M:%S"),
             "machine": machine_info(), "models": names,
@@ -355,6 +392,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     print(format_header(info), flush=True)
     runs = []
     total = len(systems) * len(prompts) * len(temps)
+    info["estimated_s"] = _announce(info, models.costs, [p[2] for p in prompts], args.max_tokens, total, mine)
     with tqdm(total=total, desc="bench", unit="run", file=sys.stderr) as bar:
         for record in iter_runs(models, systems, prompts, temps, seed=args.seed, max_tokens=args.max_tokens):
             runs.append(record)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import shlex
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -46,6 +47,14 @@ def seed_arg(value: str) -> int:
     if not 0 <= seed < 2**64:
         raise argparse.ArgumentTypeError(f"must be in [0, 2**64), got {seed}")
     return seed
+
+
+def stop_arg(value: str) -> str:
+    """``--stop``: non-empty text (``stops.check_stops`` refuses an empty one too, without naming the flag)."""
+    if not value:
+        raise argparse.ArgumentTypeError("the stop text is empty; give the text that ends the answer "
+                                         "(e.g. --stop '###') or leave --stop out")
+    return value
 
 
 def num_draft_tokens_arg(value: str) -> int | str:
@@ -176,7 +185,7 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repetition-penalty", type=float, default=None,
                         help="mlx-lm's repetition penalty (> 0; 1 = off). Default: off")
     parser.add_argument("--seed", type=seed_arg, default=None, help="random seed in [0, 2**64). Default: none")
-    parser.add_argument("--stop", action="append", default=None, metavar="TEXT",
+    parser.add_argument("--stop", action="append", type=stop_arg, default=None, metavar="TEXT",
                         help="end the answer at this text, which is not printed; repeat for several. Default: none")
 
 
@@ -320,9 +329,9 @@ def use_fast_blas(command: str, argv: list[str], mode: str, *, quiet: bool = Fal
         return
     preload = ":".join(filter(None, [fast, os.environ.get("LD_PRELOAD")]))
     command_line = [sys.executable, "-m", "mlxspec", command, *argv]
-    if not quiet:
-        print(f"mlxspec {command}: re-running with a fast BLAS: LD_PRELOAD={preload} {' '.join(command_line[1:])} "
-              "(--blas keep to skip)", file=sys.stderr, flush=True)
+    if not quiet:  # the command last, as a shell would take it: the line can be copied and pasted
+        print(f"mlxspec {command}: re-running with a fast BLAS (--blas keep to skip): "
+              f"LD_PRELOAD={shlex.quote(preload)} {shlex.join(command_line)}", file=sys.stderr, flush=True)
     os.execve(sys.executable, command_line, {**os.environ, "LD_PRELOAD": preload, REEXEC_ENV: "1"})
 
 

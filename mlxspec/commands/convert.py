@@ -24,7 +24,10 @@ from .common import ArgumentParser, run_main
 
 def setup_arg_parser() -> argparse.ArgumentParser:
     """The ``mlxspec convert`` flags."""
-    parser = ArgumentParser(prog="mlxspec convert", description=__doc__.splitlines()[0].split(": ", 1)[1])
+    parser = ArgumentParser(prog="mlxspec convert",
+                            description="Write any model spec as an mlx-lm folder that mlx_lm.load opens unchanged. "
+                                        "Without --dtype, quantized layers stay quantized exactly as loaded; with "
+                                        "it, everything is dequantized and cast.")
     parser.add_argument("src", metavar="SRC",
                         help="model: a .gguf file, a named model (e.g. qwen2.5-coder-1.5b), an mlx-lm folder "
                              "or a Hugging Face repo id")

@@ -7,7 +7,7 @@ import json
 import sys
 
 from ..calibration import load_or_calibrate
-from ..gamma import AUTO, gamma_policy, tree_summary
+from ..gamma import AUTO, PRICED_PLAIN, gamma_policy, tree_summary
 from ..generate import context_length, encode_prompt, stream_generate
 from ..metrics import GenerationStats, TokenEvent
 from .common import (
@@ -77,7 +77,7 @@ def format_stats(stats: GenerationStats, drafter=None, policy: str = AUTO) -> st
         f"Time: draft {stats.draft_s:.2f} s, verify {stats.verify_s:.2f} s",
         f"Peak memory: {stats.peak_memory_gb:.3f} GB",
     ]
-    if tree:
+    if tree and tree != PRICED_PLAIN:
         lines.insert(5, "  (a tree: α = accepted / all drafted nodes, and at most one path of them can be kept; "
                         "τ and acceptance per depth say how far the kept path reached)")
     return "\n".join(lines)
@@ -132,10 +132,21 @@ def _note_context_cap(model, tokenizer, prompt, max_tokens: int) -> None:
               f"{limit - num} (the prompt has {num})", file=sys.stderr)
 
 
+def _interrupted(num_tokens: int, json_record: bool) -> int:
+    """Ctrl+C mid-answer: end the streamed line, say so in one line on stderr; exit status 130 (128 + SIGINT)."""
+    if json_record:
+        where = "--json prints no record of an interrupted answer"
+    else:
+        print(flush=True)
+        where = "the partial answer is on standard output"
+    print(f"mlxspec: interrupted (Ctrl+C) after {num_tokens} generated tokens; {where}", file=sys.stderr)
+    return 130
+
+
 def run(args: argparse.Namespace) -> int:
     check_args(args)
     prompt_text = read_prompt(args)
-    loaded = load_models(args, on_measure=None if args.json else measuring_note("the automatic EAGLE tree size"))
+    loaded = load_models(args, on_measure=None if args.json else measuring_note("the automatic tree size"))
     prompt = build_prompt(loaded.tokenizer, prompt_text, args.system, not args.no_chat_template)
     _note_context_cap(loaded.model, loaded.tokenizer, prompt, args.max_tokens)
     note = None if args.json else measuring_note(f"--num-draft-tokens {args.num_draft_tokens}")
@@ -150,13 +161,17 @@ def run(args: argparse.Namespace) -> int:
         stop=args.stop,
     )
     text = []
-    for event in events:
-        if isinstance(event, TokenEvent):
-            text.append(event.text)
-            if not args.json:
-                print(event.text, end="", flush=True)
-        elif isinstance(event, GenerationStats):
-            stats = event
+    try:
+        for event in events:
+            if isinstance(event, TokenEvent):
+                text.append(event.text)
+                if not args.json:
+                    print(event.text, end="", flush=True)
+            elif isinstance(event, GenerationStats):
+                stats = event
+    except KeyboardInterrupt:
+        events.close()  # its finally leaves the caches at what was committed
+        return _interrupted(len(text), args.json)
     if args.json:
         record = {"model": loaded.target.display, "draft_model": loaded.draft.display if loaded.draft else None,
                   "text": "".join(text), "num_draft_tokens_requested": args.num_draft_tokens, "temp": args.temp,

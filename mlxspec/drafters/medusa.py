@@ -8,7 +8,9 @@ tree rule for one-hot q (docs/acceptance.md 2.4) and the output is distributed a
 The default tree, ``auto``, is ``mc_sim_7b_63`` priced each round by this machine's measured verify
 cost (``costmodel.TreeBudget``, as EAGLE-2 sizes its trees): it keeps the nodes whose path
 probabilities pay for their verify width, and drafts nothing (a plain step) when none do, so on a
-machine where verifying 64 tokens costs several steps it verifies a few nodes or none.
+machine where verifying 64 tokens costs several steps it verifies a few nodes or none. Where even a
+perfect tree could not pay for the heads' run plus its verify (``TreeBudget.can_win``), the tree is
+priced as plain once, at load time, and the heads never run.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
+from mlx.utils import tree_flatten
 
 from ..costmodel import TreeBudget
 from ..heads.medusa import MedusaHeads, load_medusa, medusa_folder
@@ -42,6 +45,11 @@ class MedusaDrafter(Drafter):
             each round keeps the nodes with the best predicted tokens per second (``TreeBudget``,
             which may keep none: a plain step), reading the nodes' path probabilities on the host
             once. ``None`` verifies the whole tree every round, with no host read. Default: ``None``.
+
+    Attributes:
+        priced_plain: Whether the priced tree can never beat a plain step on this machine (the heads'
+            measured run plus any tree's verify costs more than the tokens it could add): every round is
+            then a plain step, and the heads are not run.
     """
 
     name = "medusa"
@@ -58,6 +66,7 @@ class MedusaDrafter(Drafter):
         costs = costs() if callable(costs) else costs
         self.budget = TreeBudget(costs, max_nodes=len(self.choices), allow_plain=True) if costs is not None else None
         self.lazy = self.budget is None  # a priced tree reads its nodes' scores on the host
+        self.priced_plain = self.budget is not None and not self.budget.can_win(self.tree_depth, self._heads_s())
         self._trees: dict[int, tuple[Tree, mx.array, mx.array, int]] = {}
         self._hidden = None  # [H]: hidden state at the position before the root
 
@@ -65,6 +74,17 @@ class MedusaDrafter(Drafter):
     def tree_depth(self) -> int:
         """The tree's depth, capped by the number of heads."""
         return min(max(map(len, self.choices), default=0), self.heads.config.medusa_num_heads)
+
+    def _heads_s(self) -> float:
+        """Seconds of one run of the heads, the least a round's drafting costs (best of 2 after a warm-up)."""
+        dtype = tree_flatten(self.heads.parameters())[0][1].dtype
+        hidden = mx.zeros((1, self.heads.config.hidden_size), dtype=dtype)  # [1, H]
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            mx.eval(self.heads(hidden, self.lm_head))
+            times.append(time.perf_counter() - start)
+        return min(times[1:])
 
     def _tree(self, depth: int):
         if depth not in self._trees:
@@ -79,7 +99,7 @@ class MedusaDrafter(Drafter):
 
     def propose(self, history, num_draft_tokens, sampling: SamplingParams):
         depth = min(num_draft_tokens, self.heads.config.medusa_num_heads)
-        if self._hidden is None or depth < 1:
+        if self.priced_plain or self._hidden is None or depth < 1:
             return Draft.empty()
         start = time.perf_counter()
         tree, node_heads, node_ranks, top_k, ancestors = self._tree(depth)

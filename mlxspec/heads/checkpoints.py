@@ -39,6 +39,18 @@ def local_or_hub(spec: str, allow_patterns: list[str], missing: str) -> Path:
     raise FileNotFoundError(f"{missing}: {spec}; pass a path or a Hugging Face repo id")
 
 
+def load_safetensors(path: Path) -> dict:
+    """``mx.load`` of one safetensors file.
+
+    Raises:
+        ValueError: a file MLX cannot read (cut off, or another kind of file), naming it.
+    """
+    try:
+        return mx.load(str(path))
+    except (RuntimeError, OSError):  # MLX's own message names its reader, not the problem
+        raise ValueError(f"{path} is not a readable safetensors file: it is cut off or another kind of file") from None
+
+
 def _names(keys: list[str], most: int) -> str:
     return ", ".join(keys[:most]) + (" ..." if len(keys) > most else "")
 

@@ -31,7 +31,12 @@ from mlx_lm.models import llama
 
 from ..pickle_reader import load_torch_weights
 from ..taps import logits_width
-from .checkpoints import check_tensors, embedding_dtype, local_or_hub, write_checkpoint
+from ..weights import one_line
+from .checkpoints import check_tensors, embedding_dtype, load_safetensors, local_or_hub, write_checkpoint
+
+#: How every error about a file that holds no usable EAGLE head ends: what to pass instead.
+PASS_HEAD = ("pass an EAGLE head instead: a folder with config.json and model.safetensors (as 'mlxspec train "
+             "eagle' writes), that file, or a Hugging Face repo id")
 
 #: EAGLE-1/2 and EAGLE-3 draft RoPE base when the head's config has none (docs/heads.md 5.2).
 DEFAULT_ROPE_THETA = 10000.0
@@ -286,12 +291,12 @@ def _read_weights(path: Path) -> tuple[dict, Path]:
                 return _read_weights(path / name)
         shards = sorted(path.glob("*.safetensors"))
         if shards:
-            return {k: v for s in shards for k, v in mx.load(str(s)).items()}, path
+            return {k: v for s in shards for k, v in load_safetensors(s).items()}, path
         raise FileNotFoundError(f"no EAGLE weights in {path}: expected model.safetensors or pytorch_model.bin")
     if not path.is_file():
         raise FileNotFoundError(f"no such EAGLE checkpoint: {path}")
     if path.suffix == ".safetensors":
-        return mx.load(str(path)), path.parent
+        return load_safetensors(path), path.parent
     return load_torch_weights(path), path.parent
 
 
@@ -378,12 +383,17 @@ def load_eagle(spec: str | Path, target: nn.Module | None = None, dtype=None) ->
         FileNotFoundError: no weights found.
         ValueError: not an EAGLE layout, config and tensors disagree, or the head does not fit the target.
     """
-    raw, folder = _read_weights(eagle_folder(str(spec)))
+    try:
+        raw, folder = _read_weights(eagle_folder(str(spec)))
+        config_path = folder / "config.json"
+        config = json.loads(config_path.read_text()) if config_path.is_file() else None
+    except json.JSONDecodeError:
+        raise ValueError(f"{config_path} is not JSON; {PASS_HEAD}") from None
+    except ValueError as e:  # damaged, or no checkpoint at all
+        raise ValueError(f"{one_line(e)}; {PASS_HEAD}") from None
     weights, version = _canonical(raw)
-    config_path = folder / "config.json"
-    config = json.loads(config_path.read_text()) if config_path.is_file() else None
     if "fc.weight" not in weights:
-        raise ValueError(f"{spec} has no fc.weight: not an EAGLE head checkpoint")
+        raise ValueError(f"{spec} has no fc.weight: not an EAGLE head checkpoint; {PASS_HEAD}")
     cfg = _infer_config(weights, version, config)
     if target is not None:
         check_fits(cfg, target.args.hidden_size, logits_width(target), f"EAGLE head {spec}")

@@ -17,7 +17,12 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from ..pickle_reader import load_torch_weights
-from .checkpoints import local_or_hub, write_checkpoint
+from ..weights import one_line
+from .checkpoints import load_safetensors, local_or_hub, write_checkpoint
+
+#: How every error about a file that holds no usable Medusa heads ends: what to pass instead.
+PASS_HEADS = ("pass Medusa heads instead: a folder with medusa_lm_head.safetensors (as 'mlxspec train medusa' "
+              "writes), that file, or a Hugging Face repo id")
 
 
 @dataclass(frozen=True)
@@ -136,11 +141,18 @@ def load_medusa(path: str | Path, *, hidden_size: int, vocab_size: int) -> Medus
 
     Raises:
         FileNotFoundError: no weights file found.
-        ValueError: the heads' hidden size or vocabulary does not fit the target.
+        ValueError: a damaged file, one without Medusa heads, or heads whose hidden size or vocabulary
+            does not fit the target.
     """
     path = Path(path).expanduser()
+    try:
+        raw = _read_weights(path)
+    except ValueError as e:  # damaged, or no checkpoint at all
+        raise ValueError(f"{one_line(e)}; {PASS_HEADS}") from None
     # keep the head tensors only: training checkpoints may carry other entries
-    weights = {k: v for k, v in _from_vllm(_read_weights(path)).items() if re.match(r"^\d+\.\d+\.", k)}
+    weights = {k: v for k, v in _from_vllm(raw).items() if re.match(r"^\d+\.\d+\.", k)}
+    if not weights:
+        raise ValueError(f"{path} holds no Medusa head tensors (names such as '0.0.linear.weight'); {PASS_HEADS}")
     config = config_from_weights(weights, hidden_size=hidden_size, vocab_size=vocab_size)
     found_h = weights["0.0.linear.weight"].shape[1]
     if found_h != hidden_size:
@@ -186,5 +198,5 @@ def _read_weights(path: Path) -> dict:
     if not path.is_file():
         raise FileNotFoundError(f"no such Medusa checkpoint: {path}")
     if path.suffix == ".safetensors":
-        return mx.load(str(path))
+        return load_safetensors(path)
     return load_torch_weights(path)
