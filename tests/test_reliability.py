@@ -236,9 +236,11 @@ def test_bad_stop_strings_are_refused(capsys, tiny_model_dir):
     tokenizer, prompt, model, _ = scripted("abc")
     with pytest.raises(ValueError, match="stop strings must be non-empty"):
         generate(model, tokenizer, prompt, stop=[""])
-    assert main(["generate", "--model", str(tiny_model_dir), "--prompt", "hi", "--stop", ""]) == 2
+    with pytest.raises(SystemExit) as exit_:  # refused while parsing, before any model loads
+        main(["generate", "--model", str(tiny_model_dir), "--prompt", "hi", "--stop", ""])
+    assert exit_.value.code == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "stop strings must be non-empty" in err
+    assert err.count("\n") == 1 and "the stop text is empty" in err and "leave --stop out" in err
 
 
 def test_the_chat_engine_refuses_drafting_on_a_recurrent_target_at_load_time(tmp_path):
