@@ -51,6 +51,8 @@ class System:
             mlx-lm-spec; ``None`` for plain mlx-lm.
         gamma: γ, ``"auto"`` or ``"scheduled"``; 0 for plain decoding.
         note: What its row should say about it (e.g. a tree priced as plain decoding); empty for nothing.
+        priced_plain: Whether its rounds are all plain steps because the costs ruled its drafter out
+            (``gamma.priced_plain``): plain decoding in disguise, never the verdict's pick.
     """
 
     name: str
@@ -58,6 +60,7 @@ class System:
     drafter: str | None = None
     gamma: int | str = 0
     note: str = ""
+    priced_plain: bool = False
 
     @property
     def family(self) -> str:

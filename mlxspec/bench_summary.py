@@ -202,6 +202,8 @@ class Verdict:
 def verdicts(rows: list[SummaryRow], systems: list[System]) -> list[Verdict]:
     """One ``Verdict`` per kind × temperature: the mlxspec setting (drafter and γ, plain decoding
     excluded) with the best median speedup, and whether it beats plain decoding beyond the noise floor.
+    A system priced as plain decoding (``System.priced_plain``) takes plain steps, so it is never picked:
+    when nothing else drafts the verdict is plain decoding.
 
     Args:
         rows: From ``summarize``.
@@ -213,7 +215,8 @@ def verdicts(rows: list[SummaryRow], systems: list[System]) -> list[Verdict]:
         group = [r for r in rows if (r.kind, r.temp) == (kind, temp)]
         control = next((r for r in group if r.system == CONTROL), None)
         noise = max(abs(control.speedup_min - 1), abs(control.speedup_max - 1)) if control else None
-        candidates = [r for r in group if by_name[r.system].engine == "mlxspec" and by_name[r.system].gamma != 0]
+        candidates = [r for r in group if by_name[r.system].engine == "mlxspec" and by_name[r.system].gamma != 0
+                      and not by_name[r.system].priced_plain]  # plain decoding in disguise
         best = max(candidates, key=lambda r: r.speedup, default=None)
         if best is None:
             out.append(Verdict(kind, temp, None, None, None, 1.0, noise, False))

@@ -31,6 +31,8 @@ from .sampling import SamplingParams
 
 #: Widths measured; the others in 1..16 are interpolated.
 VERIFY_GRID = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
+#: γ of the timed draft round of a drafter without a ``tree_depth``.
+DRAFT_GAMMA = 4
 #: Calibration repeats the grid while it stays within this many seconds (at least once, at most 5 times).
 DEFAULT_BUDGET_S = 6.0
 
@@ -74,10 +76,12 @@ def calibrate_draft(drafter, history: list[int], *, num_draft_tokens: int = 4, r
 
     Uses only the ``Drafter`` interface (``prefill``, ``propose``, ``commit``), so any
     drafter can be measured; one that reads the target's hidden states gets zeros of
-    width ``hidden_size``. The drafter is left as after a round that kept nothing.
+    width ``hidden_size``. Each timed round is followed by a round that kept nothing (``history``
+    grows by the target's token), so every round drafts; the drafter is left as after it.
     """
     width = (hidden_size or 0) * max(1, len(getattr(drafter, "feature_layers", ())))  # EAGLE-3 reads 3 layers
     zeros = (lambda n: [mx.zeros((n, width))]) if getattr(drafter, "needs_hidden", False) else (lambda n: [])
+    history = list(history)
     drafter.prefill(history, *zeros(len(history) - 1))
     times = []
     for rep in range(reps + 1):
@@ -86,6 +90,7 @@ def calibrate_draft(drafter, history: list[int], *, num_draft_tokens: int = 4, r
         mx.eval(draft.tokens)
         if rep:  # the first is a warm-up
             times.append(time.perf_counter() - t0)
+        history.append(history[-1])  # the round's one target token: a head drafter has a new feature to read
         drafter.commit(len(history), [], *zeros(draft.size + 1))
     return statistics.median(times) / num_draft_tokens
 
@@ -96,8 +101,11 @@ def load_or_calibrate(model: nn.Module, drafter=None, *, cache_dir: Path | None 
     """``Costs`` for ``model`` and ``drafter`` on this machine, measured once and then cached.
 
     The verify curve is cached per target (architecture, dtypes) + machine (CPU, cores,
-    BLAS, MLX version and device); the draft cost per drafter (its model's fingerprint)
-    + machine. Files live in ``cache_dir`` (default ``$MLXSPEC_CACHE/costs``).
+    BLAS, MLX version and device); the draft cost per target + drafter (``drafter_fingerprint``:
+    its kind, settings and the shape, dtype and identity of its weights) + machine, so another
+    target or another head is measured anew. A drafter that sizes its own rounds
+    (``tree_depth``) is timed on a round of that depth, so ``draft_s · tree_depth`` is what
+    such a round's drafting costs; others on a round of ``DRAFT_GAMMA`` tokens. Files live in ``cache_dir`` (default ``$MLXSPEC_CACHE/costs``).
 
     Args:
         model: The target.
@@ -116,14 +124,13 @@ def load_or_calibrate(model: nn.Module, drafter=None, *, cache_dir: Path | None 
                        lambda: calibrate_verify(model, context_tokens=context_tokens))
     draft_s = 0.0
     if drafter is not None and getattr(drafter, "name", "none") != "none":
-        draft_model = getattr(drafter, "model", None)
-        draft_key = {"what": "draft", "drafter": drafter.name, "machine": machine,
-                     "model": model_fingerprint(draft_model) if draft_model is not None else None,
-                     "context": context_tokens}
+        gamma = drafter.tree_depth or DRAFT_GAMMA  # a tree drafter's rounds all draft to its depth
+        draft_key = {"what": "draft", "drafter": drafter_fingerprint(drafter, model), "machine": machine,
+                     "context": context_tokens, "num_draft_tokens": gamma}
         history = np.random.default_rng(1).integers(0, _vocab_size(model), size=context_tokens).tolist()
         hidden_size = getattr(getattr(model, "args", None), "hidden_size", None)
         draft_s = _cached(cache_dir, draft_key, refresh, on_measure, f"the {drafter.name} drafter's cost per token",
-                          lambda: calibrate_draft(drafter, history, hidden_size=hidden_size))
+                          lambda: calibrate_draft(drafter, history, num_draft_tokens=gamma, hidden_size=hidden_size))
     return Costs(verify_s, draft_s, context_tokens)
 
 
@@ -182,3 +189,33 @@ def model_fingerprint(model: nn.Module) -> dict:
     return {"class": f"{type(model).__module__}.{type(model).__name__}", "config": config,
             "parameters": int(sum(p.size for _, p in params)),
             "dtypes": sorted({str(p.dtype) for _, p in params}), "quantized_bits": bits}
+
+
+#: Drafter settings that change what a round costs (read when the drafter has them).
+_DRAFTER_SETTINGS = ("tree_depth", "max_draft_tokens", "depth", "top_k", "total_tokens", "ngram", "lazy")
+
+
+def drafter_fingerprint(drafter, target: nn.Module) -> dict:
+    """What a drafter's cost per token depends on besides the machine: its kind and settings, the
+    target (whose embedding and LM head head drafters run), and each model it holds (a draft model,
+    heads; ``weights_fingerprint``)."""
+    modules = {name: value for name, value in vars(drafter).items() if isinstance(value, nn.Module)}
+    choices = getattr(drafter, "choices", None)
+    settings = {name: getattr(drafter, name) for name in _DRAFTER_SETTINGS if hasattr(drafter, name)}
+    return {"drafter": drafter.name, "class": f"{type(drafter).__module__}.{type(drafter).__name__}",
+            "settings": {**settings, "tree_nodes": len(choices) if choices is not None else None,
+                         "priced": getattr(drafter, "budget", None) is not None},
+            "target": model_fingerprint(target),
+            "weights": {name: weights_fingerprint(module) for name, module in sorted(modules.items())}}
+
+
+def weights_fingerprint(module: nn.Module, sample: int = 64) -> dict:
+    """A module's fingerprint (``model_fingerprint``) plus its weights' identity: a digest of every
+    parameter's name, shape, dtype and a few hundred strided values (cheap even for a draft model)."""
+    digest = hashlib.sha256()
+    for name, p in tree_flatten(module.parameters()):
+        flat = p.reshape(-1)
+        picked = mx.concatenate([flat[:sample], flat[:: max(1, flat.size // sample)][:sample]])
+        digest.update(f"{name}{tuple(p.shape)}{p.dtype}".encode())
+        digest.update(np.array(picked.astype(mx.float32)).tobytes())
+    return {**model_fingerprint(module), "weights": digest.hexdigest()[:16]}

@@ -3,7 +3,9 @@
 The CLI, the chat and the Python API all call ``gamma_policy``, so ``--num-draft-tokens auto``
 and ``stream_generate(..., num_draft_tokens="auto")`` mean the same thing for every drafter:
 
-- a drafter that sizes its own rounds (a tree drafter's ``tree_depth``) drafts to that depth;
+- a drafter that sizes its own rounds (a tree drafter's ``tree_depth``) drafts to that depth, unless
+  this machine's measured costs say that no round of that depth could beat a plain step even if every
+  draft were accepted (``round_can_win``): then every round is a plain step (``PricedPlain``);
 - any other drafter gets ``costmodel.AutoGamma``: γ per round from this machine's measured costs
   and the running acceptance, falling back to plain decoding when speculation would lose;
 - ``--drafter none`` and ``0`` are plain decoding; an integer is a fixed γ;
@@ -21,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from .calibration import load_or_calibrate
-from .costmodel import AutoGamma, Costs
+from .costmodel import AutoGamma, Costs, TreeBudget
 from .drafters import Drafter
 from .schedule import DEFAULT_SCHEDULED_MAX, ScheduledGamma
 from .tree import TREE_PRESETS
@@ -76,6 +78,61 @@ class FixedGamma:
         return f"FixedGamma({self.gamma})"
 
 
+class PricedPlain(FixedGamma):
+    """γ auto for a drafter that sizes its own rounds, priced as plain decoding: γ = 0 every round.
+
+    ``gamma_policy`` picks it when no round of the drafter's depth could beat a plain step on this
+    machine's measured costs even if every draft were accepted (``round_can_win``), so the drafter
+    never runs.
+
+    Args:
+        depth: The drafter's ``tree_depth``, the depth its rounds would have drafted to.
+    """
+
+    #: Whether γ auto priced the drafter's rounds as plain decoding (``tree_summary`` and the stats say so).
+    priced_plain = True
+
+    def __init__(self, depth: int):
+        super().__init__(0)
+        self.depth = depth
+
+    def __eq__(self, other) -> bool:
+        return type(other) is PricedPlain and other.depth == self.depth
+
+    def __repr__(self) -> str:
+        return f"PricedPlain({self.depth})"
+
+
+def round_can_win(costs: Costs, depth: int) -> bool:
+    """Whether a round of a drafter that drafts to ``depth`` could beat a plain step on ``costs``, even if
+    every draft were accepted (``costmodel.TreeBudget.can_win``, the check that prices Medusa trees).
+
+    A round that keeps a path of m <= ``depth`` drafts emits at most m + 1 tokens; it verifies at least
+    m + 1 tokens (T_verify(m + 1)) and drafts for ``costs.draft_s · depth`` seconds (``load_or_calibrate``
+    times such a drafter on a round of its ``tree_depth``). More nodes than ``depth`` add verify time
+    but no tokens, so m <= ``depth`` covers every tree.
+
+    Args:
+        costs: This machine's measured ``Costs`` for the target and the drafter.
+        depth: The drafter's ``tree_depth``.
+    """
+    budget = TreeBudget(costs, max_nodes=depth, allow_plain=True)
+    return budget.can_win(depth, costs.draft_s * depth)
+
+
+def auto_priced_plain(drafter: Drafter, costs: Costs) -> bool:
+    """Whether γ auto runs ``drafter`` as plain decoding (``PricedPlain``): it sizes its own rounds
+    (``tree_depth``) and no round of that depth can win on ``costs`` (``round_can_win``). A Medusa tree
+    priced each round is checked at load instead (``MedusaDrafter.priced_plain``)."""
+    if drafter.tree_depth is None or _prices_itself(drafter):
+        return False
+    return not round_can_win(costs, drafter.tree_depth)
+
+
+def _prices_itself(drafter) -> bool:
+    return drafter.name == "medusa" and drafter.budget is not None
+
+
 GammaPolicy = FixedGamma | AutoGamma | ScheduledGamma
 """What the round loop asks before each round (``choose_gamma``) and tells after it (``update``)."""
 
@@ -93,7 +150,8 @@ def gamma_policy(num_draft_tokens: int | str | GammaPolicy, model, drafter: Draf
         on_measure: Told before a cost measurement that was not cached. Default: none.
 
     Returns:
-        GammaPolicy: ``FixedGamma``, ``AutoGamma`` or ``ScheduledGamma``.
+        GammaPolicy: ``FixedGamma`` (``PricedPlain`` for a tree drafter under ``"auto"`` whose rounds
+        cannot win here), ``AutoGamma`` or ``ScheduledGamma``.
 
     Raises:
         ValueError: a γ outside ``0..MAX_NUM_DRAFT_TOKENS``, a string other than ``"auto"`` and
@@ -118,18 +176,32 @@ def gamma_policy(num_draft_tokens: int | str | GammaPolicy, model, drafter: Draf
     if num_draft_tokens != AUTO:
         return FixedGamma(num_draft_tokens)
     if drafter.tree_depth is not None:  # the cost model prices chains; a tree keeps its own shape
-        return FixedGamma(drafter.tree_depth)
+        if _prices_itself(drafter):
+            return FixedGamma(drafter.tree_depth)
+        costs = costs if costs is not None else load_or_calibrate(model, drafter, on_measure=on_measure)
+        return PricedPlain(drafter.tree_depth) if auto_priced_plain(drafter, costs) else FixedGamma(drafter.tree_depth)
     return AutoGamma(costs if costs is not None else load_or_calibrate(model, drafter, on_measure=on_measure))
 
 
 #: What a Medusa tree priced as plain decoding at load time says (``TreeBudget.can_win``).
 PRICED_PLAIN = "tree auto → plain: the cost model predicts no gain on this machine, so the heads are not run"
+#: What γ auto says of a drafter whose rounds it priced as plain decoding (``PricedPlain``).
+AUTO_PRICED_PLAIN = ("γ auto → plain: the cost model predicts no gain on this machine even if every draft were "
+                     "accepted, so the drafter is not run")
 
 
-def tree_summary(drafter) -> str | None:
+def priced_plain(drafter, policy=None) -> bool:
+    """Whether every round is a plain step because the costs ruled the drafter out: a Medusa tree priced
+    at load, or γ auto's ``PricedPlain``."""
+    return bool(getattr(drafter, "priced_plain", False) or getattr(policy, "priced_plain", False))
+
+
+def tree_summary(drafter, policy=None) -> str | None:
     """What a tree drafter proposes, e.g. ``"tree mc_sim_7b_63 (63 nodes, depth 4)"`` or ``"depth-4 chain + a
     6-token n-gram branch"``; ``None`` when the drafter says nothing about its tree (γ then describes
-    its rounds)."""
+    its rounds). With ``policy`` (the generation's γ policy) a ``PricedPlain`` says ``AUTO_PRICED_PLAIN``."""
+    if getattr(policy, "priced_plain", False):
+        return AUTO_PRICED_PLAIN
     if drafter.name == "medusa":
         if drafter.priced_plain:
             return PRICED_PLAIN

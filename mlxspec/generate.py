@@ -35,7 +35,7 @@ from .cache import (
     trim,
 )
 from .drafters import Draft, Drafter, DrafterSpec, make_drafter
-from .gamma import FixedGamma, GammaPolicy, gamma_policy
+from .gamma import FixedGamma, GammaPolicy, gamma_policy, priced_plain
 from .metrics import CycleStats, GenerationStats, TokenEvent
 from .sampling import SamplingParams, process_logits, sample, warp
 from .taps import HiddenTap
@@ -419,7 +419,8 @@ def stream_generate(
     if seed is not None:
         mx.random.seed(seed)
     mx.reset_peak_memory()
-    stats = GenerationStats(drafter=drafter.name, num_draft_tokens=policy.max_gamma, prompt_tokens=len(ids))
+    stats = GenerationStats(drafter=drafter.name, num_draft_tokens=policy.max_gamma, prompt_tokens=len(ids),
+                            priced_plain=priced_plain(drafter, policy))
     detokenizer, held = tokenizer.detokenizer, HeldText(stops)
     stopper = StopStrings(tokenizer, stops) if stops else None
     rounds = speculative_rounds(

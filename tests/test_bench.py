@@ -400,3 +400,24 @@ def test_verdict_weighs_the_fastest_setting_against_the_noise_floor(ngram, wins)
     text = bench_command.format_verdict(verdict, [generate, chat])
     assert "±6%" in text and (("fastest is mlxspec ngram γ=2, 1.50×" in text) if wins
                               else ("nothing beats plain decoding beyond the noise floor" in text))
+
+
+def test_the_verdict_never_picks_a_system_priced_as_plain():
+    """A system priced as plain decoding takes plain steps (plain decoding in disguise): however fast its runs
+    looked, the verdict picks another drafting system, or plain decoding (``--drafter none``) when none is left."""
+    from dataclasses import replace
+
+    from mlxspec.bench_summary import verdicts
+
+    systems = make_systems(["medusa", "ngram", "none"], ["auto", 2], has_draft_model=False)
+    systems = [replace(s, priced_plain=True) if s.drafter == "medusa" else s for s in systems]
+    ratios = {CONTROL: [1.06, 0.96, 1.0], "mlxspec medusa γ=auto": [1.5, 1.5, 1.5], "mlxspec medusa γ=2": [1.4] * 3,
+              "mlxspec ngram γ=auto": [1.2, 1.2, 1.2], "mlxspec ngram γ=2": [1.01] * 3, "mlxspec none": [1.0] * 3}
+    [verdict] = verdicts(summarize(_runs(ratios), systems, {}), systems)
+    assert verdict.system == "mlxspec ngram γ=auto" and verdict.wins
+    systems = [s for s in systems if s.drafter != "ngram"]
+    rows = summarize(_runs({k: v for k, v in ratios.items() if "ngram" not in k}), systems, {})
+    [verdict] = verdicts(rows, systems)
+    assert verdict.system is None and not verdict.wins
+    generate, _ = bench_command.verdict_commands(verdict, {"flags": {"target": [], "draft": [], "blas": []}})
+    assert "--drafter none" in generate

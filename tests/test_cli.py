@@ -160,12 +160,16 @@ def test_a_bad_draft_model_is_named_as_such(capsys, tiny_model_dir):
     assert code == 2 and err.startswith("mlxspec: error: draft model: ") and "/nope/draft" in err
 
 
-def test_tree_stats_name_the_tree_and_explain_alpha(capsys, tiny_model_dir, tmp_path):
+def test_tree_stats_name_the_tree_and_explain_alpha(capsys, tiny_model_dir, tmp_path, monkeypatch):
+    import mlxspec.gamma as gamma
+    from mlxspec.costmodel import Costs
     from mlxspec.heads.eagle import save_eagle
     from mlxspec.heads.medusa import save_medusa
     from test_eagle import random_head
     from test_medusa import random_heads
 
+    # γ auto prices the tree (gamma.round_can_win): on costs where drafting pays it keeps the tree's depth
+    monkeypatch.setattr(gamma, "load_or_calibrate", lambda *a, **k: Costs([0.01 + 0.0001 * k for k in range(16)]))
     save_medusa(tmp_path / "medusa", random_heads(shared=True))
     save_eagle(random_head(1), tmp_path / "eagle")
     base = ["--model", str(tiny_model_dir), "--prompt", "abcabcabc", "--max-tokens", "8"]

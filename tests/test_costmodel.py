@@ -226,3 +226,40 @@ def test_progress_bars_go_to_a_terminal_stderr_only(monkeypatch, capsys):
         bar.update(3)
     assert "mlxspec: measuring the verify cost" in terminal.getvalue()
     assert capsys.readouterr().out == ""  # never on stdout, which carries the answer or the JSON
+
+
+def test_a_head_drafters_cost_is_cached_per_target_and_per_head(tmp_path):
+    """The draft cost is keyed by what determines it: the same head on the same target is served from the
+    cache; another head (other weights, or another shape), another setting or another target is measured."""
+    from mlxspec.drafters.eagle import EagleDrafter
+    from test_eagle import random_head
+
+    target = tiny_llama(seed=0)
+    measured = []
+
+    def costs(target, head, **settings):
+        drafter = EagleDrafter(head, target, **{"depth": 2, "top_k": 1, "total_tokens": 3, **settings})
+        load_or_calibrate(target, drafter, cache_dir=tmp_path, context_tokens=16, on_measure=measured.append)
+        return sum("drafter" in m for m in measured)
+
+    assert costs(target, random_head(1, seed=1)) == 1
+    assert costs(target, random_head(1, seed=1)) == 1  # the same head again: cached
+    assert costs(target, random_head(1, seed=2)) == 2  # another head of the same shape
+    assert costs(target, random_head(1, seed=1, hidden=64, vocab=264), depth=3) == 3  # another depth
+    assert costs(tiny_llama(seed=5), random_head(1, seed=1)) == 4  # another target of the same architecture
+
+
+def test_a_head_drafters_calibration_times_rounds_that_draft():
+    """Each timed round of ``calibrate_draft`` follows a round that kept nothing and committed a target token,
+    so a head drafter has a new feature to read and drafts (it used to draft nothing after the warm-up)."""
+    from mlxspec.calibration import calibrate_draft
+    from mlxspec.drafters.eagle import EagleDrafter
+    from test_eagle import random_head
+
+    target = tiny_llama(seed=0)
+    drafter = EagleDrafter(random_head(1), target, depth=3, top_k=2, total_tokens=6)
+    sizes = []
+    propose = drafter.propose
+    drafter.propose = lambda *a: (d := propose(*a), sizes.append(d.size))[0]
+    assert calibrate_draft(drafter, list(range(32)), num_draft_tokens=3, reps=3, hidden_size=64) > 0
+    assert len(sizes) == 4 and min(sizes) > 0

@@ -458,9 +458,13 @@ def test_heads_that_do_not_fit_are_refused(tmp_path):
 # --- command line ------------------------------------------------------------------------------
 
 
-def test_eagle_from_the_command_line(capsys, tmp_path, tiny_model_dir):
+def test_eagle_from_the_command_line(capsys, tmp_path, tiny_model_dir, monkeypatch):
+    import mlxspec.gamma as gamma
     from mlxspec.cli import main
+    from mlxspec.costmodel import Costs
 
+    # γ auto prices the tree (gamma.round_can_win): on costs where drafting pays it keeps the tree's depth
+    monkeypatch.setattr(gamma, "load_or_calibrate", lambda *a, **k: Costs([0.01 + 0.0001 * k for k in range(16)]))
     save_eagle(random_head(1), tmp_path / "head")
     base = ["generate", "--model", str(tiny_model_dir), "--prompt", "hello", "--max-tokens", "12", "--drafter", "eagle"]
     code = main([*base, "--eagle-heads", str(tmp_path / "head"), "--eagle-top-k", "3", "--eagle-depth", "3",
@@ -651,3 +655,39 @@ def test_sampling_through_the_tree_with_the_ngram_branch_follows_the_target(smal
     params = SamplingParams(temp=1.0)
     stat, critical = chi_square(_sample_first_two(target, drafter, params), exact_joint(target, params))
     assert stat < critical, f"chi-square {stat:.1f} >= {critical:.1f}"
+
+
+# --- γ auto prices a tree drafter's rounds -----------------------------------------------------
+
+
+def test_auto_runs_eagle_plainly_where_no_round_of_its_depth_could_win(capsys):
+    """Where a fully accepted round of the tree's depth cannot beat a plain step on the measured costs, γ auto
+    never runs the head (``gamma.PricedPlain``) and the stats say so; where one can, the tree drafts as before."""
+    from mlxspec.commands.generate import format_stats
+    from mlxspec.costmodel import Costs
+    from mlxspec.gamma import AUTO_PRICED_PLAIN, FixedGamma, PricedPlain, gamma_policy, round_can_win, tree_summary
+
+    target, tokenizer = tiny_llama(seed=0, sharpen=4.0), byte_tokenizer()
+    prompt = tokenizer.encode("the cat sat on the mat. the cat sat on the mat. the cat")
+    steep = Costs([0.01 * k for k in range(1, 17)], draft_s=0.001)  # k tokens cost k steps, and drafting costs
+    flat = Costs([0.01 + 0.0001 * k for k in range(16)], draft_s=0.001)
+    drafter = EagleDrafter(random_head(1, scale=4.0), target, depth=4, top_k=1, total_tokens=5, ngram=6)
+    assert not round_can_win(steep, 6) and round_can_win(flat, 6)
+    assert round_can_win(Costs(steep.verify_s, draft_s=0.0), 6) is False  # m + 1 tokens in m + 1 steps: a tie
+    policy = gamma_policy("auto", target, drafter, costs=steep)
+    assert policy == PricedPlain(6) and policy.max_gamma == 0 and tree_summary(drafter, policy) == AUTO_PRICED_PLAIN
+    calls = []
+    propose = drafter.propose
+    drafter.propose = lambda history, gamma, sampling: calls.append(gamma) or propose(history, gamma, sampling)
+    plain = generate(target, tokenizer, prompt, drafter="none", max_tokens=20, stop_tokens=set())
+    result = generate(target, tokenizer, prompt, drafter=drafter, num_draft_tokens=policy, max_tokens=20,
+                      stop_tokens=set())
+    assert result.tokens == plain.tokens and result.stats.drafted == 0 and set(calls) == {0}
+    assert result.stats.priced_plain and result.stats.to_dict()["priced_plain"]
+    assert f"Drafter: eagle, {AUTO_PRICED_PLAIN}; cycles: " in format_stats(result.stats, drafter)
+    # where a round can win, γ auto keeps the tree's own depth and drafts
+    assert gamma_policy("auto", target, drafter, costs=flat) == FixedGamma(6)
+    assert gamma_policy(4, target, drafter, costs=steep) == FixedGamma(4)  # a γ of one's own is kept
+    drafted = generate(target, tokenizer, prompt, drafter=drafter, num_draft_tokens=gamma_policy(
+        "auto", target, drafter, costs=flat), max_tokens=20, stop_tokens=set())
+    assert drafted.tokens == plain.tokens and drafted.stats.drafted > 0 and not drafted.stats.priced_plain

@@ -221,3 +221,25 @@ def test_a_deepseek_v3_target_reads_its_hf_mtp_layer_through_its_own_sanitize(tm
     result = generate(model, byte_tokenizer(), prompt, drafter=MTPDrafter(stack, model, depth=2), num_draft_tokens=2,
                       max_tokens=60, stop_tokens=set())
     assert result.tokens == plain_greedy(model, prompt, 60) and result.stats.drafted > 0
+
+
+def test_auto_runs_mtp_plainly_where_no_chain_of_its_depth_could_win(tmp_path, target):
+    """MTP sizes its own rounds too: γ auto prices them (``gamma.round_can_win``) and, where a fully accepted
+    chain loses to a plain step, decodes plainly and says so."""
+    from mlxspec.commands.generate import format_stats
+    from mlxspec.costmodel import Costs
+    from mlxspec.gamma import AUTO_PRICED_PLAIN, FixedGamma, PricedPlain, gamma_policy
+
+    stack = init_mtp(target)
+    save_mtp(stack, tmp_path / "mtp", target, {"draft_depth": 3})
+    drafter = make_drafter(f"mtp:weights={tmp_path / 'mtp'}", target, byte_tokenizer())
+    steep = Costs([0.01 * k for k in range(1, 17)], draft_s=0.002)
+    flat = Costs([0.01 + 0.0001 * k for k in range(16)], draft_s=0.002)
+    assert gamma_policy("auto", target, drafter, costs=flat) == FixedGamma(3)
+    policy = gamma_policy("auto", target, drafter, costs=steep)
+    assert policy == PricedPlain(3)
+    result = generate(target, byte_tokenizer(), PROMPT, drafter=drafter, num_draft_tokens=policy, max_tokens=30,
+                      stop_tokens=set())
+    assert result.tokens == plain_greedy(target, PROMPT, 30) and result.stats.drafted == 0
+    assert result.stats.priced_plain and result.stats.num_draft_tokens == 0
+    assert f"Drafter: mtp, {AUTO_PRICED_PLAIN}; cycles: " in format_stats(result.stats, drafter)

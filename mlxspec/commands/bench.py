@@ -19,7 +19,7 @@ from ..calibration import load_or_calibrate
 from ..costmodel import Costs
 from ..data import load_sharegpt, read_prompts_jsonl, sample_prompts
 from ..drafters import DrafterSpec, drafter_types, parse_specs
-from ..gamma import AUTO, PRICED_PLAIN, SCHEDULED
+from ..gamma import AUTO, AUTO_PRICED_PLAIN, PRICED_PLAIN, SCHEDULED, auto_priced_plain
 from ..loading import DTYPES
 from ..machine import machine_info
 from ..session import ModelSpec, build_drafter, draft_model_spec, load_model, runnable_drafters
@@ -189,18 +189,25 @@ def _specs(args, discover: bool) -> list[DrafterSpec]:
     return [with_drafter_flags(spec, args) for spec in specs]
 
 
-def _once_if_priced_plain(systems: list[System], drafters: dict) -> list[System]:
-    """A tree priced as plain decoding (``MedusaDrafter.priced_plain``) takes plain steps at every γ: its
-    first system only (γ auto by default), its row saying why, and one line on stderr."""
+def _once_if_priced_plain(systems: list[System], drafters: dict, costs: dict) -> list[System]:
+    """Mark the systems that take only plain steps because the costs rule their drafter out (``priced_plain``,
+    never the verdict's pick), their rows saying why, with one line on stderr each. A Medusa tree priced as
+    plain (``MedusaDrafter.priced_plain``) does so at every γ: its first system only (γ auto by default) is
+    kept. A drafter that sizes its own rounds does so under γ auto when ``gamma.auto_priced_plain`` says so."""
     out, seen = [], set()
     for system in systems:
-        if system.engine != "mlxspec" or not getattr(drafters[system.drafter], "priced_plain", False):
+        drafter = drafters.get(system.drafter) if system.engine == "mlxspec" else None
+        if drafter is not None and getattr(drafter, "priced_plain", False):
+            if system.drafter not in seen:
+                seen.add(system.drafter)
+                out.append(replace(system, note=PRICED_PLAIN, priced_plain=True))
+                print(f"mlxspec bench: {system.drafter}: {PRICED_PLAIN}; timing it once, as '{system.name}'",
+                      file=sys.stderr)
+        elif drafter is not None and system.gamma == AUTO and auto_priced_plain(drafter, costs[system.drafter]):
+            out.append(replace(system, note=AUTO_PRICED_PLAIN, priced_plain=True))
+            print(f"mlxspec bench: {system.drafter}: {AUTO_PRICED_PLAIN} ('{system.name}')", file=sys.stderr)
+        else:
             out.append(system)
-        elif system.drafter not in seen:
-            seen.add(system.drafter)
-            out.append(replace(system, note=PRICED_PLAIN))
-            print(f"mlxspec bench: {system.drafter}: {PRICED_PLAIN}; timing it once, as '{system.name}'",
-                  file=sys.stderr)
     return out
 
 
@@ -339,7 +346,9 @@ def resummarize(args: argparse.Namespace) -> int:
         result = json.loads(Path(args.from_json).read_text())
         derived = ("generation_tps", "prompt_tps")
         runs = [RunRecord(**{k: v for k, v in r.items() if k not in derived}) for r in result["runs"]]
-        systems = [System(**s) for s in result["systems"]]
+        # a file from before ``priced_plain`` marks those systems only by their note
+        systems = [System(**{"priced_plain": s.get("note") in (PRICED_PLAIN, AUTO_PRICED_PLAIN), **s})
+                   for s in result["systems"]]
         costs = {name: Costs(**c) for name, c in result["costs"].items()}
     except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"--from-json {args.from_json} is not the JSON of an earlier 'mlxspec bench' run "
@@ -378,7 +387,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     if dropped:
         print(f"mlxspec: note: skipping {', '.join(dropped)}: the drafter reports no survival estimates, "
               "which scheduled verification needs", file=sys.stderr)
-    systems = _once_if_priced_plain(systems, models.drafters)
+    systems = _once_if_priced_plain(systems, models.drafters, models.costs)
     prompts, prompt_source = _prompts(args, models.tokenizer)
     info = {"command": ["mlxspec", "bench", *argv], "started": time.strftime("%Y-%m-%d %H:%M:%S"),
             "machine": machine_info(), "models": names,

@@ -7,7 +7,7 @@ import json
 import sys
 
 from ..calibration import load_or_calibrate
-from ..gamma import AUTO, PRICED_PLAIN, gamma_policy, tree_summary
+from ..gamma import AUTO, AUTO_PRICED_PLAIN, PRICED_PLAIN, gamma_policy, tree_summary
 from ..generate import context_length, encode_prompt, stream_generate
 from ..metrics import GenerationStats, TokenEvent
 from .common import (
@@ -63,6 +63,8 @@ def format_stats(stats: GenerationStats, drafter=None, policy: str = AUTO) -> st
     """
     per_position = " ".join(f"{rate:.2f}" for rate in stats.acceptance_per_position) or "-"
     tree = tree_summary(drafter) if drafter is not None and drafter.makes_trees else None
+    if stats.priced_plain and tree != PRICED_PLAIN:
+        tree = AUTO_PRICED_PLAIN  # γ auto ruled out a drafter that sizes its own rounds (gamma.PricedPlain)
     drafter_line = (f"Drafter: {stats.drafter}, {tree}; cycles: {stats.cycles}" if tree else
                     f"Drafter: {stats.drafter}, γ = {_gamma_summary(stats, policy)}; cycles: {stats.cycles}")
     lines = [
@@ -77,7 +79,7 @@ def format_stats(stats: GenerationStats, drafter=None, policy: str = AUTO) -> st
         f"Time: draft {stats.draft_s:.2f} s, verify {stats.verify_s:.2f} s",
         f"Peak memory: {stats.peak_memory_gb:.3f} GB",
     ]
-    if tree and tree != PRICED_PLAIN:
+    if tree and tree not in (PRICED_PLAIN, AUTO_PRICED_PLAIN):
         lines.insert(5, "  (a tree: α = accepted / all drafted nodes, and at most one path of them can be kept; "
                         "τ and acceptance per depth say how far the kept path reached)")
     return "\n".join(lines)
