@@ -458,6 +458,28 @@ def test_drafter_dialog_enter_on_the_list_applies_and_gamma_has_the_cli_bound():
     run(body())
 
 
+def test_drafter_dialog_gamma_takes_scheduled_as_the_cli_does():
+    async def body():
+        engine = FakeEngine([])
+        app = SpecChatApp(engine)
+        async with app.run_test(size=(110, 44)) as pilot:
+            await wait_for(pilot, lambda: app.info is not None)
+            await pilot.press("f2")
+            await pilot.pause()
+            screen = app.screen
+            screen.query_one("#gamma").value = "schedule"  # a typo: refused, saying what is allowed
+            await pilot.click("#apply")
+            error = str(screen.query_one("#drafter-error").render())
+            assert "'auto', 'scheduled' or a whole number from 0 to" in error and app.screen is screen
+            screen.query_one("#gamma").value = " Scheduled "
+            await pilot.click("#apply")
+            await wait_for(pilot, lambda: engine.configured)
+            assert not isinstance(app.screen, DrafterScreen)
+            assert engine.configured == [("ngram", "scheduled", None, None)]
+
+    run(body())
+
+
 def test_clear_forgets_the_conversation():
     async def body():
         engine = FakeEngine([script(ROUNDS), script([[("again", "target")]])])
