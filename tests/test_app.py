@@ -467,12 +467,15 @@ def test_drafter_dialog_gamma_takes_scheduled_as_the_cli_does():
             await pilot.press("f2")
             await pilot.pause()
             screen = app.screen
-            screen.query_one("#gamma").value = "schedule"  # a typo: refused, saying what is allowed
-            await pilot.click("#apply")
+            gamma = screen.query_one("#gamma")
+            gamma.focus()
+            gamma.value = "schedule"  # a typo: refused, saying what is allowed
+            await pilot.press("enter")  # Enter in a field applies, as Apply does
+            await pilot.pause()
             error = str(screen.query_one("#drafter-error").render())
             assert "'auto', 'scheduled' or a whole number from 0 to" in error and app.screen is screen
-            screen.query_one("#gamma").value = " Scheduled "
-            await pilot.click("#apply")
+            gamma.value = " Scheduled "
+            await pilot.press("enter")
             await wait_for(pilot, lambda: engine.configured)
             assert not isinstance(app.screen, DrafterScreen)
             assert engine.configured == [("ngram", "scheduled", None, None)]
