@@ -170,7 +170,11 @@ class SpecChatApp(App):
         if message.request_id != self._request_id:
             return
         self._stats_panel.finish(message.request_id, message.stats)
-        if self._answer is not None:
+        if message.cancelled and self._answer is not None and not self._answer.text:
+            # stopped before the first token: like a failed send, not an empty answer in the history
+            self._finish_answer(failed=True)
+            self.notify(f"Stopped before any answer: {self._unsend()}.", markup=False)
+        elif self._answer is not None:
             self._answer.border_subtitle = summary(message.stats, message.cancelled, message.finish_reason)
             self._finish_answer()
         self.generating = False
@@ -202,7 +206,7 @@ class SpecChatApp(App):
         return "your message was not added to the conversation; it is back in the input: Enter sends it again"
 
     def _finish_answer(self, failed: bool = False) -> None:
-        """Keep the answer (complete or partial) in the history; a failed empty one is dropped."""
+        """Keep the answer (complete or partial) in the history; a failed (or stopped) empty one is dropped."""
         answer, self._answer = self._answer, None
         if answer is None:
             return

@@ -61,7 +61,7 @@ class EngineConfig:
         draft_model: The draft model, or ``None``.
         drafter: The drafter (a ``DrafterSpec`` or spec string); ``None`` = ``"draft"`` with a draft
             model, else ``"ngram"``.
-        num_draft_tokens: γ, tokens drafted per round, or ``"auto"`` (``gamma.gamma_policy``).
+        num_draft_tokens: γ, tokens drafted per round, ``"auto"`` or ``"scheduled"`` (``gamma.gamma_policy``).
         sampling: Temperature and filters.
         max_tokens: Most tokens per answer.
         seed: Seed for ``mx.random`` before each answer, or ``None``.
@@ -281,8 +281,8 @@ class Engine:
     def configure(self, drafter: DrafterSpec | str | None = None, num_draft_tokens: int | str | None = None,
                   model: str | None = None, draft_model: str | None = None, *, dtype: str | None = None,
                   draft_dtype: str | None = None) -> None:
-        """Queue a switch of drafter (a name, or a ``DrafterSpec`` with its settings), γ (an integer or
-        ``"auto"``), target or draft model, or their dtypes (``float32``, ``float16``, ``bfloat16`` or
+        """Queue a switch of drafter (a name, or a ``DrafterSpec`` with its settings), γ (an integer,
+        ``"auto"`` or ``"scheduled"``), target or draft model, or their dtypes (``float32``, ``float16``, ``bfloat16`` or
         ``"as stored"``; a change reloads that model). ``None`` keeps what is in use; a new model is
         loaded in the dtype of the one it replaces unless a dtype is given."""
         self._requests.put(_Configure(drafter, num_draft_tokens, model, draft_model, dtype, draft_dtype))

@@ -283,6 +283,35 @@ def test_cancel_keeps_partial_answer_and_accepts_a_new_message():
     run(body())
 
 
+def test_stop_before_the_first_token_leaves_no_empty_answer_and_gives_the_message_back():
+    async def body():
+        # stopped before its first round lands (as when still queued behind a model load): no token at all
+        engine = FakeEngine([script([[("Hi", "target")]]), script([WAIT], end=False), script([[("Sure", "target")]])])
+        app = SpecChatApp(engine)
+        async with app.run_test(size=(110, 36)) as pilot:
+            await send(pilot, app, "hello")
+            await wait_for(pilot, lambda: not app.generating)
+            await send(pilot, app, "never mind")
+            assert app.generating and messages(app, "assistant")[-1].text == ""
+            await pilot.press("escape")
+            await wait_for(pilot, lambda: not app.generating)
+            # No empty assistant turn: the conversation ends at the last real answer, as a failed send does.
+            assert app.history == [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "Hi"}]
+            assert [m.text for m in messages(app, "assistant")] == ["Hi"]
+            unsent = messages(app, "user")[-1]
+            assert unsent.text == "never mind" and unsent.has_class("-failed") and unsent.border_subtitle == "not sent"
+            assert app.query_one("#prompt").value == "never mind"
+            await pilot.click("#prompt")
+            await pilot.press("enter")  # sent again: it replaces the bubble marked not sent
+            await wait_for(pilot, lambda: not app.generating)
+            assert [m.text for m in messages(app, "user")] == ["hello", "never mind"]
+            assert engine.requests[-1][-2:] == [{"role": "assistant", "content": "Hi"},
+                                                {"role": "user", "content": "never mind"}]
+            assert app.history[-1] == {"role": "assistant", "content": "Sure"}
+
+    run(body())
+
+
 def test_generation_and_load_errors_show_in_chat_and_keep_history():
     async def body():
         answers = [
@@ -425,6 +454,31 @@ def test_drafter_dialog_enter_on_the_list_applies_and_gamma_has_the_cli_bound():
             await wait_for(pilot, lambda: engine.configured)
             assert not isinstance(app.screen, DrafterScreen)
             assert engine.configured == [("none", MAX_NUM_DRAFT_TOKENS, None, None)]
+
+    run(body())
+
+
+def test_drafter_dialog_gamma_takes_scheduled_as_the_cli_does():
+    async def body():
+        engine = FakeEngine([])
+        app = SpecChatApp(engine)
+        async with app.run_test(size=(110, 44)) as pilot:
+            await wait_for(pilot, lambda: app.info is not None)
+            await pilot.press("f2")
+            await pilot.pause()
+            screen = app.screen
+            gamma = screen.query_one("#gamma")
+            gamma.focus()
+            gamma.value = "schedule"  # a typo: refused, saying what is allowed
+            await pilot.press("enter")  # Enter in a field applies, as Apply does
+            await pilot.pause()
+            error = str(screen.query_one("#drafter-error").render())
+            assert "'auto', 'scheduled' or a whole number from 0 to" in error and app.screen is screen
+            gamma.value = " Scheduled "
+            await pilot.press("enter")
+            await wait_for(pilot, lambda: engine.configured)
+            assert not isinstance(app.screen, DrafterScreen)
+            assert engine.configured == [("ngram", "scheduled", None, None)]
 
     run(body())
 

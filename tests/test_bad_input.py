@@ -3,6 +3,7 @@ traceback; and a fuzz run of random bytes, random GGUF headers and random flag v
 
 from __future__ import annotations
 
+import json
 import random
 import struct
 import subprocess
@@ -137,6 +138,56 @@ def test_a_head_file_that_is_damaged_or_no_head_says_what_to_pass(capsys, tmp_pa
         err = one_line_error(capsys, ["generate", "--model", str(tiny_model_dir), "--prompt", "hi", "--drafter", kind,
                                       f"--{kind}-heads", str(given)], fix)
         assert problem in err, err
+
+
+def _block_or_mtp_checkpoint(kind: str, folder):
+    """A good checkpoint of ``kind`` for the tiny target (random weights), written by our own savers."""
+    from test_dflash import random_dflash
+    from test_dspark import random_dspark
+
+    from mlxspec.heads.dflash import save_dflash
+    from mlxspec.heads.dspark import save_dspark
+    from mlxspec.heads.mtp import init_mtp, save_mtp
+
+    if kind == "dflash":
+        save_dflash(random_dflash(), folder)
+    elif kind == "dspark":
+        save_dspark(random_dspark(), folder)
+    else:
+        target = tiny_llama(seed=0, sharpen=4.0)
+        save_mtp(init_mtp(target), folder, target)
+    return folder
+
+
+@pytest.mark.parametrize("kind,flag,fix", [
+    ("dflash", "--dflash-heads", "pass a DFlash drafter instead: a folder with config.json and model.safetensors"),
+    ("dspark", "--dspark-heads", "pass a DSpark drafter instead: a folder with config.json and model.safetensors"),
+    ("mtp", "--mtp-weights", "pass --mtp-weights with the folder of a model that ships MTP layers"),
+])
+def test_a_damaged_block_drafter_or_mtp_checkpoint_is_one_line(capsys, tmp_path, tiny_model_dir, kind, flag, fix):
+    import shutil
+
+    good = _block_or_mtp_checkpoint(kind, tmp_path / "good")
+    weights, config = "model.safetensors", "config.json"
+    damage = {  # what is done to a copy -> the file the error names, and what it says
+        "cut": (lambda d: (d / weights).write_bytes((d / weights).read_bytes()[:100]), weights,
+                "is not a readable safetensors file: it is cut off or another kind of file"),
+        "text": (lambda d: (d / weights).write_text("not weights"), weights, "is not a readable safetensors file"),
+        "garbage": (lambda d: (d / config).write_text("garbage{"), config, "is not valid JSON"),
+        "list": (lambda d: (d / config).write_text("[1, 2]"), config, "holds a JSON list, not a JSON object"),
+    }
+    argv = ["generate", "--model", str(tiny_model_dir), "--prompt", "hi", "--max-tokens", "2", "--drafter", kind]
+    for name, (spoil, named, problem) in damage.items():
+        broken = tmp_path / name
+        shutil.copytree(good, broken)
+        spoil(broken)
+        err = one_line_error(capsys, [*argv, flag, str(broken)], fix)
+        assert f"{broken / named} {problem}" in err, err
+    wrong = tmp_path / "wrong"
+    shutil.copytree(good, wrong)
+    settings = json.loads((wrong / config).read_text())
+    (wrong / config).write_text(json.dumps({**settings, "num_hidden_layers": "two"}))
+    one_line_error(capsys, [*argv, flag, str(wrong)], "num_hidden_layers = 'two', not a whole number")
 
 
 # --- fuzz ---------------------------------------------------------------------------------------

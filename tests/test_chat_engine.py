@@ -176,6 +176,12 @@ def test_engine_switches_drafter_settings_and_reloads_the_target_in_another_dtyp
         assert "float16" in info.model_name
         engine.configure("ngram")  # by name: the settings it had
         assert ready().options == (("min", "2"), ("max", "2"))
+        engine.configure(None, "scheduled")  # F2's γ field takes it; the n-gram drafter cannot: the CLI's error
+        while not isinstance(message := posted.get(timeout=60), LoadFailed):
+            pass
+        assert "Cannot use γ scheduled: --num-draft-tokens scheduled needs a drafter that estimates" in message.error
+        assert "the ngram drafter does not: use 'auto' or an integer" in message.error
+        assert ready().num_draft_tokens == 4  # the default γ instead
     finally:
         assert engine.close()
 

@@ -223,6 +223,33 @@ def test_every_help_is_plain_text_from_a_capital():
 
 
 @pytest.mark.parametrize("as_json", [False, True])
+def test_ctrl_c_while_loading_or_measuring_says_so_in_one_line(capsys, tiny_model_dir, monkeypatch, as_json):
+    from mlxspec.commands import generate as command
+
+    real_load = command.load_models
+
+    def interrupted_load(*args, **kwargs):
+        raise KeyboardInterrupt  # as a Ctrl+C while the weights are read
+
+    def interrupted_measure(num_draft_tokens, model, drafter, *, costs=None, on_measure=None):
+        on_measure("the verify cost")
+        raise KeyboardInterrupt  # as a Ctrl+C during the measurement
+
+    argv = ["--model", str(tiny_model_dir), "--prompt", "hello", "--no-chat-template", *(["--json"] if as_json else [])]
+    monkeypatch.setattr(command, "load_models", interrupted_load)
+    code, out, err = run(capsys, *argv)
+    assert (code, out) == (130, "")
+    assert err == "mlxspec: interrupted (Ctrl+C) while loading the models; nothing was generated\n"
+    monkeypatch.setattr(command, "load_models", real_load)
+    monkeypatch.setattr(command, "gamma_policy", interrupted_measure)
+    code, out, err = run(capsys, *argv)
+    assert (code, out) == (130, "")
+    assert err.splitlines()[-1] == ("mlxspec: interrupted (Ctrl+C) while measuring the verify cost on this machine; "
+                                    "nothing was generated")
+    assert len(err.splitlines()) == (1 if as_json else 2)  # without --json, the measuring note first
+
+
+@pytest.mark.parametrize("as_json", [False, True])
 def test_ctrl_c_mid_answer_ends_the_line_and_says_how_far_it_got(capsys, tiny_model_dir, monkeypatch, as_json):
     from mlxspec.commands import generate as command
     from mlxspec.metrics import TokenEvent

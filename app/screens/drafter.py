@@ -20,7 +20,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, RadioButton, RadioSet, Select
 
 from mlxspec.drafters import DrafterSpec, drafter_types
-from mlxspec.gamma import AUTO, MAX_NUM_DRAFT_TOKENS, check_num_draft_tokens
+from mlxspec.gamma import AUTO, MAX_NUM_DRAFT_TOKENS, SCHEDULED, check_num_draft_tokens
 from mlxspec.loading import DTYPES
 
 from ..messages import EngineInfo
@@ -37,7 +37,7 @@ class DrafterChoice:
 
     Attributes:
         drafter: The drafter with the settings typed in (a ``DrafterSpec``, plain data).
-        num_draft_tokens: γ, an integer or ``"auto"``.
+        num_draft_tokens: γ, an integer, ``"auto"`` or ``"scheduled"`` (as ``--num-draft-tokens``).
         draft_model, model: Specs to load; ``None`` keeps the loaded models.
         dtype, draft_dtype: A dtype to reload the target (draft model) in, ``AS_STORED``, or ``None``
             to keep it as it is.
@@ -98,8 +98,9 @@ class DrafterScreen(ModalScreen[DrafterChoice | None]):
                 for kind in info.drafters:
                     label = kind if kind != "draft" or info.draft_name else "draft (give a draft model below)"
                     yield RadioButton(label, value=kind == self.kind, name=kind, id=f"drafter-{kind}")
-            yield Label(f"γ, tokens drafted per round: 0 to {MAX_NUM_DRAFT_TOKENS} (0 = plain decoding), or auto "
-                        "(picked each round)", classes="caption")
+            yield Label(f"γ, tokens drafted per round: 0 to {MAX_NUM_DRAFT_TOKENS} (0 = plain decoding), auto "
+                        "(picked each round) or scheduled (draft, medusa, eagle, dflash, dspark: the draft's "
+                        "confidence picks)", classes="caption")
             yield Input(str(info.num_draft_tokens), id="gamma")
             yield Label("", id="options-heading", classes="caption", markup=False)
             yield Vertical(*self._option_rows(self.kind), id="drafter-options")
@@ -175,12 +176,12 @@ class DrafterScreen(ModalScreen[DrafterChoice | None]):
     def choice(self, drafter: str | None = None) -> DrafterChoice | str:
         """The settings for ``drafter`` (default: the picked one), or an error message saying what to fix."""
         text = self.query_one("#gamma", Input).value.strip().lower()
-        try:
-            gamma = text if text == AUTO else int(text)
-            if gamma != AUTO:
+        try:  # what --num-draft-tokens takes; whether the drafter can be scheduled is gamma_policy's check
+            gamma = text if text in (AUTO, SCHEDULED) else int(text)
+            if isinstance(gamma, int):
                 check_num_draft_tokens(gamma)  # the bound of --num-draft-tokens
         except ValueError:
-            return f"γ must be 'auto' or a whole number from 0 to {MAX_NUM_DRAFT_TOKENS}"
+            return f"γ must be 'auto', 'scheduled' or a whole number from 0 to {MAX_NUM_DRAFT_TOKENS}"
         pressed = self.query_one(RadioSet).pressed_button
         name = drafter or (pressed.name if pressed is not None else self.kind)
         shown = name == self.kind  # the settings on screen are this drafter's (not yet, right after a pick)

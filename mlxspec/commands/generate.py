@@ -145,17 +145,43 @@ def _interrupted(num_tokens: int, json_record: bool) -> int:
     return 130
 
 
-def run(args: argparse.Namespace) -> int:
-    check_args(args)
+def _noting(stage: list[str], why: str, quiet: bool):
+    """An ``on_measure`` that records what is being measured in ``stage[0]`` (for Ctrl+C) and, unless
+    ``quiet``, says it on stderr (``measuring_note``)."""
+    say = None if quiet else measuring_note(why)
+
+    def note(what: str) -> None:
+        stage[0] = f"measuring {what} on this machine"
+        if say is not None:
+            say(what)
+
+    return note
+
+
+def _prepare(args: argparse.Namespace, stage: list[str]):
+    """Prompt, models and γ policy; ``stage[0]`` says what is under way, for a Ctrl+C."""
     prompt_text = read_prompt(args)
-    loaded = load_models(args, on_measure=None if args.json else measuring_note("the automatic tree size"))
+    stage[0] = "loading the models"
+    loaded = load_models(args, on_measure=_noting(stage, "the automatic tree size", args.json))
+    stage[0] = "preparing to generate"  # a cost measurement below names itself
     prompt = build_prompt(loaded.tokenizer, prompt_text, args.system, not args.no_chat_template)
     _note_context_cap(loaded.model, loaded.tokenizer, prompt, args.max_tokens)
-    note = None if args.json else measuring_note(f"--num-draft-tokens {args.num_draft_tokens}")
+    note = _noting(stage, f"--num-draft-tokens {args.num_draft_tokens}", args.json)
     costs = None
     if args.recalibrate and args.num_draft_tokens == "auto" and loaded.drafter.name != "none":
         costs = load_or_calibrate(loaded.model, loaded.drafter, refresh=True, on_measure=note)
     policy = gamma_policy(args.num_draft_tokens, loaded.model, loaded.drafter, costs=costs, on_measure=note)
+    return loaded, prompt, policy
+
+
+def run(args: argparse.Namespace) -> int:
+    check_args(args)
+    stage = ["reading the prompt"]
+    try:
+        loaded, prompt, policy = _prepare(args, stage)
+    except KeyboardInterrupt:  # one line, as mid-answer; nothing is on stdout yet
+        print(f"mlxspec: interrupted (Ctrl+C) while {stage[0]}; nothing was generated", file=sys.stderr)
+        return 130
     typical = typical_from_args(args)
     events = stream_generate(
         loaded.model, loaded.tokenizer, prompt, drafter=loaded.drafter, num_draft_tokens=policy,

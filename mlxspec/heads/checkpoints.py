@@ -1,7 +1,8 @@
 """What every head checkpoint shares: finding it, checking its tensors, its dtype, writing it.
 
 The layouts differ (Medusa, EAGLE, DFlash, DSpark; docs/heads.md); these are the steps that do not:
-a local path or a Hugging Face repo fetched without code (``local_or_hub``), tensor names and shapes
+a local path or a Hugging Face repo fetched without code (``local_or_hub``), reading safetensors and
+``config.json`` with one-line errors (``load_safetensors``, ``read_config``), tensor names and shapes
 against the module's own (``check_tensors``), the dtype a head takes from its target
 (``embedding_dtype``), and ``config.json`` beside one safetensors file (``write_checkpoint``).
 """
@@ -49,6 +50,21 @@ def load_safetensors(path: Path) -> dict:
         return mx.load(str(path))
     except (RuntimeError, OSError):  # MLX's own message names its reader, not the problem
         raise ValueError(f"{path} is not a readable safetensors file: it is cut off or another kind of file") from None
+
+
+def read_config(path: Path) -> dict:
+    """A checkpoint's ``config.json`` (or another JSON object, such as a safetensors index) as a dict.
+
+    Raises:
+        ValueError: a file that is not JSON (cut off, or another kind of file) or not a JSON object, naming it.
+    """
+    try:
+        config = json.loads(path.read_text())
+    except ValueError:  # JSONDecodeError, UnicodeDecodeError: their messages name a position, not the file
+        raise ValueError(f"{path} is not valid JSON: it is cut off or another kind of file") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} holds a JSON {type(config).__name__}, not a JSON object of settings")
+    return config
 
 
 def _names(keys: list[str], most: int) -> str:

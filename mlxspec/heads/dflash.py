@@ -21,7 +21,6 @@ token ids and the target's features it returns the block's hidden states and per
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -32,9 +31,16 @@ from mlx_lm.models.qwen3 import MLP
 from mlx_lm.models.rope_utils import initialize_rope
 
 from ..taps import logits_width, model_body
-from .checkpoints import check_tensors, embedding_dtype, local_or_hub, write_checkpoint
+from ..weights import one_line
+from .checkpoints import check_tensors, embedding_dtype, load_safetensors, local_or_hub, read_config, write_checkpoint
 
 DEFAULT_BLOCK_SIZE = 16
+#: How an error about a file that holds no usable DFlash drafter ends: what to pass instead.
+PASS_DFLASH = ("pass a DFlash drafter instead: a folder with config.json and model.safetensors (as 'mlxspec train "
+               "dflash' writes) or a Hugging Face repo id")
+#: Sizes a config must give as whole numbers of at least 1 (when it gives them).
+_SIZES = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
+          "num_target_layers", "block_size", "num_key_value_heads", "head_dim", "max_position_embeddings")
 
 
 def default_target_layers(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
@@ -111,9 +117,12 @@ class DFlashConfig:
             ValueError: a required field is missing, or a variant this drafter cannot run exactly as
                 trained (sliding-window or causal drafter layers, another projector).
         """
-        extra = dict(config.get("dflash_config") or {})
-        flat = {**config, **extra}
+        extra = config.get("dflash_config") or {}
         rope = config.get("rope_parameters") or {}
+        if not isinstance(extra, dict) or not isinstance(rope, dict):
+            raise ValueError("DFlash config's dflash_config and rope_parameters must be JSON objects; "
+                             "is this a DFlash drafter's config.json?")
+        flat = {**config, **extra}
         if "rope_theta" not in config and "rope_theta" in rope:
             flat["rope_theta"] = rope["rope_theta"]
         if any(t != "full_attention" for t in config.get("layer_types") or ()) or extra.get("causal"):
@@ -128,6 +137,7 @@ class DFlashConfig:
                                "vocab_size", "num_target_layers", "mask_token_id") if k not in kwargs]
         if missing:
             raise ValueError(f"DFlash config lacks {', '.join(missing)}; is this a DFlash drafter's config.json?")
+        _check_numbers(kwargs)
         return cls(**kwargs)
 
     def to_dict(self) -> dict:
@@ -135,6 +145,19 @@ class DFlashConfig:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         extra = {"mask_token_id": out.pop("mask_token_id"), "target_layer_ids": list(out.pop("target_layer_ids"))}
         return {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", **out, "dflash_config": extra}
+
+
+def _check_numbers(kwargs: dict) -> None:
+    """Refuse sizes and ids that are not whole numbers (``"big"``, ``0``, ``2.5``) before they reach a layer."""
+    whole = lambda v, least: isinstance(v, int) and not isinstance(v, bool) and v >= least  # noqa: E731
+    for key, value in kwargs.items():
+        if key in _SIZES and not whole(value, 1) or key == "mask_token_id" and not whole(value, 0):
+            raise ValueError(f"DFlash config gives {key} = {value!r}, not a whole number of at least "
+                             f"{0 if key == 'mask_token_id' else 1}; is this a DFlash drafter's config.json?")
+    ids = kwargs.get("target_layer_ids")
+    if ids is not None and not (isinstance(ids, list) and all(whole(i, 0) for i in ids)):
+        raise ValueError(f"DFlash config gives target_layer_ids = {ids!r}, not a list of layer numbers; "
+                         "is this a DFlash drafter's config.json?")
 
 
 class DFlashAttention(nn.Module):
@@ -271,21 +294,21 @@ def dflash_folder(spec: str) -> Path:
     return local_or_hub(spec, ["*.json", "*.safetensors"], "no such DFlash drafter folder")
 
 
-def _read(folder: Path) -> tuple[dict, dict]:
+def _read(folder: Path, name: str = "DFlash drafter") -> tuple[dict, dict]:
     if not folder.is_dir():
-        raise FileNotFoundError(f"a DFlash drafter is a folder with config.json and *.safetensors; got {folder}")
+        raise FileNotFoundError(f"a {name} is a folder with config.json and *.safetensors; got {folder}")
     config_path = folder / "config.json"
     if not config_path.is_file():
-        raise FileNotFoundError(f"no config.json in {folder}; a DFlash drafter needs its config beside the weights")
+        raise FileNotFoundError(f"no config.json in {folder}; a {name} needs its config beside the weights")
     single = folder / "model.safetensors"  # else shards; a training folder's optimizer state is no weights
     shards = [single] if single.is_file() else sorted(
         p for p in folder.glob("*.safetensors") if p.name != "optimizer.safetensors")
     if not shards:
         raise FileNotFoundError(f"no *.safetensors in {folder}")
-    weights = {k.removeprefix("model."): v for s in shards for k, v in mx.load(str(s)).items()}
+    weights = {k.removeprefix("model."): v for s in shards for k, v in load_safetensors(s).items()}
     # the target's own embedding and LM head are used; a copy in the checkpoint is not needed
     weights = {k: v for k, v in weights.items() if not k.startswith(("embed_tokens.", "lm_head."))}
-    return json.loads(config_path.read_text()), weights
+    return read_config(config_path), weights
 
 
 def check_fits(config: DFlashConfig, target: nn.Module, source: str = "DFlash drafter") -> None:
@@ -332,25 +355,33 @@ def load_dflash(spec: str | Path, target: nn.Module | None = None, dtype=None) -
     """
     return load_block_drafter(spec, target, dtype, DFlashConfig.from_dict, DFlashNet, "DFlash drafter",
                               lambda c: f"for a {c.num_hidden_layers}-layer DFlashDraftModel; are its config.json and "
-                                        "weights from the same checkpoint?")
+                                        "weights from the same checkpoint?", PASS_DFLASH)
 
 
-def load_block_drafter(spec: str | Path, target: nn.Module | None, dtype, read_config, make_net, name: str,
-                       layout) -> DFlashNet:
+def load_block_drafter(spec: str | Path, target: nn.Module | None, dtype, parse_config, make_net, name: str,
+                       layout, fix: str) -> DFlashNet:
     """The loading steps DFlash and the drafters on its backbone (DSpark) share: read, check, build, fill.
 
     Args:
         spec, target, dtype: As ``load_dflash``.
-        read_config: ``config.json`` dict -> the drafter's config (raising ``ValueError`` on a bad one).
+        parse_config: ``config.json`` dict -> the drafter's config (raising ``ValueError`` on a bad one).
         make_net: Config -> a fresh network (a ``DFlashNet``).
         name: The drafter's kind in errors (``"DSpark drafter"``).
         layout: Config -> what completes "lacks/has unexpected X …" (the layout the config implies).
+        fix: What ends the error for a damaged file or one that is no checkpoint (what to pass instead).
 
     Raises:
         As ``load_dflash``.
     """
-    raw_config, weights = _read(dflash_folder(str(spec)))
-    config = read_config(raw_config)
+    try:
+        raw_config, weights = _read(dflash_folder(str(spec)), name)
+    except ValueError as e:  # damaged, or no checkpoint at all
+        raise ValueError(f"{one_line(e)}; {fix}") from None
+    try:
+        config = parse_config(raw_config)
+    except (TypeError, AttributeError, KeyError) as e:  # a field of the wrong kind that no check names
+        raise ValueError(f"{name} {spec}: its config.json has a field of the wrong type ({one_line(e)}); "
+                         f"{fix}") from None
     if target is not None:
         check_fits(getattr(config, "backbone", config), target, f"{name} {spec}")
     net = make_net(config)

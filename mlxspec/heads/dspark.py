@@ -30,6 +30,10 @@ from mlx.utils import tree_flatten
 from .checkpoints import write_checkpoint
 from .dflash import DFlashConfig, DFlashNet, load_block_drafter
 
+#: How an error about a file that holds no usable DSpark drafter ends: what to pass instead.
+PASS_DSPARK = ("pass a DSpark drafter instead: a folder with config.json and model.safetensors (as 'mlxspec train "
+               "dspark' writes) or a Hugging Face repo id")
+
 
 @dataclass(frozen=True)
 class DSparkConfig:
@@ -63,7 +67,9 @@ class DSparkConfig:
             ValueError: not a DSpark config, or a variant this drafter cannot run exactly as trained
                 (another Markov head type, a bonus anchor inside the block, what ``DFlashConfig`` refuses).
         """
-        extra = dict(config.get("dflash_config") or {})
+        extra = config.get("dflash_config") or {}
+        if not isinstance(extra, dict):
+            raise ValueError("DSpark config's dflash_config must be a JSON object; is this a DSpark drafter's config.json?")
         if extra.get("projector_type") != "dspark" and not any("DSpark" in a for a in config.get("architectures") or ()):
             raise ValueError("this config.json is not a DSpark drafter's (no dflash_config.projector_type 'dspark'); "
                              "for a DFlash drafter use --drafter dflash")
@@ -73,9 +79,13 @@ class DSparkConfig:
             raise ValueError("DSpark checkpoints with the bonus anchor inside the block are not supported")
         if "markov_rank" not in extra:
             raise ValueError("DSpark config lacks dflash_config.markov_rank")
+        rank = extra["markov_rank"]
+        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+            raise ValueError(f"DSpark config gives dflash_config.markov_rank = {rank!r}, not a whole number of at "
+                             "least 1; is this a DSpark drafter's config.json?")
         backbone = copy.deepcopy(config)
         backbone["dflash_config"] = {k: v for k, v in extra.items() if k not in ("projector_type",)}
-        return cls(DFlashConfig.from_dict(backbone), int(extra["markov_rank"]),
+        return cls(DFlashConfig.from_dict(backbone), rank,
                    bool(extra.get("enable_confidence_head", False)),
                    bool(extra.get("confidence_head_with_markov", True)), bool(extra.get("sample_from_anchor", True)))
 
@@ -161,7 +171,7 @@ def load_dspark(spec: str | Path, target: nn.Module | None = None, dtype=None) -
     """
     return load_block_drafter(spec, target, dtype, DSparkConfig.from_dict, DSparkNet, "DSpark drafter",
                               lambda c: f"for its config.json (markov_rank {c.markov_rank}, confidence head "
-                                        f"{'on' if c.confidence else 'off'}); are they from the same checkpoint?")
+                                        f"{'on' if c.confidence else 'off'}); are they from the same checkpoint?", PASS_DSPARK)
 
 
 def save_dspark(net: DSparkNet, folder: str | Path) -> None:

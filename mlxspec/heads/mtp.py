@@ -33,8 +33,14 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.base import create_attention_mask
 
 from ..taps import _Recorder, logits_width, model_body
+from ..weights import one_line
+from .checkpoints import load_safetensors, read_config
 
 TRAIN_COMMAND = "mlxspec train mtp --model TARGET --corpus CORPUS -o DIR"
+#: How an error about a file that holds no usable MTP layers ends: what to pass instead.
+PASS_MTP = "pass --mtp-weights with the folder of a model that ships MTP layers or of one 'mlxspec train mtp' wrote"
+#: ``config.json`` fields that must be whole numbers when given.
+_COUNTS = ("num_hidden_layers", "num_nextn_predict_layers", "mtp_num_hidden_layers", "draft_depth")
 
 
 @dataclass(frozen=True)
@@ -154,8 +160,23 @@ def _module(target: nn.Module, num_blocks: int, own_head: bool) -> MTPModule:
 # --- reading published checkpoints ---------------------------------------------------------------
 
 
-def _text_config(config: dict) -> dict:
-    return {**config, **(config.get("text_config") or {})}
+def _config(folder: Path) -> dict:
+    """``folder/config.json`` with a multimodal model's ``text_config`` merged in.
+
+    Raises:
+        ValueError: not a JSON object, or a count that is not a whole number.
+    """
+    path = folder / "config.json"
+    config = read_config(path)
+    text = config.get("text_config") or {}
+    if not isinstance(text, dict):
+        raise ValueError(f"{path} gives text_config = {text!r}, not a JSON object")
+    config = {**config, **text}
+    for key in _COUNTS:
+        value = config.get(key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+            raise ValueError(f"{path} gives {key} = {value!r}, not a whole number")
+    return config
 
 
 def _safetensors_keys(path: Path) -> list[str]:
@@ -183,8 +204,7 @@ def has_mtp(folder: str | Path) -> bool:
     """Whether a model folder's safetensors hold MTP tensors (reads headers only; never raises)."""
     folder = Path(folder)
     try:
-        config = _text_config(json.loads((folder / "config.json").read_text()))
-        wanted = _is_mtp_key(config)
+        wanted = _is_mtp_key(_config(folder))
         return any(wanted(k) for path in _files(folder, wanted) for k in _safetensors_keys(path))
     except (OSError, ValueError):
         return False
@@ -195,18 +215,17 @@ def _files(folder: Path, wanted) -> list[Path]:
     ``model*.safetensors`` (so an optimizer state beside a module is never read as one)."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
-        return sorted({folder / f for k, f in weight_map.items() if wanted(k)})
+        weight_map = read_config(index).get("weight_map", {})
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index} has no weight_map object; is the download complete?")
+        return sorted({folder / str(f) for k, f in weight_map.items() if wanted(k)})
     return sorted(folder.glob("model*.safetensors")) or sorted(folder.glob("*.safetensors"))
 
 
 def _read(folder: Path, wanted) -> dict[str, mx.array]:
     out = {}
     for path in _files(folder, wanted):
-        try:
-            weights = mx.load(str(path))
-        except (RuntimeError, ValueError) as e:
-            raise ValueError(f"cannot read {path}: {e}; is it a complete safetensors file?") from None
+        weights = load_safetensors(path)
         out.update({k: v for k, v in weights.items() if wanted(k)})
     return out
 
@@ -280,8 +299,11 @@ def load_mtp(path: str | Path, target: nn.Module, dtype=None) -> MTPStack:
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(f"{folder} has no config.json; pass the folder of a model with MTP layers or one "
                                 f"'mlxspec train mtp' wrote")
-    config = _text_config(json.loads((folder / "config.json").read_text()))
-    raw = _read(folder, _is_mtp_key(config))
+    try:
+        config = _config(folder)
+        raw = _read(folder, _is_mtp_key(config))
+    except ValueError as e:  # damaged, or no checkpoint at all
+        raise ValueError(f"{one_line(e)}; {PASS_MTP}") from None
     if any(k.startswith("mtp.") for k in raw):
         layout, prefixes = "qwen", ["mtp."]
         blocks = {int(m.group(1)) for k in raw if (m := re.match(r"mtp\.layers\.(\d+)\.", k))}
@@ -331,7 +353,7 @@ def _fill(module: MTPModule, weights: dict[str, mx.array], prefix: str, folder: 
 
 
 def _quantization(folder: Path) -> dict:
-    config = json.loads((folder / "config.json").read_text())
+    config = read_config(folder / "config.json")
     q = config.get("quantization") or config.get("quantization_config") or {}
     return {"group_size": int(q.get("group_size", 64)), "bits": int(q.get("bits", 4))}
 
