@@ -331,7 +331,7 @@ class Engine:
                 prompt_cache=state.prompt_cache,
             )
             relay(events, rid, post, request.cancelled, drafter=state.drafter.name, num_draft_tokens=gamma,
-                  policy=state.num_draft_tokens if state.policy.adaptive else None, shape=_shape(state.drafter))
+                  policy=state.num_draft_tokens if state.policy.adaptive else None, shape=_shape(state.drafter, state.policy))
         except Exception as e:  # the thread must survive any failure; the UI shows it
             if state.target is not None:  # a round may have stopped half-way: start the cache afresh
                 state.prompt_cache = PromptCache(state.target.model)
@@ -440,9 +440,11 @@ class Engine:
                         if getattr(s.spec.options, f.name) != f.default) if s.spec else ()
         return EngineInfo(s.target.display, s.target.quantized, s.draft.display if s.draft else None, s.drafter.name,
                           s.num_draft_tokens, DRAFTERS, options, s.target.spec.dtype,
-                          s.draft.spec.dtype if s.draft else None, _shape(s.drafter))
+                          s.draft.spec.dtype if s.draft else None, _shape(s.drafter, s.policy))
 
 
-def _shape(drafter) -> str | None:
-    """What a tree drafter proposes each round, as ``mlxspec generate`` says it; ``None`` for a chain."""
-    return tree_summary(drafter) if drafter.makes_trees else None
+def _shape(drafter, policy=None) -> str | None:
+    """What a tree drafter proposes each round, as ``mlxspec generate`` says it (``gamma.tree_summary``, which
+    also says when γ auto priced the drafter as plain decoding); ``None`` for a chain that drafts."""
+    priced_plain = getattr(policy, "priced_plain", False)
+    return tree_summary(drafter, policy) if drafter.makes_trees or priced_plain else None

@@ -240,6 +240,8 @@ def test_the_engine_says_what_its_drafter_drafts(tiny_model_dir, tmp_path, monke
     import queue
 
     import mlxspec.gamma as gamma
+    from mlxspec.costmodel import Costs
+    from mlxspec.drafters import parse_specs
     from mlxspec.heads.eagle import save_eagle
     from mlxspec_app.messages import EngineReady, LoadFailed
     from test_costmodel import MEMORY_BOUND
@@ -272,5 +274,13 @@ def test_the_engine_says_what_its_drafter_drafts(tiny_model_dir, tmp_path, monke
         stats = answer(2)
         assert stats.policy == "auto" and stats.shape is None and stats.drafted > 0
         assert 0 < stats.gamma_mean <= stats.num_draft_tokens == 15 and 0 <= stats.gamma_now <= 15
+        # costs where no round can win: γ auto runs the EAGLE chain as plain decoding, and the panel says so
+        monkeypatch.setattr(gamma, "load_or_calibrate", lambda *a, **k: Costs([0.01 * k for k in range(1, 17)], 0.05))
+        engine.configure(parse_specs(spec)[0])
+        ready = wait((EngineReady, LoadFailed))
+        assert isinstance(ready, EngineReady), ready
+        assert ready.info.shape == gamma.AUTO_PRICED_PLAIN
+        stats = answer(3)
+        assert stats.shape == gamma.AUTO_PRICED_PLAIN and stats.drafted == 0
     finally:
         assert engine.close()
