@@ -187,7 +187,8 @@ def speculative_rounds(
     A round the policy gives γ = 0 is a plain step, pipelined when the next one is plain too:
     the policy is asked for the next γ before the current token is read (a plain round teaches
     a policy nothing, so asking early changes no choice), and if it is 0 the next forward is queued.
-    A drafter that reads the target's features is not pipelined (it needs each step's features).
+    A drafter that reads the target's features is not pipelined (it needs each step's features), unless
+    the costs ruled it out (``gamma.priced_plain``): then it never drafts, and nothing is tapped.
     """
     policy = FixedGamma(num_draft_tokens) if isinstance(num_draft_tokens, int) else num_draft_tokens
     rule = rule or make_verifier(sampling)
@@ -195,12 +196,15 @@ def speculative_rounds(
     cache = store.layers
     if policy.max_gamma > 0:
         (check_compactable if drafter.makes_trees else check_rewindable)(cache)
-    tap = HiddenTap(model, layers=drafter.feature_layers) if drafter.needs_hidden else None
+    # a drafter the costs ruled out never drafts: its rounds are plain steps, pipelined and untapped
+    reads = drafter.needs_hidden and not priced_plain(drafter, policy)
+    tap = HiddenTap(model, layers=drafter.feature_layers) if reads else None
     start = time.perf_counter()
-    drafter.prefill(prompt, _prefill(model, store, prompt, drafter, tap, prefill_step_size))
+    drafter.prefill(prompt, _prefill(model, store, prompt, drafter.feature_layers if reads else None, tap,
+                                     prefill_step_size))
     prefill_s, cached = time.perf_counter() - start, store.reused
     history, clock, generated = list(prompt), _DraftClock(drafter.lazy and time_split), 0
-    plain = _PlainSteps(model, cache, sampling) if not drafter.needs_hidden else None
+    plain = _PlainSteps(model, cache, sampling) if not reads else None
     schedule = getattr(policy, "schedule", None)  # scheduled verification trims the draft (schedule.py)
     gamma = None  # the next round's γ, when it was chosen early (pipelined plain steps)
     try:
@@ -251,9 +255,11 @@ def speculative_rounds(
             plain.cancel()  # a step queued ahead wrote the last committed token: drop it (the invariant)
 
 
-def _prefill(model, store: PromptCache, prompt: list[int], drafter: Drafter, tap, step_size: int):
-    """Prefill what ``store`` does not hold of ``prompt[:-1]``; the features of all of it for the drafter."""
-    reused = store.reuse(prompt, drafter.feature_layers if drafter.needs_hidden else None)
+def _prefill(model, store: PromptCache, prompt: list[int], feature_layers: tuple[int, ...] | None, tap,
+             step_size: int):
+    """Prefill what ``store`` does not hold of ``prompt[:-1]``; the features (``feature_layers``, ``None``
+    when the drafter reads none) of all of it for the drafter."""
+    reused = store.reuse(prompt, feature_layers)
     new = prompt[reused:-1]
     hidden = prefill(model, store.layers, new, step_size, hidden_tap=tap)
     store.add(new, hidden if tap is not None and new else None)
