@@ -52,6 +52,17 @@ def test_an_empty_stop_string_names_the_flag_and_the_fix(capsys, command):
                    "or leave --stop out")
 
 
+@pytest.mark.parametrize("command", ["generate", "chat"])
+def test_another_drafters_flag_is_refused_not_ignored(capsys, tiny_model_dir, command):
+    """``--eagle-heads`` with the default n-gram drafter used to be dropped silently: a user testing a head got
+    n-gram numbers."""
+    base = [command, "--model", str(tiny_model_dir), "--prompt", "hi"][: 5 if command == "generate" else 3]
+    one_line_error(capsys, [*base, "--eagle-heads", "/tmp/nope"],
+                   "--eagle-heads is an option of the eagle drafter, but the drafter is ngram; add --drafter eagle")
+    one_line_error(capsys, [*base, "--drafter", "eagle", "--medusa-tree", "small_15"],
+                   "--medusa-tree is an option of the medusa drafter, but the drafter is eagle; add --drafter medusa")
+
+
 def run_cli(args, **kwargs):
     return subprocess.run([sys.executable, "-m", "mlxspec", *args], capture_output=True, **kwargs)
 

@@ -155,7 +155,23 @@ def drafter_spec_from_args(args: argparse.Namespace, name: str | None = None) ->
     spec = args.drafter if name is None else DrafterSpec(name)
     if spec is None:
         spec = DrafterSpec("draft" if args.draft_model else "ngram")
+    if name is None:
+        check_no_other_drafter_flags(args, spec.name)
     return with_drafter_flags(spec, args)
+
+
+def check_no_other_drafter_flags(args: argparse.Namespace, drafter: str) -> None:
+    """Refuse another drafter's flags (``--eagle-heads`` while the drafter is ngram), which would be ignored.
+
+    Raises:
+        ValueError: naming the flag, the drafter in use and the ``--drafter`` that takes it.
+    """
+    for other in drafter_types():
+        given = drafter_flags_given(args, other) if other != drafter else {}
+        if given:
+            flag = f"--{other}-{next(iter(given)).replace('_', '-')}"
+            raise ValueError(f"{flag} is an option of the {other} drafter, but the drafter is {drafter}; add "
+                             f"--drafter {other}, or leave {flag} out")
 
 
 def drafter_flags_given(args: argparse.Namespace, name: str) -> dict:
