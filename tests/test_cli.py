@@ -273,3 +273,23 @@ def test_ctrl_c_mid_answer_ends_the_line_and_says_how_far_it_got(capsys, tiny_mo
         assert out == "" and "--json prints no record" in err
     else:
         assert out.endswith("\n") and out.strip() and "the partial answer is on standard output" in err
+
+
+def test_a_quantized_target_on_the_cpu_gets_a_note_to_dequantize(capsys, tmp_path, tiny_model_dir):
+    """MLX's CPU backend has no fast quantized kernels: ``generate`` says so once, and not for a float target."""
+    import json as json_module
+
+    import mlx.nn as nn
+
+    from conftest import byte_tokenizer, save_tiny_model, tiny_llama
+
+    model = tiny_llama(seed=0)
+    nn.quantize(model, group_size=32, bits=4)
+    folder = save_tiny_model(tmp_path / "q4", model, byte_tokenizer())
+    config = json_module.loads((folder / "config.json").read_text())
+    config["quantization"] = {"group_size": 32, "bits": 4}
+    (folder / "config.json").write_text(json_module.dumps(config))
+    note = "the target is quantized and MLX runs on the CPU here"
+    for path, dtype, expected in ((folder, [], 1), (folder, ["--dtype", "float32"], 0), (tiny_model_dir, [], 0)):
+        assert main(["generate", "--model", str(path), "--prompt", "hi", "-m", "2", "--drafter", "none", *dtype]) == 0
+        assert capsys.readouterr().err.count(note) == expected, (path, dtype)

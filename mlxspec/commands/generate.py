@@ -6,6 +6,8 @@ import argparse
 import json
 import sys
 
+import mlx.core as mx
+
 from ..calibration import load_or_calibrate
 from ..gamma import AUTO, AUTO_PRICED_PLAIN, PRICED_PLAIN, gamma_policy, tree_summary
 from ..generate import context_length, encode_prompt, stream_generate
@@ -134,6 +136,14 @@ def _note_context_cap(model, tokenizer, prompt, max_tokens: int) -> None:
               f"{limit - num} (the prompt has {num})", file=sys.stderr)
 
 
+def _note_quantized_on_cpu(target) -> None:
+    """Say on stderr when a quantized target runs on MLX's CPU backend, which has no fast kernels for
+    quantized weights (docs/linux.md): there ``--dtype float32`` is the faster choice, drafting or not."""
+    if target.quantized and mx.default_device().type == mx.cpu:
+        print("mlxspec: note: the target is quantized and MLX runs on the CPU here, which has no fast kernels for "
+              "quantized weights: --dtype float32 is faster (docs/linux.md)", file=sys.stderr)
+
+
 def _interrupted(num_tokens: int, json_record: bool) -> int:
     """Ctrl+C mid-answer: end the streamed line, say so in one line on stderr; exit status 130 (128 + SIGINT)."""
     if json_record:
@@ -163,6 +173,7 @@ def _prepare(args: argparse.Namespace, stage: list[str]):
     prompt_text = read_prompt(args)
     stage[0] = "loading the models"
     loaded = load_models(args, on_measure=_noting(stage, "the automatic tree size", args.json))
+    _note_quantized_on_cpu(loaded.target)
     stage[0] = "preparing to generate"  # a cost measurement below names itself
     prompt = build_prompt(loaded.tokenizer, prompt_text, args.system, not args.no_chat_template)
     _note_context_cap(loaded.model, loaded.tokenizer, prompt, args.max_tokens)
