@@ -421,3 +421,20 @@ def test_the_verdict_never_picks_a_system_priced_as_plain():
     assert verdict.system is None and not verdict.wins
     generate, _ = bench_command.verdict_commands(verdict, {"flags": {"target": [], "draft": [], "blas": []}})
     assert "--drafter none" in generate
+
+
+def test_the_verdicts_generate_line_runs_as_printed():
+    """A one-line prompt of up to 300 characters is repeated, quoted; a longer or multi-line one is read from a
+    file the line says to write (a bare ``< prompt.txt`` failed for a user who gave the prompt inline)."""
+    import shlex
+
+    from mlxspec.bench_summary import Verdict
+    from mlxspec.commands.bench import verdict_commands
+
+    verdict = Verdict("your prompt", 0.0, "mlxspec ngram γ=auto", "ngram", "auto", 1.5, 0.05, True)
+    for text, inline in (("Why is the sky blue? " * 12, True), ("line one\nline two", False), ("x" * 301, False)):
+        result = {"prompt_source": {"source": "--prompt", "texts": {"yours": text}}, "flags": {}}
+        generate, _ = verdict_commands(verdict, result)
+        words = shlex.split(generate, comments=True)
+        assert (words[-1] == text) == inline and (words[-3:] == ["-", "<", "prompt.txt"]) == (not inline), generate
+        assert inline or generate.endswith("# with your prompt saved in prompt.txt")

@@ -328,7 +328,8 @@ def verdict_commands(verdict: Verdict, result: dict) -> list[str]:
     line = " ".join(shlex.quote(f) for f in flags)
     texts = list(result.get("prompt_source", {}).get("texts", {}).values())
     prompt = texts[0] if result.get("prompt_source", {}).get("source") == "--prompt" and texts else None
-    prompt = shlex.quote(prompt) if prompt and len(prompt) <= 60 and "\n" not in prompt else "- < prompt.txt"
+    prompt = shlex.quote(prompt) if prompt and len(prompt) <= 300 and "\n" not in prompt else \
+        "- < prompt.txt  # with your prompt saved in prompt.txt"
     return [f"mlxspec generate {line} --prompt {prompt}", f"mlxspec chat {line}"]
 
 
