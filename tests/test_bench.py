@@ -335,9 +335,8 @@ def test_bench_prompt_defaults_to_auto_and_says_how_many_runs_and_how_long_first
     assert [s["name"] for s in result["systems"]] == [BASELINE, CONTROL, "mlxspec ngram γ=auto", "mlxspec none"]
     assert len(result["runs"]) == 4 * 3  # systems × the default 3 repeats
     line = next(line for line in err.splitlines() if line.startswith("mlxspec bench: 12 runs"))
-    assert line.startswith("mlxspec bench: 12 runs (4 systems × 3 repeats of your prompt × 1 temperature), up to "
-                           "about ")
-    assert "(if every answer runs to 4 tokens, at " in line and result["estimated_s"] > 0
+    assert line.startswith("mlxspec bench: 12 runs (4 systems × 3 repeats of your prompt × 1 temperature), about ")
+    assert " here if every answer runs to 4 tokens at plain decoding's " in line and result["estimated_s"] > 0
     assert err.index(line) < err.index("0/12")  # before the progress bar starts
 
 

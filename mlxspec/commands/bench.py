@@ -270,8 +270,9 @@ def _announce(info: dict, costs: dict, prompts: list[list[int]], max_tokens: int
     seconds = estimate_s(cost, systems, prompts, temps, max_tokens) if cost else None
     if seconds is not None:
         took = f"{seconds / 60:.0f} min" if seconds >= 90 else f"{seconds:.0f} s"
-        line += (f", up to about {took} here (if every answer runs to {max_tokens} tokens, at "
-                 f"{1000 * cost.verify(1):.0f} ms a plain step)")
+        line += (f", about {took} here if every answer runs to {max_tokens} tokens at plain decoding's "
+                 f"{1000 * cost.verify(1):.0f} ms a step (less for short answers; a drafter slower than plain "
+                 "decoding takes longer)")
     print(line, file=sys.stderr, flush=True)
     return seconds
 
