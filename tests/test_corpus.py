@@ -108,3 +108,14 @@ def test_corpus_of_data_answers_holds_the_targets_features_and_labels(tmp_path):
                           batch_size=2, topk=4))
     with pytest.raises(ValueError, match="one non-empty answer per prompt"):
         list(build_corpus(model, tokenizer, prompts, tmp_path / "b", answers=answers[:2]))
+
+
+def test_topk_labels_are_the_largest_log_softmax_values_best_first():
+    from mlxspec.train.corpus import _topk
+
+    logits = mx.random.normal((6, 5000), key=mx.random.key(4)) * 4.0
+    ids, logps = _topk(logits, 7)
+    full = np.array(nn.log_softmax(logits, axis=-1))
+    want = np.argsort(-full, axis=-1)[:, :7]
+    np.testing.assert_array_equal(np.array(ids), want)
+    np.testing.assert_allclose(np.array(logps), np.take_along_axis(full, want, axis=-1), rtol=1e-5, atol=1e-5)
