@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
@@ -15,10 +16,11 @@ from mlxspec import generate, make_drafter
 from mlxspec.cli import main
 from mlxspec.drafters import Draft
 from mlxspec.drafters.mtp import MTPDrafter
-from mlxspec.heads.mtp import has_mtp, init_mtp, load_mtp, save_mtp
-from mlxspec.sampling import SamplingParams
+from mlxspec.heads.mtp import MTPStack, has_mtp, init_mtp, load_mtp, save_mtp
+from mlxspec.sampling import SamplingParams, warp
 from stats import chi_square
 from test_generate import plain_greedy
+from test_lossless import PROMPT as PROMPT_V
 from test_lossless import V, exact_joint, sample_joint
 
 PROMPT = [10, 20, 30, 40, 10, 20, 30, 41, 50, 60]
@@ -243,3 +245,57 @@ def test_auto_runs_mtp_plainly_where_no_chain_of_its_depth_could_win(tmp_path, t
     assert result.tokens == plain_greedy(target, PROMPT, 30) and result.stats.drafted == 0
     assert result.stats.priced_plain and result.stats.num_draft_tokens == 0
     assert f"Drafter: mtp, {AUTO_PRICED_PLAIN}; cycles: " in format_stats(result.stats, drafter)
+
+
+# --- a draft vocabulary (docs/mtp.md 2.2) ---------------------------------------------------------
+
+HALF = np.array([0, 2, 3, 6], dtype=np.int32)  # half of the vocabulary-8 target's ids
+
+
+def test_a_draft_vocabulary_drafts_only_its_ids_and_stays_lossless(small):
+    target, stack = small
+    restricted = MTPStack(stack.chain, stack.config, HALF)
+    drafter = MTPDrafter(restricted, target, depth=3)
+    drafter.prefill(list(PROMPT_V), mx.random.normal((len(PROMPT_V) - 1, target.args.hidden_size)))
+    draft = drafter.propose(list(PROMPT_V), 3, SamplingParams(temp=1.0))
+    q = np.exp(np.array(draft.logprobs))  # [3, V]
+    assert set(np.array(draft.tokens).tolist()) <= set(HALF.tolist())
+    np.testing.assert_allclose(q.sum(axis=-1), 1.0, rtol=1e-5)
+    assert q[:, np.setdiff1d(np.arange(V), HALF)].max() == 0.0
+    params = SamplingParams(temp=1.0)
+    stat, critical = chi_square(sample_joint(target, MTPDrafter(restricted, target, depth=3), params),
+                                exact_joint(target, params))
+    assert stat < critical, f"chi-square {stat:.1f} >= {critical:.1f}"
+
+
+class UnrestrictedQ(MTPDrafter):
+    """Samples from the draft vocabulary but reports q over the whole vocabulary (the mistake to catch)."""
+
+    def _sample(self, module, h, sampling):
+        token, _ = super()._sample(module, h, sampling)
+        return token, warp(module.logits(h, self.lm_head), sampling)
+
+
+def test_the_same_test_rejects_q_that_ignores_the_draft_vocabulary(small):
+    target, stack = small
+    params = SamplingParams(temp=1.0)
+    drafter = UnrestrictedQ(MTPStack(stack.chain, stack.config, HALF), target, depth=3)
+    stat, critical = chi_square(sample_joint(target, drafter, params), exact_joint(target, params))
+    assert stat > critical
+
+
+def test_a_draft_vocabulary_is_saved_loaded_and_drafts_greedy_identically(tmp_path, target):
+    stack = init_mtp(target)
+    ids = np.arange(0, target.args.vocab_size, 3, dtype=np.int32)
+    save_mtp(stack, tmp_path / "mtp", target, draft_ids=ids)
+    again = load_mtp(tmp_path / "mtp", target)
+    np.testing.assert_array_equal(again.draft_ids, ids)
+    drafter = make_drafter(f"mtp:weights={tmp_path / 'mtp'},depth=3", target, byte_tokenizer())
+    assert drafter.sub_head.shape == (len(ids), target.args.hidden_size)
+    result = generate(target, byte_tokenizer(), PROMPT, drafter=drafter, num_draft_tokens=3, max_tokens=300,
+                      stop_tokens=set())
+    assert result.tokens == plain_greedy(target, PROMPT, 300)
+    assert result.stats.drafted > 0
+    mx.save_safetensors(str(tmp_path / "mtp" / "draft_vocab.safetensors"), {"ids": mx.array(ids[::-1].copy())})
+    with pytest.raises(ValueError, match=r"draft_vocab.safetensors must hold 'ids', distinct sorted token ids"):
+        load_mtp(tmp_path / "mtp", target)

@@ -13,7 +13,8 @@ from conftest import byte_tokenizer, tiny_llama
 from mlxspec import generate
 from mlxspec.drafters.mtp import MTPDrafter
 from mlxspec.heads.mtp import load_mtp
-from mlxspec.train.eagle_data import EagleEvalRecord
+from mlxspec.train.eagle_data import EagleEvalRecord, token_counts
+from mlxspec.train.features import FeatureCache
 from mlxspec.train.loop import StepRecord
 from mlxspec.train.mtp import MTPTrainConfig, train_mtp
 from test_train_eagle import _corpus, _prompts
@@ -89,12 +90,18 @@ def test_cli_trains_and_writes_the_record(tiny_model_dir, tmp_path, capsys):
     _corpus(model, tok, tmp_path / "corpus", train_prompts=8, validation_prompts=2)
     out = tmp_path / "mtp"
     argv = ["mtp", "--model", str(tiny_model_dir), "--corpus", str(tmp_path / "corpus"), "--output", str(out),
-            "--max-steps", "2", "--batch-tokens", "512"]
+            "--max-steps", "2", "--batch-tokens", "512", "--draft-vocab-size", "40"]
     assert train_main(argv) == 0
     captured = capsys.readouterr()
     assert "before training: held-out agreement" in captured.out and "epoch 1:" in captured.out
     record = json.loads((out / "training.json").read_text())
     assert record["command"].startswith("mlxspec train mtp --model") and record["heldout"][0]["epoch"] == 0
-    assert load_mtp(out, model).config.num_modules == 1
-    assert train_main(argv[:-2] + ["--ttt-steps", "0"]) == 2
+    stack = load_mtp(out, model)
+    assert stack.config.num_modules == 1
+    # the draft vocabulary: the 40 most frequent answer tokens of the training corpus, sorted
+    counts = token_counts(FeatureCache(tmp_path / "corpus" / "train"), model.args.vocab_size)
+    assert len(stack.draft_ids) == 40 and list(stack.draft_ids) == sorted(stack.draft_ids)
+    assert counts[stack.draft_ids].min() >= np.delete(counts, stack.draft_ids).max()
+    np.testing.assert_array_equal(load_mtp(out / "epoch-1", model).draft_ids, stack.draft_ids)
+    assert train_main(argv[:-4] + ["--ttt-steps", "0"]) == 2
     assert "ttt-steps must be >= 1" in capsys.readouterr().err

@@ -6,7 +6,9 @@ position t, taken from the verify forward that the round makes anyway (``taps.Hi
 embedding of token t + 1, and gives q over token t + 2; chained on its own output it drafts depth
 1-3. Drafts are sampled from q (argmax at temperature 0) and verified with the exact rule for
 sampled chains (docs/acceptance.md 2.1), so the output is distributed as the target's at any
-temperature (docs/mtp.md 2.1).
+temperature (docs/mtp.md 2.1). A module with a draft vocabulary (``draft_vocab.safetensors``, written
+by ``mlxspec train mtp``) samples from those ids' rows of the shared head only: on a small target
+with a large vocabulary the head is most of a draft step (docs/mtp.md 2.2).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from mlx_lm.models.cache import KVCache
 from ..assets import shipped
 from ..heads.mtp import TRAIN_COMMAND, MTPStack, has_mtp, load_mtp
 from ..sampling import SamplingParams, sample
-from ..taps import model_body, output_head
+from ..taps import head_rows, logits_width, model_body, output_head
 from .base import Draft, Drafter, feature_prefill, pending_features
 from .registry import DrafterContext, DrafterType, at_least, option, register
 
@@ -56,6 +58,14 @@ class MTPDrafter(Drafter):
         body = model_body(target)
         self.stack, self.depth = stack, depth
         self.embed, self.lm_head = body.embed_tokens, output_head(target)
+        # A draft vocabulary: sample from these ids' rows of the head only (docs/mtp.md 2.2)
+        self.vocab_ids = self.sub_head = None
+        if stack.draft_ids is not None and not stack.config.own_head:
+            ids = mx.array(stack.draft_ids, dtype=mx.int32)
+            rows = head_rows(target, ids)
+            if rows is not None:
+                self.vocab_ids, self.sub_head, self.vocab_size = ids, rows, logits_width(target)
+                mx.eval(self.sub_head)
         self.cache, self._history = [KVCache() for _ in self.stack.first.blocks], []  # and the tokens it was built from
         self.prefill([], None)
 
@@ -85,7 +95,7 @@ class MTPDrafter(Drafter):
         self._pending, committed = None, self.cache[0].offset
         h, tokens, logprobs = out[-1:], [], []  # h [1, H]: predicts the token after the root
         for step in range(depth):
-            token, q = sample(module.logits(h, self.lm_head), sampling)  # [1], [1, V] or None
+            token, q = self._sample(module, h, sampling)  # [1], [1, V] or None
             tokens.append(token)
             if q is not None:
                 logprobs.append(q)
@@ -96,6 +106,22 @@ class MTPDrafter(Drafter):
         draft = Draft.chain(mx.concatenate(tokens), mx.concatenate(logprobs) if logprobs else None)
         mx.async_eval(draft.tokens, *([draft.logprobs] if logprobs else []))
         return draft
+
+
+    def _sample(self, module, h: mx.array, sampling: SamplingParams) -> tuple[mx.array, mx.array | None]:
+        """One draft token [1] from the module's output ``h`` [1, H] and q [1, V] (``None`` when greedy).
+
+        With a draft vocabulary q is the softmax over its N ids (zero elsewhere): a distribution over
+        the target's vocabulary like any other, so the exact rule keeps the output the target's.
+        """
+        if self.sub_head is None:
+            return sample(module.logits(h, self.lm_head), sampling)
+        token, q = sample(h @ self.sub_head.T, sampling)  # [1] draft-vocabulary index, [1, N]
+        if q is not None:
+            wide = mx.full((q.shape[0], self.vocab_size), -mx.inf, dtype=q.dtype)
+            wide[:, self.vocab_ids] = q
+            q = wide
+        return self.vocab_ids[token], q
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.base import create_attention_mask
 
@@ -113,10 +114,13 @@ class MTPStack(nn.Module):
     ``attention_owner``), so training reuses its unrolled forward and held-out scores.
     """
 
-    def __init__(self, modules: list[MTPModule], config: MTPConfig):
+    def __init__(self, modules: list[MTPModule], config: MTPConfig, draft_ids: np.ndarray | None = None):
         super().__init__()
         self.chain = modules
         self.config = config
+        #: The draft vocabulary (sorted target ids [N] int32, ``draft_vocab.safetensors``) the drafter samples
+        #: from, or ``None`` for the whole vocabulary (docs/mtp.md 2.2). A numpy array: not a parameter.
+        self.draft_ids = draft_ids
 
     @property
     def first(self) -> MTPModule:
@@ -321,7 +325,7 @@ def load_mtp(path: str | Path, target: nn.Module, dtype=None) -> MTPStack:
         weights.pop("embed_tokens.weight", None)  # DeepSeek/GLM duplicate the target's embedding
         weights = _sanitize_blocks(target, weights, num_blocks)
         modules.append(_fill(_module(target, num_blocks, own_head), weights, prefix, folder))
-    stack = MTPStack(modules, stack_config)
+    stack = MTPStack(modules, stack_config, read_draft_vocab(folder, logits_width(target)))
     cast = dtype or model_body(target).embed_tokens.weight.dtype
     if cast in (mx.float16, mx.bfloat16, mx.float32):
         stack.set_dtype(cast)
@@ -385,7 +389,31 @@ def init_mtp(target: nn.Module) -> MTPStack:
     return stack
 
 
-def save_mtp(stack: MTPStack, folder: str | Path, target: nn.Module, extra: dict | None = None) -> None:
+#: The optional file beside a module that holds its draft vocabulary (tensor ``ids``, sorted target ids).
+DRAFT_VOCAB_FILE = "draft_vocab.safetensors"
+
+
+def read_draft_vocab(folder: Path, vocab_size: int) -> np.ndarray | None:
+    """The draft vocabulary in ``folder/draft_vocab.safetensors``: sorted distinct ids [N] int32, or ``None``
+    when the file is absent (the whole vocabulary, as published MTP layers draft).
+
+    Raises:
+        ValueError: a damaged file, or ids that are not distinct, sorted and below ``vocab_size``.
+    """
+    path = folder / DRAFT_VOCAB_FILE
+    if not path.is_file():
+        return None
+    ids = load_safetensors(path).get("ids")
+    ids = np.array(ids).astype(np.int64) if ids is not None else None
+    if ids is None or ids.ndim != 1 or len(ids) == 0 or ids[0] < 0 or ids[-1] >= vocab_size \
+            or np.any(np.diff(ids) <= 0):
+        raise ValueError(f"{path} must hold 'ids', distinct sorted token ids below this target's vocabulary of "
+                         f"{vocab_size}; delete it to draft from the whole vocabulary")
+    return ids.astype(np.int32)
+
+
+def save_mtp(stack: MTPStack, folder: str | Path, target: nn.Module, extra: dict | None = None,
+             draft_ids: np.ndarray | None = None) -> None:
     """Write ``stack`` in the DeepSeek layout ``load_mtp`` reads: ``config.json`` + ``model.safetensors``.
 
     Tensors are ``model.layers.{N + i}.{enorm,hnorm,eh_proj}``, ``.shared_head.norm``, the block's own
@@ -396,6 +424,8 @@ def save_mtp(stack: MTPStack, folder: str | Path, target: nn.Module, extra: dict
         folder: Output folder (created).
         target: The target they were trained for (N, and its config fields for the record).
         extra: More ``config.json`` fields (e.g. ``draft_depth``).
+        draft_ids: A draft vocabulary to write as ``draft_vocab.safetensors`` (sorted target ids), or
+            ``None`` (the stack's own, if any).
     """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -413,3 +443,6 @@ def save_mtp(stack: MTPStack, folder: str | Path, target: nn.Module, extra: dict
     config = {**args, "num_hidden_layers": N, "num_nextn_predict_layers": len(stack.chain),
               "mlxspec_mtp": True, **(extra or {})}
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    draft_ids = draft_ids if draft_ids is not None else stack.draft_ids
+    if draft_ids is not None:
+        mx.save_safetensors(str(folder / DRAFT_VOCAB_FILE), {"ids": mx.array(np.asarray(draft_ids), dtype=mx.int32)})

@@ -20,10 +20,12 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from ..heads.mtp import MTPStack, init_mtp, load_mtp, save_mtp
 from .eagle import EagleTask, soft_ce, unroll
-from .eagle_data import EagleTrainConfig, SequenceBatch
+from ..taps import logits_width
+from .eagle_data import EagleTrainConfig, SequenceBatch, draft_vocabulary, token_counts
 from .features import FeatureCache
 from .loop import EvalRecord, StepRecord, cast_copy, fit
 
@@ -37,6 +39,9 @@ class MTPTrainConfig(EagleTrainConfig):
         eval_steps: Depths scored on the held-out corpus.
         version: Always 1 (the corpus layout EAGLE-1 reads: final-norm features, no layer inputs).
         noise: Not used by MTP (0).
+        draft_vocab_size: The draft vocabulary written beside the module (``draft_vocab.safetensors``): the
+            most frequent answer tokens of the corpus, which drafting samples from (docs/mtp.md 2.2); 0:
+            the whole vocabulary. Training always scores the whole vocabulary's top-K labels.
     """
 
     version: int = 1
@@ -103,7 +108,19 @@ class MTPTask(EagleTask):
         return stack
 
     def save(self, stack: MTPStack, folder: Path, dtype: str | None) -> None:
-        save_mtp(cast_copy(stack, lambda: init_mtp(self.target), dtype), folder, self.target)
+        save_mtp(cast_copy(stack, lambda: init_mtp(self.target), dtype), folder, self.target,
+                 draft_ids=self.draft_ids())
+
+    def draft_ids(self) -> np.ndarray | None:
+        """The ``draft_vocab_size`` most frequent answer tokens of the training corpus, sorted (EAGLE-3's
+        choice, ``eagle_data.draft_vocabulary``), or ``None`` for the whole vocabulary."""
+        vocab, size = int(logits_width(self.target)), self.config.draft_vocab_size
+        if not 0 < size < vocab:
+            return None
+        if getattr(self, "_draft_ids", None) is None:
+            d2t, _ = draft_vocabulary(token_counts(self.train, vocab), size)
+            self._draft_ids = (np.arange(size) + d2t).astype(np.int32)
+        return self._draft_ids
 
     def loss(self, stack: MTPStack):
         return lambda batch: mtp_loss(stack, batch, self.embed, self.lm_weight, self.config)

@@ -22,6 +22,9 @@ FLAGS = {
     "ttt_steps": "chain depths in the loss: step k feeds the module its own step k-1 output",
     "step_decay": "weight of depth k is DECAY**k",
     "eval_steps": "depths scored on the held-out corpus",
+    "draft_vocab_size": "draft vocabulary saved with the module (draft_vocab.safetensors): the most frequent "
+                        "answer tokens of the corpus, which drafting samples from, so a draft step reads that "
+                        "many rows of the LM head instead of all (0: the whole vocabulary)",
     "batch_tokens": "padded tokens per step (whole examples of similar length)",
     "max_seq_length": "cut examples to this many tokens",
 }
