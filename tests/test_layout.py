@@ -111,3 +111,11 @@ def test_every_package_is_installed():
     listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     folders = {name for name, path in modules().items() if path.name == "__init__.py"}
     assert folders | DATA_PACKAGES == listed
+
+
+def test_every_kind_of_shipped_asset_is_in_the_wheel():
+    """A head or drafter kind that can ship in models/<kind>/ must be package data, or a wheel lacks it."""
+    from mlxspec.assets import SHIPPED_MARKERS
+
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    assert {f"{kind}/*/*" for kind in SHIPPED_MARKERS} <= set(data["mlxspec_models"])
