@@ -11,7 +11,15 @@ from conftest import byte_tokenizer, tiny_llama
 from mlxspec.drafters.dflash import DFlashDrafter
 from mlxspec.generate import generate
 from mlxspec.heads.dflash import load_dflash
-from mlxspec.train.dflash import DFlashEvalRecord, DFlashTrainConfig, make_batch, plan_epoch, train_dflash
+from mlxspec.train.dflash import (
+    DFlashEvalRecord,
+    DFlashTask,
+    DFlashTrainConfig,
+    block_batches,
+    make_batch,
+    plan_epoch,
+    train_dflash,
+)
 from mlxspec.train.loop import StepRecord
 from test_train_eagle import _corpus, _prompts
 
@@ -115,3 +123,24 @@ def test_cli_trains_writes_the_record_and_refuses_bad_input(tiny_model_dir, tmp_
     assert "records the input of layer 0" in capsys.readouterr().err
     assert train_main(argv + ["--block-size", "1"]) == 2
     assert "block-size must be >= 2" in capsys.readouterr().err
+
+
+def test_training_reads_normalised_features_and_saves_a_drafter_that_reads_raw_ones(tiny, corpus, tmp_path):
+    """Massive feature dimensions (Qwen: RMS 175 against a median of 0.6) are divided out in training and
+    folded into fc on saving, so the saved drafter computes on raw features what training computed."""
+    model, _ = tiny
+    task = DFlashTask(model, corpus[0], None, CONFIG)
+    K_H = 3 * model.args.hidden_size
+    assert task.scale.shape == (K_H,) and (task.scale >= 1e-2).all()
+    task.scale = np.linspace(0.05, 200.0, K_H).astype(np.float32)  # far from 1, so a missing fold shows
+    net = task.init()
+    raw = mx.random.normal((1, 6, K_H), key=mx.random.key(2)) * mx.array(task.scale)
+    want = net.fuse(raw / mx.array(task.scale))
+    task.save(net, tmp_path / "d", None)
+    saved = load_dflash(tmp_path / "d", target=model)
+    np.testing.assert_allclose(np.array(saved.fuse(raw)), np.array(want), rtol=1e-4, atol=1e-4)
+    resumed = task.load(tmp_path / "d")  # back in the training parametrisation
+    np.testing.assert_allclose(np.array(resumed.fc.weight), np.array(net.fc.weight), rtol=1e-5, atol=1e-7)
+    batch = next(iter(task.batches(net, 0, 0)))
+    unscaled = next(iter(block_batches(corpus[0], task._plan(0), CONFIG, task.mask_token_id, epoch=0)))
+    np.testing.assert_allclose(np.array(batch.features) * task.scale, np.array(unscaled.features), rtol=1e-5)

@@ -17,6 +17,14 @@ log-softmax (the distribution of token t + 1).
   target's stored top-K distribution renormalised; the drafter's softmax runs over the union of the
   batch's top-K ids (a sampled softmax, as for EAGLE-1 in ``train/eagle.py``: the 49k-wide LM head
   dominates a CPU step otherwise). Position j is weighted ``position_decay ** (j - 1)``.
+- **Feature preconditioning.** Qwen-style targets carry a few massive residual dimensions (in the
+  Qwen2.5-Coder-0.5B corpus one dimension has RMS 175 against a median of 0.6, and five hold 92–98%
+  of the energy of the middle and top features), so ``fc`` of the raw features is nearly the same
+  vector at every position and the drafter learns the unigram (held-out agreement stuck at the most
+  frequent token's rate). Training therefore feeds ``fc`` the features divided by their per-dimension
+  RMS over the corpus (``feature_scale``) and folds the division into ``fc``'s columns whenever it
+  saves (``fold_feature_scale``), so a saved drafter reads raw features exactly as the published
+  layout does; loading for a resumed run unfolds it.
 - **Held-out acceptance.** Per block position j, the drafter's argmax against the target's greedy
   token there. The drafter never reads its own drafts, so on a greedy corpus this is exactly what
   greedy verification of its chain accepts: chain acceptance at j is the fraction of blocks whose
@@ -180,8 +188,9 @@ def _anchors(mask: np.ndarray, start: int, length: int, count: int, rng: np.rand
 
 
 def make_batch(arrays: dict, spans: list[tuple[int, int]], config: DFlashTrainConfig, mask_token_id: int, *,
-               key: tuple[int, ...], first_row: int = 1) -> BlockBatch:
-    """Materialise one batch from a loaded chunk (see ``BlockBatch``); ``key`` seeds the anchors.
+               key: tuple[int, ...], first_row: int = 1, scale: np.ndarray | None = None) -> BlockBatch:
+    """Materialise one batch from a loaded chunk (see ``BlockBatch``); ``key`` seeds the anchors; the features
+    are divided by ``scale`` [K H] when given (``feature_scale``).
 
     ``first_row`` is the block row that scores draft 1: 1 in DFlash (row j scores the token at anchor
     + j), 0 in DSpark's published layout (row j − 1 does); drafts 1 … B − ``first_row`` are scored.
@@ -207,7 +216,9 @@ def make_batch(arrays: dict, spans: list[tuple[int, int]], config: DFlashTrainCo
     ctx = (np.arange(S)[None] >= lo[:, None]) & (np.arange(S)[None] < hi[:, None])
     mask = np.concatenate([ctx, np.ones((Nb, B), bool)], axis=1)[:, None, None]
     labels = _soft_labels(arrays, np.array(label_at).reshape(Nb, P), first_row, B, config.position_decay)
-    return BlockBatch(mx.array(np.concatenate(feats).astype(np.float32)[None]), mx.array(np.array(blocks, np.int32)),
+    features = np.concatenate(feats).astype(np.float32)
+    features = features / scale if scale is not None else features
+    return BlockBatch(mx.array(features[None]), mx.array(np.array(blocks, np.int32)),
                       mx.array(np.array(anchors, np.int32)), mx.array(mask), *labels,
                       np.array(greedy, np.int32).reshape(Nb, B), mx.array(np.array(previous, np.int32).reshape(Nb, B)))
 
@@ -238,10 +249,27 @@ def _soft_labels(arrays: dict, label_at: np.ndarray, first_row: int, B: int, dec
 
 
 def block_batches(cache: FeatureCache, plan, config: DFlashTrainConfig, mask_token_id: int, *, epoch: int,
-                  start: int = 0, first_row: int = 1) -> Iterator[BlockBatch]:
+                  start: int = 0, first_row: int = 1, scale: np.ndarray | None = None) -> Iterator[BlockBatch]:
     """Materialise ``plan[start:]``, one chunk in memory at a time; anchors keyed by (seed, epoch, chunk)."""
     return chunk_batches(cache, plan[start:], lambda arrays, c, spans: make_batch(
-        arrays, spans, config, mask_token_id, key=(config.seed, epoch, c), first_row=first_row))
+        arrays, spans, config, mask_token_id, key=(config.seed, epoch, c), first_row=first_row, scale=scale))
+
+
+def feature_scale(cache: FeatureCache, max_positions: int = 4096) -> np.ndarray:
+    """Per-dimension RMS of the corpus's features over the first positions of chunk 0, [K H] float32, floored
+    at 1e-2: what training divides ``fc``'s input by (module docstring, "Feature preconditioning")."""
+    with np.load(cache.directory / cache.manifest["chunks"][0]["file"]) as data:
+        aux = data["aux"][:max_positions].astype(np.float32)  # [N, K, H]
+    return np.maximum(np.sqrt((aux**2).mean(axis=0)).reshape(-1), 1e-2)
+
+
+def fold_feature_scale(net: DFlashNet, scale: np.ndarray, *, unfold: bool = False) -> DFlashNet:
+    """``net`` (in place) with ``fc`` reading raw features: ``W / scale`` column-wise, so ``fc(f)`` equals the
+    training network's ``fc(f / scale)``; ``unfold``: the inverse, ``W * scale`` (a saved drafter back to
+    the training parametrisation)."""
+    s = mx.array(scale.astype(np.float32))
+    net.fc.weight = net.fc.weight * s if unfold else net.fc.weight / s
+    return net
 
 
 # --- loss and held-out acceptance --------------------------------------------------------------
@@ -272,11 +300,12 @@ def dflash_loss(net: DFlashNet, batch: BlockBatch, embed, lm_weight: mx.array) -
 
 
 def evaluate(net: DFlashNet, embed, lm_head, cache: FeatureCache, config: DFlashTrainConfig,
-             mask_token_id: int) -> DFlashEvalRecord:
+             mask_token_id: int, scale: np.ndarray | None = None) -> DFlashEvalRecord:
     """Held-out per-position acceptance (see ``DFlashEvalRecord``), blocks in corpus order until about
-    ``config.max_eval_positions`` block positions are scored."""
+    ``config.max_eval_positions`` block positions are scored; ``scale``: as the training batches'."""
     hits, seen = [], 0
-    for batch in block_batches(cache, plan_epoch(cache, config, shuffle=False), config, mask_token_id, epoch=0):
+    plan = plan_epoch(cache, config, shuffle=False)
+    for batch in block_batches(cache, plan, config, mask_token_id, epoch=0, scale=scale):
         if seen >= config.max_eval_positions:
             break
         guess = np.array(mx.argmax(lm_head(block_hidden(net, batch, embed)), axis=-1))  # [Nb, B]
@@ -349,21 +378,28 @@ class DFlashTask(EpochPlans):
         self.lm_weight = lm_head_matrix(target)
         vocab = int(logits_width(target))
         self.mask_token_id = config.mask_token_id if config.mask_token_id >= 0 else vocab - 1
+        self.scale = feature_scale(train)
 
     def init(self) -> DFlashNet:
         mx.random.seed(self.config.seed)  # the initial weights are a function of the settings, like the batches
         return init_net(self.target, self.config, self.train.manifest["aux_layers"])
 
     def load(self, folder: Path) -> DFlashNet:
-        net = load_dflash(folder, target=self.target, dtype=mx.float32)
+        net = fold_feature_scale(load_dflash(folder, target=self.target, dtype=mx.float32), self.scale, unfold=True)
         net.train()
         return net
 
+    def folded(self, net: DFlashNet, make, dtype: str | None) -> DFlashNet:
+        """What ``save`` writes: a copy of ``net`` reading raw features (``fold_feature_scale``), cast to ``dtype``."""
+        copy = cast_copy(net, make, "float32")
+        return cast_copy(fold_feature_scale(copy, self.scale), make, dtype)
+
     def save(self, net: DFlashNet, folder: Path, dtype: str | None) -> None:
-        save_dflash(cast_copy(net, lambda: DFlashNet(net.config), dtype), folder)
+        save_dflash(self.folded(net, lambda: DFlashNet(net.config), dtype), folder)
 
     def batches(self, net, epoch: int, start: int) -> Iterator[BlockBatch]:
-        return block_batches(self.train, self._plan(epoch), self.config, self.mask_token_id, epoch=epoch, start=start)
+        return block_batches(self.train, self._plan(epoch), self.config, self.mask_token_id, epoch=epoch, start=start,
+                             scale=self.scale)
 
     def loss(self, net: DFlashNet):
         return lambda batch: dflash_loss(net, batch, self.embed, self.lm_weight)
@@ -377,7 +413,7 @@ class DFlashTask(EpochPlans):
     def evaluate(self, net: DFlashNet) -> DFlashEvalRecord | None:
         if self.heldout is None:
             return None
-        return evaluate(net, self.embed, self.lm_head, self.heldout, self.config, self.mask_token_id)
+        return evaluate(net, self.embed, self.lm_head, self.heldout, self.config, self.mask_token_id, self.scale)
 
 
 def train_dflash(target: nn.Module, train: FeatureCache, heldout: FeatureCache | None, output: str | Path,

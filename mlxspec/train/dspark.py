@@ -57,11 +57,12 @@ from .dflash import (
     block_batches,
     block_hidden,
     chain_record,
+    fold_feature_scale,
     plan_epoch,
 )
 from .eagle import soft_ce
 from .features import FeatureCache
-from .loop import EvalRecord, StepRecord, cast_copy, fit
+from .loop import EvalRecord, StepRecord, fit
 
 #: Settings that must match to resume a run (with the loop's own).
 RESUME_KEYS = DFLASH_RESUME_KEYS + ("markov_rank", "confidence_lr_scale", "init_dflash")
@@ -168,13 +169,13 @@ def scored_positions(batch: BlockBatch) -> tuple[mx.array, mx.array]:
 
 
 def evaluate(net: DSparkNet, embed, lm_head, cache: FeatureCache, config: DSparkTrainConfig,
-             mask_token_id: int) -> DSparkEvalRecord:
+             mask_token_id: int, scale: np.ndarray | None = None) -> DSparkEvalRecord:
     """Held-out acceptance and calibration (see ``DSparkEvalRecord``), blocks in corpus order until about
     ``config.max_eval_positions`` draft positions are scored."""
     start, P = first_row(net), net.dspark.proposals
     hits, confidence, seen = [], [], 0
     plan = plan_epoch(cache, config, shuffle=False)
-    for batch in block_batches(cache, plan, config, mask_token_id, epoch=0, first_row=start):
+    for batch in block_batches(cache, plan, config, mask_token_id, epoch=0, first_row=start, scale=scale):
         if seen >= config.max_eval_positions:
             break
         hidden, previous = draft_rows(net, batch, embed)  # [Nb, P, H], [Nb, P]
@@ -257,10 +258,13 @@ class DSparkTask(DFlashTask):
 
     def init(self) -> DSparkNet:
         mx.random.seed(self.config.seed)  # the initial weights are a function of the settings, like the batches
-        return self._ready(init_net(self.target, self.config, self.train.manifest["aux_layers"]))
+        net = init_net(self.target, self.config, self.train.manifest["aux_layers"])
+        if self.config.init_dflash:  # a saved DFlash drafter reads raw features
+            net = fold_feature_scale(net, self.scale, unfold=True)
+        return self._ready(net)
 
     def load(self, folder: Path) -> DSparkNet:
-        net = load_dspark(folder, target=self.target, dtype=mx.float32)
+        net = fold_feature_scale(load_dspark(folder, target=self.target, dtype=mx.float32), self.scale, unfold=True)
         net.train()
         return self._ready(net)
 
@@ -269,11 +273,11 @@ class DSparkTask(DFlashTask):
         return net
 
     def save(self, net: DSparkNet, folder: Path, dtype: str | None) -> None:
-        save_dspark(cast_copy(net, lambda: DSparkNet(net.dspark), dtype), folder)
+        save_dspark(self.folded(net, lambda: DSparkNet(net.dspark), dtype), folder)
 
     def batches(self, net, epoch: int, start: int) -> Iterator[BlockBatch]:
         return block_batches(self.train, self._plan(epoch), self.config, self.mask_token_id, epoch=epoch, start=start,
-                             first_row=self.first_row)
+                             first_row=self.first_row, scale=self.scale)
 
     def loss(self, net: DSparkNet):
         return lambda batch, scored, greedy: dspark_loss(net, batch, self.embed, self.lm_weight, scored, greedy)
@@ -284,7 +288,7 @@ class DSparkTask(DFlashTask):
     def evaluate(self, net: DSparkNet) -> DSparkEvalRecord | None:
         if self.heldout is None:
             return None
-        return evaluate(net, self.embed, self.lm_head, self.heldout, self.config, self.mask_token_id)
+        return evaluate(net, self.embed, self.lm_head, self.heldout, self.config, self.mask_token_id, self.scale)
 
 
 def train_dspark(target: nn.Module, train: FeatureCache, heldout: FeatureCache | None, output: str | Path,
