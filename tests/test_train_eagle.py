@@ -250,3 +250,24 @@ def test_cli_trains_writes_the_record_and_refuses_bad_input(tiny_model_dir, tmp_
     argv = ["eagle", "--model", str(tiny_model_dir), "--corpus", str(tmp_path / "other"), "-o", str(tmp_path / "x")]
     assert train_main(argv) == 2
     assert "made by another model" in capsys.readouterr().err
+
+
+def test_eagle3_fc_reads_normalised_features_in_training_and_raw_ones_once_saved(tiny, corpus, tmp_path):
+    from mlxspec.train.eagle import EagleTask
+
+    model, _ = tiny
+    task = EagleTask(model, corpus[0], None, CONFIG3)
+    F = 3 * model.args.hidden_size
+    assert task.scale.shape == (F,)
+    task.scale = np.linspace(0.05, 200.0, F).astype(np.float32)  # far from 1, so a missing fold shows
+    head = task.init()
+    raw = mx.random.normal((1, 5, F), key=mx.random.key(3)) * mx.array(task.scale)
+    task.save(head, tmp_path / "h", None)
+    saved = load_eagle(tmp_path / "h", target=model)
+    np.testing.assert_allclose(np.array(saved.fc(raw)), np.array(head.fc(raw / mx.array(task.scale))),
+                               rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.array(task.load(tmp_path / "h").fc.weight), np.array(head.fc.weight),
+                               rtol=1e-5, atol=1e-7)
+    batch = next(iter(task.batches(head, 0, 0)))
+    (fed,) = task.inputs(batch, 0)
+    np.testing.assert_allclose(np.array(fed.features) * task.scale, np.array(batch.features), rtol=1e-5, atol=1e-6)

@@ -44,7 +44,7 @@ import numpy as np
 from ..heads.dflash import DFlashConfig, DFlashNet, load_dflash, save_dflash
 from ..taps import logits_width, model_body, output_head
 from .eagle import lm_head_matrix, soft_ce
-from .features import FeatureCache, check_corpus_arrays, chunk_batches, chunk_spans
+from .features import FeatureCache, check_corpus_arrays, chunk_batches, chunk_spans, feature_scale, fold_feature_scale
 from .loop import EpochPlans, EvalRecord, StepRecord, TrainConfig, cast_copy, fit
 
 #: Settings that must match to resume a run (with the loop's own).
@@ -253,23 +253,6 @@ def block_batches(cache: FeatureCache, plan, config: DFlashTrainConfig, mask_tok
     """Materialise ``plan[start:]``, one chunk in memory at a time; anchors keyed by (seed, epoch, chunk)."""
     return chunk_batches(cache, plan[start:], lambda arrays, c, spans: make_batch(
         arrays, spans, config, mask_token_id, key=(config.seed, epoch, c), first_row=first_row, scale=scale))
-
-
-def feature_scale(cache: FeatureCache, max_positions: int = 4096) -> np.ndarray:
-    """Per-dimension RMS of the corpus's features over the first positions of chunk 0, [K H] float32, floored
-    at 1e-2: what training divides ``fc``'s input by (module docstring, "Feature preconditioning")."""
-    with np.load(cache.directory / cache.manifest["chunks"][0]["file"]) as data:
-        aux = data["aux"][:max_positions].astype(np.float32)  # [N, K, H]
-    return np.maximum(np.sqrt((aux**2).mean(axis=0)).reshape(-1), 1e-2)
-
-
-def fold_feature_scale(net: DFlashNet, scale: np.ndarray, *, unfold: bool = False) -> DFlashNet:
-    """``net`` (in place) with ``fc`` reading raw features: ``W / scale`` column-wise, so ``fc(f)`` equals the
-    training network's ``fc(f / scale)``; ``unfold``: the inverse, ``W * scale`` (a saved drafter back to
-    the training parametrisation)."""
-    s = mx.array(scale.astype(np.float32))
-    net.fc.weight = net.fc.weight * s if unfold else net.fc.weight / s
-    return net
 
 
 # --- loss and held-out acceptance --------------------------------------------------------------

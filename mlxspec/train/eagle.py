@@ -33,6 +33,7 @@ token per unrolled step and the chain acceptance it implies) before training and
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -41,7 +42,7 @@ import numpy as np
 
 from ..heads.eagle import EagleConfig, EagleHead, load_eagle, save_eagle
 from ..taps import logits_width, model_body, output_head
-from .features import FeatureCache
+from .features import FeatureCache, feature_scale, fold_feature_scale
 from .eagle_data import (
     RESUME_KEYS,
     EagleEvalRecord,
@@ -237,7 +238,7 @@ def _greedy_ids(head, rows: mx.array, lm_weight: mx.array | None, block: int = 5
 
 
 def evaluate(head, embed, cache: FeatureCache, config: EagleTrainConfig, *, lm_weight: mx.array | None = None,
-             to_draft: np.ndarray | None = None) -> EagleEvalRecord:
+             to_draft: np.ndarray | None = None, scale: np.ndarray | None = None) -> EagleEvalRecord:
     """Held-out top-1 agreement with the target's greedy token per unrolled step (an acceptance estimate).
 
     Positions are every draft position whose predicted token is an assistant token, in corpus
@@ -250,6 +251,7 @@ def evaluate(head, embed, cache: FeatureCache, config: EagleTrainConfig, *, lm_w
         config: ``eval_steps``, ``max_eval_positions``, batch shape.
         lm_weight: The target's LM head [V, H] (EAGLE-1).
         to_draft: ``target_to_draft`` of the head's vocabulary (EAGLE-3 with a reduced one).
+        scale: EAGLE-3: what the step-0 features are divided by, as in training (``features.feature_scale``).
 
     Returns:
         EagleEvalRecord: with ``epoch`` 0 (the caller sets it).
@@ -261,7 +263,8 @@ def evaluate(head, embed, cache: FeatureCache, config: EagleTrainConfig, *, lm_w
     for batch in sequence_batches(cache, plan_epoch(cache, config, shuffle=False), config, to_draft):
         if seen >= config.max_eval_positions:
             break
-        outs = unroll(head, embed, batch.features, batch.tokens, S)
+        features = batch.features / mx.array(scale) if scale is not None else batch.features
+        outs = unroll(head, embed, features, batch.tokens, S)
         grid = np.full((S, batch.tokens_padded), -1, np.int8)  # -1 = no target at this step
         for k, x in enumerate(outs):
             rows = batch.eval_rows[k]
@@ -287,22 +290,20 @@ def lm_head_matrix(target: nn.Module) -> mx.array:
     return output_head(target)(mx.eye(H)).T.astype(mx.float32)
 
 
-def init_head(target: nn.Module, config: EagleTrainConfig, *, aux_layers=None, d2t: np.ndarray | None = None,
-              feature_rms: np.ndarray | None = None):
+def init_head(target: nn.Module, config: EagleTrainConfig, *, aux_layers=None, d2t: np.ndarray | None = None):
     """A fresh head shaped like one layer of ``target`` (docs/heads.md 4.1 / 5.2).
 
     EAGLE-3 heads start with their LM head copied from the target's (the rows of the draft
     vocabulary). The residual streams they read are large in the middle and top layers (RMS ~70
-    in SmolLM2 against ~3 in layer 2), and fc's output is the head's un-normed residual, so fc's
-    columns for feature block b start divided by that block's RMS: the residual starts at the
-    scale of the attention and MLP outputs that training has to grow.
+    in SmolLM2 against ~3 in layer 2; single dimensions of 175 in Qwen2.5), so training feeds fc
+    the features divided by their per-dimension RMS (``EagleTask``, ``features.feature_scale``) and
+    fc starts as an ordinary random layer over unit-scale inputs.
 
     Args:
         target: The target (its hidden size, heads, MLP width, vocabulary, LM head).
         config: ``version`` and the draft vocabulary size.
         aux_layers: EAGLE-3: the target layers whose inputs are the features (the corpus's).
         d2t: EAGLE-3 reduced vocabulary offsets [V_draft] (``draft_vocabulary``), or ``None``.
-        feature_rms: EAGLE-3: RMS of each feature block in the corpus, [3], or ``None``.
     """
     args = target.args
     vocab = int(logits_width(target))
@@ -317,21 +318,11 @@ def init_head(target: nn.Module, config: EagleTrainConfig, *, aux_layers=None, d
     if config.version == 3:
         ids = np.arange(shape.draft_vocab_size) + (d2t if d2t is not None else 0)
         head.lm_head.weight = lm_head_matrix(target)[mx.array(ids)]
-        if feature_rms is not None:
-            scale = np.repeat(1.0 / np.maximum(feature_rms, 1e-6), shape.target_hidden_size)  # [3 H_t]
-            head.fc.weight = head.fc.weight * mx.array(scale.astype(np.float32))
         if shape.reduced_vocab:
             head.d2t = mx.array(d2t.astype(np.int32))
             head.t2d = mx.array(np.isin(np.arange(vocab), ids))
     mx.eval(head.parameters())
     return head
-
-
-def feature_rms(cache: FeatureCache, max_positions: int = 4096) -> np.ndarray:
-    """RMS of each EAGLE-3 feature block (``aux`` [N, 3, H]) over the first positions of chunk 0, [3]."""
-    with np.load(cache.directory / cache.manifest["chunks"][0]["file"]) as data:
-        aux = data["aux"][:max_positions].astype(np.float32)
-    return np.sqrt((aux**2).mean(axis=(0, 2)))
 
 
 class EagleTask(EpochPlans):
@@ -360,18 +351,21 @@ class EagleTask(EpochPlans):
         self.embed = model_body(target).embed_tokens
         self.lm_weight = lm_head_matrix(target) if config.version == 1 else None
         self.to_draft = None
+        # EAGLE-3's fc reads the step-0 features per-dimension normalised; saving folds that in
+        self.scale = feature_scale(train) if config.version == 3 else None
 
     def init(self) -> EagleHead:
         d2t, vocab = None, int(logits_width(self.target))
         if self.config.version == 3 and 0 < self.config.draft_vocab_size < vocab:
             d2t, _ = draft_vocabulary(token_counts(self.train, vocab), self.config.draft_vocab_size)
         mx.random.seed(self.config.seed)  # the initial weights are a function of the settings, like the batches
-        rms = feature_rms(self.train) if self.config.version == 3 else None
         return self._ready(init_head(self.target, self.config, aux_layers=self.train.manifest.get("aux_layers"),
-                                     d2t=d2t, feature_rms=rms))
+                                     d2t=d2t))
 
     def load(self, folder: Path) -> EagleHead:
         head = load_eagle(folder, target=self.target, dtype=mx.float32)
+        if self.scale is not None:
+            head = fold_feature_scale(head, self.scale, unfold=True)
         head.train()
         return self._ready(head)
 
@@ -381,7 +375,10 @@ class EagleTask(EpochPlans):
         return head
 
     def save(self, head: EagleHead, folder: Path, dtype: str | None) -> None:
-        save_eagle(cast_copy(head, lambda: EagleHead(head.config), dtype), folder)
+        make = lambda: EagleHead(head.config)  # noqa: E731
+        if self.scale is not None:  # a copy that reads raw features
+            head = fold_feature_scale(cast_copy(head, make, "float32"), self.scale)
+        save_eagle(cast_copy(head, make, dtype), folder)
 
     def batches(self, head, epoch: int, start: int) -> Iterator[SequenceBatch]:
         return sequence_batches(self.train, self._plan(epoch), self.config, self.to_draft, start=start)
@@ -399,7 +396,7 @@ class EagleTask(EpochPlans):
 
     def inputs(self, batch: SequenceBatch, global_step: int) -> tuple:
         if self.config.version == 3:
-            return (batch,)
+            return (replace(batch, features=batch.features / mx.array(self.scale)),)
         key = mx.random.key(self.config.seed * 1_000_003 + global_step)
         noise = feature_noise(batch.features.shape, self.config.noise, key) if self.config.noise > 0 else None
         return batch, noise
@@ -411,7 +408,7 @@ class EagleTask(EpochPlans):
         if self.heldout is None:
             return None
         return evaluate(head, self.embed, self.heldout, self.config, lm_weight=self.lm_weight,
-                        to_draft=self.to_draft)
+                        to_draft=self.to_draft, scale=self.scale)
 
 
 def train_eagle(target: nn.Module, train: FeatureCache, heldout: FeatureCache | None, output: str | Path,

@@ -364,3 +364,27 @@ def example_spans(arrays: dict, max_len: int) -> list[tuple[int, int]]:
         if length >= 3 and mask[start + 2 : start + length].any():
             out.append((start, length))
     return out
+
+
+def feature_scale(cache: FeatureCache, max_positions: int = 4096) -> np.ndarray:
+    """Per-dimension RMS of the corpus's layer features (``aux`` [N, K, H]) over the first positions of chunk 0,
+    [K H] float32 (the order in which batches concatenate them), floored at 1e-2.
+
+    Qwen-style targets carry a few massive residual dimensions (Qwen2.5-Coder-0.5B: one has RMS 175
+    against a median of 0.6; five hold 92-98% of the middle and top layers' energy), so a drafter's
+    ``fc`` over the raw features starts nearly constant across positions, and AdamW, whose steps are
+    the same size for every weight, keeps those dimensions dominant. DFlash, DSpark and EAGLE-3
+    training divide ``fc``'s input by this scale and fold it into ``fc`` when saving
+    (``fold_feature_scale``), so saved drafters read raw features as their published layouts do."""
+    with np.load(cache.directory / cache.manifest["chunks"][0]["file"]) as data:
+        aux = data["aux"][:max_positions].astype(np.float32)  # [N, K, H]
+    return np.maximum(np.sqrt((aux**2).mean(axis=0)).reshape(-1), 1e-2)
+
+
+def fold_feature_scale(net: nn.Module, scale: np.ndarray, *, unfold: bool = False) -> nn.Module:
+    """``net`` (in place; anything with an ``fc`` Linear over the features) with ``fc`` reading raw features:
+    ``W / scale`` column-wise, so ``fc(f)`` equals the training network's ``fc(f / scale)``; ``unfold``: the
+    inverse, ``W * scale`` (a saved drafter back to the training parametrisation)."""
+    s = mx.array(scale.astype(np.float32))
+    net.fc.weight = net.fc.weight * s if unfold else net.fc.weight / s
+    return net
