@@ -17,14 +17,10 @@ log-softmax (the distribution of token t + 1).
   target's stored top-K distribution renormalised; the drafter's softmax runs over the union of the
   batch's top-K ids (a sampled softmax, as for EAGLE-1 in ``train/eagle.py``: the 49k-wide LM head
   dominates a CPU step otherwise). Position j is weighted ``position_decay ** (j - 1)``.
-- **Feature preconditioning.** Qwen-style targets carry a few massive residual dimensions (in the
-  Qwen2.5-Coder-0.5B corpus one dimension has RMS 175 against a median of 0.6, and five hold 92–98%
-  of the energy of the middle and top features), so ``fc`` of the raw features is nearly the same
-  vector at every position and the drafter learns the unigram (held-out agreement stuck at the most
-  frequent token's rate). Training therefore feeds ``fc`` the features divided by their per-dimension
-  RMS over the corpus (``feature_scale``) and folds the division into ``fc``'s columns whenever it
-  saves (``fold_feature_scale``), so a saved drafter reads raw features exactly as the published
-  layout does; loading for a resumed run unfolds it.
+- **Feature preconditioning.** Training feeds ``fc`` the features divided by their per-dimension RMS
+  over the corpus (``features.feature_scale``: Qwen2.5's massive residual dimensions) and folds the
+  division into ``fc``'s columns whenever it saves (``fold_feature_scale``), so a saved drafter reads
+  raw features exactly as the published layout does; loading for a resumed run unfolds it.
 - **Held-out acceptance.** Per block position j, the drafter's argmax against the target's greedy
   token there. The drafter never reads its own drafts, so on a greedy corpus this is exactly what
   greedy verification of its chain accepts: chain acceptance at j is the fraction of blocks whose
