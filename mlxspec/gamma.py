@@ -5,7 +5,9 @@ and ``stream_generate(..., num_draft_tokens="auto")`` mean the same thing for ev
 
 - a drafter that sizes its own rounds (a tree drafter's ``tree_depth``) drafts to that depth, unless
   this machine's measured costs say that no round of that depth could beat a plain step even if every
-  draft were accepted (``round_can_win``): then every round is a plain step (``PricedPlain``);
+  draft were accepted (``round_can_win``): then every round is a plain step (``PricedPlain``); one
+  whose rounds are chains that follow γ (``drafts_chain``: MTP, an EAGLE chain) gets
+  ``costmodel.AutoGamma`` capped at that depth instead, so it also falls back when its drafts miss;
 - any other drafter gets ``costmodel.AutoGamma``: γ per round from this machine's measured costs
   and the running acceptance, falling back to plain decoding when speculation would lose;
 - ``--drafter none`` and ``0`` are plain decoding; an integer is a fixed γ;
@@ -151,7 +153,8 @@ def gamma_policy(num_draft_tokens: int | str | GammaPolicy, model, drafter: Draf
 
     Returns:
         GammaPolicy: ``FixedGamma`` (``PricedPlain`` for a tree drafter under ``"auto"`` whose rounds
-        cannot win here), ``AutoGamma`` or ``ScheduledGamma``.
+        cannot win here), ``AutoGamma`` (capped at ``tree_depth`` for a ``drafts_chain`` drafter) or
+        ``ScheduledGamma``.
 
     Raises:
         ValueError: a γ outside ``0..MAX_NUM_DRAFT_TOKENS``, a string other than ``"auto"`` and
@@ -179,7 +182,11 @@ def gamma_policy(num_draft_tokens: int | str | GammaPolicy, model, drafter: Draf
         if _prices_itself(drafter):
             return FixedGamma(drafter.tree_depth)
         costs = costs if costs is not None else load_or_calibrate(model, drafter, on_measure=on_measure)
-        return PricedPlain(drafter.tree_depth) if auto_priced_plain(drafter, costs) else FixedGamma(drafter.tree_depth)
+        if auto_priced_plain(drafter, costs):
+            return PricedPlain(drafter.tree_depth)
+        if drafter.drafts_chain:  # a chain of any depth up to its own: priced round by round on the acceptance
+            return AutoGamma(costs, max_gamma=drafter.tree_depth)
+        return FixedGamma(drafter.tree_depth)
     return AutoGamma(costs if costs is not None else load_or_calibrate(model, drafter, on_measure=on_measure))
 
 

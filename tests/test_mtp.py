@@ -17,6 +17,7 @@ from mlxspec.cli import main
 from mlxspec.drafters import Draft
 from mlxspec.drafters.mtp import MTPDrafter
 from mlxspec.heads.mtp import MTPStack, has_mtp, init_mtp, load_mtp, save_mtp
+from mlxspec.gamma import gamma_policy
 from mlxspec.sampling import SamplingParams, warp
 from stats import chi_square
 from test_generate import plain_greedy
@@ -229,15 +230,16 @@ def test_auto_runs_mtp_plainly_where_no_chain_of_its_depth_could_win(tmp_path, t
     """MTP sizes its own rounds too: γ auto prices them (``gamma.round_can_win``) and, where a fully accepted
     chain loses to a plain step, decodes plainly and says so."""
     from mlxspec.commands.generate import format_stats
-    from mlxspec.costmodel import Costs
-    from mlxspec.gamma import AUTO_PRICED_PLAIN, FixedGamma, PricedPlain, gamma_policy
+    from mlxspec.costmodel import AutoGamma, Costs
+    from mlxspec.gamma import AUTO_PRICED_PLAIN, PricedPlain, gamma_policy
 
     stack = init_mtp(target)
     save_mtp(stack, tmp_path / "mtp", target, {"draft_depth": 3})
     drafter = make_drafter(f"mtp:weights={tmp_path / 'mtp'}", target, byte_tokenizer())
     steep = Costs([0.01 * k for k in range(1, 17)], draft_s=0.002)
     flat = Costs([0.01 + 0.0001 * k for k in range(16)], draft_s=0.002)
-    assert gamma_policy("auto", target, drafter, costs=flat) == FixedGamma(3)
+    chosen = gamma_policy("auto", target, drafter, costs=flat)  # a chain: priced round by round, up to its depth
+    assert isinstance(chosen, AutoGamma) and chosen.max_gamma == 3 and chosen.costs == flat
     policy = gamma_policy("auto", target, drafter, costs=steep)
     assert policy == PricedPlain(3)
     result = generate(target, byte_tokenizer(), PROMPT, drafter=drafter, num_draft_tokens=policy, max_tokens=30,
@@ -245,6 +247,25 @@ def test_auto_runs_mtp_plainly_where_no_chain_of_its_depth_could_win(tmp_path, t
     assert result.tokens == plain_greedy(target, PROMPT, 30) and result.stats.drafted == 0
     assert result.stats.priced_plain and result.stats.num_draft_tokens == 0
     assert f"Drafter: mtp, {AUTO_PRICED_PLAIN}; cycles: " in format_stats(result.stats, drafter)
+
+
+def test_auto_falls_back_to_plain_decoding_when_the_chain_keeps_missing(target):
+    """A chain that follows γ is priced on its running acceptance: drafts that never survive send γ auto back
+    to plain decoding after a few rounds (the shipped Qwen2.5-Coder-0.5B module, τ 1.25, lost 20-30% to plain
+    decoding at its full depth)."""
+    from mlxspec.costmodel import AutoGamma, Costs
+
+    plain = plain_greedy(target, PROMPT, 60)
+    never = next(i for i in range(target.args.vocab_size) if i not in plain)
+    drafter = MTPDrafter(MTPStack(init_mtp(target).chain, init_mtp(target).config, np.array([never], np.int32)),
+                         target, depth=3)
+    costs = Costs([0.01 * (1 + 0.1 * k) for k in range(16)], draft_s=0.0005)
+    policy = gamma_policy("auto", target, drafter, costs=costs)
+    assert isinstance(policy, AutoGamma) and policy.max_gamma == 3
+    result = generate(target, byte_tokenizer(), PROMPT, drafter=drafter, num_draft_tokens=policy, max_tokens=60,
+                      stop_tokens=set())
+    assert result.tokens == plain and result.stats.accepted == 0
+    assert 0 < result.stats.drafted <= 12  # a few missed rounds, then plain steps (and a probe or two)
 
 
 # --- a draft vocabulary (docs/mtp.md 2.2) ---------------------------------------------------------

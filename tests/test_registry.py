@@ -149,8 +149,10 @@ def test_auto_is_the_same_policy_in_the_api_and_the_cli(name, tmp_path, tiny_mod
     assert type(cli) is type(api) and cli.max_gamma == api.max_gamma
     if name == "none":
         assert cli == FixedGamma(0)
-    elif drafter.tree_depth is not None:
+    elif drafter.tree_depth is not None and not drafter.drafts_chain:
         assert cli == FixedGamma(drafter.tree_depth)
+    elif drafter.tree_depth is not None:  # a chain that follows γ: priced round by round up to its depth
+        assert isinstance(api, AutoGamma) and cli.max_gamma == drafter.tree_depth
     else:
         assert isinstance(api, AutoGamma) and api.costs == cli.costs == FAKE_COSTS
 

@@ -136,6 +136,10 @@ class Drafter(ABC):
     feature_layers: tuple[int, ...] = ()
     #: Whether drafts carry ``Draft.survival`` estimates (needed by ``--num-draft-tokens scheduled``).
     reports_survival: bool = False
+    #: Whether a drafter that sizes its own rounds (``tree_depth``) drafts a chain whose depth follows γ
+    #: (MTP; an EAGLE chain): γ auto then chooses that depth each round from the running acceptance
+    #: (``costmodel.AutoGamma`` capped at ``tree_depth``), falling back to plain decoding when it loses.
+    drafts_chain: bool = False
 
     @property
     def tree_depth(self) -> int | None:

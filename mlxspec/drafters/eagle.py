@@ -119,6 +119,7 @@ class EagleDrafter(Drafter):
                 raise ValueError(f"the EAGLE-3 head reads layers {list(self.feature_layers)} but the target has "
                                  f"{len(body.layers)} decoder layers; use a head trained for this target")
         self.reports_survival = self.choices is None  # the path probabilities of EAGLE-2's candidates
+        self.drafts_chain = top_k == 1 and self.choices is None and not self.ngram  # its depth follows γ
         # a dynamic branching tree reads its shape on the host in propose; a chain or static tree never does
         self.lazy = ((top_k == 1 and self.budget is None) or self.choices is not None) and not self.ngram
         self._plans: dict[int, _StaticPlan] = {}
