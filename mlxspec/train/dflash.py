@@ -40,8 +40,8 @@ import numpy as np
 from ..heads.dflash import DFlashConfig, DFlashNet, load_dflash, save_dflash
 from ..taps import logits_width, model_body, output_head
 from .eagle import lm_head_matrix, soft_ce
-from .features import FeatureCache, check_corpus_arrays, chunk_batches, chunk_spans, feature_scale, fold_feature_scale
-from .loop import EpochPlans, EvalRecord, StepRecord, TrainConfig, cast_copy, fit
+from .features import FeatureCache, check_corpus_arrays, chunk_batches, chunk_spans, feature_scale, fold_feature_scale, folded_copy
+from .loop import EpochPlans, EvalRecord, StepRecord, TrainConfig, fit
 
 #: Settings that must match to resume a run (with the loop's own).
 RESUME_KEYS = ("num_layers", "block_size", "anchors_per_example", "batch_tokens", "max_seq_length", "mask_token_id",
@@ -368,13 +368,8 @@ class DFlashTask(EpochPlans):
         net.train()
         return net
 
-    def folded(self, net: DFlashNet, make, dtype: str | None) -> DFlashNet:
-        """What ``save`` writes: a copy of ``net`` reading raw features (``fold_feature_scale``), cast to ``dtype``."""
-        copy = cast_copy(net, make, "float32")
-        return cast_copy(fold_feature_scale(copy, self.scale), make, dtype)
-
     def save(self, net: DFlashNet, folder: Path, dtype: str | None) -> None:
-        save_dflash(self.folded(net, lambda: DFlashNet(net.config), dtype), folder)
+        save_dflash(folded_copy(net, lambda: DFlashNet(net.config), self.scale, dtype), folder)
 
     def batches(self, net, epoch: int, start: int) -> Iterator[BlockBatch]:
         return block_batches(self.train, self._plan(epoch), self.config, self.mask_token_id, epoch=epoch, start=start,

@@ -61,7 +61,7 @@ from .dflash import (
     plan_epoch,
 )
 from .eagle import soft_ce
-from .features import FeatureCache
+from .features import FeatureCache, folded_copy
 from .loop import EvalRecord, StepRecord, fit
 
 #: Settings that must match to resume a run (with the loop's own).
@@ -273,7 +273,7 @@ class DSparkTask(DFlashTask):
         return net
 
     def save(self, net: DSparkNet, folder: Path, dtype: str | None) -> None:
-        save_dspark(self.folded(net, lambda: DSparkNet(net.dspark), dtype), folder)
+        save_dspark(folded_copy(net, lambda: DSparkNet(net.dspark), self.scale, dtype), folder)
 
     def batches(self, net, epoch: int, start: int) -> Iterator[BlockBatch]:
         return block_batches(self.train, self._plan(epoch), self.config, self.mask_token_id, epoch=epoch, start=start,

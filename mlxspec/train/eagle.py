@@ -42,7 +42,7 @@ import numpy as np
 
 from ..heads.eagle import EagleConfig, EagleHead, load_eagle, save_eagle
 from ..taps import logits_width, model_body, output_head
-from .features import FeatureCache, feature_scale, fold_feature_scale
+from .features import FeatureCache, feature_scale, fold_feature_scale, folded_copy
 from .eagle_data import (
     RESUME_KEYS,
     EagleEvalRecord,
@@ -376,9 +376,8 @@ class EagleTask(EpochPlans):
 
     def save(self, head: EagleHead, folder: Path, dtype: str | None) -> None:
         make = lambda: EagleHead(head.config)  # noqa: E731
-        if self.scale is not None:  # a copy that reads raw features
-            head = fold_feature_scale(cast_copy(head, make, "float32"), self.scale)
-        save_eagle(cast_copy(head, make, dtype), folder)
+        save_eagle(cast_copy(head, make, dtype) if self.scale is None else folded_copy(head, make, self.scale, dtype),
+                   folder)
 
     def batches(self, head, epoch: int, start: int) -> Iterator[SequenceBatch]:
         return sequence_batches(self.train, self._plan(epoch), self.config, self.to_draft, start=start)

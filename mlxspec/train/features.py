@@ -29,6 +29,7 @@ import numpy as np
 from ..loading import default_cache_dir
 from ..taps import HiddenTap, output_head
 from .dataset import Example
+from .loop import cast_copy
 from .store import MANIFEST, StoreProgress, model_fingerprint, open_manifest, write_chunk, write_json
 
 DEFAULT_CHUNK_TOKENS = 32_768
@@ -388,3 +389,10 @@ def fold_feature_scale(net: nn.Module, scale: np.ndarray, *, unfold: bool = Fals
     s = mx.array(scale.astype(np.float32))
     net.fc.weight = net.fc.weight * s if unfold else net.fc.weight / s
     return net
+
+
+def folded_copy(net: nn.Module, make, scale: np.ndarray, dtype: str | None) -> nn.Module:
+    """What a task saves for ``net`` trained on features divided by ``scale``: a float32 copy (``make()``: an
+    empty module of its shape) with the scale folded into ``fc`` (``fold_feature_scale``), cast to ``dtype``
+    (``None``: float32)."""
+    return cast_copy(fold_feature_scale(cast_copy(net, make, "float32"), scale), make, dtype)
