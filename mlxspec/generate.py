@@ -187,8 +187,10 @@ def speculative_rounds(
     A round the policy gives γ = 0 is a plain step, pipelined when the next one is plain too:
     the policy is asked for the next γ before the current token is read (a plain round teaches
     a policy nothing, so asking early changes no choice), and if it is 0 the next forward is queued.
-    A drafter that reads the target's features is not pipelined (it needs each step's features), unless
-    the costs ruled it out (``gamma.priced_plain``): then it never drafts, and nothing is tapped.
+    For a drafter that reads the target's features each plain step also keeps the features of its
+    input (lazy, taken when its forward is built), which ``commit`` hands on as after a verify, so γ
+    auto's fall-back rounds cost what ``--drafter none``'s steps cost. A drafter the costs ruled out
+    (``gamma.priced_plain``) never drafts, and nothing is tapped.
     """
     policy = FixedGamma(num_draft_tokens) if isinstance(num_draft_tokens, int) else num_draft_tokens
     rule = rule or make_verifier(sampling)
@@ -204,7 +206,7 @@ def speculative_rounds(
                                      prefill_step_size))
     prefill_s, cached = time.perf_counter() - start, store.reused
     history, clock, generated = list(prompt), _DraftClock(drafter.lazy and time_split), 0
-    plain = _PlainSteps(model, cache, sampling) if not reads else None
+    plain = _PlainSteps(model, cache, sampling, tap)
     schedule = getattr(policy, "schedule", None)  # scheduled verification trims the draft (schedule.py)
     gamma = None  # the next round's γ, when it was chosen early (pipelined plain steps)
     try:
@@ -212,12 +214,13 @@ def speculative_rounds(
             room = max_tokens - generated
             gamma = min(policy.choose_gamma(), room - 1) if gamma is None else gamma
             chosen, t0 = gamma, time.perf_counter()
-            if gamma == 0 and plain is not None:
-                token = plain.take(history)
+            if gamma == 0:
+                token, hidden = plain.take(history)  # hidden: the root's features [1, F], or None
                 gamma = min(policy.choose_gamma(), room - 2) if room > 1 else None
                 if gamma == 0:
                     plain.queue(token, history)
-                path, tokens, kinds, hidden = [], [token.item()], ["target"], None  # the round's one sync
+                mx.eval(token, hidden)  # the round's one sync
+                path, tokens, kinds = [], [token.item()], ["target"]
                 t1, num_drafted, depth = t0, 0, 0
             else:
                 draft, gamma = drafter.propose(history, gamma, sampling), None
@@ -233,7 +236,7 @@ def speculative_rounds(
             keep, finish_reason = _cut_at_stop(tokens, stop_tokens, room)
             if stop_strings is not None and (cut := stop_strings.cut([t for t in tokens[:keep] if t not in stop_tokens])):
                 keep, finish_reason = cut, "stop"
-            if finish_reason and plain is not None:
+            if finish_reason:
                 plain.cancel()  # no next step: drop the one queued ahead
             kept = ([0] + path)[:keep]  # root-first nodes whose positions stay in the cache
             commit_path(cache, len(history) - 1, kept, written=num_drafted + 1)
@@ -251,8 +254,7 @@ def speculative_rounds(
             if finish_reason:
                 return
     finally:
-        if plain is not None:
-            plain.cancel()  # a step queued ahead wrote the last committed token: drop it (the invariant)
+        plain.cancel()  # a step queued ahead wrote the last committed token: drop it (the invariant)
 
 
 def _prefill(model, store: PromptCache, prompt: list[int], feature_layers: tuple[int, ...] | None, tap,
@@ -281,32 +283,35 @@ def _accepted(draft: Draft, choice: list[int], next_tokens: list[int]) -> tuple[
 class _PlainSteps:
     """Plain decoding steps, pipelined as in ``mlx_lm.generate_step``.
 
-    ``take`` returns the next token (lazy): the step queued by ``queue``, or a new forward over
-    the root. ``queue`` builds the following step from a lazy token and ``mx.async_eval``s it,
-    so its forward runs while the host reads the current token. A queued step has written its
-    input (the newest committed token) into the cache; ``cancel`` trims it when no step follows.
+    ``take`` returns the next token (lazy) and, with a ``tap``, the features of the step's input (lazy,
+    [1, F]): the step queued by ``queue``, or a new forward over the root. ``queue`` builds the
+    following step from a lazy token and ``mx.async_eval``s it, so its forward runs while the host
+    reads the current token. A queued step has written its input (the newest committed token) into
+    the cache; ``cancel`` trims it when no step follows. The features are taken from the tap as each
+    forward is built, since a queued forward records over the previous one's.
     """
 
-    def __init__(self, model, cache, sampling: SamplingParams):
-        self.model, self.cache, self.sampling = model, cache, sampling
+    def __init__(self, model, cache, sampling: SamplingParams, tap: HiddenTap | None = None):
+        self.model, self.cache, self.sampling, self.tap = model, cache, sampling, tap
         self.processors = sampling.processors()
-        self.queued: mx.array | None = None
+        self.queued: tuple[mx.array, mx.array | None] | None = None
 
-    def _step(self, inputs: mx.array, context) -> mx.array:
+    def _step(self, inputs: mx.array, context) -> tuple[mx.array, mx.array | None]:
         logits = self.model(inputs[None], cache=self.cache)[0, -1:]  # [1, V]
+        hidden = self.tap.features()[0] if self.tap is not None else None  # [1, F]
         if self.processors:
             logits = process_logits(logits, context(), self.processors)
-        return sample(logits, self.sampling)[0]  # [1] int32, lazy
+        return sample(logits, self.sampling)[0], hidden  # [1] int32, lazy
 
-    def take(self, history: list[int]) -> mx.array:
-        token, self.queued = self.queued, None
-        if token is None:
-            token = self._step(mx.array(history[-1:], dtype=mx.int32), lambda: mx.array(history, dtype=mx.int32))
-        return token
+    def take(self, history: list[int]) -> tuple[mx.array, mx.array | None]:
+        step, self.queued = self.queued, None
+        if step is None:
+            step = self._step(mx.array(history[-1:], dtype=mx.int32), lambda: mx.array(history, dtype=mx.int32))
+        return step
 
     def queue(self, token: mx.array, history: list[int]) -> None:
         self.queued = self._step(token, lambda: mx.concatenate([mx.array(history, dtype=mx.int32), token]))
-        mx.async_eval(self.queued)
+        mx.async_eval(*(a for a in self.queued if a is not None))
 
     def cancel(self) -> None:
         if self.queued is not None:

@@ -5,11 +5,12 @@ when a model has no MTP layers."""
 from __future__ import annotations
 
 import json
+import sys
 
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_map
 
 from conftest import byte_tokenizer, tiny_llama
 from mlxspec import generate, make_drafter
@@ -17,7 +18,7 @@ from mlxspec.cli import main
 from mlxspec.drafters import Draft
 from mlxspec.drafters.mtp import MTPDrafter
 from mlxspec.heads.mtp import MTPStack, has_mtp, init_mtp, load_mtp, save_mtp
-from mlxspec.gamma import gamma_policy
+from mlxspec.gamma import FixedGamma, gamma_policy
 from mlxspec.sampling import SamplingParams, warp
 from stats import chi_square
 from test_generate import plain_greedy
@@ -266,6 +267,58 @@ def test_auto_falls_back_to_plain_decoding_when_the_chain_keeps_missing(target):
                       stop_tokens=set())
     assert result.tokens == plain and result.stats.accepted == 0
     assert 0 < result.stats.drafted <= 12  # a few missed rounds, then plain steps (and a probe or two)
+
+
+class Scripted(FixedGamma):
+    """A γ policy that replays a fixed pattern of γ (0 = a plain step), then keeps its last value."""
+
+    def __init__(self, pattern):
+        super().__init__(max(pattern))
+        self.pattern, self.round = list(pattern), 0
+
+    def choose_gamma(self):
+        gamma = self.pattern[min(self.round, len(self.pattern) - 1)]
+        self.round += 1
+        return gamma
+
+    def update(self, cycle):
+        pass
+
+
+def test_plain_rounds_between_chains_are_pipelined_and_still_feed_the_drafter(target, monkeypatch):
+    """γ auto's fall-back rounds for a feature-reading drafter are pipelined plain steps (as ``--drafter none``'s)
+    that keep each step's features: every chain drafted after a run of them is the chain a fresh drafter drafts
+    from the whole history's features, and the output stays the target's greedy one."""
+    from mlxspec.taps import HiddenTap
+
+    stack = init_mtp(target)
+    mx.random.seed(3)
+    stack.first.update(tree_map(lambda v: v + 0.3 * mx.random.normal(v.shape), stack.first.parameters()))
+    queued = []
+    engine = sys.modules["mlxspec.generate"]
+    original_queue = engine._PlainSteps.queue
+    monkeypatch.setattr(engine._PlainSteps, "queue", lambda self, *a: queued.append(1) or original_queue(self, *a))
+    drafter, seen = MTPDrafter(stack, target, depth=3), []
+    propose = drafter.propose
+    drafter.propose = lambda history, gamma, sampling: seen.append((len(history), d := propose(history, gamma, sampling))) or d
+    pattern = [3, 0, 0, 0, 2, 0, 3, 0, 0, 3, 0, 0, 0, 0, 3]
+    result = generate(target, byte_tokenizer(), PROMPT, drafter=drafter, num_draft_tokens=Scripted(pattern),
+                      max_tokens=40, stop_tokens=set())
+    assert result.tokens == plain_greedy(target, PROMPT, 40)
+    assert len(queued) >= 5  # runs of plain rounds were pipelined
+    assert len(seen) >= 5 and all(d.size > 0 for _, d in seen)  # plain rounds never call the drafter
+    tap, history = HiddenTap(target), PROMPT + result.tokens
+    target(mx.array(history[:-1])[None])
+    features = tap.features()[0]  # [len(history) - 1, H]: one forward over everything
+    differs = 0
+    for n, draft in seen[1:]:
+        fresh = MTPDrafter(stack, target, depth=3)
+        fresh.prefill(history[:n], features[: n - 1])
+        assert fresh.propose(history[:n], draft.size, SamplingParams()).tokens.tolist() == draft.tokens.tolist(), n
+        blind = MTPDrafter(stack, target, depth=3)
+        blind.prefill(history[:n], mx.zeros_like(features[: n - 1]))
+        differs += blind.propose(history[:n], draft.size, SamplingParams()).tokens.tolist() != draft.tokens.tolist()
+    assert differs >= 2  # the drafts depend on the features, so a mis-fed one would show
 
 
 # --- a draft vocabulary (docs/mtp.md 2.2) ---------------------------------------------------------
