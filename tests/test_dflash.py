@@ -25,12 +25,12 @@ PROMPT = [10, 20, 30, 40, 10, 20, 30, 41, 50, 60]
 
 
 def random_dflash(vocab=264, hidden=64, layers=2, block_size=6, target_layers=2, layer_ids=None, seed=1,
-                  scale=1.0) -> DFlashNet:
+                  scale=1.0, context_window=0) -> DFlashNet:
     """A random DFlash drafter for the tiny targets (2 layers, hidden 64)."""
     config = DFlashConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                           num_attention_heads=4, num_key_value_heads=2, vocab_size=vocab,
                           num_target_layers=target_layers, mask_token_id=vocab - 1, block_size=block_size,
-                          target_layer_ids=layer_ids, rope_theta=10000.0)
+                          target_layer_ids=layer_ids, rope_theta=10000.0, context_window=context_window)
     mx.random.seed(seed)
     net = DFlashNet(config)
     if scale != 1.0:
@@ -91,6 +91,42 @@ def test_training_blocks_equal_inference_blocks():
     for row, a in enumerate(anchors):
         _, alone = net.block(blocks[row : row + 1], features[:, :a], embed, lm_head, block_offset=a)
         assert mx.allclose(batched[row], alone[0], atol=1e-4)
+
+
+def test_a_context_window_drafts_what_training_masked():
+    """A drafter with ``context_window`` 3 drafts from the last 3 committed positions only: its cached
+    block logits equal a forward over the whole committed context masked to those 3 (how training
+    windows, ``train.dflash.make_batch``) and differ from the unwindowed forward; the window survives
+    a save and load."""
+    target = tiny_llama(seed=0, vocab_size=V, sharpen=3.0)
+    net = random_dflash(vocab=V, layer_ids=(0, 1), scale=3.0, context_window=3)
+    drafter = DFlashDrafter(net, target)
+    prompt = [1, 2, 3, 1, 2, 4, 5]
+    for round_ in speculative_rounds(target, prompt, drafter, num_draft_tokens=5, max_tokens=30,
+                                     sampling=SamplingParams(), stop_tokens=set()):
+        prompt = prompt + round_.tokens
+    _, cached = drafter.block_logits(prompt[-1], len(prompt) - 1)
+    tap = HiddenTap(target, layers=net.config.feature_layers)
+    target(mx.array(prompt[:-1])[None])
+    S, B = len(prompt) - 1, 6
+    block = mx.array([[prompt[-1]] + [net.config.mask_token_id] * (B - 1)])
+    window = mx.concatenate([mx.arange(S) >= S - 3, mx.ones((B,), dtype=mx.bool_)])[None, None, None]
+    embed, head = target.model.embed_tokens, target.lm_head
+    _, masked = net.block(block, tap.features(), embed, head, block_offset=S, mask=window)
+    _, everything = net.block(block, tap.features(), embed, head, block_offset=S)
+    assert mx.allclose(cached, masked[0], atol=1e-4)
+    assert not mx.allclose(cached, everything[0], atol=1e-2)
+
+
+def test_the_context_window_is_saved_and_checked(tmp_path):
+    save_dflash(random_dflash(context_window=2), tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["dflash_config"]["context_window"] == 2
+    assert load_dflash(tmp_path).config.context_window == 2
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["dflash_config"]["context_window"] = -1
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="context_window = -1, not a whole number of at least 0"):
+        load_dflash(tmp_path)
 
 
 # --- losslessness ------------------------------------------------------------------------------

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 
 import mlx.core as mx
 import numpy as np
@@ -59,6 +61,12 @@ def test_blocks_see_only_their_example_before_the_anchor_and_carry_shifted_label
                 assert batch.greedy[n, j] == arrays["greedy"][s + j - 1] and arrays["mask"][s + j]
     again = make_batch(arrays, spans, CONFIG, 263, key=(0, 0, c))
     assert np.array_equal(np.array(again.anchors), anchors)  # seeded: a resumed run replays the blocks
+    narrow = make_batch(arrays, spans, dataclasses.replace(CONFIG, context_window=2), 263, key=(0, 0, c))
+    assert np.array_equal(np.array(narrow.anchors), anchors)
+    for n, a in enumerate(anchors):  # a window keeps the last 2 positions of the example before the anchor
+        e = np.searchsorted(starts, a, side="right") - 1
+        seen = np.flatnonzero(np.array(narrow.mask)[n, 0, 0, : starts[-1]])
+        assert seen.tolist() == list(range(max(starts[e], a - 2), a))
 
 
 @pytest.fixture(scope="module")

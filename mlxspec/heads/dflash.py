@@ -70,6 +70,10 @@ class DFlashConfig:
         mask_token_id: The id whose (target) embedding fills the masked positions.
         rms_norm_eps, rope_theta, rope_scaling, max_position_embeddings: as in Qwen3.
         attention_bias: q/k/v/o projections have biases.
+        context_window: How many of the latest committed positions (those just before the anchor) a
+            block sees as context; 0 = all of them, as z-lab's drafters. An mlxspec extension, stored
+            in ``dflash_config``: a short window trains from scratch where the full context plateaus
+            on the unigram (docs/dflash.md 4.1).
     """
 
     hidden_size: int
@@ -88,6 +92,7 @@ class DFlashConfig:
     rope_scaling: dict | None = None
     max_position_embeddings: int = 32768
     attention_bias: bool = False
+    context_window: int = 0
 
     def __post_init__(self):
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
@@ -144,6 +149,8 @@ class DFlashConfig:
         """``config.json`` in z-lab's first layout (what their loaders and ours read)."""
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         extra = {"mask_token_id": out.pop("mask_token_id"), "target_layer_ids": list(out.pop("target_layer_ids"))}
+        window = out.pop("context_window")
+        extra.update({"context_window": window} if window else {})
         return {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", **out, "dflash_config": extra}
 
 
@@ -151,9 +158,10 @@ def _check_numbers(kwargs: dict) -> None:
     """Refuse sizes and ids that are not whole numbers (``"big"``, ``0``, ``2.5``) before they reach a layer."""
     whole = lambda v, least: isinstance(v, int) and not isinstance(v, bool) and v >= least  # noqa: E731
     for key, value in kwargs.items():
-        if key in _SIZES and not whole(value, 1) or key == "mask_token_id" and not whole(value, 0):
+        least = 0 if key in ("mask_token_id", "context_window") else 1
+        if (key in _SIZES or least == 0) and not whole(value, least):
             raise ValueError(f"DFlash config gives {key} = {value!r}, not a whole number of at least "
-                             f"{0 if key == 'mask_token_id' else 1}; is this a DFlash drafter's config.json?")
+                             f"{least}; is this a DFlash drafter's config.json?")
     ids = kwargs.get("target_layer_ids")
     if ids is not None and not (isinstance(ids, list) and all(whole(i, 0) for i in ids)):
         raise ValueError(f"DFlash config gives target_layer_ids = {ids!r}, not a list of layer numbers; "
@@ -168,6 +176,7 @@ class DFlashAttention(nn.Module):
         H, nh, nkv, hd, bias = (config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
                                 config.head_dim, config.attention_bias)
         self.n_heads, self.n_kv_heads, self.scale = nh, nkv, hd**-0.5
+        self.window = config.context_window
         self.q_proj = nn.Linear(H, nh * hd, bias=bias)
         self.k_proj = nn.Linear(H, nkv * hd, bias=bias)
         self.v_proj = nn.Linear(H, nkv * hd, bias=bias)
@@ -186,7 +195,8 @@ class DFlashAttention(nn.Module):
         """x: block [Nb, B, H]; context: fused features [1, S, H] at positions ``cache.offset`` (0
         without a cache) onwards, or ``None`` (only what the cache holds); ``block_offset``: each
         block's anchor position (int or [Nb]); ``mask``: bool [Nb, 1, B, S_total + B] or ``None``
-        (everything visible)."""
+        (everything visible). With a cache and a ``context_window`` W only its last W positions are
+        keys (training windows through ``mask`` instead)."""
         Nb, B, _ = x.shape
         start = cache.offset if cache is not None else 0
         q = self.rope(self._heads(x, self.q_proj, self.n_heads, self.q_norm), offset=block_offset)
@@ -199,6 +209,8 @@ class DFlashAttention(nn.Module):
             v_ctx = self._heads(context, self.v_proj, self.n_kv_heads)
             if cache is not None:
                 k_ctx, v_ctx = cache.update_and_fetch(k_ctx, v_ctx)  # committed context only
+        if self.window and cache is not None:
+            k_ctx, v_ctx = k_ctx[..., -self.window :, :], v_ctx[..., -self.window :, :]
         keys = mx.concatenate([mx.broadcast_to(k_ctx, (Nb, *k_ctx.shape[1:])), k], axis=2)  # [Nb, nkv, S + B, hd]
         values = mx.concatenate([mx.broadcast_to(v_ctx, (Nb, *v_ctx.shape[1:])), v], axis=2)
         out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)  # [Nb, nh, B, hd]

@@ -10,7 +10,7 @@ log-softmax (the distribution of token t + 1).
 
 - **Batches.** Whole examples are packed end to end into one context of at most ``batch_tokens``
   positions (RoPE is relative, so packing changes nothing once each block sees only its own
-  example); each example contributes up to ``anchors_per_example`` anchors, drawn by a generator
+  example, or only its last ``context_window`` positions); each example contributes up to ``anchors_per_example`` anchors, drawn by a generator
   seeded with (seed, epoch, chunk, example), so a resumed run replays the same blocks. A block at
   anchor a sees the context positions of its example before a, and its own B positions.
 - **Loss.** Soft cross-entropy at every block position whose token is an answer token, against the
@@ -45,7 +45,7 @@ from .loop import EpochPlans, EvalRecord, StepRecord, TrainConfig, fit
 
 #: Settings that must match to resume a run (with the loop's own).
 RESUME_KEYS = ("num_layers", "block_size", "anchors_per_example", "batch_tokens", "max_seq_length", "mask_token_id",
-               "position_decay", "max_steps")
+               "position_decay", "max_steps", "context_window")
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,10 @@ class DFlashTrainConfig(TrainConfig):
         mask_token_id: The id that fills masked positions; ``-1`` = the last id of the target's vocabulary.
         position_decay: Loss weight of block position j is ``position_decay ** (j - 1)`` (our choice:
             early positions decide a chain's acceptance).
+        context_window: Each block sees only the last W context positions before its anchor, in
+            training and (stored in the drafter's config) at inference; 0 = all. A 1-position window
+            learns from scratch on a CPU budget where the full context sits on the unigram
+            (docs/dflash.md 4.1).
     """
 
     num_layers: int = 2
@@ -70,13 +74,14 @@ class DFlashTrainConfig(TrainConfig):
     max_seq_length: int = 1024
     mask_token_id: int = -1
     position_decay: float = 0.9
+    context_window: int = 0
     learning_rate: float = 1e-3
     grad_clip: float = 1.0
 
     def __post_init__(self):
         super().__post_init__()
         for name, least in (("num_layers", 1), ("block_size", 2), ("anchors_per_example", 1), ("batch_tokens", 1),
-                            ("max_seq_length", 3), ("mask_token_id", -1)):
+                            ("max_seq_length", 3), ("mask_token_id", -1), ("context_window", 0)):
             if getattr(self, name) < least:
                 raise ValueError(f"{name.replace('_', '-')} must be >= {least}, got {getattr(self, name)}")
         if not 0 < self.position_decay <= 1:
@@ -201,7 +206,8 @@ def make_batch(arrays: dict, spans: list[tuple[int, int]], config: DFlashTrainCo
         for i in _anchors(arrays["mask"], s, length, config.anchors_per_example, rng):
             blocks.append([tokens[s + i]] + [mask_token_id] * (B - 1))
             anchors.append(packed + i)
-            visible.append((packed, packed + i))
+            visible.append((max(packed, packed + i - config.context_window) if config.context_window else packed,
+                            packed + i))
             t, ok, target_greedy = _drafted(arrays, s + i, s + length, P)
             greedy.append(pad + np.where(ok & (target_greedy >= 0), target_greedy, -1).tolist())
             previous.append([0] * first_row + tokens[np.minimum(t, s + length) - 1].tolist())
@@ -327,7 +333,8 @@ def backbone_config(target: nn.Module, config: DFlashTrainConfig, aux_layers: li
         target_layer_ids=tuple(int(i) - 1 for i in aux_layers), block_size=config.block_size,
         mask_token_id=config.mask_token_id if config.mask_token_id >= 0 else vocab - 1,
         rms_norm_eps=args.rms_norm_eps, rope_theta=float(getattr(args, "rope_theta", 10000.0)),
-        max_position_embeddings=int(getattr(args, "max_position_embeddings", None) or 32768))
+        max_position_embeddings=int(getattr(args, "max_position_embeddings", None) or 32768),
+        context_window=config.context_window)
 
 
 class DFlashTask(EpochPlans):

@@ -231,6 +231,9 @@ def _from_dflash(target: nn.Module, config: DSparkTrainConfig, aux_layers: list[
     if (c.num_hidden_layers, c.block_size) != (config.num_layers, config.block_size):
         raise ValueError(f"--init-dflash {config.init_dflash} has {c.num_hidden_layers} layers and block size "
                          f"{c.block_size} but this run asks for {config.num_layers} and {config.block_size}; {fix}")
+    if c.context_window != config.context_window:
+        raise ValueError(f"--init-dflash {config.init_dflash} was trained with --context-window {c.context_window} "
+                         f"but this run asks for {config.context_window}; pass the same window")
     if list(c.feature_layers) != [int(i) for i in aux_layers]:
         raise ValueError(f"--init-dflash {config.init_dflash} reads target layers {list(c.target_layer_ids)} but the "
                          f"corpus records the outputs of {[int(i) - 1 for i in aux_layers]}; train it on this corpus")

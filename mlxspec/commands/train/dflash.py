@@ -26,6 +26,8 @@ FLAGS = {
     "max_seq_length": "cut examples to this many tokens",
     "mask_token_id": "the id whose embedding fills the masked positions (-1: the last id of the vocabulary)",
     "position_decay": "loss weight of block position j is DECAY**(j-1)",
+    "context_window": "each block sees only the last W context positions before its anchor, in training and at "
+                      "inference (0: all); 1 learns on a CPU budget where the full context stalls",
 }
 
 
