@@ -17,6 +17,7 @@ acceptance, and γ = 0 (plain decoding) when speculation is predicted to lose.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -79,27 +80,32 @@ class Costs:
         slope = (self.verify_s[-1] - self.verify_s[0]) / max(n - 1, 1)
         return self.verify_s[-1] + slope * (num_tokens - n)
 
-    def round_s(self, gamma: int) -> float:
-        """Predicted seconds for one round: γ · T_draft + T_verify(γ + 1)."""
-        return gamma * self.draft_s + self.verify(gamma + 1)
+    def round_s(self, gamma: int, nodes: Callable[[int], int] | None = None) -> float:
+        """Predicted seconds for one round: γ · T_draft + T_verify(nodes(γ) + 1).
 
-    def speedup(self, gamma: int, alpha: float | list[float]) -> float:
-        """Predicted speedup over plain decoding at draft length γ.
+        ``nodes``: the draft nodes a round of depth γ sends to the target (a tree's, ``Drafter.round_nodes``);
+        ``None``: γ, a chain."""
+        return gamma * self.draft_s + self.verify((nodes(gamma) if nodes is not None else gamma) + 1)
+
+    def speedup(self, gamma: int, alpha: float | list[float], nodes: Callable[[int], int] | None = None) -> float:
+        """Predicted speedup over plain decoding at draft length (depth) γ.
 
         Args:
             gamma: Draft length γ; 0 gives exactly 1.
             alpha: Acceptance rate α, or per-depth reach probabilities (see ``tau_from_reach``).
+            nodes: As ``round_s``.
         """
         tau = expected_tau(alpha, gamma) if isinstance(alpha, (int, float)) else tau_from_reach(alpha, gamma)
-        return tau * self.verify(1) / self.round_s(gamma)
+        return tau * self.verify(1) / self.round_s(gamma, nodes)
 
-    def best_gamma(self, alpha: float | list[float], max_gamma: int, margin: float = 0.0) -> tuple[int, float]:
-        """The γ in 0..max_gamma with the best predicted speedup, and that speedup.
+    def best_gamma(self, alpha: float | list[float], max_gamma: int, margin: float = 0.0,
+                   nodes: Callable[[int], int] | None = None) -> tuple[int, float]:
+        """The γ in 0..max_gamma with the best predicted speedup, and that speedup (``nodes``: as ``round_s``).
 
         γ = 0 (plain decoding, speedup 1) wins unless some γ beats it by more than ``margin``.
         """
-        best = max(range(1, max_gamma + 1), key=lambda g: self.speedup(g, alpha), default=0)
-        speedup = self.speedup(best, alpha) if best else 1.0
+        best = max(range(1, max_gamma + 1), key=lambda g: self.speedup(g, alpha, nodes), default=0)
+        speedup = self.speedup(best, alpha, nodes) if best else 1.0
         return (best, speedup) if speedup > 1.0 + margin else (0, 1.0)
 
 
@@ -284,6 +290,8 @@ class AutoGamma:
         estimate: Acceptance estimate to start from. Default: a fresh one (prior α = 0.5).
         miss_rounds: Drafting rounds in a row that keep nothing before falling back. Default: ``3``.
         max_wait: Longest wait between probes, in plain rounds. Default: ``256``.
+        nodes: Draft nodes a round of depth γ sends to the target (``Drafter.round_nodes``: a tree
+            verifies more nodes than its depth), priced in every choice. Default: γ (a chain).
 
     Attributes:
         gamma: γ chosen for the current round.
@@ -299,16 +307,16 @@ class AutoGamma:
 
     def __init__(self, costs: Costs, *, max_gamma: int = MAX_VERIFY_TOKENS - 1, margin: float = 0.03,
                  probe_every: int = 16, probe_gamma: int = 2, estimate: AcceptanceEstimate | None = None,
-                 miss_rounds: int = 3, max_wait: int = 256):
+                 miss_rounds: int = 3, max_wait: int = 256, nodes: Callable[[int], int] | None = None):
         if max_gamma < 1:
             raise ValueError(f"max_gamma must be >= 1, got {max_gamma}")
         if miss_rounds < 1 or probe_every < 1:
             raise ValueError(f"miss_rounds and probe_every must be >= 1, got {miss_rounds} and {probe_every}")
-        self.costs, self.max_gamma, self.margin = costs, max_gamma, margin
+        self.costs, self.max_gamma, self.margin, self.nodes = costs, max_gamma, margin, nodes
         self.probe_every, self.probe_gamma = probe_every, min(probe_gamma, max_gamma)
         self.miss_rounds, self.max_wait = miss_rounds, max(max_wait, probe_every)
         self.estimate = estimate or AcceptanceEstimate()
-        self.can_win = costs.best_gamma(1.0, max_gamma, margin)[0] > 0
+        self.can_win = costs.best_gamma(1.0, max_gamma, margin, nodes)[0] > 0
         self.gamma, self.predicted_speedup, self.probing = 0, 1.0, False
         self._wait = 0  # plain rounds left before the next probe
         self._probe_due = False
@@ -327,7 +335,7 @@ class AutoGamma:
                 self.gamma = self.probe_gamma
                 return self.gamma
         reach = self.estimate.reach(self.max_gamma)
-        self.gamma, self.predicted_speedup = self.costs.best_gamma(reach, self.max_gamma, self.margin)
+        self.gamma, self.predicted_speedup = self.costs.best_gamma(reach, self.max_gamma, self.margin, self.nodes)
         if self.gamma == 0 and self.can_win and not self.estimate.drafted:
             self.gamma, self.probing = self.probe_gamma, True  # only the prior says no: measure first
         elif self.gamma == 0:

@@ -3,11 +3,13 @@
 The CLI, the chat and the Python API all call ``gamma_policy``, so ``--num-draft-tokens auto``
 and ``stream_generate(..., num_draft_tokens="auto")`` mean the same thing for every drafter:
 
-- a drafter that sizes its own rounds (a tree drafter's ``tree_depth``) drafts to that depth, unless
-  this machine's measured costs say that no round of that depth could beat a plain step even if every
-  draft were accepted (``round_can_win``): then every round is a plain step (``PricedPlain``); one
-  whose rounds are chains that follow γ (``drafts_chain``: MTP, an EAGLE chain) gets
-  ``costmodel.AutoGamma`` capped at that depth instead, so it also falls back when its drafts miss;
+- a drafter that sizes its own rounds (``tree_depth``: EAGLE, MTP, a Medusa tree) gets
+  ``costmodel.AutoGamma`` capped at that depth, each round priced at the nodes it actually sends to
+  the target (``Drafter.round_nodes``: a tree or an n-gram branch verifies more nodes than its
+  depth), so it drafts less deep or falls back to plain decoding when its drafts miss; where the
+  measured costs say no round up to that depth could beat a plain step even if every draft were
+  accepted (``round_can_win``), every round is a plain step and the drafter never runs
+  (``PricedPlain``);
 - any other drafter gets ``costmodel.AutoGamma``: γ per round from this machine's measured costs
   and the running acceptance, falling back to plain decoding when speculation would lose;
 - ``--drafter none`` and ``0`` are plain decoding; an integer is a fixed γ;
@@ -25,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from .calibration import load_or_calibrate
-from .costmodel import AutoGamma, Costs, TreeBudget
+from .costmodel import AutoGamma, Costs
 from .drafters import Drafter
 from .schedule import DEFAULT_SCHEDULED_MAX, ScheduledGamma
 from .tree import TREE_PRESETS
@@ -105,30 +107,26 @@ class PricedPlain(FixedGamma):
         return f"PricedPlain({self.depth})"
 
 
-def round_can_win(costs: Costs, depth: int) -> bool:
-    """Whether a round of a drafter that drafts to ``depth`` could beat a plain step on ``costs``, even if
-    every draft were accepted (``costmodel.TreeBudget.can_win``, the check that prices Medusa trees).
-
-    A round that keeps a path of m <= ``depth`` drafts emits at most m + 1 tokens; it verifies at least
-    m + 1 tokens (T_verify(m + 1)) and drafts for ``costs.draft_s · depth`` seconds (``load_or_calibrate``
-    times such a drafter on a round of its ``tree_depth``). More nodes than ``depth`` add verify time
-    but no tokens, so m <= ``depth`` covers every tree.
+def round_can_win(costs: Costs, depth: int, nodes: Callable[[int], int] | None = None) -> bool:
+    """Whether a round of some depth γ <= ``depth`` could beat a plain step on ``costs`` even if every draft
+    were accepted: γ + 1 tokens in γ · ``costs.draft_s`` + T_verify(nodes(γ) + 1) seconds against one token
+    in T_verify(1) (``load_or_calibrate`` times a drafter that sizes its rounds on one of ``tree_depth``).
 
     Args:
         costs: This machine's measured ``Costs`` for the target and the drafter.
         depth: The drafter's ``tree_depth``.
+        nodes: Draft nodes a round of depth γ verifies (``Drafter.round_nodes``). Default: γ, a chain.
     """
-    budget = TreeBudget(costs, max_nodes=depth, allow_plain=True)
-    return budget.can_win(depth, costs.draft_s * depth)
+    return costs.best_gamma(1.0, depth, nodes=nodes)[0] > 0
 
 
 def auto_priced_plain(drafter: Drafter, costs: Costs) -> bool:
     """Whether γ auto runs ``drafter`` as plain decoding (``PricedPlain``): it sizes its own rounds
-    (``tree_depth``) and no round of that depth can win on ``costs`` (``round_can_win``). A Medusa tree
-    priced each round is checked at load instead (``MedusaDrafter.priced_plain``)."""
+    (``tree_depth``) and no round up to that depth can win on ``costs`` (``round_can_win`` on its
+    ``round_nodes``). A Medusa tree priced each round is checked at load instead (``MedusaDrafter.priced_plain``)."""
     if drafter.tree_depth is None or _prices_itself(drafter):
         return False
-    return not round_can_win(costs, drafter.tree_depth)
+    return not round_can_win(costs, drafter.tree_depth, drafter.round_nodes)
 
 
 def _prices_itself(drafter) -> bool:
@@ -152,9 +150,9 @@ def gamma_policy(num_draft_tokens: int | str | GammaPolicy, model, drafter: Draf
         on_measure: Told before a cost measurement that was not cached. Default: none.
 
     Returns:
-        GammaPolicy: ``FixedGamma`` (``PricedPlain`` for a tree drafter under ``"auto"`` whose rounds
-        cannot win here), ``AutoGamma`` (capped at ``tree_depth`` for a ``drafts_chain`` drafter) or
-        ``ScheduledGamma``.
+        GammaPolicy: ``FixedGamma`` (``PricedPlain`` for a drafter that sizes its own rounds under ``"auto"``
+        when none can win here), ``AutoGamma`` (capped at ``tree_depth`` and priced on ``round_nodes`` for
+        such a drafter) or ``ScheduledGamma``.
 
     Raises:
         ValueError: a γ outside ``0..MAX_NUM_DRAFT_TOKENS``, a string other than ``"auto"`` and
@@ -178,15 +176,13 @@ def gamma_policy(num_draft_tokens: int | str | GammaPolicy, model, drafter: Draf
         return ScheduledGamma(costs, max_gamma=drafter.tree_depth or drafter.max_draft_tokens or DEFAULT_SCHEDULED_MAX)
     if num_draft_tokens != AUTO:
         return FixedGamma(num_draft_tokens)
-    if drafter.tree_depth is not None:  # the cost model prices chains; a tree keeps its own shape
+    if drafter.tree_depth is not None:  # its depth follows γ up to its own; a round costs its nodes
         if _prices_itself(drafter):
             return FixedGamma(drafter.tree_depth)
         costs = costs if costs is not None else load_or_calibrate(model, drafter, on_measure=on_measure)
         if auto_priced_plain(drafter, costs):
             return PricedPlain(drafter.tree_depth)
-        if drafter.drafts_chain:  # a chain of any depth up to its own: priced round by round on the acceptance
-            return AutoGamma(costs, max_gamma=drafter.tree_depth)
-        return FixedGamma(drafter.tree_depth)
+        return AutoGamma(costs, max_gamma=drafter.tree_depth, nodes=drafter.round_nodes)
     return AutoGamma(costs if costs is not None else load_or_calibrate(model, drafter, on_measure=on_measure))
 
 

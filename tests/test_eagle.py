@@ -665,6 +665,7 @@ def test_auto_runs_eagle_plainly_where_no_round_of_its_depth_could_win(capsys, m
     never runs the head (``gamma.PricedPlain``) and the stats say so; where one can, the tree drafts as before."""
     from mlxspec.commands.generate import format_stats
     from mlxspec.costmodel import Costs
+    from mlxspec.costmodel import AutoGamma
     from mlxspec.gamma import AUTO_PRICED_PLAIN, FixedGamma, PricedPlain, gamma_policy, round_can_win, tree_summary
 
     target, tokenizer = tiny_llama(seed=0, sharpen=4.0), byte_tokenizer()
@@ -687,9 +688,41 @@ def test_auto_runs_eagle_plainly_where_no_round_of_its_depth_could_win(capsys, m
     assert result.tokens == plain.tokens and result.stats.drafted == 0 and calls == []
     assert result.stats.priced_plain and result.stats.to_dict()["priced_plain"]
     assert f"Drafter: eagle, {AUTO_PRICED_PLAIN}; cycles: " in format_stats(result.stats, drafter)
-    # where a round can win, γ auto keeps the tree's own depth and drafts
-    assert gamma_policy("auto", target, drafter, costs=flat) == FixedGamma(6)
+    # where a round can win, γ auto chooses each round's depth up to the tree's own, priced on its nodes
+    policy = gamma_policy("auto", target, drafter, costs=flat)
+    assert isinstance(policy, AutoGamma) and policy.max_gamma == 6 and policy.nodes == drafter.round_nodes
     assert gamma_policy(4, target, drafter, costs=steep) == FixedGamma(4)  # a γ of one's own is kept
     drafted = generate(target, tokenizer, prompt, drafter=drafter, num_draft_tokens=gamma_policy(
         "auto", target, drafter, costs=flat), max_tokens=20, stop_tokens=set())
     assert drafted.tokens == plain.tokens and drafted.stats.drafted > 0 and not drafted.stats.priced_plain
+
+
+def test_auto_prices_a_tree_round_at_the_nodes_it_sends_and_falls_back_when_it_misses():
+    """γ auto prices an EAGLE round at the nodes it verifies (``round_nodes``: the chain and the n-gram
+    branch), not at its depth, and drops a tree that keeps missing within a few rounds (issue 15: the
+    shipped default head on a quantized target ran every round at depth 4 + a 6-token branch, 0.25× plain)."""
+    from mlxspec.costmodel import AutoGamma, Costs
+    from mlxspec.gamma import PricedPlain, gamma_policy, round_can_win
+
+    target, tokenizer = tiny_llama(seed=0, sharpen=4.0), byte_tokenizer()
+    drafter = EagleDrafter(random_head(1), target, depth=4, top_k=1, total_tokens=5, ngram=6)
+    assert [drafter.round_nodes(g) for g in (0, 1, 4, 6)] == [0, 2, 8, 10]
+    tree = EagleDrafter(random_head(1), target, depth=3, top_k=2, total_tokens=8)
+    assert [tree.round_nodes(g) for g in (1, 2, 3)] == [2, 6, 7]  # k + (d - 1) k², at most total_tokens - 1
+    # a chain of γ wins here when fully accepted (γ + 1 tokens for 0.3 + 0.7 (γ + 1) steps), 2γ nodes never do
+    costs = Costs([0.01 * (0.3 + 0.7 * k) for k in range(1, 17)])
+    assert round_can_win(costs, 6) and not round_can_win(costs, 6, drafter.round_nodes)
+    assert gamma_policy("auto", target, drafter, costs=costs) == PricedPlain(6)
+    # on costs where it could win, a tree that keeps missing (a random head) is dropped within a few rounds
+    flat = Costs([0.01 + 0.0001 * k for k in range(16)])
+    policy = gamma_policy("auto", target, tree, costs=flat)
+    assert isinstance(policy, AutoGamma)
+    depths = []
+    propose = tree.propose
+    tree.propose = lambda history, gamma, sampling: depths.append(gamma) or propose(history, gamma, sampling)
+    prompt = tokenizer.encode("a quick brown fox jumps over")
+    plain = generate(target, tokenizer, prompt, drafter="none", max_tokens=48, stop_tokens=set())
+    result = generate(target, tokenizer, prompt, drafter=tree, num_draft_tokens=policy, max_tokens=48,
+                      stop_tokens=set())
+    assert result.tokens == plain.tokens
+    assert result.stats.accepted == 0 and 3 <= len(depths) <= 5  # 3 misses, then a probe after 16 plain steps

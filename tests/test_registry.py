@@ -14,7 +14,7 @@ from mlxspec import generate, make_drafter
 from mlxspec.cli import main
 from mlxspec.costmodel import AutoGamma, Costs
 from mlxspec.drafters import DRAFTERS, Draft, Drafter, DrafterSpec, DrafterType, drafter_types, parse_specs, registry
-from mlxspec.gamma import FixedGamma
+from mlxspec.gamma import FixedGamma, PricedPlain, auto_priced_plain
 from mlxspec.heads.dflash import save_dflash
 from mlxspec.heads.dspark import save_dspark
 from mlxspec.heads.eagle import save_eagle
@@ -149,10 +149,13 @@ def test_auto_is_the_same_policy_in_the_api_and_the_cli(name, tmp_path, tiny_mod
     assert type(cli) is type(api) and cli.max_gamma == api.max_gamma
     if name == "none":
         assert cli == FixedGamma(0)
-    elif drafter.tree_depth is not None and not drafter.drafts_chain:
-        assert cli == FixedGamma(drafter.tree_depth)
-    elif drafter.tree_depth is not None:  # a chain that follows γ: priced round by round up to its depth
+    elif drafter.tree_depth is not None and drafter.name == "medusa" and drafter.budget is not None:
+        assert cli == FixedGamma(drafter.tree_depth)  # a priced Medusa tree sizes each round itself
+    elif drafter.tree_depth is not None and auto_priced_plain(drafter, FAKE_COSTS):  # e.g. a 60-node EAGLE-2 tree
+        assert cli == api == PricedPlain(drafter.tree_depth)
+    elif drafter.tree_depth is not None:  # priced round by round up to its depth, on the nodes it sends
         assert isinstance(api, AutoGamma) and cli.max_gamma == drafter.tree_depth
+        assert api.nodes(drafter.tree_depth) == cli.nodes(drafter.tree_depth) == drafter.round_nodes(drafter.tree_depth)
     else:
         assert isinstance(api, AutoGamma) and api.costs == cli.costs == FAKE_COSTS
 

@@ -136,10 +136,6 @@ class Drafter(ABC):
     feature_layers: tuple[int, ...] = ()
     #: Whether drafts carry ``Draft.survival`` estimates (needed by ``--num-draft-tokens scheduled``).
     reports_survival: bool = False
-    #: Whether a drafter that sizes its own rounds (``tree_depth``) drafts a chain whose depth follows γ
-    #: (MTP; an EAGLE chain): γ auto then chooses that depth each round from the running acceptance
-    #: (``costmodel.AutoGamma`` capped at ``tree_depth``), falling back to plain decoding when it loses.
-    drafts_chain: bool = False
 
     @property
     def tree_depth(self) -> int | None:
@@ -147,6 +143,11 @@ class Drafter(ABC):
         shape), or ``None``: then ``--num-draft-tokens auto`` prices γ with the cost model
         (``gamma.gamma_policy``). Default: ``None``."""
         return None
+
+    def round_nodes(self, gamma: int) -> int:
+        """Most draft nodes a round of depth γ sends to the target (the verify forward's width − 1): what
+        γ auto prices a round at (``costmodel.Costs.round_s``). Default: γ, a chain; a tree says more."""
+        return gamma
 
     @property
     def max_draft_tokens(self) -> int | None:

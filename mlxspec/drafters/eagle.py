@@ -119,7 +119,6 @@ class EagleDrafter(Drafter):
                 raise ValueError(f"the EAGLE-3 head reads layers {list(self.feature_layers)} but the target has "
                                  f"{len(body.layers)} decoder layers; use a head trained for this target")
         self.reports_survival = self.choices is None  # the path probabilities of EAGLE-2's candidates
-        self.drafts_chain = top_k == 1 and self.choices is None and not self.ngram  # its depth follows γ
         # a dynamic branching tree reads its shape on the host in propose; a chain or static tree never does
         self.lazy = ((top_k == 1 and self.budget is None) or self.choices is not None) and not self.ngram
         self._plans: dict[int, _StaticPlan] = {}
@@ -131,6 +130,18 @@ class EagleDrafter(Drafter):
         """Deepest node a round can draft: the head's depth or the n-gram branch, whichever is longer
         (what ``--num-draft-tokens auto`` gives a round)."""
         return max(self.depth, self.ngram)
+
+    def round_nodes(self, gamma: int) -> int:
+        """Nodes a round of depth γ verifies at most: the chain, static tree or EAGLE-2 candidates cut to
+        depth min(γ, depth) (a budgeted tree: one path, the least it keeps), plus the n-gram branch."""
+        depth = min(gamma, self.depth)
+        if self.choices is not None:
+            head = sum(1 for path in self.choices if len(path) <= depth)
+        elif self.top_k == 1 or self.budget is not None:
+            head = min(depth, self.total_tokens - 1)
+        else:
+            head = min(self.total_tokens - 1, self.top_k + (depth - 1) * self.top_k**2) if depth else 0
+        return head + min(self.ngram, gamma)
 
     def prefill(self, prompt, hidden=None):
         """Keep the draft cache's entries that the new prompt shares (a chat turn), queue the rest.

@@ -94,6 +94,11 @@ class MedusaDrafter(Drafter):
             self._trees[depth] = (tree, mx.array(heads), mx.array(ranks), top_k, ancestors)
         return self._trees[depth]
 
+    def round_nodes(self, gamma: int) -> int:
+        """Nodes of the tree cut to depth min(γ, heads) (a budgeted tree prices its own rounds)."""
+        depth = min(gamma, self.heads.config.medusa_num_heads)
+        return self._tree(depth)[0].size if depth >= 1 else 0
+
     def prefill(self, prompt, hidden=None):
         self._hidden = None if hidden is None or hidden.shape[0] == 0 else hidden[-1]
 

@@ -51,7 +51,6 @@ class MTPDrafter(Drafter):
     name = "mtp"
     lazy = True
     needs_hidden = True
-    drafts_chain = True
 
     def __init__(self, stack: MTPStack, target: nn.Module, depth: int = DEFAULT_DEPTH):
         if depth < 1:
