@@ -268,7 +268,8 @@ def test_the_engine_says_what_its_drafter_drafts(tiny_model_dir, tmp_path, monke
         assert (info.drafter, info.num_draft_tokens) == ("eagle", "auto")
         assert info.shape == "depth-3 chain + a 4-token n-gram branch"
         stats = answer(1)
-        assert stats.shape == info.shape and stats.policy is None  # auto keeps the tree's own depth
+        assert stats.shape == info.shape and stats.policy == "auto"  # auto picks each round's depth, up to 4
+        assert 0 <= stats.gamma_now <= stats.num_draft_tokens == 4
         engine.configure("ngram")
         assert wait((EngineReady, LoadFailed)).info.shape is None
         stats = answer(2)

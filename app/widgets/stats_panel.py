@@ -76,8 +76,8 @@ def drafting(drafter: str, gamma: int | str, shape: str | None = None, detail: s
     ``γ auto`` with ``detail`` in brackets, or ``plain decoding`` when nothing is drafted."""
     if drafter == "none" or gamma == 0:
         return "plain decoding"
-    if shape:
-        return shape
+    if shape:  # a tree's shape, and with γ picked each round its depth
+        return shape + (f"; depth γ {gamma} ({detail})" if detail and isinstance(gamma, str) else "")
     return f"γ {gamma}" + (f" ({detail})" if detail and isinstance(gamma, str) else "")
 
 

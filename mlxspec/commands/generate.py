@@ -67,6 +67,8 @@ def format_stats(stats: GenerationStats, drafter=None, policy: str = AUTO) -> st
     tree = tree_summary(drafter) if drafter is not None and drafter.makes_trees else None
     if stats.priced_plain and tree != PRICED_PLAIN:
         tree = AUTO_PRICED_PLAIN  # γ auto ruled out a drafter that sizes its own rounds (gamma.PricedPlain)
+    elif tree and stats.gamma_rounds and tree != PRICED_PLAIN:  # γ auto chose each round's depth
+        tree += f"; depth γ = {_gamma_summary(stats, policy)}"
     drafter_line = (f"Drafter: {stats.drafter}, {tree}; cycles: {stats.cycles}" if tree else
                     f"Drafter: {stats.drafter}, γ = {_gamma_summary(stats, policy)}; cycles: {stats.cycles}")
     lines = [
