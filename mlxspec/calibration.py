@@ -3,7 +3,9 @@
 ``load_or_calibrate`` is what ``--num-draft-tokens auto``, tree budgets and ``mlxspec bench`` call:
 it times the target's forward over 1..16 tokens (``calibrate_verify``) and the drafter's
 ``propose`` (``calibrate_draft``) once per model + machine (CPU, cores, BLAS, MLX version and
-device) and keeps the numbers under ``$MLXSPEC_CACHE/costs``. The model they feed is
+device) and keeps the numbers under ``$MLXSPEC_CACHE/costs``. A cached curve is checked against
+a quick timing of one token (``spot_check_verify``) each time it is read and measured again when the
+two disagree (``is_stale``: the machine was busier or quieter then than now). The model they feed is
 ``costmodel``.
 """
 
@@ -35,6 +37,11 @@ VERIFY_GRID = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
 DRAFT_GAMMA = 4
 #: Calibration repeats the grid while it stays within this many seconds (at least once, at most 5 times).
 DEFAULT_BUDGET_S = 6.0
+#: A cached verify curve is stale when a one-token forward now differs from its first point by more than
+#: this factor, either way ...
+STALE_FACTOR = 1.6
+#: ... and by more than this many seconds (timer noise on tiny models is not staleness).
+STALE_MIN_DIFF_S = 0.01
 
 
 def calibrate_verify(model: nn.Module, *, context_tokens: int = DEFAULT_CONTEXT_TOKENS,
@@ -70,6 +77,34 @@ def calibrate_verify(model: nn.Module, *, context_tokens: int = DEFAULT_CONTEXT_
     return _non_decreasing(curve.tolist())
 
 
+def spot_check_verify(model: nn.Module, *, context_tokens: int = 16, reps: int = 3, seed: int = 0) -> float:
+    """Seconds of one one-token target forward now: the median of ``reps`` after a warm-up, after a short
+    ``context_tokens`` prefix (the attention over a longer one changes little of a one-token step).
+
+    The cheap check of a cached verify curve (``is_stale``); costs about ``reps + 2`` decoding steps.
+    """
+    vocab = _vocab_size(model)
+    tokens = np.random.default_rng(seed).integers(0, vocab, size=context_tokens + 1).tolist()
+    cache = speculative_cache(model)
+    prefill(model, cache, tokens[:-1])
+    _time_forward(model, cache, tokens[-1:])  # warm-up
+    return statistics.median(_time_forward(model, cache, tokens[-1:]) for _ in range(reps))
+
+
+def is_stale(cached_s: float, now_s: float, *, factor: float = STALE_FACTOR,
+             min_diff_s: float = STALE_MIN_DIFF_S) -> bool:
+    """Whether a cached one-token verify time ``cached_s`` no longer describes this machine, timed
+    ``now_s`` (seconds both): off by more than ``factor`` either way and by more than ``min_diff_s``.
+
+    A curve measured while another job held the cores (seen here: 1280 ms for a step that takes 53 ms
+    alone) would otherwise make ``auto`` price every round wrongly until ``--recalibrate``.
+    """
+    if cached_s <= 0 or now_s <= 0:
+        return True
+    ratio = max(now_s / cached_s, cached_s / now_s)
+    return ratio > factor and abs(now_s - cached_s) > min_diff_s
+
+
 def calibrate_draft(drafter, history: list[int], *, num_draft_tokens: int = 4, reps: int = 3,
                     hidden_size: int | None = None) -> float:
     """Seconds per drafted token: ``drafter.propose`` of γ tokens after ``history``, timed to the sync.
@@ -103,7 +138,9 @@ def load_or_calibrate(model: nn.Module, drafter=None, *, cache_dir: Path | None 
     The verify curve is cached per target (architecture, dtypes) + machine (CPU, cores,
     BLAS, MLX version and device); the draft cost per target + drafter (``drafter_fingerprint``:
     its kind, settings and the shape, dtype and identity of its weights) + machine, so another
-    target or another head is measured anew. A drafter that sizes its own rounds
+    target or another head is measured anew. A cached verify curve whose first point a quick timing
+    now contradicts (``spot_check_verify``, ``is_stale``) is measured again, and so is the draft cost
+    with it: both were measured under other conditions (another job's load). A drafter that sizes its own rounds
     (``tree_depth``) is timed on a round of that depth, so ``draft_s · tree_depth`` is what
     such a round's drafting costs; others on a round of ``DRAFT_GAMMA`` tokens. Files live in ``cache_dir`` (default ``$MLXSPEC_CACHE/costs``).
 
@@ -120,8 +157,22 @@ def load_or_calibrate(model: nn.Module, drafter=None, *, cache_dir: Path | None 
     machine = machine_fingerprint()
     target_key = {"what": "verify", "model": model_fingerprint(model), "machine": machine,
                   "context": context_tokens, "grid": VERIFY_GRID}
+    stale = []
+
+    def still_valid(curve: list[float]) -> bool:
+        key = json.dumps(target_key, sort_keys=True, default=str) + str(cache_dir)
+        if key in _CHECKED:  # checked once per process (bench reads it once per drafter)
+            return True
+        now = spot_check_verify(model)
+        if is_stale(curve[0], now):
+            stale.append(f"the cached one is stale: one token takes {1e3 * now:.0f} ms now, "
+                         f"{1e3 * curve[0]:.0f} ms then")
+            return False
+        _CHECKED.add(key)
+        return True
+
     verify_s = _cached(cache_dir, target_key, refresh, on_measure, "the target's verify cost for 1..16 tokens",
-                       lambda: calibrate_verify(model, context_tokens=context_tokens))
+                       lambda: calibrate_verify(model, context_tokens=context_tokens), still_valid, stale)
     draft_s = 0.0
     if drafter is not None and getattr(drafter, "name", "none") != "none":
         gamma = drafter.tree_depth or DRAFT_GAMMA  # a tree drafter's rounds all draft to its depth
@@ -129,9 +180,14 @@ def load_or_calibrate(model: nn.Module, drafter=None, *, cache_dir: Path | None 
                      "context": context_tokens, "num_draft_tokens": gamma}
         history = np.random.default_rng(1).integers(0, _vocab_size(model), size=context_tokens).tolist()
         hidden_size = getattr(getattr(model, "args", None), "hidden_size", None)
-        draft_s = _cached(cache_dir, draft_key, refresh, on_measure, f"the {drafter.name} drafter's cost per token",
+        draft_s = _cached(cache_dir, draft_key, refresh or bool(stale), on_measure,
+                          f"the {drafter.name} drafter's cost per token",
                           lambda: calibrate_draft(drafter, history, num_draft_tokens=gamma, hidden_size=hidden_size))
     return Costs(verify_s, draft_s, context_tokens)
+
+
+#: Verify-curve cache entries already checked against the machine in this process.
+_CHECKED: set[str] = set()
 
 
 def _time_forward(model, cache, tokens: list[int]) -> float:
@@ -159,16 +215,21 @@ def _vocab_size(model) -> int:
     return int(size) if size else 256
 
 
-def _cached(cache_dir: Path, key: dict, refresh: bool, on_measure, what: str, measure):
+def _cached(cache_dir: Path, key: dict, refresh: bool, on_measure, what: str, measure,
+            still_valid: Callable | None = None, why: list[str] | None = None):
+    """The cached value for ``key``, else ``measure()`` stored; ``still_valid(value)`` false (it may append
+    the reason to ``why``) measures again."""
     blob = json.dumps(key, sort_keys=True, default=str)
     path = cache_dir / f"{key['what']}-{hashlib.sha256(blob.encode()).hexdigest()[:16]}.json"
     if not refresh and path.is_file():
         try:
-            return json.loads(path.read_text())["value"]
+            value = json.loads(path.read_text())["value"]
         except (ValueError, KeyError, OSError):
-            pass  # a damaged cache file is measured again
+            value = None  # a damaged cache file is measured again
+        if value is not None and (still_valid is None or still_valid(value)):
+            return value
     if on_measure is not None:
-        on_measure(what)
+        on_measure(f"{what} ({why[-1]})" if why else what)
     value = measure()
     cache_dir.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(".part")

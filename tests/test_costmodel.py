@@ -3,6 +3,7 @@ calibration cache, and ``num_draft_tokens="auto"`` in the loop and the CLI."""
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 
 import numpy as np
@@ -263,3 +264,33 @@ def test_a_head_drafters_calibration_times_rounds_that_draft():
     drafter.propose = lambda *a: (d := propose(*a), sizes.append(d.size))[0]
     assert calibrate_draft(drafter, list(range(32)), num_draft_tokens=3, reps=3, hidden_size=64) > 0
     assert len(sizes) == 4 and min(sizes) > 0
+
+
+def test_stale_means_off_by_a_factor_and_by_more_than_timer_noise():
+    from mlxspec.calibration import is_stale
+    assert is_stale(1.280, 0.053)  # measured under another job's load: 24x
+    assert is_stale(0.314, 0.122) and is_stale(0.122, 0.314)  # 2.6x, either way
+    assert not is_stale(0.100, 0.120)  # ordinary noise
+    assert not is_stale(0.0001, 0.002)  # a tiny model: 20x, but 2 ms of timer noise
+    assert is_stale(0.0, 0.1)
+
+
+def test_a_stale_cached_verify_curve_is_measured_again(tmp_path):
+    """A cached curve that a quick one-token timing contradicts (here: written 10 s per forward, as if measured
+    on a machine buried under other jobs) is measured again, the draft cost with it, and the user is told why."""
+    target, draft = tiny_llama(seed=0), tiny_llama(seed=3, num_layers=1)
+    tokenizer = byte_tokenizer()
+    drafter = make_drafter("draft", target=target, tokenizer=tokenizer, draft_model=draft, draft_tokenizer=tokenizer)
+    measured = []
+    first = load_or_calibrate(target, drafter, cache_dir=tmp_path, context_tokens=32, on_measure=measured.append)
+    (verify_file,) = tmp_path.glob("verify-*.json")
+    record = json.loads(verify_file.read_text())
+    record["value"] = [10.0] * 16
+    verify_file.write_text(json.dumps(record))
+    again = load_or_calibrate(target, drafter, cache_dir=tmp_path, context_tokens=32, on_measure=measured.append)
+    assert len(measured) == 4 and "stale" in measured[2] and "10000 ms then" in measured[2]
+    assert "drafter" in measured[3]
+    assert again.verify_s[0] < 1.0 and again.verify_s[0] == pytest.approx(first.verify_s[0], abs=0.05)
+    assert json.loads(verify_file.read_text())["value"] == again.verify_s  # the cache holds the new curve
+    load_or_calibrate(target, drafter, cache_dir=tmp_path, context_tokens=32, on_measure=measured.append)
+    assert len(measured) == 4  # now served from the cache

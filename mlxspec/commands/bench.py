@@ -307,8 +307,8 @@ def format_verdict(verdict: Verdict, commands: list[str]) -> str:
     elif verdict.wins:
         head = f"Verdict ({where}): fastest is {verdict.system}, {verdict.speedup:.2f}× plain decoding ({noise}). Use:"
     else:
-        head = (f"Verdict ({where}): nothing beats plain decoding beyond the noise floor (best: {verdict.system}, "
-                f"{verdict.speedup:.2f}×; {noise}). Use plain decoding:")
+        head = (f"Verdict ({where}): nothing beats plain decoding beyond the noise floor "
+                f"(fastest that drafts: {verdict.system}, {verdict.speedup:.2f}×; {noise}). Use plain decoding:")
     tail = [] if verdict.wins else ["  (or keep the defaults: --num-draft-tokens auto falls back to plain decoding "
                                     "when drafting loses)"]
     return "\n".join([head, *(f"  {c}" for c in commands), *tail])
