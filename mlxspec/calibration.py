@@ -159,7 +159,10 @@ def load_or_calibrate(model: nn.Module, drafter=None, *, cache_dir: Path | None 
                   "context": context_tokens, "grid": VERIFY_GRID}
     stale = []
 
-    def still_valid(curve: list[float]) -> bool:
+    def still_valid(curve) -> bool:
+        if not (isinstance(curve, list) and len(curve) == MAX_VERIFY_TOKENS
+                and all(isinstance(v, (int, float)) for v in curve)):
+            return False  # a damaged file is measured again
         key = json.dumps(target_key, sort_keys=True, default=str) + str(cache_dir)
         if key in _CHECKED:  # checked once per process (bench reads it once per drafter)
             return True

@@ -294,3 +294,9 @@ def test_a_stale_cached_verify_curve_is_measured_again(tmp_path):
     assert json.loads(verify_file.read_text())["value"] == again.verify_s  # the cache holds the new curve
     load_or_calibrate(target, drafter, cache_dir=tmp_path, context_tokens=32, on_measure=measured.append)
     assert len(measured) == 4  # now served from the cache
+    for damaged in ([], "x", [1.0] * 3):  # a damaged file is measured again, never a crash
+        record["value"] = damaged
+        verify_file.write_text(json.dumps(record))
+        costs = load_or_calibrate(target, None, cache_dir=tmp_path, context_tokens=32, on_measure=measured.append)
+        assert len(costs.verify_s) == 16 and "verify" in measured[-1]
+    assert len(measured) == 7
