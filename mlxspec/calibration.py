@@ -158,24 +158,24 @@ def load_or_calibrate(model: nn.Module, drafter=None, *, cache_dir: Path | None 
     target_key = {"what": "verify", "model": model_fingerprint(model), "machine": machine,
                   "context": context_tokens, "grid": VERIFY_GRID}
     stale = []
+    checked_key = json.dumps(target_key, sort_keys=True, default=str) + str(cache_dir)
 
     def still_valid(curve) -> bool:
         if not (isinstance(curve, list) and len(curve) == MAX_VERIFY_TOKENS
                 and all(isinstance(v, (int, float)) for v in curve)):
             return False  # a damaged file is measured again
-        key = json.dumps(target_key, sort_keys=True, default=str) + str(cache_dir)
-        if key in _CHECKED:  # checked once per process (bench reads it once per drafter)
+        if checked_key in _CHECKED:  # checked once per process (bench reads it once per drafter)
             return True
         now = spot_check_verify(model)
         if is_stale(curve[0], now):
             stale.append(f"the cached one is stale: one token takes {1e3 * now:.0f} ms now, "
                          f"{1e3 * curve[0]:.0f} ms then")
             return False
-        _CHECKED.add(key)
         return True
 
     verify_s = _cached(cache_dir, target_key, refresh, on_measure, "the target's verify cost for 1..16 tokens",
                        lambda: calibrate_verify(model, context_tokens=context_tokens), still_valid, stale)
+    _CHECKED.add(checked_key)  # checked or just measured: good for the rest of this process
     draft_s = 0.0
     if drafter is not None and getattr(drafter, "name", "none") != "none":
         gamma = drafter.tree_depth or DRAFT_GAMMA  # a tree drafter's rounds all draft to its depth

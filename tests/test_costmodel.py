@@ -275,9 +275,14 @@ def test_stale_means_off_by_a_factor_and_by_more_than_timer_noise():
     assert is_stale(0.0, 0.1)
 
 
-def test_a_stale_cached_verify_curve_is_measured_again(tmp_path):
+def test_a_stale_cached_verify_curve_is_measured_again(tmp_path, monkeypatch):
     """A cached curve that a quick one-token timing contradicts (here: written 10 s per forward, as if measured
-    on a machine buried under other jobs) is measured again, the draft cost with it, and the user is told why."""
+    on a machine buried under other jobs) is measured again, the draft cost with it, and the user is told why;
+    a curve checked or measured once is not checked again in the same process."""
+    from mlxspec import calibration
+    spot_checks = []
+    real_spot_check = calibration.spot_check_verify
+    monkeypatch.setattr(calibration, "spot_check_verify", lambda m: spot_checks.append(1) or real_spot_check(m))
     target, draft = tiny_llama(seed=0), tiny_llama(seed=3, num_layers=1)
     tokenizer = byte_tokenizer()
     drafter = make_drafter("draft", target=target, tokenizer=tokenizer, draft_model=draft, draft_tokenizer=tokenizer)
@@ -287,6 +292,8 @@ def test_a_stale_cached_verify_curve_is_measured_again(tmp_path):
     record = json.loads(verify_file.read_text())
     record["value"] = [10.0] * 16
     verify_file.write_text(json.dumps(record))
+    assert spot_checks == []  # just measured: trusted for the rest of this process
+    calibration._CHECKED.clear()  # as a new process
     again = load_or_calibrate(target, drafter, cache_dir=tmp_path, context_tokens=32, on_measure=measured.append)
     assert len(measured) == 4 and "stale" in measured[2] and "10000 ms then" in measured[2]
     assert "drafter" in measured[3]
@@ -294,9 +301,11 @@ def test_a_stale_cached_verify_curve_is_measured_again(tmp_path):
     assert json.loads(verify_file.read_text())["value"] == again.verify_s  # the cache holds the new curve
     load_or_calibrate(target, drafter, cache_dir=tmp_path, context_tokens=32, on_measure=measured.append)
     assert len(measured) == 4  # now served from the cache
+    assert len(spot_checks) == 1  # the re-measured curve is not spot-checked again
     for damaged in ([], "x", [1.0] * 3):  # a damaged file is measured again, never a crash
         record["value"] = damaged
         verify_file.write_text(json.dumps(record))
+        calibration._CHECKED.clear()
         costs = load_or_calibrate(target, None, cache_dir=tmp_path, context_tokens=32, on_measure=measured.append)
         assert len(costs.verify_s) == 16 and "verify" in measured[-1]
     assert len(measured) == 7
