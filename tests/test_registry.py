@@ -87,6 +87,19 @@ def test_every_registered_drafter_is_lossless_at_temperature_1(name):
     assert stat < critical, f"chi-square {stat:.1f} >= {critical:.1f}"
 
 
+def test_ngram_needs_a_three_token_match_by_default_and_max_alone_lowers_it():
+    """A 1- or 2-token match is mostly chance and its drafts miss (docs/benchmarks.md, run G): the default drafts
+    only from a 3-token match; ``ngram:max=2`` alone means 2..2, not an error about a default the user did not set."""
+    two = [5, 6, 7, 8, 9, 1, 2, 7, 8]  # "7 8" occurred before, "2 7 8" did not
+    three = [5, 6, 7, 8, 9, 1, 6, 7, 8]  # "6 7 8" occurred before
+    drafts = lambda spec, history: make_drafter(spec).propose(history, 4, None).tokens.tolist()
+    assert drafts("ngram", two) == [] and drafts("ngram", three) == [9, 1, 6, 7]
+    assert drafts("ngram:min=1", two) == [9, 1, 2, 7]
+    assert (make_drafter("ngram:max=2").min_ngram, make_drafter("ngram:max=2").max_ngram) == (2, 2)
+    with pytest.raises(ValueError, match="got min=3, max=2"):
+        make_drafter("ngram:min=3,max=2")
+
+
 def test_spec_strings_round_trip_and_refuse_bad_input():
     specs = parse_specs("eagle:depth=4,top-k=1,ngram=6,medusa:tree=small_15,ngram,none")
     assert [str(s) for s in specs] == ["eagle:depth=4,top_k=1,ngram=6", "medusa:tree=small_15", "ngram", "none"]
