@@ -274,7 +274,8 @@ class AutoGamma:
     rounds before its first chance), and (2) when ``miss_rounds`` drafting rounds
     in a row kept nothing, whatever the prediction (a drafter that keeps missing, found within
     a few rounds even while the estimate still remembers better times). While falling back
-    nothing is learned, so after a wait a short probe (``probe_gamma`` tokens) re-measures α;
+    nothing is learned, so after a wait a short probe (``probe_gamma`` tokens) re-measures α (a probe
+    whose drafter proposed nothing, as a lookup that found no match, is made again the next round);
     each probe that keeps nothing doubles the wait (exponential back-off: ``probe_every``,
     2×, 4×, ... up to ``max_wait`` plain rounds), and one that keeps a token resets it. No
     probe is made when the costs alone rule speculation out (it would lose even if every
@@ -346,6 +347,8 @@ class AutoGamma:
         """Learn from one round's ``CycleStats`` (its depth, or ``num_drafted``, and ``num_accepted``)."""
         drafted = getattr(cycle, "depth", 0) or cycle.num_drafted
         if drafted <= 0:
+            if self.probing:  # a lookup found nothing to draft: the probe tested nothing, so the next round probes
+                self._probe_due = True
             return
         self.estimate.update(drafted, cycle.num_accepted)
         if cycle.num_accepted > 0:

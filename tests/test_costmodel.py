@@ -121,6 +121,20 @@ def test_auto_gamma_back_off_is_capped_and_reset_by_a_hit():
     assert drafting[:3] == [0, 1, 2] and drafting[3] - drafting[2] == 3  # the wait is short again
 
 
+def test_a_probe_that_drafted_nothing_is_made_again():
+    """A lookup drafter (n-gram, suffix) proposes only on a match: a probe round without one tested nothing, so it
+    neither counts as a miss nor ends the probe (else the wait doubles while the answer starts copying; run G)."""
+    auto = AutoGamma(MEMORY_BOUND, probe_every=4, estimate=AcceptanceEstimate(0.9, prior_weight=50))
+    for _ in range(3):  # three misses in a row: fall back
+        auto.update(CycleStats(0, auto.choose_gamma(), 0, 1, 0.0, 0.0, 0))
+    assert [auto.choose_gamma() for _ in range(4)] == [0] * 4  # the wait
+    assert auto.choose_gamma() == 2 and auto.probing
+    auto.update(CycleStats(0, 0, 0, 1, 0.0, 0.0, 0))  # nothing matched: a plain round
+    assert auto.choose_gamma() == 2 and auto.probing  # probed again, no wait
+    auto.update(CycleStats(0, 2, 2, 3, 0.0, 0.0, 2))  # this one keeps both tokens
+    assert auto.choose_gamma() > 0 and not auto.probing
+
+
 def test_estimate_keeps_per_depth_reach():
     estimate = AcceptanceEstimate()
     for _ in range(50):  # depth 1 always kept, depth 2 always rejected
