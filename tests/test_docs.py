@@ -116,3 +116,12 @@ def test_ci_runs_the_readmes_test_command():
 def test_readme_is_a_front_page():
     """At most 250 lines (issue 14): manuals, methods and results live in docs/."""
     assert len((ROOT / "README.md").read_text(encoding="utf-8").splitlines()) <= 250
+
+
+def test_no_merge_conflict_markers():
+    """No README, doc, module or test keeps a merge's conflict markers (one did: docs/drafters.md)."""
+    marker = re.compile("^(" + "<" * 7 + " |" + "=" * 7 + "$|" + ">" * 7 + " )", re.M)
+    files = [*DOCS, *CODE, ROOT / "pyproject.toml", Path(__file__)]
+    found = [f"{p.relative_to(ROOT)}:{p.read_text(encoding='utf-8')[:m.start()].count(chr(10)) + 1}"
+             for p in files for m in marker.finditer(p.read_text(encoding="utf-8"))]
+    assert not found, "conflict markers left by a merge: " + ", ".join(found)
