@@ -142,7 +142,8 @@ def load_or_calibrate(model: nn.Module, drafter=None, *, cache_dir: Path | None 
     now contradicts (``spot_check_verify``, ``is_stale``) is measured again, and so is the draft cost
     with it: both were measured under other conditions (another job's load). A drafter that sizes its own rounds
     (``tree_depth``) is timed on a round of that depth, so ``draft_s · tree_depth`` is what
-    such a round's drafting costs; others on a round of ``DRAFT_GAMMA`` tokens. Files live in ``cache_dir`` (default ``$MLXSPEC_CACHE/costs``).
+    such a round's drafting costs; others on a round of ``DRAFT_GAMMA`` tokens. A block drafter
+    (``fixed_round_cost``: one forward whatever γ) is priced per round (``Costs.draft_round_s``). Files live in ``cache_dir`` (default ``$MLXSPEC_CACHE/costs``).
 
     Args:
         model: The target.
@@ -179,13 +180,17 @@ def load_or_calibrate(model: nn.Module, drafter=None, *, cache_dir: Path | None 
     draft_s = 0.0
     if drafter is not None and getattr(drafter, "name", "none") != "none":
         gamma = drafter.tree_depth or DRAFT_GAMMA  # a tree drafter's rounds all draft to its depth
+        per_round = getattr(drafter, "fixed_round_cost", False)  # a block drafter: one forward whatever γ
         draft_key = {"what": "draft", "drafter": drafter_fingerprint(drafter, model), "machine": machine,
-                     "context": context_tokens, "num_draft_tokens": gamma}
+                     "context": context_tokens, "num_draft_tokens": gamma, "per": "round" if per_round else "token"}
         history = np.random.default_rng(1).integers(0, _vocab_size(model), size=context_tokens).tolist()
         hidden_size = getattr(getattr(model, "args", None), "hidden_size", None)
         draft_s = _cached(cache_dir, draft_key, refresh or bool(stale), on_measure,
-                          f"the {drafter.name} drafter's cost per token",
-                          lambda: calibrate_draft(drafter, history, num_draft_tokens=gamma, hidden_size=hidden_size))
+                          f"the {drafter.name} drafter's cost per {'round' if per_round else 'token'}",
+                          lambda: calibrate_draft(drafter, history, num_draft_tokens=gamma, hidden_size=hidden_size)
+                          * (gamma if per_round else 1))
+        if per_round:
+            return Costs(verify_s, 0.0, context_tokens, draft_round_s=draft_s)
     return Costs(verify_s, draft_s, context_tokens)
 
 

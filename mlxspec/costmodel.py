@@ -66,11 +66,14 @@ class Costs:
             points, non-decreasing). ``verify_s[0]`` is T_target(1), a plain step.
         draft_s: Seconds per drafted token (0 for a drafter that costs nothing measurable).
         context_tokens: Cache length the costs were measured at.
+        draft_round_s: Seconds of drafting per round that drafts at all, whatever its length: a block
+            drafter's one forward (``Drafter.fixed_round_cost``: DFlash, DSpark). 0 for the others.
     """
 
     verify_s: list[float]
     draft_s: float = 0.0
     context_tokens: int = DEFAULT_CONTEXT_TOKENS
+    draft_round_s: float = 0.0
 
     def verify(self, num_tokens: int) -> float:
         """T_verify(k) in seconds; beyond the measured range, extrapolated linearly."""
@@ -80,12 +83,16 @@ class Costs:
         slope = (self.verify_s[-1] - self.verify_s[0]) / max(n - 1, 1)
         return self.verify_s[-1] + slope * (num_tokens - n)
 
+    def draft(self, gamma: int) -> float:
+        """Predicted seconds of drafting for a round of depth γ: ``draft_round_s`` (if γ ≥ 1) + γ · ``draft_s``."""
+        return (self.draft_round_s if gamma > 0 else 0.0) + gamma * self.draft_s
+
     def round_s(self, gamma: int, nodes: Callable[[int], int] | None = None) -> float:
-        """Predicted seconds for one round: γ · T_draft + T_verify(nodes(γ) + 1).
+        """Predicted seconds for one round: T_draft(γ) (``draft``) + T_verify(nodes(γ) + 1).
 
         ``nodes``: the draft nodes a round of depth γ sends to the target (a tree's, ``Drafter.round_nodes``);
         ``None``: γ, a chain."""
-        return gamma * self.draft_s + self.verify((nodes(gamma) if nodes is not None else gamma) + 1)
+        return self.draft(gamma) + self.verify((nodes(gamma) if nodes is not None else gamma) + 1)
 
     def speedup(self, gamma: int, alpha: float | list[float], nodes: Callable[[int], int] | None = None) -> float:
         """Predicted speedup over plain decoding at draft length (depth) γ.

@@ -109,7 +109,7 @@ class PricedPlain(FixedGamma):
 
 def round_can_win(costs: Costs, depth: int, nodes: Callable[[int], int] | None = None) -> bool:
     """Whether a round of some depth γ <= ``depth`` could beat a plain step on ``costs`` even if every draft
-    were accepted: γ + 1 tokens in γ · ``costs.draft_s`` + T_verify(nodes(γ) + 1) seconds against one token
+    were accepted: γ + 1 tokens in ``costs.draft(γ)`` + T_verify(nodes(γ) + 1) seconds against one token
     in T_verify(1) (``load_or_calibrate`` times a drafter that sizes its rounds on one of ``tree_depth``).
 
     Args:

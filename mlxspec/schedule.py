@@ -153,8 +153,8 @@ class ScheduledGamma:
     ``choose_gamma`` gives the drafter its full length; ``schedule(draft)`` reads the draft's
     survival estimates (one host read before the verify forward) and keeps the best m nodes,
     m = argmax_m (1 + Σ_{i<m} ŝ_i) / (T_draft + T_verify(m + 1)) over the ŝ sorted best first
-    (module docstring; a sampled chain is cut by a stopping rule instead, see ``schedule``). T_draft is the round's drafting, already spent (``costs.draft_s`` per
-    level of depth), which makes longer verifications relatively cheaper. When even the best m
+    (module docstring; a sampled chain is cut by a stopping rule instead, see ``schedule``). T_draft is the round's drafting, already spent (``costs.draft`` of its
+    depth), which makes longer verifications relatively cheaper. When even the best m
     is predicted slower than plain decoding, the next ``probe_every`` rounds draft nothing. The
     first drafting round, and the first after such a pause, is a probe that verifies the whole
     draft, so the recalibration sees every position even when the drafter is under-confident.
@@ -217,7 +217,7 @@ class ScheduledGamma:
         raw = np.array(draft.survival, dtype=np.float64)  # the host read scheduling costs
         depths = draft.tree.depths[1:]
         value = closed_survival(self.calibration.calibrate(raw, depths), draft.tree)
-        spent = self.costs.draft_s * int(depths.max())
+        spent = self.costs.draft(int(depths.max()))
         if sampled:
             m = stopping_length(value, self.costs, spent)
             nodes = list(range(m))

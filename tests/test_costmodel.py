@@ -323,3 +323,38 @@ def test_a_stale_cached_verify_curve_is_measured_again(tmp_path, monkeypatch):
         costs = load_or_calibrate(target, None, cache_dir=tmp_path, context_tokens=32, on_measure=measured.append)
         assert len(costs.verify_s) == 16 and "verify" in measured[-1]
     assert len(measured) == 7
+
+
+def test_a_block_drafter_pays_its_drafting_once_per_round():
+    """DFlash/DSpark run one forward whatever γ: priced per round, a round of 7 drafts costs what a round of 1
+    does, so at a high α the best γ is the whole block; the same measurement spread per token (the old
+    pricing, round time / 4) undercharges γ = 1 and overcharges long blocks: it picks γ = 1 where
+    the whole block wins, and drafts where nothing pays."""
+    verify = [0.16, 0.19, 0.24, 0.28, 0.28, 0.28, 0.29, 0.29] + [0.29 + 0.01 * k for k in range(8)]
+    block = Costs(verify, draft_round_s=0.075)
+    assert block.round_s(0) == pytest.approx(0.16)
+    assert block.round_s(1) - block.verify(2) == pytest.approx(0.075)
+    assert block.round_s(7) - block.verify(8) == pytest.approx(0.075)
+    per_token = Costs(verify, draft_s=0.075 / 4)
+    assert per_token.round_s(1) < block.round_s(1) and per_token.round_s(7) > block.round_s(7)
+    assert block.best_gamma(0.7, 7)[0] == 7 and per_token.best_gamma(0.7, 7)[0] == 1
+    assert block.best_gamma(0.5, 7)[0] == 0 and per_token.best_gamma(0.5, 7)[0] == 1  # 1 draft cannot pay 75 ms
+
+
+def test_a_block_drafters_cost_is_measured_per_round(tmp_path):
+    """``load_or_calibrate`` times a DFlash drafter's round and keeps it as ``draft_round_s`` (none per token),
+    under its own cache key: a per-token number cached for the same drafter is not read as a round's."""
+    from mlxspec.drafters.dflash import DFlashDrafter
+    from test_dflash import random_dflash
+
+    target = tiny_llama(seed=0)
+    drafter = DFlashDrafter(random_dflash(layer_ids=(0, 1)), target)
+    assert drafter.fixed_round_cost
+    measured = []
+    costs = load_or_calibrate(target, drafter, cache_dir=tmp_path, context_tokens=16, on_measure=measured.append)
+    assert costs.draft_s == 0.0 and costs.draft_round_s > 0
+    assert any("cost per round" in m for m in measured)
+    drafter.fixed_round_cost = False  # the same drafter priced per token: another key, measured again
+    again = load_or_calibrate(target, drafter, cache_dir=tmp_path, context_tokens=16, on_measure=measured.append)
+    assert again.draft_round_s == 0.0 and again.draft_s > 0
+    assert any("cost per token" in m for m in measured)

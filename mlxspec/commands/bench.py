@@ -254,8 +254,15 @@ def format_header(info: dict) -> str:
     ]
     for name, c in info["costs"].items():
         curve = " ".join(f"{1000 * c['verify_s'][k - 1]:.0f}" for k in (1, 2, 4, 8, 16))
-        lines.append(f"costs ({name}): T_verify(1, 2, 4, 8, 16) = {curve} ms; T_draft = {1000 * c['draft_s']:.2f} ms/token")
+        lines.append(f"costs ({name}): T_verify(1, 2, 4, 8, 16) = {curve} ms; T_draft = {_draft_cost(c)}")
     return "\n".join(lines)
+
+
+def _draft_cost(cost: dict) -> str:
+    """A ``Costs`` dict's drafting cost as the header prints it: per token, or per round for a block drafter."""
+    if cost.get("draft_round_s"):
+        return f"{1000 * cost['draft_round_s']:.2f} ms/round"
+    return f"{1000 * cost['draft_s']:.2f} ms/token"
 
 
 def _announce(info: dict, costs: dict, prompts: list[list[int]], max_tokens: int, total: int,

@@ -136,6 +136,9 @@ class Drafter(ABC):
     feature_layers: tuple[int, ...] = ()
     #: Whether drafts carry ``Draft.survival`` estimates (needed by ``--num-draft-tokens scheduled``).
     reports_survival: bool = False
+    #: Whether a round's drafting costs the same for every γ >= 1 (one forward fills a whole block:
+    #: DFlash, DSpark); the cost model then prices it per round (``costmodel.Costs.draft_round_s``).
+    fixed_round_cost: bool = False
 
     @property
     def tree_depth(self) -> int | None:

@@ -53,6 +53,7 @@ class DFlashDrafter(Drafter):
     lazy = True
     needs_hidden = True
     reports_survival = True  # each position's largest q, multiplied along the block (docs/acceptance.md 3.1)
+    fixed_round_cost = True  # the block is always run whole: γ only cuts how much of it is proposed
 
     def __init__(self, net: DFlashNet, target: nn.Module):
         self.net, self.config = net, net.config
