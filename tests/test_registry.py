@@ -100,6 +100,16 @@ def test_ngram_needs_a_three_token_match_by_default_and_max_alone_lowers_it():
         make_drafter("ngram:min=3,max=2")
 
 
+def test_ngram_drafts_from_the_longest_match_up_to_eight_tokens():
+    """An edit repeats short runs all over the code: the most recent 4-token match may continue differently
+    from the text being copied, the 8-token match does not (docs/benchmarks.md, run N)."""
+    history = [1, 2, 3, 4, 5, 6, 7, 8, 20, 21, 9, 9, 9, 9, 5, 6, 7, 8, 30, 31, 1, 2, 3, 4, 5, 6, 7, 8]
+    drafts = lambda spec: make_drafter(spec).propose(history, 2, None).tokens.tolist()
+    assert drafts("ngram") == [20, 21]  # "1 .. 8" occurred at the start
+    assert drafts("ngram:max=4") == [30, 31]  # the most recent "5 6 7 8"
+    assert make_drafter("ngram").max_ngram == 8
+
+
 def test_spec_strings_round_trip_and_refuse_bad_input():
     specs = parse_specs("eagle:depth=4,top-k=1,ngram=6,medusa:tree=small_15,ngram,none")
     assert [str(s) for s in specs] == ["eagle:depth=4,top_k=1,ngram=6", "medusa:tree=small_15", "ngram", "none"]
