@@ -9,10 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from .base import Draft, Drafter
 from .registry import DrafterType, option, register
+from .suffix import longest_match
 
 #: Shortest suffix matched by default. 3, not 1: a 1- or 2-token match is mostly chance (any token seen before
 #: matches), its drafts miss, and under γ auto those misses make the policy back off for 16+ rounds just when
@@ -34,9 +34,10 @@ def lookup_continuation(
 ) -> np.ndarray:
     """Find the longest suffix n-gram seen before and return what followed it.
 
-    Tries ``n = max_ngram .. min_ngram``; for the first n whose last-n tokens occur
-    earlier in ``history``, takes the most recent earlier occurrence and returns
-    up to ``max_tokens`` tokens that followed it.
+    The longest n <= ``max_ngram`` whose last-n tokens occur earlier in ``history`` (if n >=
+    ``min_ngram``): its most recent earlier occurrence, and up to ``max_tokens`` tokens that
+    followed it. One comparison over ``history``, then the matches are extended backwards
+    (``suffix.longest_match``), so a longer ``max_ngram`` costs almost nothing.
 
     Args:
         history (np.ndarray): Committed tokens, shape [L], integer.
@@ -47,14 +48,12 @@ def lookup_continuation(
     Returns:
         np.ndarray: The continuation, shape [<= max_tokens]; empty when nothing matches.
     """
-    L = history.shape[0]
-    for n in range(min(max_ngram, L - 1), min_ngram - 1, -1):
-        windows = sliding_window_view(history[:-1], n)  # [L - n, n]: excludes the suffix itself
-        hits = np.flatnonzero((windows == history[-n:]).all(axis=1))
-        if hits.size:
-            start = hits[-1] + n
-            return history[start : start + max_tokens]
-    return history[:0]
+    # occurrences with a token after them, so never the suffix itself; one scan, extended backwards
+    length, ends = longest_match(history, history, max_ngram)
+    if length < min_ngram:
+        return history[:0]
+    start = ends[-1] + 1
+    return history[start : start + max_tokens]
 
 
 class NgramDrafter(Drafter):
