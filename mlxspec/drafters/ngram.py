@@ -22,8 +22,8 @@ DEFAULT_MIN_NGRAM = 3
 #: Longest suffix matched by default. 8, not 4: the longest match picks the occurrence that continues as the
 #: answer does (an edit repeats 4-token runs all over the code; 6-8 tokens tell them apart). Replayed on
 #: Qwen2.5-Coder-1.5B's greedy answers to 4 code edits with its measured verify costs (docs/benchmarks.md, run N):
-#: γ auto 2.21 -> 2.46x plain on the rename, the others equal or better, never worse; 6 to 16 give the same, so 8
-#: keeps the scan short. Measured in the same run: the rename 2.41 -> 2.90x, identical rounds on the other three.
+#: γ auto 2.21 -> 2.46x plain on the rename, the others equal or better, never worse; 6 to 16 give the same.
+#: Measured in the same run: the rename 2.41 -> 2.90x, identical rounds on the other three.
 DEFAULT_MAX_NGRAM = 8
 #: Suffix lengths of EAGLE's n-gram branch (``lookup_continuation``'s default): 4 down to 1.
 BRANCH_MAX_NGRAM = 4
