@@ -725,4 +725,6 @@ def test_auto_prices_a_tree_round_at_the_nodes_it_sends_and_falls_back_when_it_m
     result = generate(target, tokenizer, prompt, drafter=tree, num_draft_tokens=policy, max_tokens=48,
                       stop_tokens=set())
     assert result.tokens == plain.tokens
-    assert result.stats.accepted == 0 and 3 <= len(depths) <= 5  # 3 misses, then a probe after 16 plain steps
+    # at most miss_rounds (8) misses (a random head's estimate sinks with each miss, so no run of them looks
+    # improbable), then one 2-token probe after 16 plain steps: most of the 48 rounds are plain
+    assert result.stats.accepted == 0 and 3 <= len(depths) <= 9 and result.stats.gamma_rounds[0] >= 36
