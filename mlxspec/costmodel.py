@@ -283,9 +283,10 @@ class AutoGamma:
       is a probe instead: a costly draft model that agrees 90% of the time would otherwise wait
       ``probe_every`` plain rounds before its first chance;
     - while the evidence is too thin to give up (an optimistic α, the estimate plus ``optimism`` standard
-      errors of its decayed count, would still win), the round drafts 1 token, the cheapest round that
-      measures α: a draft model near break-even (costing half a target step, kept 60–80% of the time) swings
-      across the line on a few rejections, and a fall-back learns nothing while it waits;
+      errors of its decayed count, would still win), the round drafts the fewest tokens that would win at
+      that α (1 for a drafter that pays per token), the cheapest round that measures α: a draft model
+      near break-even (costing half a target step, kept 60–80% of the time) swings across the line on a
+      few rejections, and a fall-back learns nothing while it waits;
     - otherwise it falls back to plain decoding.
 
     It also falls back, whatever the prediction, on a run of drafting rounds that kept nothing which
@@ -303,7 +304,7 @@ class AutoGamma:
 
     The defaults were chosen by replaying the policy, at temperature 0, on Qwen2.5-Coder-1.5B's greedy
     answers with its 0.5B draft model and with n-gram lookup, and on synthetic acceptance sequences
-    (docs/benchmarks.md, "γ auto against fixed γ, replayed").
+    (docs/benchmarks.md, run Q).
 
     Args:
         costs: This machine's ``Costs`` for the target and drafter.
@@ -318,8 +319,8 @@ class AutoGamma:
         max_wait: Longest wait between probes, in plain rounds. Default: ``256``.
         nodes: Draft nodes a round of depth γ sends to the target (``Drafter.round_nodes``: a tree
             verifies more nodes than its depth), priced in every choice. Default: γ (a chain).
-        optimism: Standard errors above the estimated α at which a round still drafts 1 token rather than
-            fall back. Default: ``1.5``; ``0`` falls back on the estimate alone.
+        optimism: Standard errors above the estimated α at which a round still drafts (the fewest tokens that
+            would win there) rather than fall back. Default: ``1.5``; ``0`` falls back on the estimate alone.
 
     Attributes:
         gamma: γ chosen for the current round.
@@ -370,18 +371,22 @@ class AutoGamma:
         self.gamma, self.predicted_speedup = self.costs.best_gamma(reach, self.max_gamma, self.margin, self.nodes)
         if self.gamma == 0 and self.can_win and not self.estimate.drafted:
             self.gamma, self.probing = self.probe_gamma, True  # only the prior says no: measure first
-        elif self.gamma == 0 and self.can_win and self._might_win():
-            self.gamma = 1  # too little evidence to give up: the cheapest round that measures α
+        elif self.gamma == 0 and self.can_win:
+            self.gamma = self._exploring_gamma()  # too little evidence to give up: the cheapest round that wins
+            if self.gamma == 0:
+                self._back_off()
         elif self.gamma == 0:
             self._back_off()
         return self.gamma
 
-    def _might_win(self) -> bool:
-        """Whether an optimistic α, the estimate plus ``optimism`` standard errors, predicts a win."""
+    def _exploring_gamma(self) -> int:
+        """The smallest γ predicted to win at an optimistic α (the estimate plus ``optimism`` standard errors of
+        its decayed count), 0 if none: 1 for a drafter that pays per token, more for one that pays per round."""
         alpha, estimate = self.estimate.alpha, self.estimate
         count = (estimate.drafted[0] if estimate.drafted else 0.0) + estimate.prior_weight
         optimistic = min(1.0, alpha + self.optimism * math.sqrt(alpha * (1.0 - alpha) / count))
-        return self.costs.best_gamma(optimistic, self.max_gamma, self.margin, self.nodes)[0] > 0
+        return next((g for g in range(1, self.max_gamma + 1)
+                     if self.costs.speedup(g, optimistic, self.nodes) > 1.0 + self.margin), 0)
 
     def update(self, cycle) -> None:
         """Learn from one round's ``CycleStats`` (its depth, or ``num_drafted``, and ``num_accepted``)."""
