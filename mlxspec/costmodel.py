@@ -137,6 +137,7 @@ class AcceptanceEstimate:
         window: Rounds the memory spans (decay time constant). Default: ``16`` (32 was slower to follow
             a drafter whose acceptance moves within an answer, in the replays ``AutoGamma`` names).
         drafted, kept: Decayed counts per depth.
+        rounds: Drafting rounds folded in, not decayed: how much has been measured in all.
     """
 
     prior_alpha: float = 0.5
@@ -144,11 +145,13 @@ class AcceptanceEstimate:
     window: float = 16.0
     drafted: list[float] = field(default_factory=list)
     kept: list[float] = field(default_factory=list)
+    rounds: int = 0
 
     def update(self, num_drafted: int, num_accepted: int) -> None:
         """Fold in one round (nothing happens for a round without drafts)."""
         if num_drafted <= 0:
             return
+        self.rounds += 1
         decay = 1.0 - 1.0 / self.window
         self.drafted = [c * decay for c in self.drafted]
         self.kept = [c * decay for c in self.kept]
@@ -283,7 +286,7 @@ class AutoGamma:
       is a probe instead: a costly draft model that agrees 90% of the time would otherwise wait
       ``probe_every`` plain rounds before its first chance;
     - while the evidence is too thin to give up (an optimistic α, the estimate plus ``optimism`` standard
-      errors of its decayed count, would still win), the round drafts the fewest tokens that would win at
+      errors over the rounds measured so far, would still win), the round drafts the fewest tokens that would win at
       that α (1 for a drafter that pays per token), the cheapest round that measures α: a draft model
       near break-even (costing half a target step, kept 60–80% of the time) swings across the line on a
       few rejections, and a fall-back learns nothing while it waits;
@@ -380,11 +383,17 @@ class AutoGamma:
         return self.gamma
 
     def _exploring_gamma(self) -> int:
-        """The smallest γ predicted to win at an optimistic α (the estimate plus ``optimism`` standard errors of
-        its decayed count), 0 if none: 1 for a drafter that pays per token, more for one that pays per round."""
-        alpha, estimate = self.estimate.alpha, self.estimate
-        count = (estimate.drafted[0] if estimate.drafted else 0.0) + estimate.prior_weight
-        optimistic = min(1.0, alpha + self.optimism * math.sqrt(alpha * (1.0 - alpha) / count))
+        """The smallest γ predicted to win on an optimistic reach (the depth-1 estimate raised by ``optimism``
+        standard errors over every round measured so far, deeper depths by that factor per level), 0 if none: 1
+        for a drafter that pays per token, more for one that pays per round. The error shrinks with the rounds measured in
+        all, not the remembered ones, so a drafter steadily just under break-even stops being explored."""
+        reach = self.estimate.reach(self.max_gamma)
+        error = math.sqrt(reach[0] * (1.0 - reach[0]) / (self.estimate.rounds + self.estimate.prior_weight))
+        ratio = min(1.0, reach[0] + self.optimism * error) / reach[0] if reach[0] > 0 else 1.0
+        optimistic, above = [], 1.0
+        for i, r in enumerate(reach):  # depth i + 1 scaled as a geometric chain at the optimistic α would be
+            above = min(above, r * ratio ** (i + 1))
+            optimistic.append(above)
         return next((g for g in range(1, self.max_gamma + 1)
                      if self.costs.speedup(g, optimistic, self.nodes) > 1.0 + self.margin), 0)
 

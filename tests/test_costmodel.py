@@ -118,6 +118,21 @@ def test_auto_gamma_drafts_one_token_while_the_evidence_is_thin():
     assert AutoGamma(costly, estimate=thick).choose_gamma() == 0
 
 
+def test_auto_gamma_stops_exploring_a_drafter_steadily_just_under_break_even():
+    """The standard error behind the optimism shrinks with every round measured, not only the remembered ones:
+    a costly draft kept in 4 of 9 rounds like clockwork (α 0.44, under γ 1's break-even of about 0.6) is
+    explored for a while, then drafts only in probes."""
+    costly = Costs(MEMORY_BOUND.verify_s, draft_s=0.45)
+    auto, pattern, choices = AutoGamma(costly), [1, 0] * 4 + [0], []
+    for _ in range(3000):
+        choices.append(auto.choose_gamma())
+        if choices[-1]:
+            kept = pattern[sum(g > 0 for g in choices) % len(pattern)]
+            auto.update(CycleStats(0, choices[-1], kept * choices[-1], 1 + kept * choices[-1], 0.0, 0.0, choices[-1]))
+    assert sum(g > 0 for g in choices[:100]) > 20  # explored at first ...
+    assert sum(g > 0 for g in choices[-1000:]) < 100  # ... then mostly plain decoding
+
+
 def test_auto_gamma_probes_first_when_only_the_prior_says_no():
     """A costly draft (0.45 of a target step) loses at the prior α = 0.5 but wins at α = 0.9:
     the first round measures instead of waiting ``probe_every`` plain rounds (Qwen2.5-Coder pair, issue 15)."""
