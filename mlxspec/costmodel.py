@@ -305,6 +305,12 @@ class AutoGamma:
     would lose even if every draft were accepted). Plain rounds teach it nothing, so the loop may ask
     for the next γ before reporting a plain round (it pipelines consecutive plain steps).
 
+    With ``stop_early`` (a drafter that drafts token by token and can stop on its own confidence,
+    ``Drafter.stops_early``: the draft model), whether a round drafts is priced at one token (the
+    first draft must pay for itself at the estimated α), a round that drafts is given ``max_gamma``,
+    and the drafter stops as soon as the next token would not pay (``keep_drafting``): γ follows the
+    draft's confidence position by position instead of the running mean.
+
     The defaults were chosen by replaying the policy, at temperature 0, on Qwen2.5-Coder-1.5B's greedy
     answers with its 0.5B draft model and with n-gram lookup, and on synthetic acceptance sequences
     (docs/benchmarks.md, run Q).
@@ -324,6 +330,8 @@ class AutoGamma:
             verifies more nodes than its depth), priced in every choice. Default: γ (a chain).
         optimism: Standard errors above the estimated α at which a round still drafts (the fewest tokens that
             would win there) rather than fall back. Default: ``1.5``; ``0`` falls back on the estimate alone.
+        stop_early: Price rounds at one token and let the drafter stop each round early (``keep_drafting``).
+            Default: ``False``.
 
     Attributes:
         gamma: γ chosen for the current round.
@@ -341,7 +349,7 @@ class AutoGamma:
     def __init__(self, costs: Costs, *, max_gamma: int = MAX_VERIFY_TOKENS - 1, margin: float = 0.03,
                  probe_every: int = 16, probe_gamma: int = 2, estimate: AcceptanceEstimate | None = None,
                  miss_p: float = 0.02, miss_rounds: int = 8, max_wait: int = 256,
-                 nodes: Callable[[int], int] | None = None, optimism: float = 1.5):
+                 nodes: Callable[[int], int] | None = None, optimism: float = 1.5, stop_early: bool = False):
         if min(max_gamma, probe_every, miss_rounds) < 1:
             raise ValueError(f"max_gamma, probe_every and miss_rounds must be >= 1, got {max_gamma}, {probe_every} "
                              f"and {miss_rounds}")
@@ -350,6 +358,8 @@ class AutoGamma:
         self.costs, self.max_gamma, self.margin, self.nodes = costs, max_gamma, margin, nodes
         self.probe_every, self.probe_gamma = probe_every, min(probe_gamma, max_gamma)
         self.miss_p, self.miss_rounds, self.optimism = miss_p, miss_rounds, optimism
+        self.stop_early = stop_early
+        self._priced = 1 if stop_early else max_gamma  # deepest round a choice is priced at
         self.max_wait = max(max_wait, probe_every)
         self.estimate = estimate or AcceptanceEstimate()
         self.can_win = costs.best_gamma(1.0, max_gamma, margin, nodes)[0] > 0
@@ -368,10 +378,10 @@ class AutoGamma:
         if self._probe_due:
             self._probe_due, self.probing = False, self.can_win
             if self.probing:
-                self.gamma = self.probe_gamma
+                self.gamma = self.max_gamma if self.stop_early else self.probe_gamma
                 return self.gamma
-        reach = self.estimate.reach(self.max_gamma)
-        self.gamma, self.predicted_speedup = self.costs.best_gamma(reach, self.max_gamma, self.margin, self.nodes)
+        reach = self.estimate.reach(self._priced)
+        self.gamma, self.predicted_speedup = self.costs.best_gamma(reach, self._priced, self.margin, self.nodes)
         if self.gamma == 0 and self.can_win and not self.estimate.drafted:
             self.gamma, self.probing = self.probe_gamma, True  # only the prior says no: measure first
         elif self.gamma == 0 and self.can_win:
@@ -380,21 +390,34 @@ class AutoGamma:
                 self._back_off()
         elif self.gamma == 0:
             self._back_off()
+        if self.stop_early and self.gamma > 0:
+            self.gamma = self.max_gamma  # the drafter's confidence ends the round (keep_drafting)
         return self.gamma
+
+    def keep_drafting(self, drafted: int, survival: float) -> bool:
+        """With ``stop_early``: whether the drafter drafts one more token after ``drafted`` (>= 1) this round.
+
+        The next token is kept only if every token before it is, which the drafter puts at ``survival`` (the
+        product of its confidences so far, in [0, 1]); so it adds at most ``survival`` tokens to the round,
+        worth ``survival`` · T_verify(1) seconds at plain decoding's rate, and costs
+        T_draft(1) + T_verify(drafted + 2) − T_verify(drafted + 1). It is drafted while it pays that.
+        """
+        extra = self.costs.draft_s + self.costs.verify(drafted + 2) - self.costs.verify(drafted + 1)
+        return survival * self.costs.verify(1) > extra
 
     def _exploring_gamma(self) -> int:
         """The smallest γ predicted to win on an optimistic reach (the depth-1 estimate raised by ``optimism``
         standard errors over every round measured so far, deeper depths by that factor per level), 0 if none: 1
         for a drafter that pays per token, more for one that pays per round. The error shrinks with the rounds measured in
         all, not the remembered ones, so a drafter steadily just under break-even stops being explored."""
-        reach = self.estimate.reach(self.max_gamma)
+        reach = self.estimate.reach(self._priced)
         error = math.sqrt(reach[0] * (1.0 - reach[0]) / (self.estimate.rounds + self.estimate.prior_weight))
         ratio = min(1.0, reach[0] + self.optimism * error) / reach[0] if reach[0] > 0 else 1.0
         optimistic, above = [], 1.0
         for i, r in enumerate(reach):  # depth i + 1 scaled as a geometric chain at the optimistic α would be
             above = min(above, r * ratio ** (i + 1))
             optimistic.append(above)
-        return next((g for g in range(1, self.max_gamma + 1)
+        return next((g for g in range(1, self._priced + 1)
                      if self.costs.speedup(g, optimistic, self.nodes) > 1.0 + self.margin), 0)
 
     def update(self, cycle) -> None:

@@ -11,7 +11,9 @@ and ``stream_generate(..., num_draft_tokens="auto")`` mean the same thing for ev
   accepted (``round_can_win``), every round is a plain step and the drafter never runs
   (``PricedPlain``);
 - any other drafter gets ``costmodel.AutoGamma``: γ per round from this machine's measured costs
-  and the running acceptance, falling back to plain decoding when speculation would lose;
+  and the running acceptance, falling back to plain decoding when speculation would lose; a drafter
+  that can stop a round on its own confidence (``Drafter.stops_early``: the draft model) drafts while
+  the next token pays for itself (``AutoGamma.keep_drafting``);
 - ``--drafter none`` and ``0`` are plain decoding; an integer is a fixed γ;
 - ``scheduled`` (a drafter that estimates each drafted token's survival): the drafter drafts its
   full length and ``schedule.ScheduledGamma`` verifies the part with the best predicted tokens/s
@@ -183,7 +185,8 @@ def gamma_policy(num_draft_tokens: int | str | GammaPolicy, model, drafter: Draf
         if auto_priced_plain(drafter, costs):
             return PricedPlain(drafter.tree_depth)
         return AutoGamma(costs, max_gamma=drafter.tree_depth, nodes=drafter.round_nodes)
-    return AutoGamma(costs if costs is not None else load_or_calibrate(model, drafter, on_measure=on_measure))
+    return AutoGamma(costs if costs is not None else load_or_calibrate(model, drafter, on_measure=on_measure),
+                     stop_early=drafter.stops_early)
 
 
 #: What a Medusa tree priced as plain decoding at load time says (``TreeBudget.can_win``).

@@ -208,6 +208,8 @@ def speculative_rounds(
     history, clock, generated = list(prompt), _DraftClock(drafter.lazy and time_split), 0
     plain = _PlainSteps(model, cache, sampling, tap)
     schedule = getattr(policy, "schedule", None)  # scheduled verification trims the draft (schedule.py)
+    # γ auto lets a drafter that can stop on its own confidence end each round (costmodel.AutoGamma.keep_drafting)
+    keep_drafting = policy.keep_drafting if getattr(policy, "stop_early", False) and drafter.stops_early else None
     gamma = None  # the next round's γ, when it was chosen early (pipelined plain steps)
     try:
         for cycle in range(max_tokens):
@@ -223,7 +225,12 @@ def speculative_rounds(
                 path, tokens, kinds = [], [token.item()], ["target"]
                 t1, num_drafted, depth = t0, 0, 0
             else:
-                draft, gamma = drafter.propose(history, gamma, sampling), None
+                if keep_drafting is None:
+                    draft = drafter.propose(history, gamma, sampling)
+                else:  # its γ is what it drafted
+                    draft = drafter.propose(history, gamma, sampling, keep_drafting=keep_drafting)
+                    chosen = draft.size
+                gamma = None
                 if schedule is not None:
                     draft = schedule(draft)
                 clock.drafted(cycle, draft)

@@ -133,6 +133,28 @@ def test_auto_gamma_stops_exploring_a_drafter_steadily_just_under_break_even():
     assert sum(g > 0 for g in choices[-1000:]) < 100  # ... then mostly plain decoding
 
 
+def test_auto_gamma_lets_a_drafter_that_stops_early_end_each_round():
+    """stop_early (the draft model): whether a round drafts is priced at one token, a round that drafts gets
+    max_gamma, and the drafter drafts another token while survival · T_verify(1) pays for it: T_draft(1) plus
+    the verify width it adds."""
+    costly = Costs(MEMORY_BOUND.verify_s, draft_s=0.3)  # one more token costs 0.3 + 0.1 plain steps
+    auto = AutoGamma(costly, stop_early=True)
+    assert auto.keep_drafting(1, 0.41) and not auto.keep_drafting(1, 0.39)
+    steep = AutoGamma(Costs([1.0, 1.1, 1.5] + [1.6] * 13, draft_s=0.3), stop_early=True)
+    assert steep.keep_drafting(2, 0.45) and not steep.keep_drafting(1, 0.65)  # width 3 → 4 adds 0.1, 2 → 3 adds 0.4
+    good, poor = AcceptanceEstimate(), AcceptanceEstimate()
+    for _ in range(30):
+        good.update(1, 1)
+    for kept in [1, 0, 0] * 30:  # α 1/3: one token pays only above α 0.4
+        poor.update(1, kept)
+    assert 1 < AutoGamma(costly, estimate=good).choose_gamma() < 15  # a fixed chain is priced shorter ...
+    assert AutoGamma(costly, estimate=good, stop_early=True).choose_gamma() == 15  # ... the drafter ends this one
+    assert AutoGamma(costly, estimate=poor, stop_early=True).choose_gamma() == 0
+    # a probe (only the prior α 0.5 says no) is also ended by the drafter
+    first = AutoGamma(Costs(MEMORY_BOUND.verify_s, draft_s=0.45), stop_early=True)
+    assert first.choose_gamma() == 15 and first.probing
+
+
 def test_auto_gamma_probes_first_when_only_the_prior_says_no():
     """A costly draft (0.45 of a target step) loses at the prior α = 0.5 but wins at α = 0.9:
     the first round measures instead of waiting ``probe_every`` plain rounds (Qwen2.5-Coder pair, issue 15)."""

@@ -6,6 +6,7 @@ import itertools
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import KVCache, make_prompt_cache
@@ -13,7 +14,9 @@ from mlx_lm.sample_utils import make_logits_processors
 
 from conftest import byte_tokenizer, tiny_llama
 from mlxspec import PromptCache, SamplingParams, TokenEvent, generate, make_drafter, stream_generate
+from mlxspec.costmodel import Costs
 from mlxspec.drafters import check_same_tokenizer
+from mlxspec.gamma import gamma_policy
 from mlxspec.generate import speculative_rounds
 
 PROMPT = [10, 20, 30, 40, 10, 20, 30, 41, 50, 60]
@@ -75,6 +78,41 @@ def test_target_as_its_own_draft_accepts_everything(target, tokenizer, reference
     kinds = [e.kind for e in events if isinstance(e, TokenEvent)]
     assert kinds == (["accepted"] * gamma + ["bonus"]) * 8
     assert [e.token for e in events if isinstance(e, TokenEvent)] == reference[:n]
+
+
+def test_the_draft_model_asks_before_each_further_token_and_stops_when_told(target, tokenizer):
+    drafter = _draft(target, tokenizer, tiny_llama(seed=0, sharpen=1.5))
+    drafter.prefill(PROMPT)
+    asked = []
+
+    def keep_drafting(drafted, survival):
+        asked.append((drafted, survival))
+        return drafted < 3
+
+    draft = drafter.propose(PROMPT, 8, SamplingParams(), keep_drafting=keep_drafting)
+    assert draft.size == 3 and [k for k, _ in asked] == [1, 2, 3]
+    # what it is told is the product of its confidences so far: the survival the draft reports
+    assert np.allclose([s for _, s in asked], np.array(draft.survival), rtol=1e-5)
+    assert 0 < asked[-1][1] < asked[0][1] < 1
+
+
+@pytest.mark.parametrize("draft_kind", ["same-argmax", "confident-and-wrong"])
+def test_auto_lets_the_draft_model_end_its_rounds_and_stays_greedy(target, tokenizer, reference, draft_kind):
+    """γ auto with a draft model: each round drafts until the next token would not pay (AutoGamma.keep_drafting);
+    rounds of many lengths, kept whole or rejected early, leave the output plain greedy decoding's."""
+    draft_model = tiny_llama(seed=0, sharpen=8.0) if draft_kind == "same-argmax" else tiny_llama(seed=3, sharpen=10.0)
+    cheap = Costs([1.0 + 0.005 * k for k in range(16)], draft_s=0.01)  # another token pays while survival > 0.015
+    policy = gamma_policy("auto", target, _draft(target, tokenizer, draft_model), costs=cheap)
+    assert policy.stop_early
+    result = generate(target, tokenizer, PROMPT, drafter=_draft(target, tokenizer, draft_model),
+                      num_draft_tokens=policy, max_tokens=120, stop_tokens=set())
+    assert result.tokens == reference[:120]
+    lengths = [g for g, n in enumerate(result.stats.gamma_rounds) if n and g > 0]  # drafted per round
+    assert len(lengths) >= 3 and max(lengths) < 15, result.stats.gamma_rounds
+    if draft_kind == "same-argmax":
+        assert result.stats.accepted == result.stats.drafted > 0
+    else:
+        assert result.stats.accepted < result.stats.drafted
 
 
 def _run(target, tokenizer, drafter, gamma, max_tokens, stop):

@@ -55,25 +55,31 @@ def reference_probs(logits: np.ndarray, prefix: list[int], params: SamplingParam
     return tempered / tempered.sum()
 
 
-def exact_joint(model, params: SamplingParams) -> dict:
+def exact_joint(model, params: SamplingParams, length: int = 2) -> dict:
+    """P(first ``length`` generated tokens) for every sequence of ids, enumerated."""
     def next_probs(prefix):
         logits = model(mx.array(prefix)[None])[0, -1]
         return reference_probs(np.array(logits), prefix, params)
 
-    first = next_probs(PROMPT)
-    return {(a, b): first[a] * pb for a in range(V) for b, pb in enumerate(next_probs(PROMPT + [a]))}
+    joint = {(): 1.0}
+    for _ in range(length):
+        joint = {seq + (t,): p * pt for seq, p in joint.items() if p > 0
+                 for t, pt in enumerate(next_probs(PROMPT + list(seq)))}
+    return joint
 
 
-def sample_joint(model, drafter, params: SamplingParams, n: int = N_SAMPLES, gamma=lambda: 3) -> Counter:
+def sample_joint(model, drafter, params: SamplingParams, n: int = N_SAMPLES, gamma=lambda: 3,
+                 length: int = 2, max_tokens: int = 2) -> Counter:
+    """Counts of the first ``length`` tokens over ``n`` generations of ``max_tokens`` tokens."""
     mx.random.seed(1234)
     counts = Counter()
     for _ in range(n):
         tokens = []
-        rounds = speculative_rounds(model, PROMPT, drafter, num_draft_tokens=gamma(), max_tokens=2,
+        rounds = speculative_rounds(model, PROMPT, drafter, num_draft_tokens=gamma(), max_tokens=max_tokens,
                                     sampling=params, stop_tokens=set())
         for round_ in rounds:
             tokens += round_.tokens
-        counts[tuple(tokens)] += 1
+        counts[tuple(tokens[:length])] += 1
     return counts
 
 
@@ -178,3 +184,31 @@ def test_the_same_test_rejects_plain_steps_that_drop_the_filters(models, monkeyp
     drafter = make_drafter("none", models[0], list(range(V)))
     stat, critical = chi_square(sample_joint(models[0], drafter, params, gamma=lambda: 0), exact_joint(models[0], params))
     assert stat > critical
+
+
+#: After two drafts a third pays only when their confidences multiply to more than 0.17 + 0.1: with the draft
+#: model below, after a first token 6 (survival 0.30) but not after 1 or 7 (0.24, 0.18).
+STOPPING = Costs(MEMORY_BOUND.verify_s, draft_s=0.17)
+
+
+@pytest.mark.parametrize("setting", ["temp1", "min_p0.1"])  # settings under which the first round stops both ways
+def test_rounds_ended_by_the_drafts_confidence_follow_the_target(models, setting):
+    """γ auto with the draft model (``stop_early``): whether the first round drafts a third token depends on the
+    first token drawn (through the draft's confidence at the second); the first three tokens are still
+    distributed as the target's (docs/acceptance.md 3.3). Four are generated, so the first round may draft three."""
+    params = SETTINGS[setting]
+    drafter, sizes = _drafter("draft", models), Counter()
+    propose = drafter.propose
+
+    def counted(history, num_draft_tokens, sampling, **kwargs):
+        draft = propose(history, num_draft_tokens, sampling, **kwargs)
+        if len(history) == len(PROMPT):
+            sizes[draft.size] += 1
+        return draft
+
+    drafter.propose = counted
+    counts = sample_joint(models[0], drafter, params, gamma=lambda: AutoGamma(STOPPING, stop_early=True),
+                          length=3, max_tokens=4)
+    assert sizes[2] > 200 and sizes[3] > 200  # the first round's stop went both ways
+    stat, critical = chi_square(counts, exact_joint(models[0], params, length=3))
+    assert stat < critical, f"chi-square {stat:.1f} >= {critical:.1f}"

@@ -136,6 +136,10 @@ class Drafter(ABC):
     feature_layers: tuple[int, ...] = ()
     #: Whether drafts carry ``Draft.survival`` estimates (needed by ``--num-draft-tokens scheduled``).
     reports_survival: bool = False
+    #: Whether ``propose`` drafts a chain token by token and takes ``keep_drafting``, a callable asked after
+    #: each token (the count so far, and the product of the drafter's confidences so far) whether to draft
+    #: another; γ auto then lets the drafter's confidence end each round (``costmodel.AutoGamma``'s ``stop_early``).
+    stops_early: bool = False
     #: Whether a round's drafting costs the same for every γ >= 1 (one forward fills a whole block:
     #: DFlash, DSpark); the cost model then prices it per round (``costmodel.Costs.draft_round_s``).
     fixed_round_cost: bool = False

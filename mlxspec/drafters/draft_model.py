@@ -7,6 +7,8 @@ q for the rejection sampler. At temperature 0 it drafts greedily (q one-hot).
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -64,6 +66,7 @@ class DraftModelDrafter(Drafter):
     name = "draft"
     lazy = True
     reports_survival = True  # the draft's confidence (largest q) at each position, multiplied along the chain
+    stops_early = True  # γ auto stops a round where the next token would not pay (costmodel.AutoGamma.keep_drafting)
 
     def __init__(self, model: nn.Module, vocab_size: int, num_real_tokens: int):
         self.model = model
@@ -102,12 +105,21 @@ class DraftModelDrafter(Drafter):
             logits = mx.where(self._real, logits, -mx.inf)
         return logits
 
-    def propose(self, history, num_draft_tokens, sampling: SamplingParams):
+    def propose(self, history, num_draft_tokens, sampling: SamplingParams,
+                keep_drafting: Callable[[int, float], bool] | None = None):
+        """Draft up to ``num_draft_tokens`` tokens, one forward each.
+
+        ``keep_drafting(k, survival)``, if given, is asked after each token but the last whether to draft
+        another: k tokens so far, ``survival`` the product of their confidences (largest q). It costs a host
+        read per token; the decision never looks at a token it would decide about, so the output stays exact
+        (docs/acceptance.md 3.3).
+        """
         processors = sampling.processors()
         context = mx.array(history, dtype=mx.int32)
         inputs = context[self._num_cached :]
         tokens, logprobs, confidence = [], [], []
-        for _ in range(num_draft_tokens):
+        log_survival = 0.0
+        for k in range(1, num_draft_tokens + 1):
             logits = self._fit_vocab(self.model(inputs[None], cache=self.cache)[0, -1:])
             if processors:
                 logits = process_logits(logits, mx.concatenate([context, *tokens]), processors)
@@ -117,6 +129,10 @@ class DraftModelDrafter(Drafter):
             logprobs.append(token_logprobs)
             confidence.append(_confidence(logits if token_logprobs is None else token_logprobs))
             inputs = token
+            if keep_drafting is not None and k < num_draft_tokens:
+                log_survival += confidence[-1].item()
+                if not keep_drafting(k, math.exp(log_survival)):
+                    break
         self._tokens += history[len(self._tokens) :]
         self._round_start = len(history)
         self._drafted = mx.concatenate(tokens) if tokens else None
