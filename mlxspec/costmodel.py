@@ -360,6 +360,10 @@ class AutoGamma:
         self.miss_p, self.miss_rounds, self.optimism = miss_p, miss_rounds, optimism
         self.stop_early = stop_early
         self._priced = 1 if stop_early else max_gamma  # deepest round a choice is priced at
+        # stop_early: the survivals keep_drafting was told this round, and decayed kept / told sums behind
+        # ``survival_calibration`` (prior: 2 tokens, calibrated)
+        self._told: list[float] = []
+        self._kept_told, self._sum_told = 2.0, 2.0
         self.max_wait = max(max_wait, probe_every)
         self.estimate = estimate or AcceptanceEstimate()
         self.can_win = costs.best_gamma(1.0, max_gamma, margin, nodes)[0] > 0
@@ -371,7 +375,7 @@ class AutoGamma:
 
     def choose_gamma(self) -> int:
         """γ for the next round (0 = plain decoding)."""
-        self.probing, self.predicted_speedup = False, 1.0
+        self.probing, self.predicted_speedup, self._told = False, 1.0, []
         if self._wait > 0:
             self._wait, self.gamma = self._wait - 1, 0
             return 0
@@ -398,12 +402,22 @@ class AutoGamma:
         """With ``stop_early``: whether the drafter drafts one more token after ``drafted`` (>= 1) this round.
 
         The next token is kept only if every token before it is, which the drafter puts at ``survival`` (the
-        product of its confidences so far, in [0, 1]); so it adds at most ``survival`` tokens to the round,
-        worth ``survival`` · T_verify(1) seconds at plain decoding's rate, and costs
+        product of its confidences so far, in [0, 1]), scaled down by ``survival_calibration`` when the
+        drafter has been over-confident; so it adds at most s = ``survival`` · calibration tokens to the
+        round, worth s · T_verify(1) seconds at plain decoding's rate, and costs
         T_draft(1) + T_verify(drafted + 2) − T_verify(drafted + 1). It is drafted while it pays that.
         """
+        self._told.append(survival)
         extra = self.costs.draft_s + self.costs.verify(drafted + 2) - self.costs.verify(drafted + 1)
-        return survival * self.costs.verify(1) > extra
+        return survival * self.survival_calibration * self.costs.verify(1) > extra
+
+    @property
+    def survival_calibration(self) -> float:
+        """With ``stop_early``: drafted tokens kept per unit of survival the drafter claimed for them (the
+        survivals ``keep_drafting`` was told), over the rounds the estimate remembers, capped at 1: a drafter
+        whose confidence says 0.9 where 0.6 is kept drafts as deep as a calibrated 0.6 would, while an
+        under-confident one is taken at its word (its stops are safe). Prior: 2 tokens, calibrated."""
+        return min(1.0, self._kept_told / self._sum_told)
 
     def _exploring_gamma(self) -> int:
         """The smallest γ predicted to win on an optimistic reach (the depth-1 estimate raised by ``optimism``
@@ -423,6 +437,11 @@ class AutoGamma:
     def update(self, cycle) -> None:
         """Learn from one round's ``CycleStats`` (its depth, or ``num_drafted``, and ``num_accepted``)."""
         drafted = getattr(cycle, "depth", 0) or cycle.num_drafted
+        if self._told:  # token j of the round, whose survival keep_drafting was told, was kept iff j <= accepted
+            decay = 1.0 - 1.0 / self.estimate.window
+            self._kept_told = self._kept_told * decay + min(cycle.num_accepted, len(self._told))
+            self._sum_told = self._sum_told * decay + sum(self._told)
+            self._told = []
         if drafted <= 0:
             if self.probing:  # a lookup found nothing to draft: the probe tested nothing, so the next round probes
                 self._probe_due = True

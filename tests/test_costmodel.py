@@ -155,6 +155,26 @@ def test_auto_gamma_lets_a_drafter_that_stops_early_end_each_round():
     assert first.choose_gamma() == 15 and first.probing
 
 
+def test_auto_gamma_scales_down_an_over_confident_drafters_survival():
+    """A drafter whose confidence claims more than is kept drafts as deep as its kept share says; an
+    under-confident one is taken at its word (its calibration stays 1)."""
+    costly = Costs(MEMORY_BOUND.verify_s, draft_s=0.3)  # another token pays while calibrated survival > 0.4
+
+    def rounds(auto, told, accepted, n=20):
+        for _ in range(n):
+            auto.choose_gamma()
+            for k, survival in enumerate(told, 1):
+                auto.keep_drafting(k, survival)
+            auto.update(CycleStats(0, len(told), accepted, accepted + 1, 0.0, 0.0, len(told)))
+
+    boastful, modest = AutoGamma(costly, stop_early=True), AutoGamma(costly, stop_early=True)
+    assert boastful.keep_drafting(1, 0.9) and boastful.survival_calibration == 1.0
+    rounds(boastful, [0.9, 0.81], accepted=0)  # claims 1.71 tokens a round, keeps none
+    assert boastful.survival_calibration < 0.3 and not boastful.keep_drafting(1, 0.9)
+    rounds(modest, [0.3, 0.09], accepted=2)  # claims 0.39, keeps 2
+    assert modest.survival_calibration == 1.0 and not modest.keep_drafting(1, 0.3)
+
+
 def test_auto_gamma_probes_first_when_only_the_prior_says_no():
     """A costly draft (0.45 of a target step) loses at the prior α = 0.5 but wins at α = 0.9:
     the first round measures instead of waiting ``probe_every`` plain rounds (Qwen2.5-Coder pair, issue 15)."""
