@@ -31,6 +31,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from .cache import prefill, tree_attention
 from .drafters import Draft, Drafter
+from .gamma import FixedGamma, GammaPolicy
 from .generate import make_verifier, speculative_rounds
 from .sampling import SamplingParams, process_logits, warp
 from .tree import Tree
@@ -271,16 +272,36 @@ class Sampled:
     accepted: int = 0
 
 
+def _engine_rounds(model, prompt: list[int], drafter: Drafter, sampling: SamplingParams, *, num_tokens: int,
+                   policy: GammaPolicy, rule: Callable) -> tuple[list[int], int, int]:
+    """One run of the engine's round loop (no stop tokens), the policy told each round as ``generate`` tells it.
+
+    Returns:
+        tuple: the tokens, draft tokens proposed, draft tokens kept.
+    """
+    tokens, drafted, accepted = [], 0, 0
+    for round_ in speculative_rounds(model, prompt, drafter, num_draft_tokens=policy, max_tokens=num_tokens,
+                                     sampling=sampling, stop_tokens=set(), rule=rule):
+        policy.update(round_.stats)
+        tokens += round_.tokens
+        drafted, accepted = drafted + round_.stats.num_drafted, accepted + round_.stats.num_accepted
+    return tokens, drafted, accepted
+
+
 def sample_engine(model, prompt: list[int], drafter: Drafter, sampling: SamplingParams, *, num_tokens: int,
-                  num_samples: int, num_draft_tokens: int, rule: Callable, progress: Callable[[int], None]) -> Sampled:
-    """``num_samples`` runs of the engine's round loop, ``num_tokens`` tokens each (no stop tokens)."""
+                  num_samples: int, num_draft_tokens: int | GammaPolicy, rule: Callable,
+                  progress: Callable[[int], None]) -> Sampled:
+    """``num_samples`` runs of the engine's round loop, ``num_tokens`` tokens each (no stop tokens).
+
+    A γ policy (``gamma.gamma_policy``: ``auto``, ``scheduled``) is shared by the runs and learns across them, as
+    in a chat; each run is still distributed as the target, whatever the policy learnt before it (its choices
+    depend on earlier tokens only), so the runs stay independent draws from the target."""
+    policy = FixedGamma(num_draft_tokens) if isinstance(num_draft_tokens, int) else num_draft_tokens
     out = Sampled()
     for _ in range(num_samples):
-        tokens = []
-        for round_ in speculative_rounds(model, prompt, drafter, num_draft_tokens=num_draft_tokens,
-                                         max_tokens=num_tokens, sampling=sampling, stop_tokens=set(), rule=rule):
-            tokens += round_.tokens
-            out.drafted, out.accepted = out.drafted + round_.stats.num_drafted, out.accepted + round_.stats.num_accepted
+        tokens, drafted, accepted = _engine_rounds(model, prompt, drafter, sampling, num_tokens=num_tokens,
+                                                   policy=policy, rule=rule)
+        out.drafted, out.accepted = out.drafted + drafted, out.accepted + accepted
         out.counts[tuple(tokens)] += 1
         progress(1)
     return out
@@ -348,19 +369,17 @@ def sample_batched(model, prompt: list[int], drafter: Drafter, sampling: Samplin
     return out
 
 
-def greedy_mismatch(model, prompt: list[int], drafter: Drafter, *, num_tokens: int, num_draft_tokens: int,
-                    rule: Callable) -> tuple[int | None, int, int]:
+def greedy_mismatch(model, prompt: list[int], drafter: Drafter, *, num_tokens: int,
+                    num_draft_tokens: int | GammaPolicy, rule: Callable) -> tuple[int | None, int, int]:
     """First position where greedy speculation differs from mlx-lm's plain greedy decoding (or ``None``).
 
     Returns:
         tuple: the position, draft tokens proposed, draft tokens kept.
     """
     plain = [token for token, _ in generate_step(mx.array(prompt), model, max_tokens=num_tokens)]
-    spec, drafted, accepted = [], 0, 0
-    for round_ in speculative_rounds(model, prompt, drafter, num_draft_tokens=num_draft_tokens, max_tokens=num_tokens,
-                                     sampling=SamplingParams(), stop_tokens=set(), rule=rule):
-        spec += round_.tokens
-        drafted, accepted = drafted + round_.stats.num_drafted, accepted + round_.stats.num_accepted
+    policy = FixedGamma(num_draft_tokens) if isinstance(num_draft_tokens, int) else num_draft_tokens
+    spec, drafted, accepted = _engine_rounds(model, prompt, drafter, SamplingParams(), num_tokens=num_tokens,
+                                             policy=policy, rule=rule)
     mismatch = next((i for i, (a, b) in enumerate(zip(spec, plain)) if a != b), None)
     if mismatch is None and len(spec) != len(plain):
         mismatch = min(len(spec), len(plain))
@@ -368,7 +387,7 @@ def greedy_mismatch(model, prompt: list[int], drafter: Drafter, *, num_tokens: i
 
 
 def check_prompt(model, prompt_text: str, prompt: list[int], drafter: Drafter, sampling: SamplingParams, *,
-                 num_tokens: int, num_samples: int, num_draft_tokens: int, rule: Callable,
+                 num_tokens: int, num_samples: int, num_draft_tokens: int | GammaPolicy, rule: Callable,
                  progress: Callable[[int], None], batch: bool = True) -> PromptCheck:
     """Sample one prompt through speculation and test it (temperature 0: compare with plain greedy).
 
@@ -381,7 +400,8 @@ def check_prompt(model, prompt_text: str, prompt: list[int], drafter: Drafter, s
         progress(1)
         return PromptCheck(prompt_text, p_value=0.0 if mismatch is not None else 1.0, drafted=drafted,
                            accepted=accepted, mismatch_at=mismatch)
-    sample = sample_batched if batch and batchable(drafter) else sample_engine
+    fixed = isinstance(num_draft_tokens, int)  # a γ policy chooses per round: the engine's own loop
+    sample = sample_batched if batch and fixed and batchable(drafter) else sample_engine
     sampled = sample(model, prompt, drafter, sampling, num_tokens=num_tokens, num_samples=num_samples,
                      num_draft_tokens=num_draft_tokens, rule=rule, progress=progress)
     g, df, tested = g_test_samples(model, prompt, sampled.counts, sampling)
@@ -390,7 +410,8 @@ def check_prompt(model, prompt_text: str, prompt: list[int], drafter: Drafter, s
 
 
 def run_check(model, prompts: list[tuple[str, list[int]]], drafter: Drafter, sampling: SamplingParams, *,
-              num_tokens: int = DEFAULT_TOKENS, num_samples: int = DEFAULT_SAMPLES, num_draft_tokens: int = 4,
+              num_tokens: int = DEFAULT_TOKENS, num_samples: int = DEFAULT_SAMPLES,
+              num_draft_tokens: int | GammaPolicy = 4,
               alpha: float = DEFAULT_ALPHA, self_test: bool = False, typical: tuple[float, float] | None = None,
               seed: int | None = 0, batch: bool = True,
               progress: Callable[[int], None] = lambda n: None) -> VerifyReport:
@@ -403,7 +424,8 @@ def run_check(model, prompts: list[tuple[str, list[int]]], drafter: Drafter, sam
         sampling: The sampling settings under test; temperature 0 compares with plain greedy decoding.
         num_tokens: K, tokens sampled per sequence (at temperature 0: tokens compared). Default: ``3``.
         num_samples: N, sequences per prompt. Default: ``2000``.
-        num_draft_tokens: γ. Default: ``4``.
+        num_draft_tokens: γ, or a γ policy (``gamma.gamma_policy("auto", ...)``: what ``generate`` runs), shared by
+            every sample and prompt and updated after each round as ``generate`` does. Default: ``4``.
         alpha: Family-wise level; a prompt FAILs when its Holm-adjusted p-value is below it. Default: ``0.01``.
         self_test: Use ``broken_rule`` instead of the exact rule (the check should then FAIL).
         typical: ``(threshold, alpha)``: check Medusa's LOSSY typical acceptance instead (it should FAIL).
@@ -423,7 +445,7 @@ def run_check(model, prompts: list[tuple[str, list[int]]], drafter: Drafter, sam
     for value, flag in [(num_tokens, "--tokens"), (num_samples, "--samples")]:
         if value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
-    if num_draft_tokens < 0:
+    if isinstance(num_draft_tokens, int) and num_draft_tokens < 0:
         raise ValueError(f"--num-draft-tokens must be >= 0, got {num_draft_tokens}")
     if not 0 < alpha < 1:
         raise ValueError(f"--alpha must be in (0, 1), got {alpha}")

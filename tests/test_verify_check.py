@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 
 from conftest import tiny_llama
+from mlxspec import gamma
 from mlxspec.cli import main
+from mlxspec.costmodel import AutoGamma, Costs
 from mlxspec.drafters import make_drafter
 from mlxspec.sampling import SamplingParams
 from mlxspec.verify_check import batchable, chi2_sf, g_statistic, holm, run_check
@@ -68,6 +70,38 @@ def test_batched_and_engine_samples_pass_alike_with_filters(models):
         assert report.passed and report.checks[0].drafted > 0, report
 
 
+def test_gamma_auto_is_checked_through_the_engine_with_rounds_the_drafts_confidence_ends(models):
+    """``num_draft_tokens`` a γ policy (what ``generate`` runs by default): the samples go through the engine's loop,
+    the policy learns across them, the draft model's rounds end on its own confidence and vary in length; the exact
+    rule PASSes, the broken one FAILs."""
+    target, draft = models
+    drafter = make_drafter("draft", target, list(range(V)), draft_model=draft)
+    sizes = Counter()
+    propose = drafter.propose
+
+    def counted(history, num_draft_tokens, sampling, **kwargs):
+        proposal = propose(history, num_draft_tokens, sampling, **kwargs)
+        sizes[proposal.size] += 1
+        return proposal
+
+    drafter.propose = counted
+    costs = Costs([1.0 + 0.1 * (k - 1) for k in range(1, 17)], draft_s=0.05)  # drafting pays; a round ends
+    sampling = SamplingParams(temp=1.0)                                      # where survival < 0.15
+    good = run_check(target, PROMPTS[:1], drafter, sampling, num_tokens=3, num_samples=600,
+                     num_draft_tokens=AutoGamma(costs, stop_early=True))
+    assert good.passed and good.checks[0].drafted > 300 and good.checks[0].prefixes_tested >= 3, good
+    assert len([n for n in sizes if n > 0]) >= 2, sizes  # rounds of different lengths were checked
+    # the broken rule keeps few drafts, so under these costs γ auto soon falls back to plain decoding and the check
+    # loses its power (docs: use an integer γ for --self-test); a flat verify curve that never falls back keeps drafting
+    flat = AutoGamma(Costs([1.0] * 16, draft_s=0.0), stop_early=True, miss_p=1e-300, miss_rounds=10**9)
+    bad = run_check(target, PROMPTS[:1], drafter, sampling, num_tokens=3, num_samples=600, self_test=True,
+                    num_draft_tokens=flat)
+    assert not bad.passed and bad.checks[0].adjusted_p < 1e-6, bad
+    greedy = run_check(target, PROMPTS, drafter, SamplingParams(), num_tokens=30,
+                       num_draft_tokens=AutoGamma(costs, stop_early=True))
+    assert greedy.passed and all(c.drafted > 0 for c in greedy.checks), greedy
+
+
 def test_lossy_typical_acceptance_fails(models):
     target, draft = models
     drafter = make_drafter("draft", target, list(range(V)), draft_model=draft)
@@ -84,7 +118,7 @@ def test_greedy_is_compared_token_for_token(models):
     assert not broken.passed and all(c.mismatch_at is not None for c in broken.checks if not c.passed)
 
 
-def test_the_command_prints_a_record_and_exits_by_verdict(tiny_model_dir, tmp_path, capsys):
+def test_the_command_prints_a_record_and_exits_by_verdict(tiny_model_dir, tmp_path, capsys, monkeypatch):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("abab abab abab\n\n")
     base = ["verify", "--model", str(tiny_model_dir), "--drafter", "ngram", "--prompts", str(prompts),
@@ -97,7 +131,13 @@ def test_the_command_prints_a_record_and_exits_by_verdict(tiny_model_dir, tmp_pa
     assert main([*base, "--temp", "0", "--max-tokens", "30", "--self-test"]) == 0  # the broken rule was caught
     out = capsys.readouterr().out
     assert "FAIL  differs at token" in out and "detected (FAIL)" in out
+    # --num-draft-tokens auto: the policy generate runs (costs from this machine's cache; here a fixed curve)
+    monkeypatch.setattr(gamma, "load_or_calibrate", lambda *a, **k: Costs([1.0 + 0.1 * (k - 1) for k in range(1, 17)]))
+    assert main([*base, "--num-draft-tokens", "auto", "--samples", "300", "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["passed"] and record["num_draft_tokens"] == "auto" and record["prompts"][0]["drafted"] > 0
     for flags, message in [(["--samples", "0"], "--samples must be >= 1"),
+                           (["--num-draft-tokens", "most"], "--num-draft-tokens"),
                            (["--prompts", str(tmp_path / "none.txt")], "is not a file")]:
         assert main([*base, *flags]) == 2
         err = capsys.readouterr().err

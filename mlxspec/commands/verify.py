@@ -9,9 +9,12 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from ..generate import encode_prompt
+from ..calibration import load_or_calibrate
+from ..gamma import gamma_policy
+from ..generate import DEFAULT_NUM_DRAFT_TOKENS, encode_prompt
 from ..verify_check import DEFAULT_ALPHA, DEFAULT_PROMPTS, DEFAULT_SAMPLES, DEFAULT_TOKENS, VerifyReport, run_check
-from .common import ArgumentParser, add_model_args, add_sampling_args, check_args, load_models, run_main
+from .common import ArgumentParser, add_model_args, add_recalibrate_arg, add_sampling_args, check_args, load_models
+from .common import measuring_note, run_main
 from .common import sampling_from_args, typical_from_args
 from .generate import build_prompt
 
@@ -23,7 +26,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                     "against the target's exact distribution (G-test, Holm-corrected over prompts); at --temp 0, "
                     "compare --max-tokens tokens with plain greedy decoding. Exit status 0 = PASS, 1 = FAIL.",
     )
-    add_model_args(parser)
+    add_model_args(parser, allow_auto=True, default_gamma=DEFAULT_NUM_DRAFT_TOKENS)
+    add_recalibrate_arg(parser)
     parser.add_argument("--prompts", default=None,
                         help="a text file with one prompt per line. Default: three built-in prompts")
     parser.add_argument("--no-chat-template", action="store_true",
@@ -89,18 +93,25 @@ def run(args: argparse.Namespace) -> int:
     loaded = load_models(args)
     prompts = [(text, encode_prompt(loaded.tokenizer, build_prompt(loaded.tokenizer, text, None, not args.no_chat_template)))
                for text in prompt_texts]
+    gamma = args.num_draft_tokens
+    if isinstance(gamma, str):  # auto / scheduled: the policy generate runs, learning across samples and prompts
+        say = measuring_note(f"--num-draft-tokens {gamma}")
+        costs = (load_or_calibrate(loaded.model, loaded.drafter, refresh=True, on_measure=say)
+                 if args.recalibrate and loaded.drafter.name != "none" else None)
+        gamma = gamma_policy(gamma, loaded.model, loaded.drafter, costs=costs, on_measure=say)
     total = len(prompts) * (1 if sampling.greedy else args.samples)
     with tqdm(total=total, unit="prompt" if sampling.greedy else "sample", disable=None, file=sys.stderr,
               desc=f"verify {loaded.drafter.name}") as bar:
         report = run_check(loaded.model, prompts, loaded.drafter, sampling,
                            num_tokens=args.max_tokens if sampling.greedy else args.tokens, num_samples=args.samples,
-                           num_draft_tokens=args.num_draft_tokens, alpha=args.alpha, self_test=args.self_test,
+                           num_draft_tokens=gamma, alpha=args.alpha, self_test=args.self_test,
                            typical=typical_from_args(args),
                            seed=args.seed if args.seed is not None else 0, batch=not args.no_batch,
                            progress=bar.update)
     if args.json:
         record = {"model": loaded.target.display, "drafter": loaded.drafter.name, "temp": args.temp,
                   "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p, "samples": args.samples,
+                  "num_draft_tokens": args.num_draft_tokens,
                   "tokens": args.max_tokens if sampling.greedy else args.tokens, **report.to_dict()}
         print(json.dumps(record))
     else:
