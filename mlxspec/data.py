@@ -284,7 +284,7 @@ def read_prompts_jsonl(path: str | Path) -> list[Prompt]:
         ValueError: a line that is not a JSON object with a non-empty string ``prompt``, naming the line.
     """
     path = Path(path)
-    if not path.is_file():
+    if not path.exists() or path.is_dir():  # a pipe such as <(...) is read as a file
         raise FileNotFoundError(f"no such prompts file: {path}")
     prompts = []
     for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):

@@ -145,3 +145,27 @@ def test_the_command_prints_a_record_and_exits_by_verdict(tiny_model_dir, tmp_pa
             code = stop.code
         err = capsys.readouterr().err
         assert code == 2 and err.count("\n") == 1 and message in err, err
+
+
+def test_prompts_are_read_from_a_file_a_pipe_or_standard_input(tmp_path, monkeypatch):
+    import io
+    import os
+    import threading
+    from types import SimpleNamespace
+
+    from mlxspec.commands.verify import _prompts
+
+    fifo = tmp_path / "prompts.fifo"  # what the shell's <(...) hands over
+    os.mkfifo(fifo)
+    writer = threading.Thread(target=lambda: fifo.write_text("first\n\n second \n"))
+    writer.start()
+    assert _prompts(SimpleNamespace(prompts=str(fifo))) == ["first", "second"]
+    writer.join()
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO("from stdin\n".encode())))
+    assert _prompts(SimpleNamespace(prompts="-")) == ["from stdin"]
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes("caf\xe9\n".encode("latin-1"))
+    for path, message in [(bad, "is not UTF-8 text (byte 3)"), (tmp_path, "is not a file"),
+                          (tmp_path / "blank.txt", "is not a file")]:
+        with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            _prompts(SimpleNamespace(prompts=str(path)))

@@ -29,7 +29,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     add_model_args(parser, allow_auto=True, default_gamma=DEFAULT_NUM_DRAFT_TOKENS)
     add_recalibrate_arg(parser)
     parser.add_argument("--prompts", default=None,
-                        help="a text file with one prompt per line. Default: three built-in prompts")
+                        help="a text file with one prompt per line ('-' reads standard input). Default: three built-in prompts")
     parser.add_argument("--no-chat-template", action="store_true",
                         help="feed the prompts as raw text instead of through the chat template")
     parser.add_argument("--samples", "-n", type=int, default=DEFAULT_SAMPLES,
@@ -54,9 +54,17 @@ def _prompts(args) -> list[str]:
     if args.prompts is None:
         return list(DEFAULT_PROMPTS)
     path = Path(args.prompts)
-    if not path.is_file():
+    if args.prompts == "-":
+        data = sys.stdin.buffer.read() if sys.stdin is not None and not sys.stdin.closed else b""
+    elif not path.exists() or path.is_dir():  # a pipe such as <(...) or /dev/stdin is read as a file
         raise ValueError(f"--prompts: {path} is not a file; give a text file with one prompt per line")
-    prompts = [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    else:
+        data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--prompts: {path} is not UTF-8 text (byte {e.start}); convert it, e.g. with iconv -t utf-8") from None
+    prompts = [line.strip() for line in text.splitlines() if line.strip()]
     if not prompts:
         raise ValueError(f"--prompts: {path} holds no prompt; write one prompt per line")
     return prompts
