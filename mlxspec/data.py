@@ -287,7 +287,7 @@ def read_prompts_jsonl(path: str | Path) -> list[Prompt]:
     if not path.exists() or path.is_dir():  # a pipe such as <(...) is read as a file
         raise FileNotFoundError(f"no such prompts file: {path}")
     prompts = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    for number, line in enumerate(path.read_text(encoding="utf-8-sig").splitlines(), start=1):
         if not line.strip():
             continue
         try:

@@ -135,7 +135,7 @@ def test_speedup_is_the_median_of_paired_ratios():
     assert row.predicted_speedup == pytest.approx(costs["ngram"].speedup(2, 0.5))
 
 
-@pytest.mark.parametrize("command", ["bench", "generate", "chat"])
+@pytest.mark.parametrize("command", ["bench", "generate", "chat", "verify"])
 def test_reruns_with_openblas_when_the_reference_blas_is_loaded(monkeypatch, command, capsys):
     """From the command line (cli.main() reading sys.argv) only; a call from Python never re-executes."""
     from mlxspec.commands import common

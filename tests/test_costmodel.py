@@ -311,6 +311,19 @@ def test_cli_generate_defaults_to_auto(capsys, tiny_model_dir, tmp_path, monkeyp
     assert "measuring the target's verify cost" in err and "measuring the ngram drafter's cost" in err
 
 
+def test_recalibrate_measures_again_for_scheduled_verification_too(capsys, tiny_model_dir, tiny_draft_dir, tmp_path,
+                                                                   monkeypatch):
+    from mlxspec.cli import main
+
+    monkeypatch.setenv("MLXSPEC_CACHE", str(tmp_path))
+    argv = ["generate", "--model", str(tiny_model_dir), "--drafter", "draft", "--draft-model", str(tiny_draft_dir),
+            "--num-draft-tokens", "scheduled", "--prompt", "abcabcabc", "--max-tokens", "4"]
+    assert main(argv) == 0 and "measuring the target's verify cost" in capsys.readouterr().err
+    assert main(argv) == 0 and "measuring" not in capsys.readouterr().err  # cached
+    assert main([*argv, "--recalibrate"]) == 0
+    assert "measuring the target's verify cost" in capsys.readouterr().err
+
+
 def test_blas_is_named():
     assert blas_in_use()["name"] in ("OpenBLAS", "reference BLAS", "Accelerate", "Intel MKL", "BLIS", "unknown")
 

@@ -163,9 +163,12 @@ def test_prompts_are_read_from_a_file_a_pipe_or_standard_input(tmp_path, monkeyp
     writer.join()
     monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO("from stdin\n".encode())))
     assert _prompts(SimpleNamespace(prompts="-")) == ["from stdin"]
+    bom = tmp_path / "windows.txt"  # a byte-order mark and CRLF, as Windows editors write
+    bom.write_bytes("\ufeffHello\r\nCount to five\r\n".encode())
+    assert _prompts(SimpleNamespace(prompts=str(bom))) == ["Hello", "Count to five"]
     bad = tmp_path / "latin1.txt"
     bad.write_bytes("caf\xe9\n".encode("latin-1"))
     for path, message in [(bad, "is not UTF-8 text (byte 3)"), (tmp_path, "is not a file"),
-                          (tmp_path / "blank.txt", "is not a file")]:
+                          (tmp_path / "blank.txt", "is not a file"), ("", "--prompts is empty")]:
         with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
             _prompts(SimpleNamespace(prompts=str(path)))

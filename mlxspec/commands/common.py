@@ -190,10 +190,11 @@ def with_drafter_flags(spec: DrafterSpec, args: argparse.Namespace) -> DrafterSp
     return spec.replace(**drafter_flags_given(args, spec.name))
 
 
-def add_sampling_args(parser: argparse.ArgumentParser) -> None:
-    """Sampling flags, named as in ``mlx_lm.generate``."""
-    parser.add_argument("--max-tokens", "-m", type=int, default=DEFAULT_MAX_TOKENS,
-                        help=f"most tokens to generate. Default: {DEFAULT_MAX_TOKENS}")
+def add_sampling_args(parser: argparse.ArgumentParser, *, max_tokens: int = DEFAULT_MAX_TOKENS,
+                      max_tokens_help: str = "most tokens to generate") -> None:
+    """Sampling flags, named as in ``mlx_lm.generate`` (``--max-tokens`` with this default and help)."""
+    parser.add_argument("--max-tokens", "-m", type=int, default=max_tokens,
+                        help=f"{max_tokens_help}. Default: {max_tokens}")
     parser.add_argument("--temp", type=float, default=0.0, help="sampling temperature; 0 = greedy. Default: 0")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]. Default: 1")
     parser.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 = off. Default: 0")
@@ -208,8 +209,8 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
 def add_recalibrate_arg(parser: argparse.ArgumentParser) -> None:
     """``--recalibrate``: measure the costs behind ``auto`` again (``calibration.load_or_calibrate(refresh=True)``)."""
     parser.add_argument("--recalibrate", action="store_true",
-                        help="with --num-draft-tokens auto: measure this machine's verify and draft costs again "
-                             "(after a BLAS, load or hardware change) instead of using the cached ones")
+                        help="with --num-draft-tokens auto or scheduled: measure this machine's verify and draft "
+                             "costs again (after a BLAS, load or hardware change) instead of using the cached ones")
 
 
 def sampling_from_args(args: argparse.Namespace) -> SamplingParams:

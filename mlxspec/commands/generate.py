@@ -181,7 +181,7 @@ def _prepare(args: argparse.Namespace, stage: list[str]):
     _note_context_cap(loaded.model, loaded.tokenizer, prompt, args.max_tokens)
     note = _noting(stage, f"--num-draft-tokens {args.num_draft_tokens}", args.json)
     costs = None
-    if args.recalibrate and args.num_draft_tokens == "auto" and loaded.drafter.name != "none":
+    if args.recalibrate and args.num_draft_tokens in ("auto", "scheduled") and loaded.drafter.name != "none":
         costs = load_or_calibrate(loaded.model, loaded.drafter, refresh=True, on_measure=note)
     policy = gamma_policy(args.num_draft_tokens, loaded.model, loaded.drafter, costs=costs, on_measure=note)
     return loaded, prompt, policy

@@ -13,7 +13,8 @@ from ..calibration import load_or_calibrate
 from ..gamma import gamma_policy
 from ..generate import DEFAULT_NUM_DRAFT_TOKENS, encode_prompt
 from ..verify_check import DEFAULT_ALPHA, DEFAULT_PROMPTS, DEFAULT_SAMPLES, DEFAULT_TOKENS, VerifyReport, run_check
-from .common import ArgumentParser, add_model_args, add_recalibrate_arg, add_sampling_args, check_args, load_models
+from .common import ArgumentParser, add_blas_arg, add_model_args, add_recalibrate_arg, add_sampling_args, check_args
+from .common import load_models
 from .common import measuring_note, run_main
 from .common import sampling_from_args, typical_from_args
 from .generate import build_prompt
@@ -28,6 +29,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     )
     add_model_args(parser, allow_auto=True, default_gamma=DEFAULT_NUM_DRAFT_TOKENS)
     add_recalibrate_arg(parser)
+    add_blas_arg(parser)  # γ auto's costs are this BLAS's: the policy generate runs, with the BLAS generate uses
     parser.add_argument("--prompts", default=None,
                         help="a text file with one prompt per line ('-' reads standard input). Default: three built-in prompts")
     parser.add_argument("--no-chat-template", action="store_true",
@@ -44,8 +46,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                              "shows the check has power. Exit status 0 when it does")
     parser.add_argument("--no-batch", action="store_true",
                         help="run every sample through the engine's round loop even when samples could share work")
-    add_sampling_args(parser)
-    parser.set_defaults(max_tokens=64)
+    add_sampling_args(parser, max_tokens=64, max_tokens_help="at --temp 0: tokens compared with plain greedy decoding")
     parser.add_argument("--json", action="store_true", help="print one JSON record instead of the table")
     return parser
 
@@ -53,6 +54,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
 def _prompts(args) -> list[str]:
     if args.prompts is None:
         return list(DEFAULT_PROMPTS)
+    if not args.prompts:
+        raise ValueError("--prompts is empty; name a text file with one prompt per line, or - for standard input")
     path = Path(args.prompts)
     if args.prompts == "-":
         data = sys.stdin.buffer.read() if sys.stdin is not None and not sys.stdin.closed else b""
@@ -61,7 +64,7 @@ def _prompts(args) -> list[str]:
     else:
         data = path.read_bytes()
     try:
-        text = data.decode("utf-8")
+        text = data.decode("utf-8-sig")  # a byte-order mark (Windows editors) is not part of the first prompt
     except UnicodeDecodeError as e:
         raise ValueError(f"--prompts: {path} is not UTF-8 text (byte {e.start}); convert it, e.g. with iconv -t utf-8") from None
     prompts = [line.strip() for line in text.splitlines() if line.strip()]
@@ -119,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         record = {"model": loaded.target.display, "drafter": loaded.drafter.name, "temp": args.temp,
                   "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p, "samples": args.samples,
-                  "num_draft_tokens": args.num_draft_tokens,
+                  "num_draft_tokens": args.num_draft_tokens, "seed": args.seed if args.seed is not None else 0,
                   "tokens": args.max_tokens if sampling.greedy else args.tokens, **report.to_dict()}
         print(json.dumps(record))
     else:
@@ -129,4 +132,4 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None, *, entry: bool = False) -> int:
     """Run ``mlxspec verify``; returns 0 (PASS; with ``--self-test``: the broken rule FAILed), 1, or 2 on a user error."""
-    return run_main("verify", setup_arg_parser(), run, argv, entry=entry)
+    return run_main("verify", setup_arg_parser(), run, argv, entry=entry, fast_blas=True)
