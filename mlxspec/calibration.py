@@ -261,7 +261,8 @@ def model_fingerprint(model: nn.Module) -> dict:
 
 
 #: Drafter settings that change what a round costs (read when the drafter has them).
-_DRAFTER_SETTINGS = ("tree_depth", "max_draft_tokens", "depth", "top_k", "total_tokens", "ngram", "lazy")
+_DRAFTER_SETTINGS = ("tree_depth", "max_draft_tokens", "depth", "top_k", "total_tokens", "ngram", "lazy",
+                     "draft_vocab")
 
 
 def drafter_fingerprint(drafter, target: nn.Module) -> dict:

@@ -143,3 +143,36 @@ def logits_width(model: nn.Module) -> int:
     """V, the width of a model's logits (its config's vocab size, or one probe forward)."""
     size = getattr(getattr(model, "args", None), "vocab_size", None)
     return size if size else model(mx.array([[0]]))[0].shape[-1]
+
+
+def head_slice(model: nn.Module, ids: mx.array):
+    """The LM head restricted to rows ``ids``, as a function hidden [..., H] -> logits [..., N].
+
+    Unlike ``head_rows`` it keeps a quantized head quantized (the rows of its packed weight, scales
+    and biases, multiplied by ``mx.quantized_matmul``), so a 4-bit draft model's reduced head costs
+    N/V of its whole head, not a dequantized copy (FR-Spec, arXiv 2502.14856: the head is most of a
+    small draft model's step when the vocabulary is large). Tied heads slice the embedding.
+
+    Args:
+        model: An mlx-lm model.
+        ids: Token ids, [N] int32.
+
+    Returns:
+        The function, or ``None`` for a head it cannot slice (one with a bias, or another class).
+    """
+    head = getattr(model, "lm_head", None)
+    if head is None:
+        head = model_body(model).embed_tokens
+    elif "bias" in head:
+        return None
+    if isinstance(head, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+        weight, scales = head["weight"][ids], head["scales"][ids]
+        biases = head["biases"][ids] if "biases" in head else None
+        mx.eval(weight, scales, *([] if biases is None else [biases]))
+        settings = {"group_size": head.group_size, "bits": head.bits, "mode": getattr(head, "mode", "affine")}
+        return lambda h: mx.quantized_matmul(h, weight, scales=scales, biases=biases, transpose=True, **settings)
+    if isinstance(head, (nn.Linear, nn.Embedding)):
+        weight = head.weight[ids]
+        mx.eval(weight)
+        return lambda h: h @ weight.T
+    return None

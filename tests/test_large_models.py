@@ -47,11 +47,13 @@ def test_plain_greedy_equals_mlx_lm_on_the_converted_folder(tmp_path):
     assert ours == expected
 
 
-def test_the_0_5b_drafting_for_the_1_5b_is_greedy_identical():
+@pytest.mark.parametrize("draft_dtype", ["float32", None], ids=["float32", "quantized"])
+def test_the_0_5b_drafting_for_the_1_5b_is_greedy_identical(draft_dtype):
     target, tokenizer = load(TARGET, dtype="float32")
-    draft_model, draft_tokenizer = load(DRAFT, dtype="float32")
+    draft_model, draft_tokenizer = load(DRAFT, dtype=draft_dtype)
     drafter = make_drafter("draft", target=target, tokenizer=tokenizer, draft_model=draft_model,
                            draft_tokenizer=draft_tokenizer)
+    assert drafter.draft_vocab == 32768  # the ranking shipped for Qwen2.5's tokenizer (models/vocab/)
     prompt = chat(tokenizer, RENAME)
     plain = generate(target, tokenizer, prompt, drafter="none", max_tokens=128, stop_tokens=set())
     spec = generate(target, tokenizer, prompt, drafter=drafter, num_draft_tokens=4, max_tokens=128,

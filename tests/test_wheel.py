@@ -46,6 +46,7 @@ def installed(tmp_path_factory) -> Path:
     assert "mlxspec_models/eagle/SmolLM2-135M-Instruct/model.safetensors" in names
     assert "mlxspec_models/eagle/SmolLM2-135M-Instruct/target.json" in names
     assert "mlxspec_models/draft/SmolLM2-135M-Instruct/config.json" in names
+    assert any(n.startswith("mlxspec_models/vocab/") and n.endswith(".safetensors") for n in names)  # draft vocabularies
     venv = root / "venv"
     _run([sys.executable, "-m", "venv", "--without-pip", str(venv)])
     site = Path(_run([str(venv / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"])

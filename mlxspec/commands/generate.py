@@ -69,8 +69,10 @@ def format_stats(stats: GenerationStats, drafter=None, policy: str = AUTO) -> st
         tree = AUTO_PRICED_PLAIN  # γ auto ruled out a drafter that sizes its own rounds (gamma.PricedPlain)
     elif tree and stats.gamma_rounds and tree != PRICED_PLAIN:  # γ auto chose each round's depth
         tree += f"; depth γ = {_gamma_summary(stats, policy)}"
-    drafter_line = (f"Drafter: {stats.drafter}, {tree}; cycles: {stats.cycles}" if tree else
-                    f"Drafter: {stats.drafter}, γ = {_gamma_summary(stats, policy)}; cycles: {stats.cycles}")
+    vocabulary = getattr(drafter, "vocab_summary", lambda: None)()
+    name = stats.drafter + (f" ({vocabulary})" if vocabulary else "")
+    drafter_line = (f"Drafter: {name}, {tree}; cycles: {stats.cycles}" if tree else
+                    f"Drafter: {name}, γ = {_gamma_summary(stats, policy)}; cycles: {stats.cycles}")
     lines = [
         "=" * 10,
         f"Prompt: {stats.prompt_tokens} tokens" + (f", {stats.cached_tokens} reused from the cache" if stats.cached_tokens

@@ -3,22 +3,27 @@
 Leviathan et al. 2023 (arXiv 2211.17192), section 2.3: the draft model samples
 γ tokens autoregressively from q (the same warp as the target's p), keeping
 q for the rejection sampler. At temperature 0 it drafts greedily (q one-hot).
+With a draft vocabulary (FR-Spec, arXiv 2502.14856; ``mlxspec.vocab``) q lives on
+the most frequent tokens plus those of the text so far, and the draft's LM head
+multiplies only their rows.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from ..cache import check_rewindable, prefill, speculative_cache, trim
 from ..sampling import SamplingParams, process_logits, sample
-from ..taps import logits_width
+from ..taps import head_slice, logits_width, model_body
+from ..vocab import DEFAULT_DRAFT_VOCAB, MIN_AUTO_VOCAB, draft_ids, load_ranking, sharegpt_ranking, tokenizer_digest
 from .base import Draft, Drafter
-from .registry import DrafterContext, DrafterType, register
+from .registry import DrafterContext, DrafterType, at_least, int_or_auto, option, register
 
 
 def check_same_tokenizer(target_tokenizer, draft_tokenizer) -> None:
@@ -58,9 +63,13 @@ class DraftModelDrafter(Drafter):
         vocab_size: Target logits width V; draft logits are cut or ``-inf``-padded to it.
         num_real_tokens: Size of the tokenizer's vocabulary; ids at or above it are
             embedding padding and are never drafted.
+        vocab_ids: A draft vocabulary, token ids [N] (``vocab.draft_ids``), or ``None`` = every id.
+            Drafts then come from these ids plus every id of the prompt and of the answer so far,
+            through those rows of the draft's LM head only (``taps.head_slice``; FR-Spec).
 
     Raises:
-        ValueError: if the draft model's cache cannot be rewound.
+        ValueError: if the draft model's cache cannot be rewound, or ``vocab_ids`` is given for a
+            model whose head cannot be sliced (``check_sliceable``).
     """
 
     name = "draft"
@@ -68,7 +77,8 @@ class DraftModelDrafter(Drafter):
     reports_survival = True  # the draft's confidence (largest q) at each position, multiplied along the chain
     stops_early = True  # γ auto stops a round where the next token would not pay (costmodel.AutoGamma.keep_drafting)
 
-    def __init__(self, model: nn.Module, vocab_size: int, num_real_tokens: int):
+    def __init__(self, model: nn.Module, vocab_size: int, num_real_tokens: int,
+                 vocab_ids: Sequence[int] | np.ndarray | None = None):
         self.model = model
         self.vocab_size = vocab_size
         self.num_real_tokens = min(num_real_tokens, vocab_size)
@@ -79,9 +89,59 @@ class DraftModelDrafter(Drafter):
         self._round_start = 0  # committed tokens when the last round was proposed
         self._drafted: mx.array | None = None  # the last round's drafts [γ] (lazy)
         self._real = mx.arange(vocab_size) < self.num_real_tokens if self.num_real_tokens < vocab_size else None
+        self.draft_vocab = None  # N of the draft vocabulary, or None (the cost calibration reads it)
+        if vocab_ids is not None:
+            base = np.unique(np.asarray(vocab_ids, dtype=np.int32))
+            base = base[(base >= 0) & (base < self.num_real_tokens)]
+            if base.size == 0:
+                raise ValueError(f"the draft vocabulary holds no token id below {self.num_real_tokens}")
+            check_sliceable(model, base)
+            self._body, self._base_ids = model_body(model), mx.array(base)
+            self._base_head = head_slice(model, self._base_ids)
+            self._base_set = np.zeros(vocab_size, dtype=bool)
+            self._base_set[base] = True
+            self.draft_vocab = int(base.size)
+            self._start_vocab()
+
+    def vocab_summary(self) -> str | None:
+        """``"draft vocabulary 32768 + 41 ids of the text"``, or ``None`` when it drafts from every id."""
+        if self.draft_vocab is None:
+            return None
+        return f"draft vocabulary {self.draft_vocab} + {len(self._extra)} ids of the text"
+
+    def _start_vocab(self) -> None:
+        """The draft vocabulary back to its frequent ids (a new prompt brings its own tokens)."""
+        self._in_vocab, self._extra, self._scanned = self._base_set.copy(), [], 0
+        self._ids, self._extra_head = self._base_ids, None
+
+    def _take_in(self, tokens: Sequence[int]) -> None:
+        """Add the ids of ``tokens[self._scanned:]`` the draft vocabulary lacks (a few rows of the head)."""
+        new = np.asarray(tokens[self._scanned :], dtype=np.int64)
+        self._scanned = len(tokens)
+        new = np.unique(new[(new >= 0) & (new < self.num_real_tokens)])
+        new = new[~self._in_vocab[new]]
+        if new.size:
+            self._in_vocab[new] = True
+            self._extra += new.tolist()
+            extra = mx.array(self._extra, dtype=mx.int32)
+            self._ids, self._extra_head = mx.concatenate([self._base_ids, extra]), head_slice(self.model, extra)
+
+    def _logits(self, inputs: mx.array) -> mx.array:
+        """The draft's next-token logits after ``inputs`` [T], [1, V_target]: -inf outside the draft vocabulary."""
+        if self.draft_vocab is None:
+            return self._fit_vocab(self.model(inputs[None], cache=self.cache)[0, -1:])
+        h = self._body(inputs[None], cache=self.cache)[0, -1:]  # [1, H]: the final normalised hidden state
+        rows = self._base_head(h)
+        if self._extra_head is not None:
+            rows = mx.concatenate([rows, self._extra_head(h)], axis=-1)
+        full = mx.full((1, self.vocab_size), -mx.inf, dtype=rows.dtype)
+        return mx.put_along_axis(full, self._ids[None], rows, axis=-1)
 
     def prefill(self, prompt, hidden=None):
         """Read ``prompt[:-1]`` into the cache, keeping the longest prefix the cache already holds."""
+        if self.draft_vocab is not None:
+            self._start_vocab()
+            self._take_in(prompt)
         context = list(prompt[:-1])
         keep = 0
         for cached, token in zip(self._tokens, context):
@@ -115,12 +175,14 @@ class DraftModelDrafter(Drafter):
         (docs/acceptance.md 3.3).
         """
         processors = sampling.processors()
+        if self.draft_vocab is not None:
+            self._take_in(history)
         context = mx.array(history, dtype=mx.int32)
         inputs = context[self._num_cached :]
         tokens, logprobs, confidence = [], [], []
         log_survival = 0.0
         for k in range(1, num_draft_tokens + 1):
-            logits = self._fit_vocab(self.model(inputs[None], cache=self.cache)[0, -1:])
+            logits = self._logits(inputs)
             if processors:
                 logits = process_logits(logits, mx.concatenate([context, *tokens]), processors)
             token, token_logprobs = sample(logits, sampling)
@@ -162,19 +224,83 @@ def _confidence(logits: mx.array) -> mx.array:
     return logits.max(axis=-1) - mx.logsumexp(logits, axis=-1)
 
 
+#: Config fields of mlx-lm models whose logits are not the head applied to the body's output.
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_softcapping", "logit_scale", "logits_scaling")
+
+
+def check_sliceable(model: nn.Module, ids: np.ndarray) -> None:
+    """Refuse a draft vocabulary for a model whose logits are not its LM head applied to ``model.model``'s
+    output (a soft-capped or scaled head, a head with a bias): checked on its config and on one forward.
+
+    Raises:
+        ValueError: naming the reason and the fix (``--draft-vocab 0``).
+    """
+    args = getattr(model, "args", None)
+    transforms = [name for name in _LOGIT_TRANSFORMS if getattr(args, name, None) not in (None, 1, 1.0)]
+    probe = mx.array(ids[:: max(1, ids.size // 64)][:64], dtype=mx.int32)
+    head = head_slice(model, probe) if not transforms else None
+    if head is not None:
+        x = mx.array([[int(i) for i in ids[:4]]], dtype=mx.int32)
+        body = model_body(model)
+        full, sliced = model(x)[0, -1, probe].astype(mx.float32), head(body(x)[0, -1]).astype(mx.float32)
+        scale = 1.0 + float(mx.abs(full).max())
+        if float(mx.abs(full - sliced).max()) <= (1e-4 if full.dtype == mx.float32 else 1e-2) * scale:
+            return
+    why = f"its logits go through {', '.join(transforms)}" if transforms else "its logits are not its LM head " \
+        "applied to its last hidden state"
+    raise ValueError(f"the draft model cannot draft from a draft vocabulary: {why}; pass --draft-vocab 0 "
+                     "(the whole vocabulary)")
+
+
 @dataclass(frozen=True)
 class DraftOptions:
     """``--drafter draft``: the draft model itself is ``--draft-model`` (and ``--draft-dtype``),
-    since mlx-lm's own speculative decoding in ``mlxspec bench`` uses it too."""
+    since mlx-lm's own speculative decoding in ``mlxspec bench`` uses it too.
+
+    Raises:
+        ValueError: ``vocab`` < 0.
+    """
+
+    vocab: int | str = option(
+        "auto", "draft from the N most frequent tokens of the tokenizer plus every token of the prompt and "
+        "answer so far, multiplying only their rows of the draft's LM head (FR-Spec); 0 = the whole vocabulary; "
+        f"auto = {DEFAULT_DRAFT_VOCAB} when the vocabulary has at least {MIN_AUTO_VOCAB} tokens and a ranking "
+        "for its tokenizer ships or was counted before, else 0; a number counts one over ShareGPT on first use",
+        parse=int_or_auto)
+
+    def __post_init__(self):
+        at_least(0, self.vocab, "--draft-vocab")
+
+
+def _vocab_ids(options: DraftOptions, context: DrafterContext, vocab_size: int, num_real: int) -> np.ndarray | None:
+    """The draft vocabulary ``options.vocab`` asks for, or ``None`` (the whole vocabulary)."""
+    if options.vocab == 0:
+        return None
+    if options.vocab == "auto":
+        if num_real < MIN_AUTO_VOCAB:
+            return None
+        ranking = load_ranking(tokenizer_digest(context.tokenizer))
+        if ranking is None:
+            return None
+        size = DEFAULT_DRAFT_VOCAB
+    else:
+        size = options.vocab
+        if size >= num_real:
+            return None
+        ranking = sharegpt_ranking(context.tokenizer, vocab_size, context.on_measure)
+    return draft_ids(ranking, size, num_real)
 
 
 def build(options: DraftOptions, context: DrafterContext) -> DraftModelDrafter:
-    """Raises ``ValueError`` without a draft model or with one whose tokenizer differs from the target's."""
+    """Raises ``ValueError`` without a draft model, with one whose tokenizer differs from the target's, or
+    with a draft vocabulary its head cannot take (``check_sliceable``)."""
     if context.draft_model is None:
         raise ValueError("--drafter draft needs a draft model: pass --draft-model PATH_OR_REPO")
     if context.draft_tokenizer is not None:
         check_same_tokenizer(context.tokenizer, context.draft_tokenizer)
-    return DraftModelDrafter(context.draft_model, logits_width(context.target), len(context.tokenizer))
+    vocab_size, num_real = logits_width(context.target), len(context.tokenizer)
+    ids = _vocab_ids(options, context, vocab_size, min(num_real, vocab_size))
+    return DraftModelDrafter(context.draft_model, vocab_size, num_real, vocab_ids=ids)
 
 
 DRAFTER = register(DrafterType("draft", DraftOptions, build,
