@@ -349,6 +349,8 @@ def test_generation_and_load_errors_show_in_chat_and_keep_history():
             await pilot.click("#drafter-draft")
             await pilot.pause()  # the dialog now shows the draft drafter's settings: the layout moved
             app.screen.query_one("#draft-spec").value = "/nope"
+            app.screen.query_one("#apply").scroll_visible(animate=False)  # the draft's settings (vocab) fill 36 rows
+            await pilot.pause()
             await pilot.click("#apply")
             assert engine.configured == [("draft", 4, None, "/nope")]
             await wait_for(pilot, lambda: len(messages(app, "error")) == 3)
