@@ -149,18 +149,23 @@ class AcceptanceEstimate:
 
     def update(self, num_drafted: int, num_accepted: int) -> None:
         """Fold in one round (nothing happens for a round without drafts)."""
-        if num_drafted <= 0:
+        self.update_kept([float(i < num_accepted) for i in range(num_drafted)])
+
+    def update_kept(self, kept: list[float]) -> None:
+        """Fold in one round that drafted ``len(kept)`` tokens, ``kept[i]`` the probability (or 0/1 outcome)
+        that depth i + 1 was kept (non-increasing); nothing happens for an empty list."""
+        if not kept:
             return
         self.rounds += 1
         decay = 1.0 - 1.0 / self.window
         self.drafted = [c * decay for c in self.drafted]
         self.kept = [c * decay for c in self.kept]
-        if num_drafted > len(self.drafted):
-            self.drafted += [0.0] * (num_drafted - len(self.drafted))
-            self.kept += [0.0] * (num_drafted - len(self.kept))
-        for i in range(num_drafted):
+        if len(kept) > len(self.drafted):
+            self.drafted += [0.0] * (len(kept) - len(self.drafted))
+            self.kept += [0.0] * (len(kept) - len(self.kept))
+        for i, k in enumerate(kept):
             self.drafted[i] += 1.0
-            self.kept[i] += i < num_accepted
+            self.kept[i] += k
 
     @property
     def alpha(self) -> float:
@@ -305,6 +310,14 @@ class AutoGamma:
     would lose even if every draft were accepted). Plain rounds teach it nothing, so the loop may ask
     for the next γ before reporting a plain round (it pipelines consecutive plain steps).
 
+    With ``judges`` (a drafter that can say how it would have drafted tokens decoded plainly,
+    ``Drafter.judge``: the draft model) a wait ends in a judgement instead of a probe: the round stays
+    plain and sets ``judging``, the loop hands the drafter's teacher-forced acceptance of the plain
+    stretch to ``observe``, and the next choice is made on that evidence as on any other (drafting if it
+    predicts a win, waiting twice as long if not). A probe round measures one or two positions and a probe
+    that misses doubles the wait; a judgement measures every position of the stretch, for the cost of the
+    catch-up forward the draft model would make before its next round anyway.
+
     With ``stop_early`` (a drafter that drafts token by token and can stop on its own confidence,
     ``Drafter.stops_early``: the draft model), whether a round drafts is priced at one token (the
     first draft must pay for itself at the estimated α), a round that drafts is given ``max_gamma``,
@@ -332,11 +345,14 @@ class AutoGamma:
             would win there) rather than fall back. Default: ``1.5``; ``0`` falls back on the estimate alone.
         stop_early: Price rounds at one token and let the drafter stop each round early (``keep_drafting``).
             Default: ``False``.
+        judges: End waits in a judgement of the plain stretch (``observe``) instead of a probe round.
+            Default: ``False``.
 
     Attributes:
         gamma: γ chosen for the current round.
         predicted_speedup: Predicted speedup of that choice (1 when falling back or probing).
         probing: Whether the current round is a probe.
+        judging: Whether the loop should hand ``observe`` the drafter's judgement of the plain stretch.
 
     Raises:
         ValueError: ``max_gamma``, ``probe_every`` or ``miss_rounds`` below 1, ``miss_p`` outside (0, 1] or
@@ -349,7 +365,8 @@ class AutoGamma:
     def __init__(self, costs: Costs, *, max_gamma: int = MAX_VERIFY_TOKENS - 1, margin: float = 0.03,
                  probe_every: int = 16, probe_gamma: int = 2, estimate: AcceptanceEstimate | None = None,
                  miss_p: float = 0.02, miss_rounds: int = 8, max_wait: int = 256,
-                 nodes: Callable[[int], int] | None = None, optimism: float = 1.5, stop_early: bool = False):
+                 nodes: Callable[[int], int] | None = None, optimism: float = 1.5, stop_early: bool = False,
+                 judges: bool = False):
         if min(max_gamma, probe_every, miss_rounds) < 1:
             raise ValueError(f"max_gamma, probe_every and miss_rounds must be >= 1, got {max_gamma}, {probe_every} "
                              f"and {miss_rounds}")
@@ -358,7 +375,8 @@ class AutoGamma:
         self.costs, self.max_gamma, self.margin, self.nodes = costs, max_gamma, margin, nodes
         self.probe_every, self.probe_gamma = probe_every, min(probe_gamma, max_gamma)
         self.miss_p, self.miss_rounds, self.optimism = miss_p, miss_rounds, optimism
-        self.stop_early = stop_early
+        self.stop_early, self.judges, self.judging = stop_early, judges, False
+        self._blind = False  # the drafter could not judge the last stretch: probe instead
         self._priced = 1 if stop_early else max_gamma  # deepest round a choice is priced at
         # stop_early: the survivals keep_drafting was told this round, and decayed kept / told sums behind
         # ``survival_calibration`` (prior: 2 tokens, calibrated)
@@ -381,6 +399,10 @@ class AutoGamma:
             return 0
         if self._probe_due:
             self._probe_due, self.probing = False, self.can_win
+            if self.probing and self.judges and not self._blind:  # the stretch is judged (observe), the round plain
+                self.probing, self.judging, self.gamma = False, True, 0
+                return 0
+            self._blind = False
             if self.probing:
                 self.gamma = self.max_gamma if self.stop_early else self.probe_gamma
                 return self.gamma
@@ -397,6 +419,29 @@ class AutoGamma:
         if self.stop_early and self.gamma > 0:
             self.gamma = self.max_gamma  # the drafter's confidence ends the round (keep_drafting)
         return self.gamma
+
+    def observe(self, acceptances: list[float] | None) -> None:
+        """Fold in the drafter's judgement of consecutive tokens decoded plainly (``judging``; ``Drafter.judge``).
+
+        ``acceptances[i]``: the estimated probability that a draft at the i-th token would have been kept
+        (0 or 1 at temperature 0). Each token counts as a round drafted from there, depth d kept with the
+        product of the d acceptances from it (along the committed text, as teacher-forced training measures
+        it), so a stretch of 16 tokens weighs as 16 rounds. The next ``choose_gamma`` decides on the estimate
+        as always; a judgement that predicts a win resets the back-off, as a probe that keeps a token does.
+        ``None`` or an empty list (the drafter could not judge): the next round is a probe.
+        """
+        self.judging = False
+        if not acceptances:
+            self._probe_due, self._blind = True, True
+            return
+        for i in range(len(acceptances)):
+            kept, run = [], 1.0
+            for a in acceptances[i : i + self._priced]:
+                run *= min(max(float(a), 0.0), 1.0)
+                kept.append(run)
+            self.estimate.update_kept(kept)
+        if self.costs.best_gamma(self.estimate.reach(self._priced), self._priced, self.margin, self.nodes)[0] > 0:
+            self._interval, self._misses = self.probe_every, 0
 
     def keep_drafting(self, drafted: int, survival: float) -> bool:
         """With ``stop_early``: whether the drafter drafts one more token after ``drafted`` (>= 1) this round.

@@ -186,7 +186,7 @@ def gamma_policy(num_draft_tokens: int | str | GammaPolicy, model, drafter: Draf
             return PricedPlain(drafter.tree_depth)
         return AutoGamma(costs, max_gamma=drafter.tree_depth, nodes=drafter.round_nodes)
     return AutoGamma(costs if costs is not None else load_or_calibrate(model, drafter, on_measure=on_measure),
-                     stop_early=drafter.stops_early)
+                     stop_early=drafter.stops_early, judges=drafter.judges)
 
 
 #: What a Medusa tree priced as plain decoding at load time says (``TreeBudget.can_win``).

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from .cache import (
     DEFAULT_PREFILL_STEP_SIZE,
@@ -211,19 +212,23 @@ def speculative_rounds(
     # γ auto lets a drafter that can stop on its own confidence end each round (costmodel.AutoGamma.keep_drafting)
     keep_drafting = policy.keep_drafting if getattr(policy, "stop_early", False) and drafter.stops_early else None
     gamma = None  # the next round's γ, when it was chosen early (pipelined plain steps)
+    stretch = _Stretch(len(history))  # the tokens decoded plainly since the last drafting round
     try:
         for cycle in range(max_tokens):
             room = max_tokens - generated
+            if getattr(policy, "judging", False):  # γ auto ends a wait in a judgement (AutoGamma.observe)
+                policy.observe(stretch.judge(drafter, history, sampling))
             gamma = min(policy.choose_gamma(), room - 1) if gamma is None else gamma
             chosen, t0 = gamma, time.perf_counter()
             if gamma == 0:
-                token, hidden = plain.take(history)  # hidden: the root's features [1, F], or None
+                token, hidden, logp = plain.take(history)  # hidden: the root's features [1, F], or None
                 gamma = min(policy.choose_gamma(), room - 2) if room > 1 else None
                 if gamma == 0:
                     plain.queue(token, history)
-                mx.eval(token, hidden)  # the round's one sync
+                mx.eval(token, hidden, logp)  # the round's one sync
                 path, tokens, kinds = [], [token.item()], ["target"]
                 t1, num_drafted, depth = t0, 0, 0
+                stretch.add(logp)
             else:
                 if keep_drafting is None:
                     draft = drafter.propose(history, gamma, sampling)
@@ -240,6 +245,7 @@ def speculative_rounds(
                 mx.eval(choice, next_tokens, draft.tokens, hidden)  # the round's one blocking sync
                 path, tokens, kinds = _accepted(draft, choice.tolist(), next_tokens.tolist())
                 num_drafted, depth = draft.size, int(draft.tree.depths.max())
+                stretch = _Stretch(len(history) + len(tokens))
             keep, finish_reason = _cut_at_stop(tokens, stop_tokens, room)
             if stop_strings is not None and (cut := stop_strings.cut([t for t in tokens[:keep] if t not in stop_tokens])):
                 keep, finish_reason = cut, "stop"
@@ -290,8 +296,9 @@ def _accepted(draft: Draft, choice: list[int], next_tokens: list[int]) -> tuple[
 class _PlainSteps:
     """Plain decoding steps, pipelined as in ``mlx_lm.generate_step``.
 
-    ``take`` returns the next token (lazy) and, with a ``tap``, the features of the step's input (lazy,
-    [1, F]): the step queued by ``queue``, or a new forward over the root. ``queue`` builds the
+    ``take`` returns the next token (lazy), with a ``tap`` the features of the step's input (lazy,
+    [1, F]), and when sampling log p of the token drawn ([1] float32, lazy; ``None`` when greedy): the
+    step queued by ``queue``, or a new forward over the root. ``queue`` builds the
     following step from a lazy token and ``mx.async_eval``s it, so its forward runs while the host
     reads the current token. A queued step has written its input (the newest committed token) into
     the cache; ``cancel`` trims it when no step follows. The features are taken from the tap as each
@@ -303,14 +310,16 @@ class _PlainSteps:
         self.processors = sampling.processors()
         self.queued: tuple[mx.array, mx.array | None] | None = None
 
-    def _step(self, inputs: mx.array, context) -> tuple[mx.array, mx.array | None]:
+    def _step(self, inputs: mx.array, context) -> tuple[mx.array, mx.array | None, mx.array | None]:
         logits = self.model(inputs[None], cache=self.cache)[0, -1:]  # [1, V]
         hidden = self.tap.features()[0] if self.tap is not None else None  # [1, F]
         if self.processors:
             logits = process_logits(logits, context(), self.processors)
-        return sample(logits, self.sampling)[0], hidden  # [1] int32, lazy
+        token, logprobs = sample(logits, self.sampling)  # [1] int32, lazy
+        logp = None if logprobs is None else mx.take_along_axis(logprobs, token[:, None], axis=-1)[:, 0]
+        return token, hidden, logp
 
-    def take(self, history: list[int]) -> tuple[mx.array, mx.array | None]:
+    def take(self, history: list[int]) -> tuple[mx.array, mx.array | None, mx.array | None]:
         step, self.queued = self.queued, None
         if step is None:
             step = self._step(mx.array(history[-1:], dtype=mx.int32), lambda: mx.array(history, dtype=mx.int32))
@@ -324,6 +333,30 @@ class _PlainSteps:
         if self.queued is not None:
             self.queued = None
             trim(self.cache, 1)
+
+
+class _Stretch:
+    """The tokens decoded plainly since the last drafting round (from index ``start`` of the history) and the
+    target's log p of each (0 when greedy: p is one-hot there), for ``Drafter.judge``."""
+
+    #: Tokens judged at most, the newest (the acceptance estimate remembers 16 rounds).
+    JUDGED = 32
+
+    def __init__(self, start: int):
+        self.start, self.logp = start, []
+
+    def add(self, logp: mx.array | None) -> None:
+        self.logp.append(0.0 if logp is None else logp.item())
+
+    def judge(self, drafter: Drafter, history: list[int], sampling: SamplingParams) -> list[float] | None:
+        """min(1, q/p) of each judged token (an unbiased estimate of its acceptance Σ min(p, q)), or ``None``;
+        the stretch then starts again after them."""
+        start = max(self.start, len(history) - self.JUDGED)
+        logq = drafter.judge(history, start, sampling) if start < len(history) else None
+        self.start, logp, self.logp = len(history), self.logp[start - self.start :], []
+        if logq is None:
+            return None
+        return np.minimum(1.0, np.exp(np.array(logq, dtype=np.float64) - np.array(logp))).tolist()
 
 
 class _DraftClock:

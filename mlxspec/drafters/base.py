@@ -143,6 +143,8 @@ class Drafter(ABC):
     #: Whether a round's drafting costs the same for every γ >= 1 (one forward fills a whole block:
     #: DFlash, DSpark); the cost model then prices it per round (``costmodel.Costs.draft_round_s``).
     fixed_round_cost: bool = False
+    #: Whether ``judge`` can say how the drafter would have drafted tokens decoded plainly (the draft model).
+    judges: bool = False
 
     @property
     def tree_depth(self) -> int | None:
@@ -175,6 +177,15 @@ class Drafter(ABC):
         lists the draft nodes (0-based, root to leaf) that were kept. ``hidden``: the
         target's features (``feature_layers``) at the verified nodes, root first, [N + 1, F],
         when ``needs_hidden``. Default: nothing."""
+
+    def judge(self, history: list[int], start: int, sampling: SamplingParams) -> mx.array | None:
+        """How the drafter would have drafted the committed tokens ``history[start:]``, teacher-forced:
+        log q(x_i | history[:i]) of each, [len(history) - start] float32 (``-inf`` where a greedy draft
+        differs), lazy; or ``None`` when it cannot say (the default). γ auto asks this instead of a probe
+        round after plain rounds (``costmodel.AutoGamma.observe``): with the target's log p(x_i) of the
+        plain steps, min(1, q/p) at each token is an unbiased estimate of the acceptance Σ min(p, q) there
+        (docs/acceptance.md 3.4). It must leave the drafter ready to propose after ``history``."""
+        return None
 
 
 def pending_features(pending: mx.array | None, cached: int, num_committed: int, accepted: list[int],

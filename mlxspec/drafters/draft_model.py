@@ -19,7 +19,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ..cache import check_rewindable, prefill, speculative_cache, trim
-from ..sampling import SamplingParams, process_logits, sample
+from ..sampling import SamplingParams, process_logits, sample, warp
 from ..taps import head_slice, logits_width, model_body
 from ..vocab import DEFAULT_DRAFT_VOCAB, MIN_AUTO_VOCAB, draft_ids, load_ranking, sharegpt_ranking, tokenizer_digest
 from .base import Draft, Drafter
@@ -76,6 +76,7 @@ class DraftModelDrafter(Drafter):
     lazy = True
     reports_survival = True  # the draft's confidence (largest q) at each position, multiplied along the chain
     stops_early = True  # γ auto stops a round where the next token would not pay (costmodel.AutoGamma.keep_drafting)
+    judges = True  # γ auto judges its plain stretches instead of probing (Drafter.judge)
 
     def __init__(self, model: nn.Module, vocab_size: int, num_real_tokens: int,
                  vocab_ids: Sequence[int] | np.ndarray | None = None):
@@ -126,16 +127,17 @@ class DraftModelDrafter(Drafter):
             extra = mx.array(self._extra, dtype=mx.int32)
             self._ids, self._extra_head = mx.concatenate([self._base_ids, extra]), head_slice(self.model, extra)
 
-    def _logits(self, inputs: mx.array) -> mx.array:
-        """The draft's next-token logits after ``inputs`` [T], [1, V_target]: -inf outside the draft vocabulary."""
+    def _logits(self, inputs: mx.array, last: int = 1) -> mx.array:
+        """The draft's next-token logits after each of the last ``last`` of ``inputs`` [T], [last, V_target]:
+        -inf outside the draft vocabulary."""
         if self.draft_vocab is None:
-            return self._fit_vocab(self.model(inputs[None], cache=self.cache)[0, -1:])
-        h = self._body(inputs[None], cache=self.cache)[0, -1:]  # [1, H]: the final normalised hidden state
+            return self._fit_vocab(self.model(inputs[None], cache=self.cache)[0, -last:])
+        h = self._body(inputs[None], cache=self.cache)[0, -last:]  # [last, H]: the final normalised hidden states
         rows = self._base_head(h)
         if self._extra_head is not None:
             rows = mx.concatenate([rows, self._extra_head(h)], axis=-1)
-        full = mx.full((1, self.vocab_size), -mx.inf, dtype=rows.dtype)
-        return mx.put_along_axis(full, self._ids[None], rows, axis=-1)
+        full = mx.full((last, self.vocab_size), -mx.inf, dtype=rows.dtype)
+        return mx.put_along_axis(full, mx.broadcast_to(self._ids[None], rows.shape), rows, axis=-1)
 
     def prefill(self, prompt, hidden=None):
         """Read ``prompt[:-1]`` into the cache, keeping the longest prefix the cache already holds."""
@@ -203,6 +205,28 @@ class DraftModelDrafter(Drafter):
         q = None if sampling.greedy else mx.concatenate(logprobs, axis=0)
         survival = mx.exp(mx.cumsum(mx.concatenate(confidence)))  # lazy: only scheduling reads it
         return Draft.chain(mx.concatenate(tokens), q, survival)
+
+    def judge(self, history, start, sampling):
+        """log q of each token of ``history[start:]`` (see ``Drafter.judge``), from one forward over the tokens
+        the cache lacks but the root, which the next ``propose`` reads as usual: the catch-up a round after
+        plain steps makes anyway, with logits at the judged positions. ``None`` with logits processors
+        (q would need each position's own context) or when ``start`` lies in what the cache already holds.
+        With a draft vocabulary, q at every judged position comes from the ids of ``history[:start]``: a
+        token first seen in the judged stretch counts as undraftable there (slightly pessimistic)."""
+        first, end = start - 1, len(history) - 1  # the logits of position i predict token i + 1
+        if sampling.processors() or not self._num_cached <= first < end:
+            return None
+        if self.draft_vocab is not None:
+            self._take_in(history[:start])
+        prefill(self.model, self.cache, list(history[self._num_cached : first]))
+        logits = self._logits(mx.array(history[first:end], dtype=mx.int32), last=end - first)  # [M, V]
+        self._tokens = list(history[:end])
+        self._num_cached = self._round_start = end
+        committed = mx.array(history[start:], dtype=mx.int32)
+        if sampling.greedy:
+            return mx.where(mx.argmax(logits, axis=-1) == committed, 0.0, -mx.inf)
+        logq = warp(logits, sampling)
+        return mx.take_along_axis(logq, committed[:, None], axis=-1)[:, 0]
 
     def commit(self, num_committed, accepted, hidden=None):
         # The cache holds history + drafts[:K - 1]; what the target kept of it stays,
