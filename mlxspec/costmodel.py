@@ -310,13 +310,10 @@ class AutoGamma:
     would lose even if every draft were accepted). Plain rounds teach it nothing, so the loop may ask
     for the next γ before reporting a plain round (it pipelines consecutive plain steps).
 
-    With ``judges`` (a drafter that can say how it would have drafted tokens decoded plainly,
-    ``Drafter.judge``: the draft model) a wait ends in a judgement instead of a probe: the round stays
-    plain and sets ``judging``, the loop hands the drafter's teacher-forced acceptance of the plain
-    stretch to ``observe``, and the next choice is made on that evidence as on any other (drafting if it
-    predicts a win, waiting twice as long if not). A probe round measures one or two positions and a probe
-    that misses doubles the wait; a judgement measures every position of the stretch, for the cost of the
-    catch-up forward the draft model would make before its next round anyway.
+    With ``judges`` (``Drafter.judge``: the draft model) a wait ends in a judgement, not a probe: the round
+    stays plain and sets ``judging``, the loop hands the drafter's teacher-forced acceptance of the plain
+    stretch to ``observe``, and the next choice is made on it as on any other evidence. A probe measures one
+    or two positions; a judgement every token of the stretch, in the catch-up forward the draft makes anyway.
 
     With ``stop_early`` (a drafter that drafts token by token and can stop on its own confidence,
     ``Drafter.stops_early``: the draft model), whether a round drafts is priced at one token (the
@@ -375,8 +372,7 @@ class AutoGamma:
         self.costs, self.max_gamma, self.margin, self.nodes = costs, max_gamma, margin, nodes
         self.probe_every, self.probe_gamma = probe_every, min(probe_gamma, max_gamma)
         self.miss_p, self.miss_rounds, self.optimism = miss_p, miss_rounds, optimism
-        self.stop_early, self.judges, self.judging = stop_early, judges, False
-        self._blind = False  # the drafter could not judge the last stretch: probe instead
+        self.stop_early, self.judges, self.judging, self._blind = stop_early, judges, False, False  # _blind: probe
         self._priced = 1 if stop_early else max_gamma  # deepest round a choice is priced at
         # stop_early: the survivals keep_drafting was told this round, and decayed kept / told sums behind
         # ``survival_calibration`` (prior: 2 tokens, calibrated)
@@ -425,9 +421,8 @@ class AutoGamma:
 
         ``acceptances[i]``: the estimated probability that a draft at the i-th token would have been kept
         (0 or 1 at temperature 0). Each token counts as a round drafted from there, depth d kept with the
-        product of the d acceptances from it (along the committed text, as teacher-forced training measures
-        it), so a stretch of 16 tokens weighs as 16 rounds. The next ``choose_gamma`` decides on the estimate
-        as always; a judgement that predicts a win resets the back-off, as a probe that keeps a token does.
+        product of the d acceptances from it (along the committed text), so 16 tokens weigh as 16 rounds.
+        A judgement that predicts a win resets the back-off, as a probe that keeps a token does.
         ``None`` or an empty list (the drafter could not judge): the next round is a probe.
         """
         self.judging = False

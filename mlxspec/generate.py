@@ -22,7 +22,6 @@ from collections.abc import Callable, Iterator
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 
 from .cache import (
     DEFAULT_PREFILL_STEP_SIZE,
@@ -33,12 +32,12 @@ from .cache import (
     commit_path,
     prefill,
     tree_attention,
-    trim,
 )
 from .drafters import Draft, Drafter, DrafterSpec, make_drafter
 from .gamma import FixedGamma, GammaPolicy, gamma_policy, priced_plain
 from .metrics import CycleStats, GenerationStats, TokenEvent
-from .sampling import SamplingParams, process_logits, sample, warp
+from .plain_steps import PlainSteps, Stretch
+from .sampling import SamplingParams, process_logits, warp
 from .taps import HiddenTap
 from .stops import HeldText, StopStrings, check_stops
 from .verify import verify_deterministic, verify_greedy, verify_sampled, verify_typical
@@ -207,12 +206,12 @@ def speculative_rounds(
                                      prefill_step_size))
     prefill_s, cached = time.perf_counter() - start, store.reused
     history, clock, generated = list(prompt), _DraftClock(drafter.lazy and time_split), 0
-    plain = _PlainSteps(model, cache, sampling, tap)
+    plain = PlainSteps(model, cache, sampling, tap)
     schedule = getattr(policy, "schedule", None)  # scheduled verification trims the draft (schedule.py)
     # γ auto lets a drafter that can stop on its own confidence end each round (costmodel.AutoGamma.keep_drafting)
     keep_drafting = policy.keep_drafting if getattr(policy, "stop_early", False) and drafter.stops_early else None
     gamma = None  # the next round's γ, when it was chosen early (pipelined plain steps)
-    stretch = _Stretch(len(history))  # the tokens decoded plainly since the last drafting round
+    stretch = Stretch(len(history))  # the tokens decoded plainly since the last drafting round
     try:
         for cycle in range(max_tokens):
             room = max_tokens - generated
@@ -245,7 +244,7 @@ def speculative_rounds(
                 mx.eval(choice, next_tokens, draft.tokens, hidden)  # the round's one blocking sync
                 path, tokens, kinds = _accepted(draft, choice.tolist(), next_tokens.tolist())
                 num_drafted, depth = draft.size, int(draft.tree.depths.max())
-                stretch = _Stretch(len(history) + len(tokens))
+                stretch = Stretch(len(history) + len(tokens))
             keep, finish_reason = _cut_at_stop(tokens, stop_tokens, room)
             if stop_strings is not None and (cut := stop_strings.cut([t for t in tokens[:keep] if t not in stop_tokens])):
                 keep, finish_reason = cut, "stop"
@@ -291,72 +290,6 @@ def _accepted(draft: Draft, choice: list[int], next_tokens: list[int]) -> tuple[
     tokens = [drafted[node - 1] for node in path] + [next_tokens[last]]
     kind = "target" if tree.size == 0 else "bonus" if tree.is_leaf(last) else "resampled"
     return path, tokens, ["accepted"] * len(path) + [kind]
-
-
-class _PlainSteps:
-    """Plain decoding steps, pipelined as in ``mlx_lm.generate_step``.
-
-    ``take`` returns the next token (lazy), with a ``tap`` the features of the step's input (lazy,
-    [1, F]), and when sampling log p of the token drawn ([1] float32, lazy; ``None`` when greedy): the
-    step queued by ``queue``, or a new forward over the root. ``queue`` builds the
-    following step from a lazy token and ``mx.async_eval``s it, so its forward runs while the host
-    reads the current token. A queued step has written its input (the newest committed token) into
-    the cache; ``cancel`` trims it when no step follows. The features are taken from the tap as each
-    forward is built, since a queued forward records over the previous one's.
-    """
-
-    def __init__(self, model, cache, sampling: SamplingParams, tap: HiddenTap | None = None):
-        self.model, self.cache, self.sampling, self.tap = model, cache, sampling, tap
-        self.processors = sampling.processors()
-        self.queued: tuple[mx.array, mx.array | None] | None = None
-
-    def _step(self, inputs: mx.array, context) -> tuple[mx.array, mx.array | None, mx.array | None]:
-        logits = self.model(inputs[None], cache=self.cache)[0, -1:]  # [1, V]
-        hidden = self.tap.features()[0] if self.tap is not None else None  # [1, F]
-        if self.processors:
-            logits = process_logits(logits, context(), self.processors)
-        token, logprobs = sample(logits, self.sampling)  # [1] int32, lazy
-        logp = None if logprobs is None else mx.take_along_axis(logprobs, token[:, None], axis=-1)[:, 0]
-        return token, hidden, logp
-
-    def take(self, history: list[int]) -> tuple[mx.array, mx.array | None, mx.array | None]:
-        step, self.queued = self.queued, None
-        if step is None:
-            step = self._step(mx.array(history[-1:], dtype=mx.int32), lambda: mx.array(history, dtype=mx.int32))
-        return step
-
-    def queue(self, token: mx.array, history: list[int]) -> None:
-        self.queued = self._step(token, lambda: mx.concatenate([mx.array(history, dtype=mx.int32), token]))
-        mx.async_eval(*(a for a in self.queued if a is not None))
-
-    def cancel(self) -> None:
-        if self.queued is not None:
-            self.queued = None
-            trim(self.cache, 1)
-
-
-class _Stretch:
-    """The tokens decoded plainly since the last drafting round (from index ``start`` of the history) and the
-    target's log p of each (0 when greedy: p is one-hot there), for ``Drafter.judge``."""
-
-    #: Tokens judged at most, the newest (the acceptance estimate remembers 16 rounds).
-    JUDGED = 32
-
-    def __init__(self, start: int):
-        self.start, self.logp = start, []
-
-    def add(self, logp: mx.array | None) -> None:
-        self.logp.append(0.0 if logp is None else logp.item())
-
-    def judge(self, drafter: Drafter, history: list[int], sampling: SamplingParams) -> list[float] | None:
-        """min(1, q/p) of each judged token (an unbiased estimate of its acceptance Σ min(p, q)), or ``None``;
-        the stretch then starts again after them."""
-        start = max(self.start, len(history) - self.JUDGED)
-        logq = drafter.judge(history, start, sampling) if start < len(history) else None
-        self.start, logp, self.logp = len(history), self.logp[start - self.start :], []
-        if logq is None:
-            return None
-        return np.minimum(1.0, np.exp(np.array(logq, dtype=np.float64) - np.array(logp))).tolist()
 
 
 class _DraftClock:

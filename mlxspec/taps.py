@@ -111,34 +111,6 @@ def output_head(model: nn.Module):
     return model_body(model).embed_tokens.as_linear
 
 
-def head_rows(model: nn.Module, ids: mx.array) -> mx.array | None:
-    """Rows ``ids`` of the LM head's weight, dequantized: [N, H] in the head's float dtype.
-
-    A drafter that samples from a reduced vocabulary (EAGLE-3's idea, docs/mtp.md 2.2) multiplies by
-    these rows instead of the whole head. Tied heads give the embedding's rows.
-
-    Args:
-        model: An mlx-lm model.
-        ids: Token ids, [N] int32.
-
-    Returns:
-        The rows, or ``None`` for a head it cannot slice (one with a bias, or another class), whose
-        callers keep the whole head.
-    """
-    head = getattr(model, "lm_head", None)
-    if head is None:
-        return model_body(model).embed_tokens(ids)  # Embedding and QuantizedEmbedding alike
-    if "bias" in head:
-        return None
-    if isinstance(head, nn.QuantizedLinear):
-        biases = head.biases[ids] if "biases" in head else None
-        return mx.dequantize(head.weight[ids], head.scales[ids], biases, head.group_size, head.bits,
-                             mode=getattr(head, "mode", "affine"))
-    if isinstance(head, nn.Linear):
-        return head.weight[ids]
-    return None
-
-
 def logits_width(model: nn.Module) -> int:
     """V, the width of a model's logits (its config's vocab size, or one probe forward)."""
     size = getattr(getattr(model, "args", None), "vocab_size", None)
@@ -148,9 +120,9 @@ def logits_width(model: nn.Module) -> int:
 def head_slice(model: nn.Module, ids: mx.array):
     """The LM head restricted to rows ``ids``, as a function hidden [..., H] -> logits [..., N].
 
-    Unlike ``head_rows`` it keeps a quantized head quantized (the rows of its packed weight, scales
-    and biases, multiplied by ``mx.quantized_matmul``), so a 4-bit draft model's reduced head costs
-    N/V of its whole head, not a dequantized copy (FR-Spec, arXiv 2502.14856: the head is most of a
+    A quantized head stays quantized (the rows of its packed weight, scales and biases, multiplied by
+    ``mx.quantized_matmul``), so a 4-bit draft model's reduced head costs N/V of its whole head, not a
+    dequantized copy (FR-Spec, arXiv 2502.14856: the head is most of a
     small draft model's step when the vocabulary is large). Tied heads slice the embedding.
 
     Args:

@@ -296,9 +296,9 @@ def test_plain_rounds_between_chains_are_pipelined_and_still_feed_the_drafter(ta
     mx.random.seed(3)
     stack.first.update(tree_map(lambda v: v + 0.3 * mx.random.normal(v.shape), stack.first.parameters()))
     queued = []
-    engine = sys.modules["mlxspec.generate"]
-    original_queue = engine._PlainSteps.queue
-    monkeypatch.setattr(engine._PlainSteps, "queue", lambda self, *a: queued.append(1) or original_queue(self, *a))
+    engine = sys.modules["mlxspec.plain_steps"]
+    original_queue = engine.PlainSteps.queue
+    monkeypatch.setattr(engine.PlainSteps, "queue", lambda self, *a: queued.append(1) or original_queue(self, *a))
     drafter, seen = MTPDrafter(stack, target, depth=3), []
     propose = drafter.propose
     drafter.propose = lambda history, gamma, sampling: seen.append((len(history), d := propose(history, gamma, sampling))) or d
@@ -366,7 +366,8 @@ def test_a_draft_vocabulary_is_saved_loaded_and_drafts_greedy_identically(tmp_pa
     again = load_mtp(tmp_path / "mtp", target)
     np.testing.assert_array_equal(again.draft_ids, ids)
     drafter = make_drafter(f"mtp:weights={tmp_path / 'mtp'},depth=3", target, byte_tokenizer())
-    assert drafter.sub_head.shape == (len(ids), target.args.hidden_size)
+    h = mx.random.normal((2, target.args.hidden_size))
+    np.testing.assert_allclose(np.array(drafter.sub_head(h)), np.array(target.lm_head(h))[:, ids], rtol=1e-4, atol=1e-4)
     result = generate(target, byte_tokenizer(), PROMPT, drafter=drafter, num_draft_tokens=3, max_tokens=300,
                       stop_tokens=set())
     assert result.tokens == plain_greedy(target, PROMPT, 300)

@@ -23,7 +23,7 @@ from mlx_lm.models.cache import KVCache
 from ..assets import shipped
 from ..heads.mtp import TRAIN_COMMAND, MTPStack, has_mtp, load_mtp
 from ..sampling import SamplingParams, sample
-from ..taps import head_rows, logits_width, model_body, output_head
+from ..taps import head_slice, logits_width, model_body, output_head
 from .base import Draft, Drafter, feature_prefill, pending_features
 from .registry import DrafterContext, DrafterType, at_least, option, register
 
@@ -62,10 +62,9 @@ class MTPDrafter(Drafter):
         self.vocab_ids = self.sub_head = None
         if stack.draft_ids is not None and not stack.config.own_head:
             ids = mx.array(stack.draft_ids, dtype=mx.int32)
-            rows = head_rows(target, ids)
-            if rows is not None:
-                self.vocab_ids, self.sub_head, self.vocab_size = ids, rows, logits_width(target)
-                mx.eval(self.sub_head)
+            sliced = head_slice(target, ids)  # a quantized head stays quantized
+            if sliced is not None:
+                self.vocab_ids, self.sub_head, self.vocab_size = ids, sliced, logits_width(target)
         self.cache, self._history = [KVCache() for _ in self.stack.first.blocks], []  # and the tokens it was built from
         self.prefill([], None)
 
@@ -116,7 +115,7 @@ class MTPDrafter(Drafter):
         """
         if self.sub_head is None:
             return sample(module.logits(h, self.lm_head), sampling)
-        token, q = sample(h @ self.sub_head.T, sampling)  # [1] draft-vocabulary index, [1, N]
+        token, q = sample(self.sub_head(h), sampling)  # [1] draft-vocabulary index, [1, N]
         if q is not None:
             wide = mx.full((q.shape[0], self.vocab_size), -mx.inf, dtype=q.dtype)
             wide[:, self.vocab_ids] = q
