@@ -177,7 +177,7 @@ def test_plain_steps_and_fallback_follow_the_target(models, case):
 
 
 def test_the_same_test_rejects_plain_steps_that_drop_the_filters(models, monkeypatch):
-    engine = sys.modules["mlxspec.generate"]
+    engine = sys.modules["mlxspec.plain_steps"]
     original = engine.sample  # the plain step's sampler, here without its top-k filter
     monkeypatch.setattr(engine, "sample", lambda logits, params: original(logits, SamplingParams(temp=params.temp)))
     params = SETTINGS["temp0.7-top_k3"]
