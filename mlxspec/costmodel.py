@@ -313,7 +313,7 @@ class AutoGamma:
     With ``judges`` (``Drafter.judge``: the draft model) a wait ends in a judgement, not a probe: the round
     stays plain and sets ``judging``, the loop hands the drafter's teacher-forced acceptance of the plain
     stretch to ``observe``, and the next choice is made on it as on any other evidence. A probe measures one
-    or two positions; a judgement every token of the stretch, in the catch-up forward the draft makes anyway.
+    or two positions; a judgement up to 32 tokens of the stretch, in the catch-up forward the draft makes anyway.
 
     With ``stop_early`` (a drafter that drafts token by token and can stop on its own confidence,
     ``Drafter.stops_early``: the draft model), whether a round drafts is priced at one token (the

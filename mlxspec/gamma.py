@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from .calibration import load_or_calibrate
-from .costmodel import AutoGamma, Costs
+from .costmodel import MAX_VERIFY_TOKENS, AutoGamma, Costs
 from .drafters import Drafter
 from .schedule import DEFAULT_SCHEDULED_MAX, ScheduledGamma
 from .tree import TREE_PRESETS
@@ -85,14 +85,14 @@ class FixedGamma:
 
 
 class PricedPlain(FixedGamma):
-    """γ auto for a drafter that sizes its own rounds, priced as plain decoding: γ = 0 every round.
+    """γ auto priced as plain decoding: γ = 0 every round.
 
-    ``gamma_policy`` picks it when no round of the drafter's depth could beat a plain step on this
-    machine's measured costs even if every draft were accepted (``round_can_win``), so the drafter
-    never runs.
+    ``gamma_policy`` picks it when no round up to the drafter's depth (its ``tree_depth``, else 15) could beat
+    a plain step on this machine's measured costs even if every draft were accepted (``round_can_win``), so
+    the drafter never runs, not even over the prompt.
 
     Args:
-        depth: The drafter's ``tree_depth``, the depth its rounds would have drafted to.
+        depth: The depth its rounds would have drafted to.
     """
 
     #: Whether γ auto priced the drafter's rounds as plain decoding (``tree_summary`` and the stats say so).
@@ -123,12 +123,13 @@ def round_can_win(costs: Costs, depth: int, nodes: Callable[[int], int] | None =
 
 
 def auto_priced_plain(drafter: Drafter, costs: Costs) -> bool:
-    """Whether γ auto runs ``drafter`` as plain decoding (``PricedPlain``): it sizes its own rounds
-    (``tree_depth``) and no round up to that depth can win on ``costs`` (``round_can_win`` on its
-    ``round_nodes``). A Medusa tree priced each round is checked at load instead (``MedusaDrafter.priced_plain``)."""
-    if drafter.tree_depth is None or _prices_itself(drafter):
+    """Whether γ auto runs ``drafter`` as plain decoding (``PricedPlain``): no round up to its depth (its
+    ``tree_depth``, else 15) can win on ``costs`` (``round_can_win`` on its ``round_nodes``), as for a draft
+    model slower than its target. A Medusa tree priced each round is checked at load instead
+    (``MedusaDrafter.priced_plain``)."""
+    if _prices_itself(drafter):
         return False
-    return not round_can_win(costs, drafter.tree_depth, drafter.round_nodes)
+    return not round_can_win(costs, drafter.tree_depth or MAX_VERIFY_TOKENS - 1, drafter.round_nodes)
 
 
 def _prices_itself(drafter) -> bool:
@@ -185,8 +186,10 @@ def gamma_policy(num_draft_tokens: int | str | GammaPolicy, model, drafter: Draf
         if auto_priced_plain(drafter, costs):
             return PricedPlain(drafter.tree_depth)
         return AutoGamma(costs, max_gamma=drafter.tree_depth, nodes=drafter.round_nodes)
-    return AutoGamma(costs if costs is not None else load_or_calibrate(model, drafter, on_measure=on_measure),
-                     stop_early=drafter.stops_early, judges=drafter.judges)
+    costs = costs if costs is not None else load_or_calibrate(model, drafter, on_measure=on_measure)
+    if auto_priced_plain(drafter, costs):  # e.g. a draft model slower than its target: never run it
+        return PricedPlain(MAX_VERIFY_TOKENS - 1)
+    return AutoGamma(costs, stop_early=drafter.stops_early, judges=drafter.judges)
 
 
 #: What a Medusa tree priced as plain decoding at load time says (``TreeBudget.can_win``).

@@ -202,8 +202,9 @@ def speculative_rounds(
     reads = drafter.needs_hidden and not priced_plain(drafter, policy)
     tap = HiddenTap(model, layers=drafter.feature_layers) if reads else None
     start = time.perf_counter()
-    drafter.prefill(prompt, _prefill(model, store, prompt, drafter.feature_layers if reads else None, tap,
-                                     prefill_step_size))
+    features = _prefill(model, store, prompt, drafter.feature_layers if reads else None, tap, prefill_step_size)
+    if not priced_plain(drafter, policy):  # a drafter the costs ruled out does not read the prompt either
+        drafter.prefill(prompt, features)
     prefill_s, cached = time.perf_counter() - start, store.reused
     history, clock, generated = list(prompt), _DraftClock(drafter.lazy and time_split), 0
     plain = PlainSteps(model, cache, sampling, tap)

@@ -11,6 +11,7 @@ from conftest import byte_tokenizer, tiny_llama
 from mlxspec import generate, stream_generate
 from mlxspec.costmodel import AcceptanceEstimate, AutoGamma, Costs
 from mlxspec.drafters.draft_model import DraftModelDrafter
+from mlxspec.gamma import gamma_policy
 from mlxspec.metrics import CycleStats, TokenEvent
 from mlxspec.sampling import SamplingParams, warp
 
@@ -138,3 +139,18 @@ def test_in_the_loop_a_judgement_brings_a_good_draft_back_and_the_output_stays_t
         assert auto.estimate.rounds == before + 6 + drafting  # the 6 tokens of the wait were judged
         if params.greedy:
             assert [e.token for e in events if isinstance(e, TokenEvent)] == plain
+
+
+def test_a_draft_model_slower_than_its_target_is_priced_plain_and_never_runs(draft):
+    """γ auto with a draft model that could not win even if every draft were kept (a 4-bit draft on a CPU) runs
+    plain decoding and says so, as for a tree drafter; the draft model does not even read the prompt."""
+    target, tokenizer = tiny_llama(seed=0, vocab_size=V), byte_tokenizer()
+    drafter = DraftModelDrafter(draft, V, V)
+    assert isinstance(gamma_policy("auto", target, drafter, costs=Costs(COSTS.verify_s, draft_s=0.1)), AutoGamma)
+    policy = gamma_policy("auto", target, drafter, costs=Costs(COSTS.verify_s, draft_s=2.0))
+    assert policy.priced_plain
+    ran = []
+    drafter.prefill = drafter.propose = drafter.judge = lambda *a, **k: ran.append(a)
+    result = generate(target, tokenizer, HISTORY, drafter=drafter, num_draft_tokens=policy, max_tokens=12)
+    assert ran == [] and result.stats.priced_plain and result.stats.drafted == 0
+    assert result.tokens == generate(target, tokenizer, HISTORY, drafter="none", max_tokens=12).tokens

@@ -193,7 +193,7 @@ def _once_if_priced_plain(systems: list[System], drafters: dict, costs: dict) ->
     """Mark the systems that take only plain steps because the costs rule their drafter out (``priced_plain``,
     never the verdict's pick), their rows saying why, with one line on stderr each. A Medusa tree priced as
     plain (``MedusaDrafter.priced_plain``) does so at every γ: its first system only (γ auto by default) is
-    kept. A drafter that sizes its own rounds does so under γ auto when ``gamma.auto_priced_plain`` says so."""
+    kept. Any other does so under γ auto when ``gamma.auto_priced_plain`` says so (a draft model slower than its target)."""
     out, seen = [], set()
     for system in systems:
         drafter = drafters.get(system.drafter) if system.engine == "mlxspec" else None
@@ -203,7 +203,8 @@ def _once_if_priced_plain(systems: list[System], drafters: dict, costs: dict) ->
                 out.append(replace(system, note=PRICED_PLAIN, priced_plain=True))
                 print(f"mlxspec bench: {system.drafter}: {PRICED_PLAIN}; timing it once, as '{system.name}'",
                       file=sys.stderr)
-        elif drafter is not None and system.gamma == AUTO and auto_priced_plain(drafter, costs[system.drafter]):
+        elif drafter is not None and system.gamma == AUTO and system.drafter in costs \
+                and auto_priced_plain(drafter, costs[system.drafter]):
             out.append(replace(system, note=AUTO_PRICED_PLAIN, priced_plain=True))
             print(f"mlxspec bench: {system.drafter}: {AUTO_PRICED_PLAIN} ('{system.name}')", file=sys.stderr)
         else:
