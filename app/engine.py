@@ -22,6 +22,7 @@ import mlx.core as mx
 from mlxspec.cache import PromptCache
 from mlxspec.calibration import load_or_calibrate
 from mlxspec.drafters import DRAFTERS, DrafterSpec
+from mlxspec.drafters.draft_model import PYTHON_DRAFT_ADVICE
 from mlxspec.gamma import AUTO, gamma_policy, tree_summary
 from mlxspec.generate import stream_generate
 from mlxspec.metrics import CycleStats, GenerationStats, TokenEvent
@@ -196,6 +197,7 @@ def chat_prompt(tokenizer, messages: list[dict]) -> str | list[int]:
 
 #: Command-line advice in library errors, as it reads in the chat (where F2 switches drafters and models).
 CHAT_WORDING = (
+    (PYTHON_DRAFT_ADVICE, ""),
     ("pass --draft-model PATH_OR_REPO", "give a draft model in F2 (or start the chat with --draft-model)"),
     ("pass --medusa-heads PATH_OR_REPO", "start the chat with --medusa-heads PATH_OR_REPO"),
     ("pass --eagle-heads PATH_OR_REPO", "start the chat with --eagle-heads PATH_OR_REPO"),

@@ -61,6 +61,9 @@ def test_prompt_from_stdin(tiny_model_dir):
     (["--top-p", "1.5"], r"top_p must be in (0, 1]"),
     (["--max-tokens", "0"], "--max-tokens must be >= 1"),
     (["--drafter", "draft"], "needs a draft model"),
+    (["--drafter", "ngram", "--draft-model", "/nonexistent"], "--draft-model is used by the draft drafter only, "
+                                                              "but the drafter is ngram"),  # not loaded: not silent
+    (["--drafter", "none", "--draft-dtype", "float32"], "--draft-dtype is used by the draft drafter only"),
     (["--model", "/nonexistent/model"], "/nonexistent/model"),
 ])
 def test_bad_input_is_one_clear_line(capsys, tiny_model_dir, flags, message):

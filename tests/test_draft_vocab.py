@@ -181,8 +181,10 @@ def test_the_option_picks_the_vocabulary(tmp_path, monkeypatch):
     build = lambda spec: make_drafter(spec, target, tokenizer, draft_model=draft)  # noqa: E731
     assert build("draft").draft_vocab is None  # auto: 259 tokens are too few to reduce
     assert build("draft:vocab=0").draft_vocab is None
-    with pytest.raises(ValueError, match=r"--draft-vocab must be >= 0, got -1"):
+    with pytest.raises(ValueError, match=r"vocab must be >= 0, got -1"):
         build("draft:vocab=-1")
+    with pytest.raises(ValueError, match=r"--draft-vocab 259 is not below the vocabulary's 259 tokens.*--draft-vocab 0"):
+        build("draft:vocab=259")  # the N most frequent of 259 tokens would be every token: said, not silently done
     monkeypatch.setattr(draft_model, "MIN_AUTO_VOCAB", 200)
     monkeypatch.setattr(draft_model, "DEFAULT_DRAFT_VOCAB", 100)
     assert build("draft").draft_vocab is None  # auto: no ranking ships or is cached for this tokenizer

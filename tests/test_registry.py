@@ -115,7 +115,8 @@ def test_spec_strings_round_trip_and_refuse_bad_input():
     assert [str(s) for s in specs] == ["eagle:depth=4,top_k=1,ngram=6", "medusa:tree=small_15", "ngram", "none"]
     assert DrafterSpec.parse(str(specs[0])) == specs[0]
     assert specs[0].options.total_tokens is None and specs[0].replace(total_tokens="auto").options.total_tokens == "auto"
-    for text, message in [("nope", "unknown drafter 'nope'"), ("eagle:depth=0", "--eagle-depth must be >= 1"),
+    for text, message in [("nope", "unknown drafter 'nope'"), ("eagle:depth=0", "'eagle:depth=0': depth must be >= 1"),
+                          ("draft:vocab=-3", "'draft:vocab=-3': vocab must be >= 0"),  # the key written, not its flag
                           ("eagle:size=3", "the eagle drafter takes heads, depth"), ("ngram:min", "KEY=VALUE"),
                           ("ngram:min=x", "invalid literal"), ("medusa:tree=nope", "unknown Medusa tree"), ("", "no drafter")]:
         with pytest.raises(ValueError, match=message):
@@ -161,7 +162,8 @@ def test_auto_is_the_same_policy_in_the_api_and_the_cli(name, tmp_path, tiny_mod
 
     monkeypatch.setattr(command, "gamma_policy", recording("cli"))
     monkeypatch.setattr(engine, "gamma_policy", recording("api"))
-    assert main(["generate", "--model", str(tiny_model_dir), "--draft-model", str(tiny_draft_dir), "--drafter", name,
+    draft_flags = ["--draft-model", str(tiny_draft_dir)] if name == "draft" else []  # refused for the others
+    assert main(["generate", "--model", str(tiny_model_dir), *draft_flags, "--drafter", name,
                  "--prompt", "hi", "--max-tokens", "8", "--json"]) == 0, capsys.readouterr().err
     from mlxspec.session import build_drafter, load_model
 

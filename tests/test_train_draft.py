@@ -199,3 +199,19 @@ def test_the_shipped_draft_drafts_for_the_default_model(capsys):
     record = json.loads(stdout)
     assert record["draft_model"] == "SmolLM2-135M-Instruct (MLX, float32)" and record["drafted"] > 0
     assert record["text"] == json.loads(run_generate(capsys, *base, "--drafter", "none")[1])["text"]
+
+
+@pytest.mark.real_model
+def test_make_drafter_takes_the_shipped_draft_in_python():
+    from mlxspec import generate, load, make_drafter
+    from mlxspec.assets import models_dir
+
+    target, tokenizer = load("default", dtype="float32")
+    drafter = make_drafter("draft", target, tokenizer)  # no draft_model=: the one shipped for this target
+    shipped, _ = load(str(models_dir() / "draft" / "SmolLM2-135M-Instruct"))
+    assert len(drafter.model.model.layers) == len(shipped.model.layers)
+    assert mx.array_equal(drafter.model.model.embed_tokens.weight, shipped.model.embed_tokens.weight)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Name a colour."}], add_generation_prompt=True)
+    drafted = generate(target, tokenizer, prompt, drafter=drafter, num_draft_tokens=2, max_tokens=12)
+    assert drafted.stats.drafted > 0
+    assert drafted.text == generate(target, tokenizer, prompt, drafter="none", max_tokens=12).text

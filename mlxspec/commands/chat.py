@@ -61,7 +61,7 @@ def engine_config(args: argparse.Namespace):
 def checked_config(args: argparse.Namespace):
     """``engine_config`` after the checks ``mlxspec generate`` makes; ``--drafter draft`` without
     ``--draft-model`` takes the draft shipped for the target. Raises ``ValueError`` on bad flags."""
-    check_args(args)
+    check_args(args, one_drafter=False)
     config = engine_config(args)
     draft = draft_model_spec(config.drafter, config.draft_model, config.model, args.draft_dtype)
     return replace(config, draft_model=draft)

@@ -219,11 +219,17 @@ def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
                           repetition_penalty=args.repetition_penalty)
 
 
-def check_args(args: argparse.Namespace) -> None:
+def check_args(args: argparse.Namespace, *, one_drafter: bool = True) -> None:
     """Reject absurd numbers before any model is loaded (every drafter's flags, even unused ones).
 
+    Args:
+        args: The parsed flags.
+        one_drafter: The command runs the one drafter the flags name (``generate``, ``verify``), so a
+            ``--draft-model`` that drafter does not use is refused; ``chat`` passes ``False`` (F2 can switch
+            to the draft drafter, which then uses it). Default: ``True``.
+
     Raises:
-        ValueError: naming the flag and the allowed range.
+        ValueError: naming the flag and the allowed range (or the flag no drafter uses).
     """
     if isinstance(args.num_draft_tokens, int):
         check_num_draft_tokens(args.num_draft_tokens, "--num-draft-tokens")
@@ -233,7 +239,12 @@ def check_args(args: argparse.Namespace) -> None:
     typical_from_args(args)
     check_stops(getattr(args, "stop", None))
     check_drafter_args(args)
-    draft_model_spec(drafter_spec_from_args(args), model_spec(args, draft=True), model_spec(args), args.draft_dtype)
+    spec = drafter_spec_from_args(args)
+    given = [flag for flag, value in (("--draft-model", args.draft_model), ("--draft-dtype", args.draft_dtype)) if value]
+    if one_drafter and given and spec.name != "draft":
+        raise ValueError(f"{given[0]} is used by the draft drafter only, but the drafter is {spec.name}; pass "
+                         f"--drafter draft, or leave out {' and '.join(given)}")
+    draft_model_spec(spec, model_spec(args, draft=True), model_spec(args), args.draft_dtype)
 
 
 def check_drafter_args(args: argparse.Namespace) -> None:

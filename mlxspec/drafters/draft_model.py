@@ -10,6 +10,7 @@ multiplies only their rows.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -310,16 +311,40 @@ def _vocab_ids(options: DraftOptions, context: DrafterContext, vocab_size: int, 
     else:
         size = options.vocab
         if size >= num_real:
-            return None
+            raise ValueError(f"--draft-vocab {size} is not below the vocabulary's {num_real} tokens, so it would "
+                             "draft from the whole vocabulary; pass --draft-vocab 0 for that, or a smaller number")
         ranking = sharegpt_ranking(context.tokenizer, vocab_size, context.on_measure)
     return draft_ids(ranking, size, num_real)
 
 
+#: The Python side of the missing-draft-model advice (the chat leaves it out).
+PYTHON_DRAFT_ADVICE = " (in Python: make_drafter(..., draft_model=..., draft_tokenizer=...))"
+
+
+def _with_shipped_draft(context: DrafterContext) -> DrafterContext:
+    """``context`` with the draft model shipped for its target (``models/draft/*/``, matched by the target's card
+    as heads are, so ``make_drafter("draft", target, tokenizer)`` works in Python as ``--drafter draft`` does).
+
+    Raises:
+        ValueError: no target, or no draft model ships for it.
+    """
+    from ..identity import shipped_for
+    from ..loading import load
+
+    path = shipped_for("draft", context.target) if context.target is not None else None
+    if path is None:
+        raise ValueError("--drafter draft needs a draft model: pass --draft-model PATH_OR_REPO; none ships for this "
+                         f"model{PYTHON_DRAFT_ADVICE}")
+    model, tokenizer = load(str(path))
+    return dataclasses.replace(context, draft_model=model, draft_tokenizer=tokenizer)
+
+
 def build(options: DraftOptions, context: DrafterContext) -> DraftModelDrafter:
-    """Raises ``ValueError`` without a draft model, with one whose tokenizer differs from the target's, or
-    with a draft vocabulary its head cannot take (``check_sliceable``)."""
+    """Without a draft model in ``context``, the one shipped for the target. Raises ``ValueError`` without a draft
+    model (none given, none ships), with one whose tokenizer differs from the target's, with
+    a draft vocabulary its head cannot take (``check_sliceable``) or one not below the vocabulary's size."""
     if context.draft_model is None:
-        raise ValueError("--drafter draft needs a draft model: pass --draft-model PATH_OR_REPO")
+        context = _with_shipped_draft(context)
     if context.draft_tokenizer is not None:
         check_same_tokenizer(context.tokenizer, context.draft_tokenizer)
     vocab_size, num_real = logits_width(context.target), len(context.tokenizer)

@@ -194,7 +194,13 @@ class DrafterSpec:
                 values[key] = known[key].metadata["parse"](value.strip())
             except ValueError as e:
                 raise ValueError(f"drafter spec {text!r}: {key}: {e}") from None
-        return cls(kind.name, kind.options(**values))
+        try:
+            return cls(kind.name, kind.options(**values))
+        except ValueError as e:  # the options name their flags (--draft-vocab); here the user wrote keys (vocab=)
+            message = str(e)
+            for key in known:
+                message = message.replace(f"--{kind.name}-{key.replace('_', '-')}", key)
+            raise ValueError(f"drafter spec {text!r}: {message}") from None
 
     def __str__(self) -> str:
         """The spec string (only options that differ from their defaults)."""
