@@ -216,8 +216,10 @@ def speculative_rounds(
     try:
         for cycle in range(max_tokens):
             room = max_tokens - generated
+            judged = None
             if getattr(policy, "judging", False):  # γ auto ends a wait in a judgement (AutoGamma.observe)
-                policy.observe(stretch.judge(drafter, history, sampling))
+                judged = stretch.judge(drafter, history, sampling)
+                policy.observe(judged)
             gamma = min(policy.choose_gamma(), room - 1) if gamma is None else gamma
             chosen, t0 = gamma, time.perf_counter()
             if gamma == 0:
@@ -258,7 +260,7 @@ def speculative_rounds(
             drafter.commit(len(history), [node - 1 for node in path[:keep]], hidden)
             draft_s, verify_s = clock.split(t0, t1, time.perf_counter(), num_drafted)
             stats = CycleStats(cycle, num_drafted, min(len(path), keep), keep, draft_s, verify_s, depth,
-                               tuple(node - 1 for node in path), chosen)
+                               tuple(node - 1 for node in path), chosen, tuple(judged) if judged else None)
             generated += keep
             if cycle % 64 == 63:
                 mx.clear_cache()

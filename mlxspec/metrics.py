@@ -50,6 +50,9 @@ class CycleStats:
         depth: Deepest draft node (γ for a full chain; 0 when nothing was drafted).
         path: The draft nodes (0-based, root to leaf) the target accepted, before any stop cut.
         gamma: γ the policy picked for the round (0: a plain round); with ``auto`` it changes each round.
+        judged: γ auto's judgement made before this round (``AutoGamma.observe``): the drafter's estimated
+            acceptance of each token decoded plainly since it last drafted, in [0, 1]; ``None`` when there
+            was none (or the drafter could not judge, so the round probes).
     """
 
     cycle: int
@@ -61,6 +64,7 @@ class CycleStats:
     depth: int = 0
     path: tuple[int, ...] = ()
     gamma: int = 0
+    judged: tuple[float, ...] | None = None
 
 
 @dataclass
@@ -94,6 +98,9 @@ class GenerationStats:
         priced_plain: Whether every round was a plain step because this machine's measured costs
             ruled the drafter out even if every draft were accepted (a Medusa tree priced at load, or
             γ auto's ``gamma.PricedPlain`` for a drafter that sizes its own rounds).
+        judgements, judged_tokens, judged_kept: γ auto's judgements of waits (a draft model judges the
+            tokens decoded plainly instead of probing, docs/acceptance.md 3.4): how many, the tokens they
+            judged, and the sum of those tokens' estimated acceptances (``judged_acceptance`` is the mean).
     """
 
     drafter: str = "none"
@@ -114,6 +121,9 @@ class GenerationStats:
     peak_memory_gb: float = 0.0
     gamma_rounds: list[int] = field(default_factory=list)
     priced_plain: bool = False
+    judgements: int = 0
+    judged_tokens: int = 0
+    judged_kept: float = 0.0
 
     def add_cycle(self, stats: CycleStats) -> None:
         """Fold one round into the totals."""
@@ -130,6 +140,10 @@ class GenerationStats:
         for i in range(stats.depth):
             self.drafted_per_position[i] += 1
             self.accepted_per_position[i] += i < stats.num_accepted
+        if stats.judged:
+            self.judgements += 1
+            self.judged_tokens += len(stats.judged)
+            self.judged_kept += sum(stats.judged)
 
     def add_gamma(self, gamma: int) -> None:
         """Count one round run with draft length ``gamma`` chosen by auto-γ."""
@@ -141,6 +155,11 @@ class GenerationStats:
     def plain_fallback_rounds(self) -> int:
         """Rounds in which auto-γ fell back to plain decoding (γ = 0)."""
         return self.gamma_rounds[0] if self.gamma_rounds else 0
+
+    @property
+    def judged_acceptance(self) -> float:
+        """Mean estimated acceptance of the tokens γ auto's judgements read (0 when none were judged)."""
+        return self.judged_kept / self.judged_tokens if self.judged_tokens else 0.0
 
     @property
     def alpha(self) -> float:
@@ -173,6 +192,6 @@ class GenerationStats:
         """Every field and derived metric as plain JSON-ready values."""
         out = dict(self.__dict__)
         for name in ("alpha", "tau", "acceptance_per_position", "prompt_tps", "generation_tps",
-                     "plain_fallback_rounds"):
+                     "plain_fallback_rounds", "judged_acceptance"):
             out[name] = getattr(self, name)
         return out

@@ -293,6 +293,9 @@ def test_stats_line_says_when_it_fell_back():
     stats = GenerationStats(drafter="draft", num_draft_tokens=15, gamma_rounds=[3, 0, 2])
     assert "γ = auto (mean 0.8, at most 15); fell back to plain decoding in 3 of 5 rounds;" in format_stats(stats)
     assert "γ = 4;" in format_stats(GenerationStats(num_draft_tokens=4))
+    stats.add_cycle(CycleStats(5, 0, 0, 1, 0.0, 0.0, judged=(1.0, 0.5, 0.0, 0.5)))  # a judged wait
+    assert ("fell back to plain decoding in 3 of 5 rounds; judged 1 wait (4 tokens, estimated acceptance 0.50);"
+            in format_stats(stats))
 
 
 def test_cli_generate_defaults_to_auto(capsys, tiny_model_dir, tmp_path, monkeypatch):

@@ -137,8 +137,13 @@ def test_in_the_loop_a_judgement_brings_a_good_draft_back_and_the_output_stays_t
         assert all(g > 0 for g in gammas[7:11]) and all(r.num_accepted == r.num_drafted for r in rounds[7:11])
         drafting = sum(r.num_drafted > 0 for r in rounds)
         assert auto.estimate.rounds == before + 6 + drafting  # the 6 tokens of the wait were judged
-        if params.greedy:
-            assert [e.token for e in events if isinstance(e, TokenEvent)] == plain
+        assert [len(r.judged) for r in rounds if r.judged] == [6] and rounds[6].judged  # the round that ends it
+        stats = events[-1]
+        assert (stats.judgements, stats.judged_tokens) == (1, 6)
+        assert stats.judged_acceptance == pytest.approx(sum(rounds[6].judged) / 6)
+        if params.greedy:  # the target drafting for itself: every judged token would have been kept
+            assert [e.token for e in events if isinstance(e, TokenEvent)] == plain and rounds[6].judged == (1.0,) * 6
+        assert stats.to_dict()["judged_acceptance"] == stats.judged_acceptance
 
 
 def test_a_draft_model_slower_than_its_target_is_priced_plain_and_never_runs(draft):

@@ -100,6 +100,10 @@ def _gamma_summary(stats: GenerationStats, policy: str) -> str:
     text = f"{policy} (mean {mean:.1f}, at most {stats.num_draft_tokens})"
     if stats.plain_fallback_rounds:
         text += f"; fell back to plain decoding in {stats.plain_fallback_rounds} of {rounds} rounds"
+    if stats.judgements:
+        waits = "wait" if stats.judgements == 1 else "waits"
+        text += (f"; judged {stats.judgements} {waits} ({stats.judged_tokens} tokens, estimated acceptance "
+                 f"{stats.judged_acceptance:.2f})")
     return text
 
 
