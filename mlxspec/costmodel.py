@@ -122,29 +122,39 @@ class Costs:
 
 @dataclass
 class AcceptanceEstimate:
-    """Running per-depth acceptance with exponential forgetting.
+    """Running per-depth acceptance with exponential forgetting, as a product of conditional survivals.
 
-    A round that drafted K tokens and kept n adds, at each depth i < K, one draft and
-    (if i < n) one keep. Counts decay by ``1 − 1/window`` per drafting round, so the
-    estimate follows α as it moves. ``reach(m)`` turns them into P(depth i kept), each
-    shrunk toward a geometric continuation of the one above and never above it (a draft
-    can only be kept if its parent was), so stale evidence about deep positions cannot
-    outlive fresh rejections near the root.
+    A round that drafted K tokens and kept n adds, at each depth i < K, one draft and (if i < n) one
+    keep; and at each depth i <= n (i < K) one *reach*: the draft there was judged, since its parent was kept.
+    ``reach(m)`` is P(depth i kept) = α · h_2 · … · h_i, where α is the depth-1 acceptance and h_i =
+    keeps at i / reaches at i, the conditional survival (the product-limit, Kaplan–Meier, estimate: the
+    drafts behind a rejection were never judged, so they count at no depth). Each h_i is shrunk toward
+    the pooled conditional survival of every depth below the first, itself shrunk toward α, so a depth
+    no round reached continues the drafter's measured chains rather than α: a lookup that copies (kept
+    90% of the time at depth 1, but nearly always once it is inside a copy) is priced as deep as its
+    copies run, and one rejection behind a long draft does not make every deeper depth look rejected
+    (the per-depth ratio it replaced did; docs/benchmarks.md, run X). Counts decay by ``1 − 1/window``
+    per drafting round, so the estimate follows α as it moves.
 
     Attributes:
         prior_alpha: α assumed before any round. Default: ``0.5``.
         prior_weight: Pseudo-rounds behind the prior. Default: ``2``.
         window: Rounds the memory spans (decay time constant). Default: ``16`` (32 was slower to follow
             a drafter whose acceptance moves within an answer, in the replays ``AutoGamma`` names).
-        drafted, kept: Decayed counts per depth.
+        pool_weight: Pseudo-reaches behind α in the pooled conditional survival. Default: ``8`` (replayed
+            in run X: 2 favoured lookups more and cost a paid drafter whose acceptance comes in bursts 2%;
+            16 the reverse).
+        drafted, kept, reached: Decayed counts per depth (``reached[0]`` = ``drafted[0]``).
         rounds: Drafting rounds folded in, not decayed: how much has been measured in all.
     """
 
     prior_alpha: float = 0.5
     prior_weight: float = 2.0
     window: float = 16.0
+    pool_weight: float = 8.0
     drafted: list[float] = field(default_factory=list)
     kept: list[float] = field(default_factory=list)
+    reached: list[float] = field(default_factory=list)
     rounds: int = 0
 
     def update(self, num_drafted: int, num_accepted: int) -> None:
@@ -153,34 +163,35 @@ class AcceptanceEstimate:
 
     def update_kept(self, kept: list[float]) -> None:
         """Fold in one round that drafted ``len(kept)`` tokens, ``kept[i]`` the probability (or 0/1 outcome)
-        that depth i + 1 was kept (non-increasing); nothing happens for an empty list."""
+        that depth i + 1 was kept (non-increasing); nothing happens for an empty list. Depth i + 1 was
+        reached (judged) with the probability that depth i was kept."""
         if not kept:
             return
         self.rounds += 1
         decay = 1.0 - 1.0 / self.window
-        self.drafted = [c * decay for c in self.drafted]
-        self.kept = [c * decay for c in self.kept]
-        if len(kept) > len(self.drafted):
-            self.drafted += [0.0] * (len(kept) - len(self.drafted))
-            self.kept += [0.0] * (len(kept) - len(self.kept))
+        counts = (self.drafted, self.kept, self.reached)
+        for c in counts:
+            c[:] = [v * decay for v in c] + [0.0] * max(0, len(kept) - len(c))
         for i, k in enumerate(kept):
             self.drafted[i] += 1.0
             self.kept[i] += k
+            self.reached[i] += 1.0 if i == 0 else kept[i - 1]
 
     @property
     def alpha(self) -> float:
-        """Acceptance at the first depth, shrunk to the prior: the α of the geometric continuation."""
+        """Acceptance at the first depth, shrunk to the prior."""
         drafted, kept = (self.drafted[0], self.kept[0]) if self.drafted else (0.0, 0.0)
         return (kept + self.prior_weight * self.prior_alpha) / (drafted + self.prior_weight)
 
     def reach(self, num_depths: int) -> list[float]:
         """``[i]`` = estimated P(the draft at depth i + 1 is kept), non-increasing in i."""
         alpha, w = self.alpha, self.prior_weight
+        pooled = (sum(self.kept[1:]) + self.pool_weight * alpha) / (sum(self.reached[1:]) + self.pool_weight)
         out, above = [], 1.0
         for i in range(num_depths):
-            drafted = self.drafted[i] if i < len(self.drafted) else 0.0
             kept = self.kept[i] if i < len(self.kept) else 0.0
-            above = min(above, (kept + w * above * alpha) / (drafted + w))
+            reached = self.reached[i] if i < len(self.reached) else 0.0
+            above *= (kept + w * (alpha if i == 0 else pooled)) / (reached + w)  # depth 1: shrunk toward α once more
             out.append(above)
         return out
 
