@@ -298,6 +298,7 @@ def as_prompt_cache(model: nn.Module, prompt_cache) -> PromptCache:
     (its sliding-window layers become rewindable in place).
 
     Raises:
+        TypeError: neither a ``PromptCache`` nor a list.
         ValueError: a cache list that already holds tokens (it does not say which, so it cannot be
             reused safely: pass a ``PromptCache``).
     """
@@ -305,6 +306,9 @@ def as_prompt_cache(model: nn.Module, prompt_cache) -> PromptCache:
         return PromptCache(model)
     if isinstance(prompt_cache, PromptCache):
         return prompt_cache
+    if not isinstance(prompt_cache, list):
+        raise TypeError(f"prompt_cache must be a mlxspec.PromptCache or an mlx-lm cache list, got "
+                        f"{type(prompt_cache).__name__}")
     if any(getattr(c, "offset", 0) or not _is_empty(c) for c in prompt_cache):
         raise ValueError("prompt_cache already holds tokens from an earlier request; pass an empty cache, or a "
                          "mlxspec.PromptCache, which remembers its tokens and reuses the common prefix")

@@ -114,6 +114,7 @@ def build_drafter(spec: DrafterSpec, target: LoadedModel, draft: LoadedModel | N
     Raises:
         ValueError, FileNotFoundError: as ``make_drafter``.
     """
+    draft = draft if spec.name == "draft" else None  # the chat keeps a loaded draft model for F2
     return make_drafter(spec, target.model, target.tokenizer, target_name=target.name,
                         draft_model=draft.model if draft else None, draft_tokenizer=draft.tokenizer if draft else None,
                         on_measure=on_measure, target_path=target.spec.spec)

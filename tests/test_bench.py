@@ -247,7 +247,7 @@ def test_bench_times_head_drafters_from_specs(tmp_path, tiny_model_dir, capsys, 
     assert len({run["output_sha"] for run in runs.values()}) == 1  # float32 greedy: every system agrees
     assert sum(d for d, _ in runs["mlxspec eagle γ=2"]["rounds"]) > 0
     assert main(["bench", "--drafters", "eagle:depth=0", "--blas", "keep"]) == 2
-    assert "--eagle-depth must be >= 1" in capsys.readouterr().err
+    assert "drafter spec 'eagle:depth=0': depth must be >= 1" in capsys.readouterr().err
 
 
 def test_a_medusa_tree_priced_as_plain_is_timed_once_and_its_row_says_why(tmp_path, tiny_model_dir, capsys,

@@ -234,6 +234,37 @@ def test_bad_arguments_are_clear_errors(target, tokenizer, kwargs, message):
         generate(target, tokenizer, PROMPT, **kwargs)
 
 
+@pytest.mark.parametrize("prompt,kwargs,error,message", [
+    ([10**7], {}, ValueError, r"token id 10000000 is outside the model's vocabulary \(ids 0 to 263\)"),  # was a crash
+    ([-1, 5], {}, ValueError, "token id -1 is outside"),  # was read as the last row of the embedding
+    (b"hi", {}, TypeError, "prompt must be text .* got bytes"),  # was read as the ids 104, 105
+    (None, {}, TypeError, "prompt must be text .* got NoneType"),
+    (PROMPT, {"num_draft_tokens": 3.5}, TypeError, "num_draft_tokens must be an integer"),
+    (PROMPT, {"num_draft_tokens": True}, TypeError, "num_draft_tokens must be an integer"),
+    (PROMPT, {"max_tokens": "8"}, TypeError, "max_tokens must be an integer"),
+    (PROMPT, {"drafter": None}, TypeError, "drafter must be a Drafter"),
+    (PROMPT, {"sampling": {"temp": 0.7}}, TypeError, "sampling must be a SamplingParams"),
+    (PROMPT, {"prompt_cache": "x"}, TypeError, "prompt_cache must be a mlxspec.PromptCache"),
+])
+def test_arguments_of_the_wrong_kind_are_clear_errors(target, tokenizer, prompt, kwargs, error, message):
+    with pytest.raises(error, match=message):
+        generate(target, tokenizer, prompt, **kwargs)
+
+
+def test_token_ids_may_come_as_integer_arrays(target, tokenizer):
+    ids = [1, 2, 3]
+    expected = generate(target, tokenizer, ids, max_tokens=4).tokens
+    for prompt in (tuple(ids), np.array(ids), mx.array(ids)):
+        assert generate(target, tokenizer, prompt, max_tokens=4).tokens == expected
+
+
+def test_make_drafter_refuses_a_draft_model_it_would_ignore_and_a_spec_of_the_wrong_kind(target, tokenizer):
+    with pytest.raises(ValueError, match="draft_model is used by the draft drafter only, but the drafter is ngram"):
+        make_drafter("ngram", target, tokenizer, draft_model=target)
+    with pytest.raises(TypeError, match="spec must be a drafter spec string"):
+        make_drafter(5, target, tokenizer)
+
+
 @pytest.mark.parametrize("kwargs,message", [
     ({"temp": -0.5}, "temp must be >= 0"),
     ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),

@@ -86,7 +86,7 @@ def sample_joint(model, drafter, params: SamplingParams, n: int = N_SAMPLES, gam
 def _drafter(kind, models):
     target, draft = models
     spec = "ngram:min=1" if kind == "ngram" else kind  # short random prompts recur only in 1-token matches
-    return make_drafter(spec, target=target, tokenizer=list(range(V)), draft_model=draft)
+    return make_drafter(spec, target=target, tokenizer=list(range(V)), draft_model=draft if kind == "draft" else None)
 
 
 SETTINGS = {

@@ -61,7 +61,8 @@ def shipped_assets(models_dir, monkeypatch):
 
 def build(name: str, target, tokenizer, draft_model, target_name: str) -> Drafter:
     """What ``mlxspec generate --drafter NAME`` builds: the registered type with its default options."""
-    return make_drafter(name, target, tokenizer, target_name=target_name, draft_model=draft_model)
+    return make_drafter(name, target, tokenizer, target_name=target_name,
+                        draft_model=draft_model if name == "draft" else None)
 
 
 @pytest.mark.parametrize("name", DRAFTERS)

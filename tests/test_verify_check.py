@@ -50,7 +50,8 @@ def test_holm_adjusts_step_down():
 def test_exact_speculation_passes_and_a_broken_rule_fails(models, kind):
     target, draft = models
     # min=1: on random text only 1-token matches recur, and the broken rule needs many drafts to show
-    drafter = make_drafter("ngram:min=1" if kind == "ngram" else kind, target, list(range(V)), draft_model=draft)
+    drafter = make_drafter("ngram:min=1" if kind == "ngram" else kind, target, list(range(V)),
+                           draft_model=draft if kind == "draft" else None)
     assert batchable(drafter) == (kind == "ngram")  # the draft model runs through the engine's loop
     run = dict(num_tokens=3, num_samples=600 if kind == "draft" else 1500, num_draft_tokens=3)
     prompts = PROMPTS[:1] if kind == "draft" else PROMPTS  # the engine's loop is ~10x slower per sample

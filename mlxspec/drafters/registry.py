@@ -252,9 +252,17 @@ def make_drafter(spec: str | DrafterSpec = "none", target=None, tokenizer=None, 
         Drafter: Ready for ``stream_generate``.
 
     Raises:
+        TypeError: ``spec`` is neither a string nor a ``DrafterSpec``.
         ValueError, FileNotFoundError: an unknown drafter or option, a missing draft model or
-            heads, heads that do not fit the target, a draft model with another tokenizer.
+            heads, heads that do not fit the target, a draft model with another tokenizer, a
+            ``draft_model`` given to another drafter than ``draft`` (it would be ignored).
     """
+    if not isinstance(spec, (str, DrafterSpec)):
+        raise TypeError(f"spec must be a drafter spec string such as 'ngram' or 'eagle:depth=4', or a DrafterSpec, "
+                        f"got {type(spec).__name__}")
     spec = DrafterSpec.parse(spec) if isinstance(spec, str) else spec
+    if draft_model is not None and spec.name != "draft":
+        raise ValueError(f"draft_model is used by the draft drafter only, but the drafter is {spec.name}; pass "
+                         "'draft', or leave draft_model out")
     context = DrafterContext(target, tokenizer, target_name, draft_model, draft_tokenizer, on_measure, target_path)
     return drafter_type(spec.name).build(spec.options, context)
