@@ -243,3 +243,32 @@ def test_a_tree_priced_as_plain_runs_no_heads(machine):
     drafter.heads = Counted()
     spec = generate(target, tokenizer, PROMPT, drafter=drafter, num_draft_tokens=4, max_tokens=20, stop_tokens=set())
     assert (len(calls) == 0) == (machine == "steep") and (spec.stats.drafted == 0) == (machine == "steep")
+
+
+def test_heads_rest_while_the_budget_keeps_pricing_rounds_as_plain():
+    """A perfect tree could pay on this curve (so the heads are not ruled out at load), but these heads are
+    never sure enough for any node to pay: after 2 rounds priced as plain the heads rest 16 rounds, then
+    each plain-priced probe doubles the rest (a round with no tree then costs a plain step, not the heads
+    too); a kept node resets it. The output stays plain greedy's."""
+    costs = Costs([0.1, 0.185] + [0.1 * k for k in range(3, 17)])  # 2 tokens in 1.85 steps: only a sure node pays
+    target, tokenizer = tiny_llama(seed=0, sharpen=4.0), byte_tokenizer()
+    drafter = MedusaDrafter(random_heads(shared=True, scale=0.01), output_head(target), MC_SIM_7B_63, costs=costs)
+    assert not drafter.priced_plain
+    calls, heads = [], drafter.heads
+
+    class Counted:
+        config = heads.config
+
+        def __call__(self, *args):
+            calls.append(1)
+            return heads(*args)
+
+    drafter.heads = Counted()
+    plain = generate(target, tokenizer, PROMPT, drafter="none", max_tokens=60, stop_tokens=set())
+    spec = generate(target, tokenizer, PROMPT, drafter=drafter, num_draft_tokens=4, max_tokens=60, stop_tokens=set())
+    assert spec.tokens == plain.tokens and spec.stats.drafted == 0
+    assert len(calls) == 4  # rounds 1, 2; the probe after a rest of 16 (round 19); after 32 more (round 52)
+    drafter._back_off(3)  # a round that keeps nodes
+    assert (drafter._plain_run, drafter._wait) == (0, MedusaDrafter.FIRST_WAIT)
+    drafter._back_off(0), drafter._back_off(0)
+    assert (drafter._skip, drafter._wait) == (16, 32)

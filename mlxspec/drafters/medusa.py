@@ -10,7 +10,10 @@ cost (``costmodel.TreeBudget``, as EAGLE-2 sizes its trees): it keeps the nodes 
 probabilities pay for their verify width, and drafts nothing (a plain step) when none do, so on a
 machine where verifying 64 tokens costs several steps it verifies a few nodes or none. Where even a
 perfect tree could not pay for the heads' run plus its verify (``TreeBudget.can_win``), the tree is
-priced as plain once, at load time, and the heads never run.
+priced as plain once, at load time, and the heads never run. The budget can only say "plain" after the
+heads have run, so a run of rounds it prices as plain stops running them for a while (16 rounds, then
+twice as long after each further plain-priced probe, up to 256; a kept tree resets it), as γ auto backs
+off a drafter that keeps missing: a round with no tree costs a plain step, not the heads as well.
 """
 
 from __future__ import annotations
@@ -53,6 +56,8 @@ class MedusaDrafter(Drafter):
     """
 
     name = "medusa"
+    #: Rounds in a row the budget prices as plain before the heads rest, and the first and longest rests.
+    PLAIN_RUN, FIRST_WAIT, MAX_WAIT = 2, 16, 256
     lazy = True
     makes_trees = True
     needs_hidden = True
@@ -69,6 +74,8 @@ class MedusaDrafter(Drafter):
         self.priced_plain = self.budget is not None and not self.budget.can_win(self.tree_depth, self._heads_s())
         self._trees: dict[int, tuple[Tree, mx.array, mx.array, int]] = {}
         self._hidden = None  # [H]: hidden state at the position before the root
+        # the budget's back-off: plain-priced rounds in a row, rounds left to skip the heads, the next wait
+        self._plain_run, self._skip, self._wait = 0, 0, self.FIRST_WAIT
 
     @property
     def tree_depth(self) -> int:
@@ -106,6 +113,9 @@ class MedusaDrafter(Drafter):
         depth = min(num_draft_tokens, self.heads.config.medusa_num_heads)
         if self.priced_plain or self._hidden is None or depth < 1:
             return Draft.empty()
+        if self._skip > 0:  # the budget priced the last rounds as plain: the heads rest (a plain step)
+            self._skip -= 1
+            return Draft.empty()
         start = time.perf_counter()
         tree, node_heads, node_ranks, top_k, ancestors = self._tree(depth)
         logits = self.heads(self._hidden[None], self.lm_head)[:depth, 0]  # [depth, V]
@@ -126,6 +136,7 @@ class MedusaDrafter(Drafter):
         host = np.array(scores.astype(mx.float32))
         order = np.argsort(-host, kind="stable")  # a parent scores at least its child and comes first
         keep = self.budget.choose(host[order], time.perf_counter() - start)
+        self._back_off(keep)
         index, nodes, parents = {}, [], []
         for node in np.sort(order[:keep]).tolist():
             parent = tree.parents[node]
@@ -138,6 +149,17 @@ class MedusaDrafter(Drafter):
             return Draft.empty()
         rows = mx.array(nodes)
         return Draft(tokens[rows], Tree(tuple(parents)), survival=mx.exp(scores[rows]))
+
+    def _back_off(self, keep: int) -> None:
+        """After ``PLAIN_RUN`` plain-priced rounds in a row, rest the heads for ``_wait`` rounds, doubling the
+        wait (up to ``MAX_WAIT``) each time the round after a rest is priced plain too; a kept node resets it."""
+        if keep > 0:
+            self._plain_run, self._wait = 0, self.FIRST_WAIT
+            return
+        self._plain_run += 1
+        if self._plain_run >= self.PLAIN_RUN:
+            self._skip, self._wait = self._wait, min(2 * self._wait, self.MAX_WAIT)
+            self._plain_run = self.PLAIN_RUN - 1  # the next probe alone decides the next rest
 
     def commit(self, num_committed, accepted, hidden=None):
         if self.budget is not None:
