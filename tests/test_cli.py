@@ -64,6 +64,7 @@ def test_prompt_from_stdin(tiny_model_dir):
     (["--drafter", "ngram", "--draft-model", "/nonexistent"], "--draft-model is used by the draft drafter only, "
                                                               "but the drafter is ngram"),  # not loaded: not silent
     (["--drafter", "none", "--draft-dtype", "float32"], "--draft-dtype is used by the draft drafter only"),
+    (["--drafter", "none", "--num-draft-tokens", "4"], "--num-draft-tokens 4 is for a drafter, but the drafter is none"),
     (["--model", "/nonexistent/model"], "/nonexistent/model"),
 ])
 def test_bad_input_is_one_clear_line(capsys, tiny_model_dir, flags, message):
@@ -184,6 +185,9 @@ def test_tree_stats_name_the_tree_and_explain_alpha(capsys, tiny_model_dir, tmp_
                        str(tmp_path / "eagle"))
     assert code == 0, err
     assert "Drafter: eagle, depth-3 chain + a 4-token n-gram branch;" in err
+    code, _, err = run(capsys, *base, "--drafter", "eagle:depth=3,top_k=1,ngram=4", "--eagle-heads",
+                       str(tmp_path / "eagle"), "--num-draft-tokens", "2")  # a fixed γ below the tree's depth
+    assert code == 0 and "Drafter: eagle, depth-3 chain + a 4-token n-gram branch, cut to depth 2 by γ;" in err
     code, _, err = run(capsys, *base, "--drafter", "ngram", "--num-draft-tokens", "3")
     assert "Drafter: ngram, γ = 3;" in err and "(a tree" not in err
 

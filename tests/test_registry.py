@@ -118,6 +118,7 @@ def test_spec_strings_round_trip_and_refuse_bad_input():
     assert specs[0].options.total_tokens is None and specs[0].replace(total_tokens="auto").options.total_tokens == "auto"
     for text, message in [("nope", "unknown drafter 'nope'"), ("eagle:depth=0", "'eagle:depth=0': depth must be >= 1"),
                           ("draft:vocab=-3", "'draft:vocab=-3': vocab must be >= 0"),  # the key written, not its flag
+                          ("ngram:max=3,max=4", "max is given twice"),
                           ("eagle:size=3", "the eagle drafter takes heads, depth"), ("ngram:min", "KEY=VALUE"),
                           ("ngram:min=x", "invalid literal"), ("medusa:tree=nope", "unknown Medusa tree"), ("", "no drafter")]:
         with pytest.raises(ValueError, match=message):

@@ -138,6 +138,7 @@ def test_the_command_prints_a_record_and_exits_by_verdict(tiny_model_dir, tmp_pa
     record = json.loads(capsys.readouterr().out)
     assert record["passed"] and record["num_draft_tokens"] == "auto" and record["prompts"][0]["drafted"] > 0
     for flags, message in [(["--samples", "0"], "--samples must be >= 1"),
+                           (["--temp", "0", "--tokens", "-2"], "--tokens must be >= 1"),  # unused at --temp 0: still said
                            (["--num-draft-tokens", "most"], "--num-draft-tokens"),
                            (["--prompts", str(tmp_path / "none.txt")], "is not a file")]:
         try:

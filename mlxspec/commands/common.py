@@ -120,6 +120,7 @@ def add_model_args(parser: argparse.ArgumentParser, allow_auto: bool = False, de
                         help="draft model (same kinds of spec as --model); must share the target's tokenizer. "
                              "Default with --drafter draft: the one shipped in models/draft/ for the target, if any")
     add_drafter_args(parser)
+    parser.set_defaults(gamma_default=default_gamma if allow_auto else DEFAULT_NUM_DRAFT_TOKENS)  # see check_args
     if allow_auto:
         parser.add_argument("--num-draft-tokens", type=num_draft_tokens_arg, default=default_gamma,
                             help=f"γ, tokens drafted per round, 0 to {MAX_NUM_DRAFT_TOKENS}; 0 = plain decoding; "
@@ -240,6 +241,10 @@ def check_args(args: argparse.Namespace, *, one_drafter: bool = True) -> None:
     check_stops(getattr(args, "stop", None))
     check_drafter_args(args)
     spec = drafter_spec_from_args(args)
+    gamma_default = getattr(args, "gamma_default", AUTO)
+    if one_drafter and spec.name == "none" and args.num_draft_tokens not in (AUTO, 0, gamma_default):
+        raise ValueError(f"--num-draft-tokens {args.num_draft_tokens} is for a drafter, but the drafter is none (plain "
+                         "decoding); pass --drafter ngram (or another), or leave out --num-draft-tokens")
     given = [flag for flag, value in (("--draft-model", args.draft_model), ("--draft-dtype", args.draft_dtype)) if value]
     if one_drafter and given and spec.name != "draft":
         raise ValueError(f"{given[0]} is used by the draft drafter only, but the drafter is {spec.name}; pass "

@@ -69,6 +69,8 @@ def format_stats(stats: GenerationStats, drafter=None, policy: str = AUTO) -> st
         tree = AUTO_PRICED_PLAIN  # γ auto ruled out a drafter that sizes its own rounds (gamma.PricedPlain)
     elif tree and stats.gamma_rounds and tree != PRICED_PLAIN:  # γ auto chose each round's depth
         tree += f"; depth γ = {_gamma_summary(stats, policy)}"
+    elif tree and tree != PRICED_PLAIN and 0 < stats.num_draft_tokens < (getattr(drafter, "tree_depth", None) or 0):
+        tree += f", cut to depth {stats.num_draft_tokens} by γ"  # a fixed γ below the tree's own depth
     vocabulary = getattr(drafter, "vocab_summary", lambda: None)()
     name = stats.drafter + (f" ({vocabulary})" if vocabulary else "")
     drafter_line = (f"Drafter: {name}, {tree}; cycles: {stats.cycles}" if tree else

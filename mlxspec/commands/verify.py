@@ -99,6 +99,9 @@ def format_report(report: VerifyReport, greedy: bool) -> str:
 
 def run(args: argparse.Namespace) -> int:
     check_args(args)
+    for flag, value in (("--tokens", args.tokens), ("--samples", args.samples)):  # checked at --temp 0 too
+        if value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
     prompt_texts = _prompts(args)
     sampling = sampling_from_args(args)
     loaded = load_models(args)

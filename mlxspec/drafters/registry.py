@@ -190,6 +190,8 @@ class DrafterSpec:
                 takes = ", ".join(known) or "no options"
                 raise ValueError(f"drafter spec {text!r}: {item!r} is not KEY=VALUE with a known key "
                                  f"(the {kind.name} drafter takes {takes})")
+            if key in values:
+                raise ValueError(f"drafter spec {text!r}: {key} is given twice; keep one")
             try:
                 values[key] = known[key].metadata["parse"](value.strip())
             except ValueError as e:
