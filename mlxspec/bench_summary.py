@@ -11,9 +11,19 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from .bench import BASELINE, CONTROL, RunRecord, System
-from .costmodel import Costs, alpha_mle, expected_tau
+from .costmodel import Costs, expected_tau
 from .gamma import AUTO, SCHEDULED
 from .schedule import NUM_BINS
+
+
+def alpha_mle(rounds: list[tuple[int, int]]) -> float:
+    """α from rounds of (drafted K, kept n): Σn / Σ min(n + 1, K), the truncated-geometric MLE.
+
+    Unlike ``GenerationStats.alpha`` (kept / drafted) it does not count drafts behind the
+    first rejection, which were never judged; it is the α of ``expected_tau``.
+    """
+    judged = sum(min(n + 1, k) for k, n in rounds if k > 0)
+    return sum(n for k, n in rounds if k > 0) / judged if judged else 0.0
 
 
 @dataclass
@@ -27,7 +37,7 @@ class SummaryRow:
         speedup_min, speedup_max: Range of those ratios.
         predicted_speedup: The cost model's prediction at this row's measured α (``None`` if n/a).
         generation_tps, prompt_tps: Means over runs, tokens/s.
-        alpha: Kept / drafted. alpha_mle: The truncated-geometric α (``costmodel.alpha_mle``).
+        alpha: Kept / drafted. alpha_mle: The truncated-geometric α (``alpha_mle``).
         tau: Tokens per verify round (kept + 1), pooled.
         acceptance_per_position: ``[i]`` = rounds that kept a draft at depth i+1 / rounds that drafted it.
         tau_histogram: ``[n]`` = rounds that produced n tokens.

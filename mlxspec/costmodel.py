@@ -124,16 +124,13 @@ class Costs:
 class AcceptanceEstimate:
     """Running per-depth acceptance with exponential forgetting, as a product of conditional survivals.
 
-    A round that drafted K tokens and kept n adds, at each depth i < K, one draft and (if i < n) one
-    keep; and at each depth i <= n (i < K) one *reach*: the draft there was judged, since its parent was kept.
-    ``reach(m)`` is P(depth i kept) = α · h_2 · … · h_i, where α is the depth-1 acceptance and h_i =
-    keeps at i / reaches at i, the conditional survival (the product-limit, Kaplan–Meier, estimate: the
-    drafts behind a rejection were never judged, so they count at no depth). Each h_i is shrunk toward
-    the pooled conditional survival of every depth below the first, itself shrunk toward α, so a depth
-    no round reached continues the drafter's measured chains rather than α: a lookup that copies (kept
-    90% of the time at depth 1, but nearly always once it is inside a copy) is priced as deep as its
-    copies run, and one rejection behind a long draft does not make every deeper depth look rejected
-    (the per-depth ratio it replaced did; docs/benchmarks.md, run X). Counts decay by ``1 − 1/window``
+    A round that drafted K tokens and kept n adds, at each depth i < K, one draft, (if i < n) one keep,
+    and (if i <= n) one *reach*: the draft there was judged, its parent being kept. ``reach(m)`` is
+    P(depth i kept) = α · h_2 · … · h_i, h_i = keeps / reaches at depth i (the product-limit, Kaplan–Meier,
+    estimate: drafts behind a rejection were never judged and count at no depth), each h_i shrunk toward
+    the pooled h of all deeper depths, itself shrunk toward α. So a depth no round reached continues the
+    chains measured, and one rejection behind a long draft does not make every deeper depth look rejected,
+    as the per-depth ratio this replaced did (docs/benchmarks.md, run X). Counts decay by ``1 − 1/window``
     per drafting round, so the estimate follows α as it moves.
 
     Attributes:
@@ -194,16 +191,6 @@ class AcceptanceEstimate:
             above *= (kept + w * (alpha if i == 0 else pooled)) / (reached + w)  # depth 1: shrunk toward α once more
             out.append(above)
         return out
-
-
-def alpha_mle(rounds: list[tuple[int, int]]) -> float:
-    """α from rounds of (drafted K, kept n): Σn / Σ min(n + 1, K), the truncated-geometric MLE.
-
-    Unlike ``GenerationStats.alpha`` (kept / drafted) it does not count drafts behind the
-    first rejection, which were never judged; it is the α of ``expected_tau``.
-    """
-    judged = sum(min(n + 1, k) for k, n in rounds if k > 0)
-    return sum(n for k, n in rounds if k > 0) / judged if judged else 0.0
 
 
 # ---------------------------------------------------------------- automatic γ
@@ -287,8 +274,6 @@ class TreeBudget:
         self.predicted = self.predicted * self.decay + self.pending
         self.accepted = self.accepted * self.decay + num_accepted
         self.pending = None
-
-
 
 
 class AutoGamma:

@@ -18,11 +18,11 @@ from mlxspec.costmodel import (
     AcceptanceEstimate,
     AutoGamma,
     Costs,
-    alpha_mle,
     expected_tau,
     tau_from_reach,
 )
 from mlxspec.machine import blas_in_use
+from mlxspec.bench_summary import alpha_mle
 from mlxspec.metrics import CycleStats, TokenEvent
 
 #: A memory-bound target: verifying k tokens costs 1 + 0.1 (k - 1) plain steps.

@@ -224,13 +224,8 @@ def test_tree_budget_knows_before_any_round_when_no_tree_can_pay():
     assert TreeBudget(steep.costs).can_win(max_depth=4, draft_s=1.0)  # EAGLE's budget always keeps a node
 
 
-@pytest.mark.parametrize("machine", ["flat", "steep"])
-def test_a_tree_priced_as_plain_runs_no_heads(machine):
-    """Where no tree can pay for its verify, the heads are never run: every round is a plain step."""
-    costs = {"flat": Costs([0.01] * 16), "steep": Costs([0.01 * k for k in range(1, 17)])}[machine]
-    target, tokenizer = tiny_llama(seed=0, sharpen=4.0), byte_tokenizer()
-    drafter = MedusaDrafter(random_heads(shared=True), output_head(target), MC_SIM_7B_63, costs=costs)
-    assert drafter.priced_plain == (machine == "steep")
+def count_head_runs(drafter: MedusaDrafter) -> list:
+    """Wrap the drafter's heads so that each run appends to the returned list."""
     calls, heads = [], drafter.heads
 
     class Counted:
@@ -241,6 +236,17 @@ def test_a_tree_priced_as_plain_runs_no_heads(machine):
             return heads(*args)
 
     drafter.heads = Counted()
+    return calls
+
+
+@pytest.mark.parametrize("machine", ["flat", "steep"])
+def test_a_tree_priced_as_plain_runs_no_heads(machine):
+    """Where no tree can pay for its verify, the heads are never run: every round is a plain step."""
+    costs = {"flat": Costs([0.01] * 16), "steep": Costs([0.01 * k for k in range(1, 17)])}[machine]
+    target, tokenizer = tiny_llama(seed=0, sharpen=4.0), byte_tokenizer()
+    drafter = MedusaDrafter(random_heads(shared=True), output_head(target), MC_SIM_7B_63, costs=costs)
+    assert drafter.priced_plain == (machine == "steep")
+    calls = count_head_runs(drafter)
     spec = generate(target, tokenizer, PROMPT, drafter=drafter, num_draft_tokens=4, max_tokens=20, stop_tokens=set())
     assert (len(calls) == 0) == (machine == "steep") and (spec.stats.drafted == 0) == (machine == "steep")
 
@@ -254,16 +260,7 @@ def test_heads_rest_while_the_budget_keeps_pricing_rounds_as_plain():
     target, tokenizer = tiny_llama(seed=0, sharpen=4.0), byte_tokenizer()
     drafter = MedusaDrafter(random_heads(shared=True, scale=0.01), output_head(target), MC_SIM_7B_63, costs=costs)
     assert not drafter.priced_plain
-    calls, heads = [], drafter.heads
-
-    class Counted:
-        config = heads.config
-
-        def __call__(self, *args):
-            calls.append(1)
-            return heads(*args)
-
-    drafter.heads = Counted()
+    calls = count_head_runs(drafter)
     plain = generate(target, tokenizer, PROMPT, drafter="none", max_tokens=60, stop_tokens=set())
     spec = generate(target, tokenizer, PROMPT, drafter=drafter, num_draft_tokens=4, max_tokens=60, stop_tokens=set())
     assert spec.tokens == plain.tokens and spec.stats.drafted == 0

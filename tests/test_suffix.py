@@ -121,14 +121,14 @@ def test_auto_nodes_follow_the_measured_verify_cost():
     # 12 = ceil(factor 2 x match length 6): the match still caps the tree
 
 
-def test_options_are_validated_and_named_by_flag():
+def test_options_are_validated_and_named_by_key():
     assert str(DrafterSpec.parse("suffix:depth=4,shared=false")) == "suffix:depth=4,shared=False"
-    for text, message in [("suffix:depth=0", "--suffix-depth must be >= 1"), ("suffix:nodes=0", "--suffix-nodes"),
-                          ("suffix:factor=0", "--suffix-factor must be > 0"),
-                          ("suffix:min_prob=1", r"--suffix-min-prob must be in \[0, 1\)"),
-                          ("suffix:shared=maybe", "--suffix-shared takes true or false"),
-                          ("suffix:corpus=x,shared=no", "--suffix-corpus goes into the shared store"),
-                          ("suffix:nodes=many", "expected an integer or 'auto'")]:
+    for text, message in [("suffix:depth=0", "'suffix:depth=0': depth must be >= 1"), ("suffix:nodes=0", ": nodes"),
+                          ("suffix:factor=0", ": factor must be > 0"),
+                          ("suffix:min_prob=1", r": min_prob must be in \[0, 1\)"),
+                          ("suffix:shared=maybe", ": shared takes true or false"),
+                          ("suffix:corpus=x,shared=no", ": corpus goes into the shared store"),
+                          ("suffix:nodes=many", ": nodes: expected an integer or 'auto'")]:
         with pytest.raises(ValueError, match=message):
             parse_specs(text)
     with pytest.raises(ValueError, match="needs the target's measured verify costs"):

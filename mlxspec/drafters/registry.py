@@ -195,14 +195,13 @@ class DrafterSpec:
             try:
                 values[key] = known[key].metadata["parse"](value.strip())
             except ValueError as e:
-                raise ValueError(f"drafter spec {text!r}: {key}: {e}") from None
+                message = _keys(str(e), kind.name, known)
+                message = message if message.startswith(key) else f"{key}: {message}"
+                raise ValueError(f"drafter spec {text!r}: {message}") from None
         try:
             return cls(kind.name, kind.options(**values))
-        except ValueError as e:  # the options name their flags (--draft-vocab); here the user wrote keys (vocab=)
-            message = str(e)
-            for key in known:
-                message = message.replace(f"--{kind.name}-{key.replace('_', '-')}", key)
-            raise ValueError(f"drafter spec {text!r}: {message}") from None
+        except ValueError as e:
+            raise ValueError(f"drafter spec {text!r}: {_keys(str(e), kind.name, known)}") from None
 
     def __str__(self) -> str:
         """The spec string (only options that differ from their defaults)."""
@@ -213,6 +212,13 @@ class DrafterSpec:
     def replace(self, **changes) -> DrafterSpec:
         """This spec with some options changed (validated again)."""
         return DrafterSpec(self.name, dataclasses.replace(self.options, **changes))
+
+
+def _keys(message: str, name: str, keys) -> str:
+    """An option's error as a spec's user reads it: its flags (``--draft-vocab``) named by their keys (``vocab``)."""
+    for key in keys:
+        message = message.replace(f"--{name}-{key.replace('_', '-')}", key)
+    return message
 
 
 def parse_specs(text: str) -> list[DrafterSpec]:

@@ -1,0 +1,58 @@
+"""Checks of what a caller hands ``stream_generate``: arguments of the right kind, token ids in the vocabulary.
+
+A bytes prompt would otherwise read as token ids, ``num_draft_tokens=3.5`` as γ 3.5, and an id past the
+embedding's end crashes the process (an out-of-bounds gather), so each is refused in one line naming it.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from .drafters import Drafter, DrafterSpec
+from .sampling import SamplingParams
+
+
+def check_types(prompt, drafter, num_draft_tokens, max_tokens, sampling) -> None:
+    """Refuse arguments of the wrong kind with a message naming the argument and what it takes (a bytes
+    prompt would otherwise read as token ids, ``num_draft_tokens=3.5`` as γ 3.5).
+
+    Raises:
+        TypeError: naming the argument.
+    """
+    def is_int(value) -> bool:
+        return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+    ids = isinstance(prompt, (list, tuple)) and all(is_int(i) for i in prompt)
+    array = (isinstance(prompt, np.ndarray) and prompt.ndim == 1 and np.issubdtype(prompt.dtype, np.integer)) or (
+        isinstance(prompt, mx.array) and prompt.ndim == 1 and mx.issubdtype(prompt.dtype, mx.integer))
+    if not (isinstance(prompt, str) or ids or array):
+        raise TypeError(f"prompt must be text (str) or a list of token ids (int), got {type(prompt).__name__}")
+    if not isinstance(drafter, (str, DrafterSpec, Drafter)):
+        raise TypeError(f"drafter must be a Drafter, a DrafterSpec or a spec string such as 'ngram' or 'none', got "
+                        f"{type(drafter).__name__}")
+    if not (is_int(num_draft_tokens) or isinstance(num_draft_tokens, str) or hasattr(num_draft_tokens, "choose_gamma")):
+        raise TypeError(f"num_draft_tokens must be an integer, 'auto', 'scheduled' or a γ policy, got "
+                        f"{num_draft_tokens!r}")
+    if not is_int(max_tokens):
+        raise TypeError(f"max_tokens must be an integer, got {max_tokens!r}")
+    if sampling is not None and not isinstance(sampling, SamplingParams):
+        raise TypeError(f"sampling must be a SamplingParams (e.g. SamplingParams(temp=0.7)), got {type(sampling).__name__}")
+
+
+def check_ids(model: nn.Module, ids: list[int]) -> None:
+    """Refuse token ids outside the model's vocabulary (an embedding lookup past its end is undefined).
+
+    Raises:
+        ValueError: naming the first bad id and the vocabulary size.
+    """
+    vocab = getattr(getattr(model, "args", None), "vocab_size", None)
+    if not vocab:  # no config: the embedding's rows (a quantized embedding packs columns, not rows)
+        embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+        vocab = getattr(embed, "num_embeddings", None) or (embed.weight.shape[0] if embed is not None else None)
+    if not vocab:
+        return  # a model that says nothing of its vocabulary (a test double): nothing to check against
+    bad = next((i for i in ids if not 0 <= int(i) < vocab), None)
+    if bad is not None:
+        raise ValueError(f"token id {int(bad)} is outside the model's vocabulary (ids 0 to {vocab - 1})")
