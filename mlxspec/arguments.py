@@ -53,6 +53,6 @@ def check_ids(model: nn.Module, ids: list[int]) -> None:
         vocab = getattr(embed, "num_embeddings", None) or (embed.weight.shape[0] if embed is not None else None)
     if not vocab:
         return  # a model that says nothing of its vocabulary (a test double): nothing to check against
-    bad = next((i for i in ids if not 0 <= int(i) < vocab), None)
+    bad = next((i for i in ids if not 0 <= i < vocab), None)  # ids: Python ints (encode_prompt)
     if bad is not None:
-        raise ValueError(f"token id {int(bad)} is outside the model's vocabulary (ids 0 to {vocab - 1})")
+        raise ValueError(f"token id {bad} is outside the model's vocabulary (ids 0 to {vocab - 1})")

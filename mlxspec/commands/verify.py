@@ -99,9 +99,8 @@ def format_report(report: VerifyReport, greedy: bool) -> str:
 
 def run(args: argparse.Namespace) -> int:
     check_args(args)
-    for flag, value in (("--tokens", args.tokens), ("--samples", args.samples)):  # checked at --temp 0 too
-        if value < 1:
-            raise ValueError(f"{flag} must be >= 1, got {value}")
+    if args.tokens < 1:  # run_check checks it only at --temp > 0, where it is used
+        raise ValueError(f"--tokens must be >= 1, got {args.tokens}")
     prompt_texts = _prompts(args)
     sampling = sampling_from_args(args)
     loaded = load_models(args)
