@@ -28,6 +28,7 @@ from mlxspec.generate import stream_generate
 from mlxspec.metrics import CycleStats, GenerationStats, TokenEvent
 from mlxspec.sampling import SamplingParams
 from mlxspec.session import USER_ERRORS, LoadedModel, ModelSpec, build_drafter, check_fits, load_model
+from mlxspec.stops import check_stops
 
 from .messages import (
     EngineInfo,
@@ -68,7 +69,7 @@ class EngineConfig:
         seed: Seed for ``mx.random`` before each answer, or ``None``.
         typical: ``(threshold, alpha)`` for the LOSSY typical acceptance, or ``None``.
         draft_dtype: The dtype of a draft model loaded later from the chat (F2). Default: as stored.
-        stop: Stop strings that end an answer (``stops.StopStrings``). Default: none.
+        stop: Stop strings that end an answer (``stops.StopStrings``; one ``str`` is one stop string). Default: none.
         recalibrate: With ``num_draft_tokens="auto"``, measure this machine's costs again the first time each
             target and drafter pair is used, instead of using the cached ones (``mlxspec generate
             --recalibrate``). Default: ``False``.
@@ -95,6 +96,7 @@ class EngineConfig:
             object.__setattr__(self, "drafter", DrafterSpec.parse(self.drafter))
         if self.drafter is None:
             object.__setattr__(self, "drafter", DrafterSpec("draft" if self.draft_model else "ngram"))
+        object.__setattr__(self, "stop", check_stops(self.stop))  # one str is one stop string, not its characters
 
 
 def relay(events: Iterator, request_id: int, post: Post, cancelled: threading.Event, *,

@@ -23,9 +23,11 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import (
+    ChunkedKVCache,
     KVCache,
     QuantizedKVCache,
     RotatingKVCache,
+    _BaseCache,
     can_trim_prompt_cache,
     make_prompt_cache,
     trim_prompt_cache,
@@ -294,26 +296,61 @@ class PromptCache:
 def as_prompt_cache(model: nn.Module, prompt_cache) -> PromptCache:
     """``stream_generate``'s ``prompt_cache`` argument as a ``PromptCache``.
 
-    ``None`` → a new one; a ``PromptCache`` → itself; an mlx-lm cache list → wrapped, if empty
-    (its sliding-window layers become rewindable in place).
+    ``None`` → a new one; a ``PromptCache`` made for ``model`` → itself; an mlx-lm cache list → wrapped, if
+    empty and shaped for ``model`` (its sliding-window layers become rewindable in place).
 
     Raises:
-        TypeError: neither a ``PromptCache`` nor a list.
-        ValueError: a cache list that already holds tokens (it does not say which, so it cannot be
-            reused safely: pass a ``PromptCache``).
+        TypeError: neither a ``PromptCache`` nor a list, or a list item that is not an mlx-lm layer cache.
+        ValueError: a cache made for another model (mlx-lm pairs layers with caches with ``zip``, so a
+            shorter list would silently skip layers, and another model's keys would be attended to), or a
+            cache list that already holds tokens (it does not say which, so it cannot be reused safely: pass
+            a ``PromptCache``).
     """
     if prompt_cache is None:
         return PromptCache(model)
     if isinstance(prompt_cache, PromptCache):
+        if prompt_cache.model is not model:
+            raise ValueError("prompt_cache was made for another model (a PromptCache holds one model's keys and "
+                             "values); make one for this target with mlxspec.PromptCache(model)")
+        check_layers(model, prompt_cache.layers)
         return prompt_cache
     if not isinstance(prompt_cache, list):
         raise TypeError(f"prompt_cache must be a mlxspec.PromptCache or an mlx-lm cache list, got "
                         f"{type(prompt_cache).__name__}")
+    check_layers(model, prompt_cache)
     if any(getattr(c, "offset", 0) or not _is_empty(c) for c in prompt_cache):
         raise ValueError("prompt_cache already holds tokens from an earlier request; pass an empty cache, or a "
                          "mlxspec.PromptCache, which remembers its tokens and reuses the common prefix")
     prompt_cache[:] = [rewindable(c) for c in prompt_cache]
     return PromptCache(model, prompt_cache)
+
+
+#: Layer caches of attention (keys and values by position): one may stand in for another.
+_ATTENTION_CACHES = (KVCache, RotatingKVCache, QuantizedKVCache, ChunkedKVCache)
+
+
+def check_layers(model: nn.Module, layers: Sequence) -> None:
+    """Refuse layer caches that were not made for ``model``: another number of layers, or a layer whose cache
+    is of another kind (a recurrent state where ``model`` attends, or the reverse).
+
+    Raises:
+        TypeError: an item that is not an mlx-lm layer cache.
+        ValueError: naming the counts (or the layer and the kinds) and the fix.
+    """
+    expected = make_prompt_cache(model)
+    if any(not isinstance(c, _BaseCache) for c in layers):
+        bad = next(c for c in layers if not isinstance(c, _BaseCache))
+        raise TypeError(f"prompt_cache must hold mlx-lm layer caches (make_prompt_cache(model)), got a "
+                        f"{type(bad).__name__}")
+    if len(layers) != len(expected):
+        raise ValueError(f"prompt_cache has {len(layers)} layer caches but the target has {len(expected)} layers: "
+                         "it was made for another model; use make_prompt_cache(model) or mlxspec.PromptCache(model)")
+    for i, (c, e) in enumerate(zip(layers, expected)):
+        same = type(c) is type(e) or (isinstance(c, _ATTENTION_CACHES) and isinstance(e, _ATTENTION_CACHES))
+        if not same:
+            raise ValueError(f"prompt_cache's layer {i} is a {type(c).__name__} but the target's is a "
+                             f"{type(e).__name__}: it was made for another model; use make_prompt_cache(model) or "
+                             "mlxspec.PromptCache(model)")
 
 
 def _is_empty(c) -> bool:

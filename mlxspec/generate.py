@@ -364,13 +364,13 @@ def stream_generate(
         prompt_cache: A ``cache.PromptCache`` to reuse across requests (the common prefix of
             what it holds and this prompt is kept, only the rest is prefilled; afterwards it holds
             prompt + output except the last token); or an empty mlx-lm cache list to fill in
-            place; or ``None`` (a fresh cache).
+            place; or ``None`` (a fresh cache). Either must be made for ``model`` (``cache.check_layers``).
         typical: ``(threshold, alpha)`` turns on Medusa's typical acceptance at
             ``temp > 0`` — LOSSY, the output is no longer distributed as the target's
             (``verify.verify_typical``). Default: ``None`` (exact).
         stop: Stop strings: generation ends at the first one in the output text, which ends just
             before it (``stops.StopStrings``; exact across tokens accepted in one round, and the
-            cache holds exactly what was emitted). Default: none.
+            cache holds exactly what was emitted); one ``str`` is one stop string. Default: none.
         time_split: Measure a lazy drafter's (draft model, heads) device time apart from the
             verify, with one extra sync every ``TIMING_EVERY`` rounds (``mlxspec bench`` does).
             Without it no round pays a sync for timing, and the stats' ``draft_s`` of a lazy
@@ -383,12 +383,13 @@ def stream_generate(
 
     Raises:
         TypeError: an argument of the wrong kind (a prompt that is neither text nor token ids, a float γ or
-            ``max_tokens``, ``sampling`` that is not a ``SamplingParams``, a drafter that is not one).
+            ``max_tokens``, ``sampling`` that is not a ``SamplingParams``, a drafter that is not one, a ``stop``
+            that is not text or a list of texts, a ``prompt_cache`` that is not a cache).
         ValueError: on an empty or too-long prompt, a token id outside the vocabulary, a seed outside
             [0, 2**64), ``num_draft_tokens < 0``
             or a string other than ``"auto"``, ``max_tokens < 1``, a bad drafter spec, a target
-            cache that cannot be rewound while drafting, a cache list that already holds tokens, or an
-            empty stop string.
+            cache that cannot be rewound while drafting, a cache list that already holds tokens, a cache made
+            for another model, or an empty stop string.
     """
     check_types(prompt, drafter, num_draft_tokens, max_tokens, sampling)
     if max_tokens < 1:

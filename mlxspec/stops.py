@@ -11,15 +11,26 @@ from __future__ import annotations
 
 
 def check_stops(stops) -> tuple[str, ...]:
-    """Stop strings as a tuple.
+    """Stop strings as a tuple: one ``str`` is one stop string (as OpenAI-style APIs take it), never its
+    characters; a list or tuple gives several; ``None`` gives none.
 
     Raises:
-        ValueError: an empty stop string, or something that is not a string.
+        TypeError: ``stop`` is neither text nor a list or tuple of text (bytes, a number, a dict...).
+        ValueError: an empty stop string.
     """
-    stops = tuple(stops or ())
+    if stops is None:
+        return ()
+    if isinstance(stops, str):
+        stops = (stops,)
+    elif isinstance(stops, (list, tuple)):
+        stops = tuple(stops)
+    else:
+        raise TypeError(f"stop must be text (str) or a list of texts, got {type(stops).__name__}")
     for stop in stops:
-        if not isinstance(stop, str) or not stop:
-            raise ValueError(f"stop strings must be non-empty text, got {stop!r}")
+        if not isinstance(stop, str):
+            raise TypeError(f"stop strings must be text (str), got {stop!r}")
+        if not stop:
+            raise ValueError("stop strings must be non-empty text, got ''")
     return stops
 
 
