@@ -23,7 +23,8 @@ from ..gamma import AUTO, AUTO_PRICED_PLAIN, PRICED_PLAIN, SCHEDULED, auto_price
 from ..loading import DTYPES
 from ..machine import machine_info
 from ..session import ModelSpec, build_drafter, draft_model_spec, load_model, runnable_drafters
-from .common import ArgumentParser, add_drafter_option_args, drafter_flags_given, run_main, with_drafter_flags
+from .common import ArgumentParser, add_drafter_option_args, drafter_flags_given, fail, run_main, with_drafter_flags
+from .files import check_output_file, save_or_keep
 from .generate import read_prompt
 
 DEFAULT_GAMMAS = "auto,1,2,4,6,8"
@@ -182,6 +183,9 @@ def _specs(args, discover: bool) -> list[DrafterSpec]:
     The suffix drafter is timed on this request only (``shared=false``): its process-wide store would
     hold the answers of earlier runs of the same prompt."""
     if not discover:
+        if args.drafters is not None and not args.drafters.replace(",", "").strip():
+            raise ValueError("--drafters is empty; name the drafters to time, e.g. --drafters ngram,none, or leave "
+                             "--drafters out")
         text = args.drafters or ("draft,ngram,none" if args.draft_model else "ngram,none")
         return [with_drafter_flags(spec, args) for spec in parse_specs(text)]
     specs = [DrafterSpec(name) for name in drafter_types()]
@@ -285,9 +289,14 @@ def _announce(info: dict, costs: dict, prompts: list[list[int]], max_tokens: int
     return seconds
 
 
-def report(result: dict, runs: list, systems: list, costs: dict, args: argparse.Namespace) -> None:
+def report(result: dict, runs: list, systems: list, costs: dict, args: argparse.Namespace) -> str | None:
     """Summarise runs, print the tables (one when the sweep leaves nothing to pick), write the JSON
-    (and plots), and close with the verdict."""
+    (and plots), and close with the verdict.
+
+    Returns:
+        str | None: ``None``, or the error when the JSON could not be written to ``--output`` (it was then
+        written to the temporary folder or printed: ``files.save_or_keep``) or the plots failed.
+    """
     rows = summarize(runs, systems, costs)
     compact = format_table(rows, compact=True)
     if compact != format_table(rows):
@@ -297,12 +306,19 @@ def report(result: dict, runs: list, systems: list, costs: dict, args: argparse.
     commands = [verdict_commands(v, result) for v in found]
     result = {**result, "runs": [r.to_dict() for r in runs], "summary": [asdict(r) for r in rows],
               "verdicts": [{**asdict(v), "commands": c} for v, c in zip(found, commands)]}
+    plots_failed = None
     if args.plots:
-        result["plots"] = write_plots(rows, args.plots, runs)
-    Path(args.output).write_text(json.dumps(result, indent=1))
-    print(f"\nwrote {args.output}" + (f" and plots in {args.plots}" if args.plots else ""))
+        try:
+            result["plots"] = write_plots(rows, args.plots, runs)
+        except OSError as e:  # the JSON keeps every number: --from-json redraws them
+            plots_failed = (f"could not write the plots in {args.plots} ({e.strerror or e}); redraw them with "
+                            f"--from-json {args.output} --plots FOLDER")
+    failed = save_or_keep(args.output, json.dumps(result, indent=1))
+    if failed is None:
+        print(f"\nwrote {args.output}" + (f" and plots in {args.plots}" if args.plots and not plots_failed else ""))
     for verdict, lines in zip(found, commands):
         print("\n" + format_verdict(verdict, lines))
+    return failed or plots_failed
 
 
 def format_verdict(verdict: Verdict, commands: list[str]) -> str:
@@ -364,8 +380,8 @@ def resummarize(args: argparse.Namespace) -> int:
         raise ValueError(f"--from-json {args.from_json} is not the JSON of an earlier 'mlxspec bench' run "
                          f"({type(e).__name__}: {e}); pass the file its --output wrote") from None
     print(format_header(result), flush=True)
-    report(result, runs, systems, costs, args)
-    return 0
+    failed = report(result, runs, systems, costs, args)
+    return fail(failed) if failed else 0
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
@@ -374,6 +390,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             import matplotlib  # noqa: F401
         except ImportError:
             raise ValueError("--plots needs matplotlib: pip install 'mlxspec[plot]'") from None
+    check_output_file(args.output, "--output")  # before any measuring: finished runs are never lost to it
     if args.from_json:
         return resummarize(args)
     if args.prompt is not None and args.prompts is not None:
@@ -419,8 +436,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             bar.update()
     info["machine"]["load_average_after"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     info["elapsed_s"] = time.time() - started
-    report(info, runs, systems, models.costs, args)
-    return 0
+    failed = report(info, runs, systems, models.costs, args)
+    return fail(failed) if failed else 0
 
 
 def main(argv: list[str] | None = None, *, entry: bool = False) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import shlex
 import sys
 from collections.abc import Callable
@@ -383,8 +384,9 @@ def run_main(command: str, parser: argparse.ArgumentParser, run: Callable[[argpa
         quiet_blas: Re-run without printing the command line. Default: ``True``.
 
     Returns:
-        int: ``run``'s status; 2 on a user error (``mlxspec: error: ...``), 130 on Ctrl-C, 0 when
-        the reader of stdout went away (``| head``).
+        int: ``run``'s status; 2 on a user error (``mlxspec: error: ...``: a ``USER_ERRORS``, any other
+        ``OSError`` such as a full disk, or an MLX I/O ``RuntimeError``), 130 on Ctrl-C, 0 when the reader of
+        stdout went away (``| head``).
     """
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
@@ -400,3 +402,22 @@ def run_main(command: str, parser: argparse.ArgumentParser, run: Callable[[argpa
     except BrokenPipeError:  # the reader went away (| head): stop quietly, as other tools do
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except OSError as e:  # a full disk, a read-only folder: the system's reason, in one line
+        return fail(os_error_line(e))
+    except RuntimeError as e:  # MLX's own I/O errors are the user's disk, not a bug: one line too
+        if not is_mlx_error(e):
+            raise
+        return fail(f"MLX: {e}")
+
+
+def os_error_line(e: OSError) -> str:
+    """An ``OSError`` as one line: ``No space left on device: out/model.safetensors``."""
+    if e.strerror and e.filename:
+        return f"{e.strerror}: {e.filename}"
+    return e.strerror or str(e)
+
+
+def is_mlx_error(e: BaseException) -> bool:
+    """Whether a ``RuntimeError`` is one of MLX's I/O errors (``[write] Unable to write ...``,
+    ``[save_safetensors] Failed to open file ...``): its message starts with the failing routine in brackets."""
+    return isinstance(e, RuntimeError) and re.match(r"\[[\w:]+\] ", str(e)) is not None

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import os
+import shutil
 import sys
 from collections import Counter
 from pathlib import Path
@@ -19,7 +22,7 @@ from pathlib import Path
 import mlx.nn as nn
 
 from ..weights import DTYPES, QUANTIZED_TYPES
-from .common import ArgumentParser, run_main
+from .common import ArgumentParser, is_mlx_error, run_main
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
@@ -66,6 +69,12 @@ def quantization_config(model: nn.Module) -> dict | None:
 def convert(src: str, out: str | Path, *, dtype: str | None = None, requantize: bool = False) -> Path:
     """Load ``src`` with ``mlxspec.load`` and write it as an mlx-lm folder.
 
+    Everything is written into ``OUT.partial`` first and renamed to ``OUT`` only when every file is complete
+    (each safetensors file's size checked against its header), so a full disk or a kill never leaves a
+    truncated model under ``OUT``. A failed write removes ``OUT.partial`` (freeing the space); one left by a
+    killed run, or an unfinished ``OUT`` an older version left (conversion files only, a model but no
+    ``config.json`` or a truncated safetensors file), is replaced with a note on stderr.
+
     Args:
         src (str): Any model spec ``mlxspec.load`` accepts.
         out (str | Path): The folder to write; created, and must be empty if it exists.
@@ -79,14 +88,22 @@ def convert(src: str, out: str | Path, *, dtype: str | None = None, requantize: 
         ValueError: ``out`` is a non-empty folder or a file; ``src`` cannot be loaded (see
             ``mlxspec.load``).
         FileNotFoundError: ``src`` does not exist.
+        OSError: ``out`` could not be written (a read-only folder, a full disk), naming it; nothing is left.
     """
     from mlx_lm.utils import save_config, save_model
 
     from ..loading import load
 
     out = Path(out).expanduser()
+    staging = out.with_name(out.name + ".partial")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ValueError(f"{out} already exists and is not an empty folder; pass a new folder for OUT.")
+        if not (out.is_dir() and unfinished(out)):
+            raise ValueError(f"{out} already exists and is not an empty folder; pass a new folder for OUT.")
+        print(f"mlxspec convert: {out} holds an unfinished conversion ({unfinished(out)}); replacing it",
+              file=sys.stderr)
+    if staging.exists():
+        print(f"mlxspec convert: replacing {staging}, the unfinished output of an earlier run", file=sys.stderr)
+        shutil.rmtree(staging)
     model, tokenizer = load(src, dtype=dtype, requantize=requantize)
     config = {k: v for k, v in dataclasses.asdict(model.args).items() if v is not None}
     if quantization := quantization_config(model):
@@ -94,11 +111,56 @@ def convert(src: str, out: str | Path, *, dtype: str | None = None, requantize: 
     eos = sorted(tokenizer.eos_token_ids)
     if eos:
         config["eos_token_id"] = eos if len(eos) > 1 else eos[0]
-    out.mkdir(parents=True, exist_ok=True)
-    save_model(out, model)
-    save_config(config, out / "config.json")
-    tokenizer.save_pretrained(str(out))
+    try:
+        save_model(staging, model)
+        save_config(config, staging / "config.json")
+        tokenizer.save_pretrained(str(staging))
+        if problem := unfinished(staging):
+            raise OSError(f"the written files are incomplete ({problem})")
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(staging, out)
+    except (OSError, RuntimeError) as e:
+        shutil.rmtree(staging, ignore_errors=True)
+        if isinstance(e, RuntimeError) and not is_mlx_error(e):
+            raise
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise OSError(f"could not write {out} ({reason}); nothing was left behind: free space or choose a "
+                      "writable folder and run again") from e
     return out
+
+
+def unfinished(folder: Path) -> str | None:
+    """Why ``folder`` is an unfinished conversion (a truncated safetensors file, or a model without
+    ``config.json``), or ``None`` if it is not one: complete, or holding files a conversion does not write."""
+    files = [p for p in folder.iterdir()]
+    ours = lambda p: p.name.startswith(("model", "config", "tokenizer", "special_tokens", "vocab", "merges",  # noqa: E731
+                                        "added_tokens", "chat_template", "generation_config"))
+    if not files or not all(p.is_file() and ours(p) for p in files):
+        return None
+    for path in sorted(folder.glob("*.safetensors")):
+        size, expected = path.stat().st_size, safetensors_size(path)
+        if expected is None or size != expected:
+            return f"{path.name} has {size} bytes" + (f" of {expected}" if expected else ", no complete header")
+    if not (folder / "config.json").exists():
+        return "no config.json"
+    return None
+
+
+def safetensors_size(path: Path) -> int | None:
+    """The size a complete safetensors file has, from its header (8-byte length, JSON with each tensor's
+    ``data_offsets``), or ``None`` when the header itself is cut off."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            return None
+        n = int.from_bytes(head, "little")
+        try:
+            header = json.loads(f.read(n))
+        except (ValueError, UnicodeDecodeError):
+            return None
+    ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
+    return 8 + n + max(ends, default=0)
 
 
 def run(args: argparse.Namespace) -> int:
