@@ -1,0 +1,363 @@
+"""Make the parity fixtures: tiny targets and drafters built and run by their authors' own code.
+
+Each fixture is a tiny Hugging Face target (random weights, fixed seed) and a tiny head built with the
+reference implementation, imported at generation time from a checkout of its authors' repository
+(never copied into mlxspec), saved the way that code saves it, plus the numbers that code produces on
+fixed inputs (``reference.npz``). ``tests/test_parity_*.py`` load the same files through mlxspec's
+ordinary loaders and must reproduce those numbers; they need only the committed files, never torch.
+
+Install (a separate environment; torch and transformers are never needed at run or test time)::
+
+    python3 -m venv /path/to/venv-ref
+    /path/to/venv-ref/bin/pip install -r tests/reference/requirements.txt
+
+Get the reference code (any checkout of these repositories; the commits the committed fixtures were
+made from are in ``tests/fixtures/parity/SOURCES.json``) and run, from the repository root::
+
+    /path/to/venv-ref/bin/python tests/reference/make_fixtures.py \\
+        --eagle PATH/SafeAILab/EAGLE --medusa PATH/FasterDecoding/Medusa
+
+Each ``--NAME`` also reads ``MLXSPEC_REF_NAME`` (e.g. ``MLXSPEC_REF_EAGLE``). Fixtures whose reference is
+not given are left as they are. The run is deterministic (fixed seeds, one CPU thread, float32): run it
+twice and ``git diff --stat tests/fixtures/parity`` stays empty (``--check`` compares instead of
+writing and prints the largest difference).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+OUT = Path(__file__).resolve().parents[1] / "fixtures" / "parity"
+PROMPT = [17, 200, 3, 88, 141, 9, 255, 64, 120, 33, 7, 190]  # fixed input ids (< the tiny vocabulary)
+VOCAB = 256
+
+
+def seed(n: int) -> None:
+    torch.manual_seed(n)
+    np.random.seed(n)
+
+
+def randomize(module: torch.nn.Module, std: float, n: int) -> None:
+    """Every parameter ~ N(0, std) (norm weights 1 + N(0, std)), from seed ``n``: deterministic and
+    far from the zero/identity inits some reference classes use, so a swapped or skipped tensor shows."""
+    g = torch.Generator().manual_seed(n)
+    with torch.no_grad():
+        for name, p in sorted(module.named_parameters()):
+            noise = torch.randn(p.shape, generator=g) * std
+            p.copy_(1.0 + noise if "norm" in name else noise)
+
+
+# --- tokenizer and targets -------------------------------------------------------------------------------
+
+def save_tokenizer(folder: Path) -> None:
+    """A word-level tokenizer over ``t0 … t255`` (the fixtures feed ids; mlxspec's loader wants one)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(VOCAB)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", eos_token="t1", bos_token="t2")
+    fast.save_pretrained(folder)
+
+
+def make_target(kind: str, folder: Path, n: int):
+    """A tiny llama or qwen2 target, float32, saved with ``save_pretrained`` (safetensors)."""
+    import transformers as tf
+
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6,
+                  tie_word_embeddings=False, torch_dtype="float32", bos_token_id=2, eos_token_id=1)
+    if kind == "llama":
+        # rope_theta differs from the 10000 EAGLE heads default to, so a head that inherits it shows
+        config = tf.LlamaConfig(num_hidden_layers=8, rope_theta=50000.0, **common)
+        model = tf.LlamaForCausalLM(config)
+    else:
+        config = tf.Qwen2Config(num_hidden_layers=4, rope_theta=10000.0, use_sliding_window=False, **common)
+        model = tf.Qwen2ForCausalLM(config)
+    randomize(model, 0.15, n)
+    model.eval()
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder, safe_serialization=True)
+    save_tokenizer(folder)
+    return model
+
+
+def layer_inputs(model, ids: torch.Tensor, layers: list[int]) -> dict[int, torch.Tensor]:
+    """The residual stream entering each decoder layer in ``layers`` (forward pre-hooks), [L, H]."""
+    seen, hooks = {}, []
+    for i in layers:
+        def hook(module, args, kwargs, i=i):
+            seen[i] = (args[0] if args else kwargs["hidden_states"])[0].detach().clone()
+        hooks.append(model.model.layers[i].register_forward_pre_hook(hook, with_kwargs=True))
+    with torch.no_grad():
+        model(ids)
+    for h in hooks:
+        h.remove()
+    return seen
+
+
+def target_outputs(model, ids: list[int]) -> dict[str, np.ndarray]:
+    """Logits [L, V], final normed hidden states [L, H] and every layer's input [N, L, H]."""
+    x = torch.tensor([ids])
+    N = len(model.model.layers)
+    inputs = layer_inputs(model, x, list(range(N)))
+    with torch.no_grad():
+        final = model.model(x).last_hidden_state[0]
+        logits = model(x).logits[0]
+    return {"ids": np.array(ids, dtype=np.int64), "logits": logits.numpy(), "final": final.numpy(),
+            "layer_inputs": np.stack([inputs[i].numpy() for i in range(N)])}
+
+
+# --- EAGLE (SafeAILab/EAGLE) ------------------------------------------------------------------------------
+
+def eagle_tree(ref_model, hidden: torch.Tensor, ids: list[int], root: int, lm_head=None) -> dict[str, np.ndarray]:
+    """Run the reference ``topK_genrate`` once; record its tree and every draft-logit call."""
+    calls = []
+    head = ref_model.lm_head if lm_head is None else lm_head
+    hook = head.register_forward_hook(lambda m, a, out: calls.append(out.detach().reshape(-1, out.shape[-1]).clone()))
+    ref_model.init_tree()
+    ref_model.reset_kv()
+    with torch.no_grad():
+        input_ids = torch.tensor([ids + [root]])
+        if lm_head is None:
+            tokens, retrieve, mask, positions = ref_model.topK_genrate(hidden[None], input_ids, None, None)
+        else:
+            tokens, retrieve, mask, positions = ref_model.topK_genrate(hidden[None], input_ids, lm_head, None)
+    hook.remove()
+    out = {"tree_tokens": tokens[0].numpy(), "tree_mask": mask[0, 0].numpy().astype(bool),
+           "tree_positions": positions.numpy(), "retrieve": retrieve.numpy()}
+    for d, logits in enumerate(calls):
+        out[f"draft_logits_{d}"] = logits.numpy()
+    return out
+
+
+def make_eagle3(ref: Path, target, t_out: dict, folder: Path, reduced: bool, n: int) -> dict:
+    sys.path.insert(0, str(ref / "eagle" / "model"))
+    try:
+        import cnets  # EAGLE-3 draft (SafeAILab/EAGLE eagle/model/cnets.py)
+        from configs import EConfig
+    finally:
+        sys.path.pop(0)
+    N, H = target.config.num_hidden_layers, target.config.hidden_size
+    draft_vocab = 64 if reduced else VOCAB
+    config = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": H,
+              "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "num_hidden_layers": 1, "rms_norm_eps": 1e-6, "vocab_size": VOCAB, "draft_vocab_size": draft_vocab,
+              "max_position_embeddings": 256, "pad_token_id": 0, "hidden_act": "silu", "bias": False,
+              "torch_dtype": "float32"}  # no rope_theta: the draft runs at EAGLE's default 10000
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config, indent=1) + "\n")
+    econfig = EConfig.from_pretrained(str(folder))
+    seed(n)
+    model = cnets.Model(econfig, total_tokens=16, depth=3, top_k=4)
+    randomize(model, 0.2, n)
+    with torch.no_grad():
+        model.embed_tokens.weight.copy_(target.model.embed_tokens.weight)
+        if reduced:  # EAGLE-3's recipe: the most used target ids, sorted; d2t = offsets, t2d = mask
+            used = sorted(np.random.RandomState(n).choice(VOCAB, draft_vocab, replace=False).tolist())
+            model.d2t.copy_(torch.tensor([u - i for i, u in enumerate(used)]))
+            model.t2d.copy_(torch.tensor([i in used for i in range(VOCAB)]))
+    if not reduced:
+        del model.d2t, model.t2d  # as EaModel does when the vocabularies agree
+    model.eval()
+    state = {k: v for k, v in model.state_dict().items() if not k.startswith("embed_tokens.")}
+    torch.save(state, folder / "pytorch_model.bin")  # the published EAGLE-3 layout (DeepSpeed's 16-bit save)
+    aux = [2, N // 2, N - 3]  # EAGLE-3 reads the inputs of these layers (modeling_llama_kv.py)
+    hidden = torch.cat([torch.from_numpy(t_out["layer_inputs"][i]) for i in aux], dim=-1)
+    ids = t_out["ids"].tolist()
+    root = int(np.argmax(t_out["logits"][-1]))
+    with torch.no_grad():
+        seq = model.lm_head(model.norm(model(hidden[None], input_ids=torch.tensor([ids[1:] + [root]]))))[0]
+    return {"aux_layers": np.array(aux), "root": np.array(root), "seq_logits": seq.numpy(),
+            "top_k": np.array(4), "depth": np.array(3), "total_tokens": np.array(16),
+            **eagle_tree(model, hidden, ids, root)}
+
+
+def make_eagle1(ref: Path, target, t_out: dict, folder: Path, n: int) -> dict:
+    sys.path.insert(0, str(ref / "eagle" / "model"))
+    try:
+        import cnets1  # EAGLE-1/2 draft (SafeAILab/EAGLE eagle/model/cnets1.py)
+        from configs import EConfig
+    finally:
+        sys.path.pop(0)
+    H = target.config.hidden_size
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": H,
+              "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "num_hidden_layers": 1, "rms_norm_eps": 1e-6, "vocab_size": VOCAB, "max_position_embeddings": 256,
+              "pad_token_id": 0, "hidden_act": "silu", "torch_dtype": "float32"}  # no "bias": fc has one
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config, indent=1) + "\n")
+    econfig = EConfig.from_pretrained(str(folder))
+    seed(n)
+    model = cnets1.Model(econfig, bias=True, total_tokens=16, depth=3, top_k=4)
+    randomize(model, 0.2, n)
+    with torch.no_grad():
+        model.embed_tokens.weight.copy_(target.model.embed_tokens.weight)
+    model.eval()
+    torch.save(model.state_dict(), folder / "pytorch_model.bin")  # published repos keep embed_tokens
+    ids = t_out["ids"].tolist()
+    root = int(np.argmax(t_out["logits"][-1]))
+    hidden = torch.from_numpy(t_out["final"])
+    with torch.no_grad():
+        seq = target.lm_head(model(hidden[None], input_ids=torch.tensor([ids[1:] + [root]])))[0]
+    return {"root": np.array(root), "seq_logits": seq.numpy(), "top_k": np.array(4), "depth": np.array(3),
+            "total_tokens": np.array(16), **eagle_tree(model, hidden, ids, root, lm_head=target.lm_head)}
+
+
+# --- Medusa (FasterDecoding/Medusa) -----------------------------------------------------------------------
+
+def make_medusa(ref: Path, target, t_out: dict, folder: Path, n: int) -> dict:
+    import transformers.utils
+    if not hasattr(transformers.utils, "is_flash_attn_available"):  # Medusa's modeling_llama_kv.py imports
+        transformers.utils.is_flash_attn_available = lambda: False  # this name, gone from transformers 4.4x
+    sys.path.insert(0, str(ref))
+    try:
+        from medusa.model.medusa_model import ResBlock
+        from medusa.model.medusa_choices import mc_sim_7b_63
+        from medusa.model import utils as medusa_utils
+    finally:
+        sys.path.pop(0)
+    import torch.nn as nn
+    from safetensors.torch import save_file
+
+    H, heads = target.config.hidden_size, 5
+    seed(n)
+    medusa_head = nn.ModuleList([nn.Sequential(ResBlock(H), nn.Linear(H, VOCAB, bias=False)) for _ in range(heads)])
+    randomize(medusa_head, 0.2, n)
+    medusa_head.eval()
+    folder.mkdir(parents=True, exist_ok=True)
+    state = medusa_head.state_dict()
+    torch.save(state, folder / "medusa_lm_head.pt")  # what MedusaModel.from_pretrained reads
+    save_file({k: v.contiguous() for k, v in state.items()}, folder / "medusa_lm_head.safetensors")  # train_legacy.py
+    # the published configs under-count the heads (medusa-vicuna-7b-v1.3 says 2; the file holds 5)
+    (folder / "config.json").write_text(json.dumps({"medusa_num_heads": 2, "medusa_num_layers": 1,
+                                                    "base_model_name_or_path": "tiny-llama"}, indent=1) + "\n")
+    hidden = torch.from_numpy(t_out["final"])[None]
+    logits = torch.from_numpy(t_out["logits"])[None]
+    with torch.no_grad():
+        medusa_logits = torch.stack([h(hidden) for h in medusa_head])  # [heads, 1, L, V]
+    buffers = medusa_utils.generate_medusa_buffers(mc_sim_7b_63, device="cpu")
+    _, tree_candidates = medusa_utils.generate_candidates(
+        medusa_logits, logits, buffers["tree_indices"], buffers["retrieve_indices"], temperature=0)
+    return {"medusa_logits": medusa_logits[:, 0].numpy(), "tree_tokens": tree_candidates[0].numpy(),
+            "tree_mask": buffers["medusa_attn_mask"][0, 0].numpy().astype(bool),
+            "tree_positions": buffers["medusa_position_ids"].numpy()}
+
+
+# --- tree verification (item 5): transformers on every root-to-node path ---------------------------------
+
+def make_tree_verify(target, prompt: list[int], n: int) -> dict:
+    """A fixed 12-node tree over ``prompt``; transformers runs each root-to-node path on its own."""
+    parents = [-1, -1, -1, 0, 0, 1, 3, 3, 4, 6, 2, 9]  # draft nodes; -1 = the root (the prompt's last token)
+    tokens = np.random.RandomState(n).randint(0, VOCAB, size=len(parents)).tolist()
+    rows = []
+    for node in range(-1, len(parents)):
+        path, a = [], node
+        while a >= 0:
+            path.append(tokens[a])
+            a = parents[a]
+        with torch.no_grad():
+            rows.append(target(torch.tensor([prompt + path[::-1]])).logits[0, -1].numpy())
+    return {"prompt": np.array(prompt), "parents": np.array(parents), "tokens": np.array(tokens),
+            "path_logits": np.stack(rows)}
+
+
+# --- driver ----------------------------------------------------------------------------------------------
+
+def write_npz(path: Path, arrays: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    np.savez(path, **{k: np.asarray(v) for k, v in sorted(arrays.items())})
+
+
+def git_commit(ref: Path) -> str | None:
+    import subprocess
+    try:
+        return subprocess.run(["git", "-C", str(ref), "rev-parse", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def generate(out: Path, refs: dict[str, Path | None]) -> None:
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    llama = make_target("llama", out / "llama", 1)
+    qwen2 = make_target("qwen2", out / "qwen2", 2)
+    t_llama = target_outputs(llama, PROMPT)
+    write_npz(out / "llama" / "reference.npz", t_llama)
+    write_npz(out / "qwen2" / "reference.npz", target_outputs(qwen2, PROMPT))
+    write_npz(out / "tree_verify_llama.npz", make_tree_verify(llama, PROMPT, 3))
+    write_npz(out / "tree_verify_qwen2.npz", make_tree_verify(qwen2, PROMPT, 4))
+    sources = {"transformers": __import__("transformers").__version__, "torch": torch.__version__}
+    if refs.get("eagle"):
+        ref = refs["eagle"]
+        write_npz(out / "eagle3" / "reference.npz", make_eagle3(ref, llama, t_llama, out / "eagle3", True, 10))
+        write_npz(out / "eagle3_full_vocab" / "reference.npz",
+                  make_eagle3(ref, llama, t_llama, out / "eagle3_full_vocab", False, 11))
+        write_npz(out / "eagle1" / "reference.npz", make_eagle1(ref, llama, t_llama, out / "eagle1", 12))
+        sources["SafeAILab/EAGLE"] = git_commit(ref)
+    if refs.get("medusa"):
+        ref = refs["medusa"]
+        write_npz(out / "medusa" / "reference.npz", make_medusa(ref, llama, t_llama, out / "medusa", 20))
+        sources["FasterDecoding/Medusa"] = git_commit(ref)
+    old = out / "SOURCES.json"
+    merged = {**(json.loads(old.read_text()) if old.is_file() else {}), **{k: v for k, v in sources.items() if v}}
+    old.write_text(json.dumps(merged, indent=1, sort_keys=True) + "\n")
+
+
+REFS = ("eagle", "medusa", "dflash", "deepspec", "speculators")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    for name in REFS:
+        p.add_argument(f"--{name}", type=Path, default=os.environ.get(f"MLXSPEC_REF_{name.upper()}"),
+                       help=f"checkout of the {name} reference repository (or MLXSPEC_REF_{name.upper()})")
+    p.add_argument("--out", type=Path, default=OUT, help="fixture folder (default: tests/fixtures/parity)")
+    p.add_argument("--check", action="store_true", help="generate into a temporary folder and compare")
+    args = p.parse_args(argv)
+    refs = {name: getattr(args, name) for name in REFS}
+    if not args.check:
+        generate(args.out, refs)
+        return 0
+    with tempfile.TemporaryDirectory() as tmp:
+        fresh = Path(tmp) / "parity"
+        if args.out.is_dir():
+            shutil.copytree(args.out, fresh)
+        generate(fresh, refs)
+        return compare(args.out, fresh)
+
+
+def compare(old: Path, new: Path) -> int:
+    """Print every file that differs (npz: the largest absolute difference per array)."""
+    bad = 0
+    for f in sorted(p for p in new.rglob("*") if p.is_file()):
+        g = old / f.relative_to(new)
+        if not g.is_file():
+            print(f"new file {f.relative_to(new)}")
+            bad += 1
+        elif f.read_bytes() != g.read_bytes():
+            bad += 1
+            if f.suffix == ".npz":
+                a, b = np.load(f), np.load(g)
+                for k in a.files:
+                    diff = np.max(np.abs(a[k].astype(np.float64) - b[k].astype(np.float64))) if a[k].shape == b[k].shape else "shape"
+                    print(f"{f.relative_to(new)}:{k} max diff {diff}")
+            else:
+                print(f"{f.relative_to(new)} differs")
+    print("identical" if not bad else f"{bad} files differ")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
