@@ -70,8 +70,8 @@ class MedusaHeads(nn.Module):
         super().__init__()
         self.config = config
         H, V, L = config.hidden_size, config.vocab_size, config.medusa_num_layers
-        own_head = [] if config.shared_lm_head else [nn.Linear(H, V, bias=False)]
-        self.heads = [[ResBlock(H) for _ in range(L)] + own_head for _ in range(config.medusa_num_heads)]
+        own_head = lambda: [] if config.shared_lm_head else [nn.Linear(H, V, bias=False)]  # noqa: E731 (one per head)
+        self.heads = [[ResBlock(H) for _ in range(L)] + own_head() for _ in range(config.medusa_num_heads)]
 
     def __call__(self, hidden: mx.array, lm_head=None) -> mx.array:
         """Logits of every head.
