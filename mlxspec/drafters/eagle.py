@@ -255,6 +255,7 @@ class EagleDrafter(Drafter):
             all_ids.append(child_ids)
             all_parents.append(mx.repeat(front_flat, k))
             best = mx.argpartition(-child_scores, kth=k - 1)[:k] if k > 1 else mx.array([0])
+            best = best[mx.argsort(-child_scores[best])]  # best first, as EAGLE's topk: it orders the next block
             parent = best // k  # [k] frontier node each new frontier node grew from
             ancestors = mx.concatenate([ancestors[parent], eye[parent]], axis=1)
             front_scores, front_ids, front_feat = child_scores[best], child_ids[best], out[parent]
