@@ -280,7 +280,10 @@ def write_npz(path: Path, arrays: dict) -> None:
 
 
 def git_commit(ref: Path) -> str | None:
+    """The checkout's commit (``git rev-parse HEAD``, or a ``REVISION`` file for an exported tree)."""
     import subprocess
+    if (ref / "REVISION").is_file():
+        return (ref / "REVISION").read_text().strip()
     try:
         return subprocess.run(["git", "-C", str(ref), "rev-parse", "HEAD"], capture_output=True, text=True,
                               check=True).stdout.strip()
