@@ -16,6 +16,7 @@ SUBCOMMANDS = {
     "verify": ("mlxspec.commands.verify", "check that speculation samples exactly as the target (a G-test)"),
     "bench": ("mlxspec.commands.bench", "speed of every drafter against plain decoding (and mlx-lm's speculative decoding) here"),
     "convert": ("mlxspec.commands.convert", "write any model spec (GGUF, named model, folder) as an mlx-lm folder"),
+    "serve": ("mlxspec.commands.serve", "OpenAI- and Anthropic-compatible local server (pip install 'mlxspec[serve]')"),
 }
 
 

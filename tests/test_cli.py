@@ -104,7 +104,7 @@ def test_help_names_every_training_method(capsys):
 
 
 @pytest.mark.parametrize("command,fix", [
-    ("foo", "choose one of generate, chat, train, verify, bench, convert"),
+    ("foo", "choose one of generate, chat, train, verify, bench, convert, serve"),
     ("generte", "did you mean 'generate'?"),
     ("--model", "--model comes after a command, as in 'mlxspec generate --model ...'"),
 ])

@@ -1,0 +1,106 @@
+"""``mlxspec serve``: an OpenAI- and Anthropic-compatible local server (the ``serve`` extra)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import ipaddress
+import sys
+
+from .common import (
+    ArgumentParser,
+    add_blas_arg,
+    add_model_args,
+    add_sampling_args,
+    check_args,
+    run_main,
+    sampling_from_args,
+)
+
+#: Most tokens of an answer when a request names none.
+DEFAULT_MAX_TOKENS = 2048
+#: Packages of the ``serve`` extra.
+SERVE_PACKAGES = ("fastapi", "uvicorn", "pydantic", "prometheus_client")
+
+
+def setup_arg_parser() -> argparse.ArgumentParser:
+    parser = ArgumentParser(
+        prog="mlxspec serve",
+        description="Serve a model over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models) and "
+                    "the Anthropic Messages API (/v1/messages) with lossless speculative decoding. One request "
+                    "runs at a time; the others wait in a bounded queue (docs/serve.md).",
+    )
+    add_model_args(parser, allow_auto=True)
+    add_sampling_args(parser, max_tokens=DEFAULT_MAX_TOKENS,
+                      max_tokens_help="most tokens of an answer when a request names none (max_tokens)")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on; anything but loopback should come with --api-key. Default: 127.0.0.1")
+    parser.add_argument("--port", type=int, default=8080, help="port to listen on. Default: 8080")
+    parser.add_argument("--api-key", default=None,
+                        help="require this key ('Authorization: Bearer KEY' or 'x-api-key: KEY'). Default: none")
+    parser.add_argument("--queue-size", type=int, default=16,
+                        help="most requests waiting behind the running one; more get 503 with Retry-After. Default: 16")
+    parser.add_argument("--request-timeout", type=float, default=600.0,
+                        help="seconds a request may take, queueing included; then its answer ends as at max_tokens. "
+                             "Default: 600")
+    parser.add_argument("--body-timeout", type=float, default=30.0,
+                        help="seconds the rest of a request body may take to arrive before the request gets 408 "
+                             "(a client that sent half a request and hangs). Default: 30")
+    parser.add_argument("--prefix-cache-slots", type=int, default=4,
+                        help="KV caches kept between requests (conversations, agents) to reuse their prefix. Default: 4")
+    parser.add_argument("--prefix-cache-gb", type=float, default=2.0,
+                        help="most GB those caches may hold together. Default: 2")
+    add_blas_arg(parser)
+    return parser
+
+
+def check_serve_args(args: argparse.Namespace) -> None:
+    """Refuse bad server flags before anything loads; warn about a non-local address without a key.
+
+    Raises:
+        ValueError: naming the flag, or the missing ``serve`` extra.
+    """
+    check_args(args)
+    if not 0 <= args.port < 65536:
+        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    for flag, value, low in (("--queue-size", args.queue_size, 1), ("--prefix-cache-slots", args.prefix_cache_slots, 1)):
+        if value < low:
+            raise ValueError(f"{flag} must be >= {low}, got {value}")
+    if not args.body_timeout > 0:
+        raise ValueError(f"--body-timeout must be > 0 seconds, got {args.body_timeout}")
+    if not args.request_timeout > 0:
+        raise ValueError(f"--request-timeout must be > 0 seconds, got {args.request_timeout}")
+    if not args.prefix_cache_gb >= 0:
+        raise ValueError(f"--prefix-cache-gb must be >= 0, got {args.prefix_cache_gb}")
+    if args.api_key == "":
+        raise ValueError("--api-key is empty; give a key, or leave --api-key out")
+    missing = [name for name in SERVE_PACKAGES if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ValueError(f"mlxspec serve needs the serve extra ({', '.join(missing)} missing): "
+                         "pip install 'mlxspec[serve]'")
+    if not args.api_key and not _loopback(args.host):
+        print(f"mlxspec serve: warning: listening on {args.host} without --api-key: anyone who can reach this "
+              "machine can use the model", file=sys.stderr)
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def run(args: argparse.Namespace) -> int:
+    check_serve_args(args)
+    from ..serve.routes import Defaults
+    from ..serve.server import serve
+
+    defaults = Defaults(sampling_from_args(args), args.max_tokens, args.seed, tuple(args.stop or ()))
+    return serve(args, defaults)
+
+
+def main(argv: list[str] | None = None, *, entry: bool = False) -> int:
+    """Run ``mlxspec serve``; returns the exit status (0 after SIGINT/SIGTERM, 2 on a user error)."""
+    return run_main("serve", setup_arg_parser(), run, argv, entry=entry, fast_blas=True)

@@ -1,0 +1,115 @@
+"""Anthropic's Messages API, ``POST /v1/messages``, streaming its events as the Anthropic SDK expects.
+
+``usage.input_tokens`` counts the prompt tokens prefilled, ``usage.cache_read_input_tokens`` those the
+prefix cache held (their sum is the prompt, as Anthropic counts them); the speculation stats are in
+the ``speculative`` extension object (on the message, and on the streamed ``message_delta``).
+"""
+
+from __future__ import annotations
+
+import json
+
+from fastapi import APIRouter
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from .errors import ApiError, error_body
+from .prompts import anthropic_messages, anthropic_tools, render
+from .routes import EventStream, collect, events, first_event, new_id, read, sampling, speculative, state, submit, watch
+from .schemas import MessagesRequest
+from .tools import ToolCall, ToolCallParser, split
+from .worker import Delta, Done
+
+router = APIRouter()
+
+
+def event(kind: str, data: dict) -> str:
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, **data}, ensure_ascii=False)}\n\n"
+
+
+def usage(prompt: list[int], cached: int, output_tokens: int) -> dict:
+    return {"input_tokens": len(prompt) - cached, "output_tokens": output_tokens,
+            "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
+
+
+def stop_reason(done: Done, stops: list[str], calls: int) -> tuple[str, str | None]:
+    """``(stop_reason, stop_sequence)``; the stop sequence is named when only one was given (the
+    generator reports that a stop string ended the answer, not which)."""
+    if calls:
+        return "tool_use", None
+    if done.stop_string:
+        return "stop_sequence", stops[0] if len(stops) == 1 else None
+    return ("end_turn", None) if done.finish_reason == "stop" else ("max_tokens", None)
+
+
+def tool_use(call: ToolCall) -> dict:
+    return {"type": "tool_use", "id": "toolu_" + call.id.removeprefix("call_"), "name": call.name, "input": call.input}
+
+
+@router.post("/v1/messages")
+async def messages(request: Request):
+    server = state(request)
+    body = await read(request, MessagesRequest)
+    no_tools = body.tool_choice is not None and body.tool_choice.get("type") == "none"
+    tools = None if no_tools else anthropic_tools(body.tools)
+    prompt = render(server.served.tokenizer, anthropic_messages(body), tools)
+    params = sampling(server, body.temperature, body.top_p, body.top_k)
+    stops = list(body.stop_sequences or [])
+    job = submit(request, prompt, params, body.max_tokens, None, stops)
+    watcher = watch(request, job)
+    first = await first_event(job, watcher)
+    message = {"id": new_id("msg_"), "type": "message", "role": "assistant", "model": server.served.model_id}
+    if body.stream:
+        return EventStream(_stream(request, job, first, message, tools is not None, prompt, stops), job, watcher)
+    text, done = await collect(job, watcher, first)
+    content, calls = split(text) if tools else (text, [])
+    blocks = ([{"type": "text", "text": content}] if content or not calls else []) + [tool_use(c) for c in calls]
+    reason, sequence = stop_reason(done, stops, len(calls))
+    return JSONResponse({**message, "content": blocks, "stop_reason": reason, "stop_sequence": sequence,
+                         "usage": usage(prompt, done.stats.cached_tokens, done.stats.generation_tokens),
+                         "speculative": speculative(done.stats)})
+
+
+async def _stream(request, job, first, message: dict, tools: bool, prompt: list[int], stops: list[str]):
+    cached = first.cached if isinstance(first, Delta) else first.stats.cached_tokens
+    yield event("message_start", {"message": {**message, "content": [], "stop_reason": None, "stop_sequence": None,
+                                              "usage": usage(prompt, cached, 0)}})
+    yield event("ping", {})
+    parser, index, text_open, calls, output = ToolCallParser() if tools else None, 0, False, 0, 0
+    try:
+        async for item in events(job, first):
+            if isinstance(item, Delta):
+                output += item.tokens
+                pieces = parser.feed(item.text) if parser else [item.text]
+            else:
+                pieces = parser.finish() if parser else []
+            for piece in pieces:
+                if isinstance(piece, ToolCall):
+                    if text_open:
+                        yield event("content_block_stop", {"index": index})
+                        index, text_open = index + 1, False
+                    block = tool_use(piece)
+                    yield event("content_block_start", {"index": index, "content_block": {**block, "input": {}}})
+                    yield event("content_block_delta", {"index": index, "delta": {"type": "input_json_delta",
+                                                                                  "partial_json": piece.arguments}})
+                    yield event("content_block_stop", {"index": index})
+                    index, calls = index + 1, calls + 1
+                elif piece:
+                    if not text_open:
+                        yield event("content_block_start", {"index": index, "content_block": {"type": "text", "text": ""}})
+                        text_open = True
+                    yield event("content_block_delta", {"index": index, "delta": {"type": "text_delta", "text": piece}})
+            if isinstance(item, Done):
+                if not text_open and index == 0:  # an empty answer is one empty text block
+                    yield event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
+                    text_open = True
+                if text_open:
+                    yield event("content_block_stop", {"index": index})
+                reason, sequence = stop_reason(item, stops, calls)
+                yield event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence},
+                                              "usage": usage(prompt, item.stats.cached_tokens, item.stats.generation_tokens),
+                                              "speculative": speculative(item.stats)})
+                yield event("message_stop", {})
+    except ApiError as e:
+        body = error_body(request.url.path, e)
+        yield event("error", {"error": body["error"]})

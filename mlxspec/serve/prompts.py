@@ -1,0 +1,129 @@
+"""Messages of either API → the token ids of one prompt, through the model's chat template.
+
+Both APIs' messages become the ``role``/``content`` dicts Hugging Face chat templates take (OpenAI's
+form: assistant ``tool_calls`` with their arguments as objects, ``tool`` messages for results), so
+one template renders both. Tools are passed to the template as OpenAI function tools.
+"""
+
+from __future__ import annotations
+
+import json
+
+from ..generate import encode_prompt
+from .errors import ApiError
+from .schemas import AnthropicTool, ChatMessage, MessagesRequest, Tool
+
+
+def text_of(content) -> str:
+    """A message's text: a string, or the text of its parts (``None`` → ``""``)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(part.text for part in content if getattr(part, "type", "text") == "text")
+
+
+def _arguments(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def openai_messages(messages: list[ChatMessage]) -> list[dict]:
+    """OpenAI chat messages as template dicts (``developer`` is a ``system`` message)."""
+    out = []
+    for m in messages:
+        item = {"role": "system" if m.role == "developer" else m.role, "content": text_of(m.content)}
+        if m.tool_calls:
+            item["tool_calls"] = [{"id": c.id, "type": "function",
+                                   "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+                                  for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            item["tool_call_id"] = m.tool_call_id
+        if m.name is not None:
+            item["name"] = m.name
+        out.append(item)
+    return out
+
+
+def anthropic_messages(request: MessagesRequest) -> list[dict]:
+    """Anthropic's ``system`` and messages as template dicts: ``tool_use`` blocks become the assistant's
+    ``tool_calls``, ``tool_result`` blocks ``tool`` messages."""
+    system = text_of(request.system)
+    out = [{"role": "system", "content": system}] if system else []
+    for m in request.messages:
+        if isinstance(m.content, str):
+            out.append({"role": m.role, "content": m.content})
+            continue
+        texts, calls = [], []
+        for block in m.content:
+            if block.type == "text":
+                texts.append(block.text)
+            elif block.type == "tool_use":
+                calls.append({"id": block.id, "type": "function",
+                              "function": {"name": block.name, "arguments": block.input}})
+            else:
+                out.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": text_of(block.content)})
+        if texts or calls or not m.content:
+            item = {"role": m.role, "content": "".join(texts)}
+            if calls:
+                item["tool_calls"] = calls
+            out.append(item)
+    return out
+
+
+def openai_tools(tools: list[Tool] | None) -> list[dict] | None:
+    return [t.model_dump(exclude_none=True) for t in tools] if tools else None
+
+
+def anthropic_tools(tools: list[AnthropicTool] | None) -> list[dict] | None:
+    """Anthropic tools as OpenAI function tools (what chat templates render)."""
+    if not tools:
+        return None
+    return [{"type": "function", "function": {"name": t.name, "description": t.description or "",
+                                              "parameters": t.input_schema}} for t in tools]
+
+
+def takes_tools(tokenizer) -> bool:
+    """Whether the chat template renders ``tools`` at all."""
+    template = getattr(tokenizer, "chat_template", None)
+    return isinstance(template, str) and "tools" in template
+
+
+def render(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    """The prompt ids for ``messages``: the chat template with ``add_generation_prompt`` (as ``mlxspec
+    generate`` applies it), or the contents joined by blank lines for a model without one.
+
+    Raises:
+        ApiError: 400 when tools are given to a template that takes none, or the template refuses the
+            messages (e.g. roles that do not alternate).
+    """
+    if tools and not takes_tools(tokenizer):
+        raise ApiError(400, "this model's chat template takes no tools; leave tools out or serve a model whose "
+                            "template renders them (Qwen2.5, Hermes-style)", param="tools")
+    if not getattr(tokenizer, "has_chat_template", False):
+        return encode_prompt(tokenizer, "\n\n".join(m["content"] for m in messages) + "\n\n")
+    try:
+        if tools:
+            prompt = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True)
+        else:
+            prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    except Exception as e:  # jinja2's TemplateError, or a template's raise_exception
+        raise ApiError(400, f"the model's chat template refused the messages: {' '.join(str(e).split())}",
+                       param="messages") from None
+    return encode_prompt(tokenizer, prompt)
+
+
+def completion_prompt(tokenizer, prompt) -> list[int]:
+    """``/v1/completions``' prompt (text, a list of one text, or token ids) as ids, no template.
+
+    Raises:
+        ApiError: 400 for an empty prompt.
+    """
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    try:
+        return encode_prompt(tokenizer, prompt)
+    except ValueError as e:
+        raise ApiError(400, str(e), param="prompt") from None

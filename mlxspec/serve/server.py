@@ -1,0 +1,82 @@
+"""Load the model on the worker thread and run uvicorn until SIGINT/SIGTERM (then exit 0)."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+
+import uvicorn
+
+from ..gamma import gamma_policy
+from ..generate import context_length
+from ..session import check_fits
+from .app import create_app
+from .metrics import Metrics
+from .routes import Defaults, ServerState
+from .worker import Served, Worker
+
+#: uvicorn: most bytes of an incomplete HTTP event (headers) before the connection is refused.
+MAX_HEADER_BYTES = 64 * 1024
+#: uvicorn: seconds an idle keep-alive connection stays open.
+KEEP_ALIVE_S = 5
+#: uvicorn: seconds open requests get to finish after SIGINT/SIGTERM (running ones are cancelled first).
+GRACEFUL_S = 5
+
+
+def loader(args: argparse.Namespace):
+    """The worker's ``load``: target, drafter and γ policy from the flags (``mlxspec generate``'s)."""
+    from ..commands.common import load_models, measuring_note
+
+    def load():
+        loaded = load_models(args, on_measure=measuring_note("the automatic tree size"))
+        check_fits(loaded.target, loaded.drafter)
+        policy = gamma_policy(args.num_draft_tokens, loaded.model, loaded.drafter,
+                              on_measure=measuring_note(f"--num-draft-tokens {args.num_draft_tokens}"))
+        tokenizer = loaded.tokenizer
+        served = Served(loaded.target.name, tokenizer, context_length(loaded.model), loaded.drafter.name,
+                        frozenset(tokenizer.eos_token_ids))
+        return loaded.model, tokenizer, loaded.drafter, policy, served
+
+    return load
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server that cancels every generation as soon as it is told to stop."""
+
+    worker: Worker
+
+    def handle_exit(self, sig, frame):
+        self.worker.cancel_all()
+        super().handle_exit(sig, frame)
+
+
+def serve(args: argparse.Namespace, defaults: Defaults) -> int:
+    """Load, then serve until SIGINT/SIGTERM; returns 0.
+
+    Raises:
+        ValueError, FileNotFoundError: the model or drafter cannot be loaded (one line, exit 2).
+    """
+    metrics = None
+    worker = Worker(loader(args), args.queue_size, (args.prefix_cache_slots, int(args.prefix_cache_gb * 2**30)),
+                    on_done=lambda job, done: metrics.finished(job, done))
+    metrics = Metrics(lambda: worker.queued, lambda: worker.busy)
+    served = worker.start()
+    state = ServerState(worker, served, defaults, args.request_timeout, metrics, args.api_key)
+    config = uvicorn.Config(create_app(state, body_timeout_s=args.body_timeout), host=args.host, port=args.port, log_level="warning",
+                            access_log=False, h11_max_incomplete_event_size=MAX_HEADER_BYTES,
+                            timeout_keep_alive=KEEP_ALIVE_S, timeout_graceful_shutdown=GRACEFUL_S)
+    server = _Server(config)
+    server.worker = worker
+    for sig in (signal.SIGINT, signal.SIGTERM):  # uvicorn re-raises the signal it caught after shutting down:
+        signal.signal(sig, lambda *_: None)     # land it here, so a requested stop exits 0
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    print(f"mlxspec serve: {served.model_id} with the {served.drafter} drafter on http://{host}:{args.port}/v1 "
+          "(OpenAI: /v1/chat/completions, /v1/completions; Anthropic: /v1/messages); Ctrl+C stops", file=sys.stderr,
+          flush=True)
+    server.run()
+    worker.close()
+    if not server.started:  # the port could not be bound (uvicorn said why)
+        raise ValueError(f"could not listen on {args.host}:{args.port}; choose another --port or --host")
+    print("mlxspec serve: stopped", file=sys.stderr, flush=True)
+    return 0

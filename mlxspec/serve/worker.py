@@ -1,0 +1,274 @@
+"""The one thread that owns the model: loads it, then runs queued requests first come, first served.
+
+Shaped like the chat's engine (``app/engine.py``) and mlx-lm's ``ResponseGenerator``: every MLX call
+happens on this thread (an MLX stream made on one thread cannot be used from another), and results
+go back to the HTTP side's event loop with ``call_soon_threadsafe``. The queue is bounded: a full
+queue refuses at once (the server answers 503 with ``Retry-After``). A request stops after its
+current round when it is cancelled (its client went away) or its deadline passes; a prefill cannot
+be interrupted. Batching several requests into one forward is not done: one request runs at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+from ..generate import stream_generate
+from ..metrics import CycleStats, GenerationStats, TokenEvent
+from ..sampling import SamplingParams
+from ..session import USER_ERRORS
+from .prefix_cache import PrefixCache
+
+
+class QueueFull(Exception):
+    """The worker's queue holds as many requests as it may."""
+
+
+@dataclass(frozen=True)
+class Delta:
+    """Text one round committed (``""`` when its tokens only start a character), its token count, and
+    the prompt tokens the prefix cache held."""
+
+    text: str
+    tokens: int
+    cached: int = 0
+
+
+@dataclass(frozen=True)
+class Done:
+    """The end of a request.
+
+    Attributes:
+        stats: The run's totals (``cached_tokens``: prompt tokens the prefix cache held).
+        finish_reason: ``"stop"`` (a stop token or string), ``"length"`` (``max_tokens``, the context,
+            or the request's timeout) or ``"cancelled"``.
+        stop_string: Whether a stop string (not a stop token) ended it.
+        timed_out: Whether the request's deadline ended it.
+    """
+
+    stats: GenerationStats
+    finish_reason: str
+    stop_string: bool = False
+    timed_out: bool = False
+
+
+@dataclass(frozen=True)
+class Failed:
+    """A request the library refused (``status`` 400, e.g. a token id outside the vocabulary) or that
+    failed (500)."""
+
+    message: str
+    status: int
+
+
+@dataclass
+class Job:
+    """One generation request, made on the HTTP side.
+
+    Attributes:
+        prompt: Token ids (chat template applied).
+        max_tokens: Most tokens to generate.
+        sampling: Temperature and filters.
+        seed: ``mx.random`` seed, or ``None``.
+        stop: Stop strings.
+        deadline: ``time.monotonic()`` after which it stops after its current round.
+        loop: The event loop whose ``events`` queue receives ``Delta``, ``Done`` and ``Failed``.
+        cancelled: Set to stop it after its current round (or before it starts).
+        created: ``time.monotonic()`` when it was made; ``first_token``: when its first text was posted.
+    """
+
+    prompt: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    seed: int | None
+    stop: list[str]
+    deadline: float
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    created: float = field(default_factory=time.monotonic)
+    first_token: float | None = None
+
+    def post(self, item) -> None:
+        """Hand ``item`` to the HTTP side (from the worker thread)."""
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, item)
+        except RuntimeError:  # the event loop is closed: the server is shutting down
+            pass
+
+
+@dataclass
+class Served:
+    """What the loaded model is, for the HTTP side (set once loading ends; plain Python objects only).
+
+    Attributes:
+        model_id: The name requests use (``GET /v1/models``).
+        tokenizer: The target's tokenizer (its encode and chat template are used on the HTTP side).
+        context: The model's context window in tokens, or ``None``.
+        drafter: The drafter's name.
+        eos: The ids that end an answer.
+    """
+
+    model_id: str
+    tokenizer: object
+    context: int | None
+    drafter: str
+    eos: frozenset[int]
+
+
+class Worker:
+    """Owns the model's thread.
+
+    Args:
+        load: Called on the worker thread; returns ``(target_model, tokenizer, drafter, policy, served)``.
+            A user error (``ValueError``, ``FileNotFoundError``...) it raises is kept in ``error``.
+        queue_size: Most requests waiting (the running one not counted).
+        prefix_cache: ``(slots, max_bytes)`` of the prefix cache.
+        on_done: Called on the worker thread with each finished ``Job`` and its ``Done`` (metrics).
+    """
+
+    def __init__(self, load: Callable[[], tuple], queue_size: int = 16,
+                 prefix_cache: tuple[int, int] = (4, 2 << 30), on_done: Callable | None = None):
+        if queue_size < 1:
+            raise ValueError(f"--queue-size must be >= 1, got {queue_size}")
+        self._load, self._cache_bounds, self._on_done = load, prefix_cache, on_done
+        self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="mlxspec-serve-worker", daemon=True)
+        self._running: Job | None = None
+        self.served: Served | None = None
+        self.error: BaseException | None = None
+        self.prefix_cache: PrefixCache | None = None
+
+    def start(self) -> Served:
+        """Start the thread and wait until the model is loaded.
+
+        Raises:
+            Whatever loading raised.
+        """
+        self._thread.start()
+        self._ready.wait()
+        if self.error is not None:
+            raise self.error
+        return self.served
+
+    def submit(self, job: Job) -> None:
+        """Queue ``job``.
+
+        Raises:
+            QueueFull: the queue is full (answer 503).
+        """
+        try:
+            self._queue.put_nowait(job)
+        except queue.Full:
+            raise QueueFull from None
+
+    @property
+    def queued(self) -> int:
+        """Requests waiting, the running one not counted."""
+        return self._queue.qsize()
+
+    @property
+    def busy(self) -> bool:
+        """Whether a request is running."""
+        return self._running is not None
+
+    def cancel_all(self) -> None:
+        """Cancel the running and queued requests (each ends after its current round, or at once)."""
+        while True:
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job.cancelled.set()
+                job.post(Done(GenerationStats(), "cancelled"))
+        if self._running is not None:
+            self._running.cancelled.set()
+
+    def close(self, timeout_s: float = 10.0) -> bool:
+        """Cancel every request, stop the thread; returns whether it stopped in time."""
+        self.cancel_all()
+        self._queue.put(None)
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+    # Everything below runs on the worker thread.
+
+    def _run(self) -> None:
+        with mx.stream(mx.new_thread_local_stream(mx.default_device())):
+            try:
+                self._model, self._tokenizer, self._drafter, self._policy, self.served = self._load()
+                self.prefix_cache = PrefixCache(self._model, *self._cache_bounds)
+            except BaseException as e:  # noqa: B036 - handed to the starting thread, which raises it
+                self.error = e
+                return
+            finally:
+                self._ready.set()
+            while (job := self._queue.get()) is not None:
+                self._running = job
+                try:
+                    done = self._generate(job)
+                except Exception as e:  # a bug must not kill the thread: every later request would hang
+                    done = None
+                    job.post(Failed(f"internal error: {type(e).__name__}: {e}", 500))
+                finally:
+                    self._running = None
+                if done is not None and self._on_done is not None:
+                    self._on_done(job, done)
+
+    def _generate(self, job: Job) -> Done | None:
+        if job.cancelled.is_set() or time.monotonic() > job.deadline:
+            done = Done(GenerationStats(prompt_tokens=len(job.prompt)), "cancelled", timed_out=not job.cancelled.is_set())
+            job.post(done)
+            return done
+        slot = self.prefix_cache.take(job.prompt)
+        events = stream_generate(
+            self._model, self._tokenizer, job.prompt, drafter=self._drafter, num_draft_tokens=self._policy,
+            max_tokens=job.max_tokens, sampling=job.sampling, seed=job.seed, stop=job.stop or None,
+            prompt_cache=slot,
+        )
+        totals = GenerationStats(drafter=self._drafter.name, prompt_tokens=len(job.prompt))
+        texts, count, last, stopped = [], 0, None, None
+        try:
+            for event in events:
+                if isinstance(event, TokenEvent):
+                    texts.append(event.text)
+                    count, last = count + 1, event.token
+                elif isinstance(event, CycleStats):
+                    totals.add_cycle(event)
+                    if event.cycle == 0:
+                        totals.cached_tokens = slot.reused
+                    self._post_text(job, texts, count, slot.reused)
+                    texts, count = [], 0
+                    if job.cancelled.is_set() or time.monotonic() > job.deadline:
+                        stopped = "cancelled" if job.cancelled.is_set() else "timeout"
+                        break
+                elif isinstance(event, GenerationStats):
+                    totals = event
+        except USER_ERRORS as e:  # refused before anything ran (e.g. a token id outside the vocabulary)
+            job.post(Failed(" ".join(str(e).split()), 400))
+            return None
+        finally:  # on an error the slot may be half-updated: it is not kept
+            events.close()  # its finally leaves the caches at what was committed
+        self.prefix_cache.release(slot)
+        if stopped is None:
+            reason = totals.finish_reason or "length"
+            done = Done(totals, reason, stop_string=reason == "stop" and last not in self.served.eos)
+        else:
+            done = Done(totals, "cancelled" if stopped == "cancelled" else "length", timed_out=stopped == "timeout")
+        job.post(done)
+        return done
+
+    @staticmethod
+    def _post_text(job: Job, texts: list[str], count: int, cached: int) -> None:
+        if count:
+            if job.first_token is None:
+                job.first_token = time.monotonic()
+            job.post(Delta("".join(texts), count, cached))

@@ -1,0 +1,298 @@
+"""``mlxspec serve`` end to end: the real server on 127.0.0.1 driven by the official openai and anthropic
+clients (chat, completions, messages; streaming and not; stop strings; tools; the stats object; the
+prefix cache), bad input, cancellation and a clean stop."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import time
+import urllib.error
+import urllib.request
+
+import anthropic
+import openai
+import pytest
+
+import mlxspec
+from mlxspec.commands import generate as generate_command
+from serve_fixtures import TOOL_CALL, ServerProcess, save_chat_model, save_tool_model
+
+GAMMA = ["--drafter", "ngram", "--num-draft-tokens", "3"]
+SPECULATIVE_KEYS = {"drafter", "gamma", "rounds", "drafted", "accepted", "alpha", "tau", "per_position"}
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                                  "parameters": {"type": "object",
+                                                                 "properties": {"city": {"type": "string"}}}}}
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory):
+    return save_chat_model(tmp_path_factory.mktemp("serve-chat"))
+
+
+@pytest.fixture(scope="module")
+def server(chat_model):
+    process = ServerProcess(["--model", str(chat_model), *GAMMA, "--body-timeout", "1"])
+    yield process
+    process.stop()
+
+
+@pytest.fixture(scope="module")
+def tool_server(tmp_path_factory):
+    process = ServerProcess(["--model", str(save_tool_model(tmp_path_factory.mktemp("serve-tool"))), *GAMMA,
+                             "--api-key", "sekret"])
+    yield process
+    process.stop()
+
+
+def openai_client(server, key="none") -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=60)
+
+
+def anthropic_client(server, key="none") -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=server.url, api_key=key, max_retries=0, timeout=60)
+
+
+def model_id(server) -> str:
+    return openai_client(server).models.list().data[0].id
+
+
+def post(server, path: str, body: bytes | dict, method: str = "POST", headers: dict | None = None):
+    """``(status, JSON body)`` of a raw request."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    request = urllib.request.Request(server.url + path, data=data if method == "POST" else None, method=method,
+                                     headers={"content-type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def generate_json(model_dir, prompt: str, max_tokens: int, capsys) -> dict:
+    """``mlxspec generate --json`` for the same model, prompt and drafter, in this process."""
+    capsys.readouterr()
+    status = generate_command.main(["--model", str(model_dir), "--prompt", prompt, *GAMMA, "--max-tokens",
+                                    str(max_tokens), "--json", "--blas", "keep"])
+    assert status == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_chat_matches_generate_with_stats(server, chat_model, capsys):
+    reply = openai_client(server).chat.completions.create(
+        model=model_id(server), messages=[{"role": "user", "content": "Hello there"}], max_tokens=24, temperature=0)
+    expected = generate_json(chat_model, "Hello there", 24, capsys)
+    assert reply.choices[0].message.content == expected["text"]
+    assert reply.choices[0].finish_reason == ("length" if expected["finish_reason"] == "length" else "stop")
+    assert reply.usage.prompt_tokens == expected["prompt_tokens"]
+    assert reply.usage.completion_tokens == expected["generation_tokens"]
+    stats = reply.model_extra["speculative"]
+    assert SPECULATIVE_KEYS <= set(stats)
+    assert stats["drafter"] == "ngram" and stats["gamma"] == 3
+    assert (stats["drafted"], stats["accepted"], stats["rounds"]) == (expected["drafted"], expected["accepted"],
+                                                                      expected["cycles"])
+
+
+def test_streaming_chat_equals_non_streaming(server):
+    client, messages = openai_client(server), [{"role": "user", "content": "Stream me"}]
+    whole = client.chat.completions.create(model=model_id(server), messages=messages, max_tokens=30)
+    chunks = list(client.chat.completions.create(model=model_id(server), messages=messages, max_tokens=30, stream=True,
+                                                 stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finals) == 1 and finals[0].choices[0].finish_reason == whole.choices[0].finish_reason
+    assert SPECULATIVE_KEYS <= set(finals[0].model_extra["speculative"])
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_second_turn_reuses_the_cache_and_answers_as_without_it(server, chat_model):
+    client, name = openai_client(server), model_id(server)
+    first = [{"role": "user", "content": "First turn of a conversation"}]
+    answer = client.chat.completions.create(model=name, messages=first, max_tokens=20).choices[0].message.content
+    second = first + [{"role": "assistant", "content": answer}, {"role": "user", "content": "And the second turn"}]
+    reply = client.chat.completions.create(model=name, messages=second, max_tokens=20)
+    assert reply.usage.prompt_tokens_details.cached_tokens > len("First turn of a conversation")
+    model, tokenizer = mlxspec.load(str(chat_model))  # the same prompt without any cache
+    fresh = mlxspec.generate(model, tokenizer, tokenizer.apply_chat_template(second, add_generation_prompt=True),
+                             drafter="ngram", num_draft_tokens=3, max_tokens=20)
+    assert reply.choices[0].message.content == fresh.text
+
+
+def test_stop_strings(server):
+    client, name = openai_client(server), model_id(server)
+    messages = [{"role": "user", "content": "Say something long"}]
+    text = client.chat.completions.create(model=name, messages=messages, max_tokens=40).choices[0].message.content
+    stop = text[10:13]
+    cut = text[: text.index(stop)]
+    for given in (stop, [stop, "never-appears"]):  # one string, or a list
+        reply = client.chat.completions.create(model=name, messages=messages, max_tokens=40, stop=given)
+        assert (reply.choices[0].message.content, reply.choices[0].finish_reason) == (cut, "stop")
+    streamed = client.chat.completions.create(model=name, messages=messages, max_tokens=40, stop=stop, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == cut
+    message = anthropic_client(server).messages.create(model=name, max_tokens=40, messages=messages,
+                                                       stop_sequences=[stop])
+    assert (message.content[0].text, message.stop_reason, message.stop_sequence) == (cut, "stop_sequence", stop)
+
+
+def test_completions(server, chat_model, capsys):
+    client = openai_client(server)
+    whole = client.completions.create(model=model_id(server), prompt="Once upon a time", max_tokens=16)
+    streamed = client.completions.create(model=model_id(server), prompt="Once upon a time", max_tokens=16, stream=True)
+    chunks = list(streamed)
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason == "length"
+    model, tokenizer = mlxspec.load(str(chat_model))
+    assert whole.choices[0].text == mlxspec.generate(model, tokenizer, "Once upon a time", max_tokens=16).text
+    assert SPECULATIVE_KEYS <= set(whole.model_extra["speculative"])
+
+
+def test_anthropic_messages(server):
+    client, name = anthropic_client(server), model_id(server)
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Hi from Anthropic"}]}]
+    message = client.messages.create(model=name, max_tokens=20, system="Be brief", messages=messages)
+    with client.messages.stream(model=name, max_tokens=20, system="Be brief", messages=messages) as stream:
+        streamed = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert message.content[0].type == "text" and streamed == message.content[0].text
+    assert message.stop_reason == final.stop_reason == "max_tokens"
+    assert message.usage.output_tokens == final.usage.output_tokens == 20
+    assert final.usage.cache_read_input_tokens > 0  # the same prompt again: all but its last token was cached
+    assert SPECULATIVE_KEYS <= set(message.model_extra["speculative"])
+
+
+def test_tool_calls(tool_server):
+    client, name = openai_client(tool_server, "sekret"), model_id_with_key(tool_server)
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    reply = client.chat.completions.create(model=name, messages=messages, tools=[WEATHER_TOOL], max_tokens=10)
+    call = reply.choices[0].message.tool_calls[0]
+    assert reply.choices[0].finish_reason == "tool_calls" and not reply.choices[0].message.content
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Paris"})
+    chunks = list(client.chat.completions.create(model=name, messages=messages, tools=[WEATHER_TOOL], max_tokens=10,
+                                                 stream=True))
+    calls = [d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or [])]
+    assert [(d.function.name, json.loads(d.function.arguments)) for d in calls] == [("get_weather", {"city": "Paris"})]
+    assert not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    # the call and its result go back into the next prompt through the template
+    follow = messages + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                         {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+    assert client.chat.completions.create(model=name, messages=follow, tools=[WEATHER_TOOL], max_tokens=4).usage
+    # without tools the same answer is plain text
+    plain = client.chat.completions.create(model=name, messages=messages, max_tokens=10)
+    assert plain.choices[0].message.content == "".join(TOOL_CALL) and not plain.choices[0].message.tool_calls
+
+    claude = anthropic_client(tool_server, "sekret")
+    tools = [{"name": "get_weather", "description": "The weather", "input_schema": {"type": "object"}}]
+    message = claude.messages.create(model=name, max_tokens=10, messages=messages, tools=tools)
+    assert message.stop_reason == "tool_use"
+    assert [(b.type, b.name, b.input) for b in message.content] == [("tool_use", "get_weather", {"city": "Paris"})]
+    with claude.messages.stream(model=name, max_tokens=10, messages=messages, tools=tools) as stream:
+        final = stream.get_final_message()
+    assert [(b.type, b.name, b.input) for b in final.content] == [("tool_use", "get_weather", {"city": "Paris"})]
+
+
+def model_id_with_key(server) -> str:
+    return openai_client(server, "sekret").models.list().data[0].id
+
+
+def test_api_key(tool_server):
+    with pytest.raises(openai.AuthenticationError):
+        openai_client(tool_server, "wrong").models.list()
+    with pytest.raises(anthropic.AuthenticationError):
+        anthropic_client(tool_server, "wrong").messages.create(model="x", max_tokens=1,
+                                                               messages=[{"role": "user", "content": "hi"}])
+    assert post(tool_server, "/health", b"", method="GET")[0] == 200  # health needs no key
+
+
+BAD_CHAT = [  # (what, body, status, param or None)
+    ("malformed JSON", b'{"model": "m", "messages": [', 400, None),
+    ("a JSON list, not an object", b"[1, 2]", 400, None),
+    ("an empty body", b"", 400, None),
+    ("no messages", {"model": "M"}, 400, "messages"),
+    ("an empty message list", {"model": "M", "messages": []}, 400, "messages"),
+    ("max_tokens of the wrong type", {"model": "M", "messages": "USER", "max_tokens": "ten"}, 400, "max_tokens"),
+    ("max_tokens 0", {"model": "M", "messages": "USER", "max_tokens": 0}, 400, "max_tokens"),
+    ("max_tokens negative", {"model": "M", "messages": "USER", "max_tokens": -5}, 400, "max_tokens"),
+    ("temperature below 0", {"model": "M", "messages": "USER", "temperature": -1}, 400, "temperature"),
+    ("top_p above 1", {"model": "M", "messages": "USER", "top_p": 1.5}, 400, "top_p"),
+    ("top_k negative", {"model": "M", "messages": "USER", "top_k": -1}, 400, "top_k"),
+    ("a negative seed", {"model": "M", "messages": "USER", "seed": -3}, 400, "seed"),
+    ("an empty stop string", {"model": "M", "messages": "USER", "stop": ""}, 400, "stop"),
+    ("an unknown role", {"model": "M", "messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages.0.role"),
+    ("content of the wrong type", {"model": "M", "messages": [{"role": "user", "content": 5}]}, 400, None),
+    ("logprobs asked for", {"model": "M", "messages": "USER", "logprobs": True}, 400, "logprobs"),
+    ("n > 1", {"model": "M", "messages": "USER", "n": 2}, 400, "n"),
+    ("an unknown model", {"model": "gpt-17", "messages": "USER"}, 404, "model"),
+    ("a prompt longer than the context", {"model": "M", "messages": [{"role": "user", "content": "x" * 5000}]}, 400,
+     "messages"),
+]
+
+
+def test_bad_input_gets_the_api_error_shape_and_the_server_goes_on(server):
+    name = model_id(server)
+    user = [{"role": "user", "content": "hi"}]
+    for what, body, status, param in BAD_CHAT:
+        if isinstance(body, dict):
+            body = {k: name if v == "M" else user if v == "USER" else v for k, v in body.items()}
+        got, answer = post(server, "/v1/chat/completions", body)
+        assert got == status, what
+        error = answer["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["message"], what
+        assert error["type"] == ("not_found_error" if status == 404 else "invalid_request_error"), what
+        if param:
+            assert error["param"] == param, (what, error)
+    assert post(server, "/v1/completions", {"model": name, "prompt": [10**7]})[0] == 400  # a token id past the vocabulary
+    assert post(server, "/v1/completions", {"model": name, "prompt": ""})[0] == 400  # an empty prompt
+    assert post(server, "/v1/nowhere", {})[0] == 404
+    assert post(server, "/v1/chat/completions", b"", method="GET")[0] == 405
+    # Anthropic's shape on /v1/messages
+    for body in ({"model": name, "messages": user}, {"model": name, "max_tokens": 5, "messages": [
+            {"role": "user", "content": [{"type": "image", "source": {}}]}]}):
+        got, answer = post(server, "/v1/messages", body)
+        assert got == 400 and answer["type"] == "error" and answer["error"]["type"] == "invalid_request_error"
+    assert post(server, "/v1/messages", {"model": name, "max_tokens": 5, "messages": user, "temperature": 1.5})[0] == 400
+    # an oversized body (refused on its Content-Length before it is read)
+    assert raw(server, b"Content-Length: %d\r\n\r\n{" % (16 * 2**20 + 1)).startswith("HTTP/1.1 413")
+    # half a request, then silence: 408 after --body-timeout (1 s here), not a wedged server
+    assert raw(server, b"Content-Length: 500\r\n\r\n{\"model\": ").startswith("HTTP/1.1 408")
+    reply = openai_client(server).chat.completions.create(model=name, messages=user, max_tokens=5)
+    assert reply.usage.completion_tokens == 5
+
+
+def raw(server, rest: bytes) -> str:
+    """The start of the answer to a chat request sent as raw bytes (headers, then ``rest``)."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" + rest)
+        return s.recv(4096).decode()
+
+
+def test_disconnect_cancels_and_metrics(server):
+    name = model_id(server)
+    client = openai_client(server)
+    stream = client.chat.completions.create(model=name, messages=[{"role": "user", "content": "long"}], max_tokens=3000,
+                                            stream=True)
+    for _ in zip(range(3), stream):
+        pass
+    stream.close()  # the client goes away mid-answer
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        metrics = urllib.request.urlopen(server.url + "/metrics", timeout=10).read().decode()
+        if 'mlxspec_cancelled_total{why="client"}' in metrics:
+            break
+        time.sleep(0.2)
+    assert 'mlxspec_cancelled_total{why="client"} 1.0' in metrics
+    for name_ in ("mlxspec_requests_total", "mlxspec_time_to_first_token_seconds_bucket", "mlxspec_queue_length",
+                  "mlxspec_accepted_tokens_total", "mlxspec_drafted_tokens_total"):
+        assert name_ in metrics
+    health = json.loads(urllib.request.urlopen(server.url + "/health", timeout=10).read())
+    assert health["status"] == "ok" and health["busy"] is False
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_stops_cleanly_on_a_signal(chat_model, sig):
+    process = ServerProcess(["--model", str(chat_model), *GAMMA])
+    assert post(process, "/v1/completions", {"model": "default", "prompt": "hi", "max_tokens": 3})[0] == 200
+    status, out = process.stop(sig)
+    assert status == 0, out
+    assert "Traceback" not in out
