@@ -6,6 +6,8 @@ embedding's end crashes the process (an out-of-bounds gather), so each is refuse
 
 from __future__ import annotations
 
+import math
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -56,3 +58,22 @@ def check_ids(model: nn.Module, ids: list[int]) -> None:
     bad = next((i for i in ids if not 0 <= i < vocab), None)  # ids: Python ints (encode_prompt)
     if bad is not None:
         raise ValueError(f"token id {bad} is outside the model's vocabulary (ids 0 to {vocab - 1})")
+
+
+def check_typical(typical) -> tuple[float, float] | None:
+    """Medusa's typical acceptance ``(threshold, alpha)``, checked once for the API, ``generate`` and ``verify``.
+
+    Raises:
+        TypeError: not a pair of numbers.
+        ValueError: unless ``0 < threshold <= 1`` and ``0 < alpha`` is finite.
+    """
+    if typical is None:
+        return None
+    if not (isinstance(typical, (tuple, list)) and len(typical) == 2
+            and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in typical)):
+        raise TypeError(f"typical must be a pair (threshold, alpha) of numbers, got {typical!r}")
+    threshold, alpha = typical
+    if not (0 < threshold <= 1 and 0 < alpha and math.isfinite(alpha)):
+        raise ValueError(f"typical acceptance needs 0 < --typical-threshold <= 1 and --typical-alpha > 0 (finite), "
+                         f"got threshold {threshold}, alpha {alpha}")
+    return float(threshold), float(alpha)

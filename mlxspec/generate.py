@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 import mlx.core as mx
 import mlx.nn as nn
 
-from .arguments import check_ids, check_types
+from .arguments import check_ids, check_types, check_typical
 from .cache import (
     DEFAULT_PREFILL_STEP_SIZE,
     PromptCache,
@@ -396,8 +396,7 @@ def stream_generate(
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
     if seed is not None and not (isinstance(seed, int) and 0 <= seed < 2**64):
         raise ValueError(f"seed must be an integer in [0, 2**64), got {seed!r}")
-    if typical is not None and not (0 < typical[0] <= 1 and typical[1] > 0):
-        raise ValueError(f"typical acceptance needs 0 < threshold <= 1 and alpha > 0, got {typical}")
+    typical = check_typical(typical)
     sampling = sampling or SamplingParams()
     stops = check_stops(stop)
     drafter = make_drafter(drafter, model, tokenizer) if isinstance(drafter, (str, DrafterSpec)) else drafter

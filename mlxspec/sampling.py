@@ -68,8 +68,9 @@ class SamplingParams:
             (isinstance(self.top_k, int) and self.top_k >= 0,
              f"top_k must be an integer >= 0 (--top-k; 0 = off), got {self.top_k}"),
             (0 <= self.min_p < 1, f"min_p must be in [0, 1) (--min-p; 0 = off), got {self.min_p}"),
-            (self.repetition_penalty is None or self.repetition_penalty > 0,
-             f"repetition_penalty must be > 0 (--repetition-penalty; 1 = off), got {self.repetition_penalty}"),
+            (self.repetition_penalty is None or (self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty)),
+             f"repetition_penalty must be > 0 and finite (--repetition-penalty; 1 = off), got "
+             f"{self.repetition_penalty}"),
             (self.repetition_context_size >= 1,
              f"repetition_context_size must be >= 1, got {self.repetition_context_size}"),
         ]

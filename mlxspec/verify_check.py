@@ -38,6 +38,10 @@ from .tree import Tree
 
 DEFAULT_SAMPLES = 2000
 DEFAULT_TOKENS = 3
+#: Most tokens per sampled sequence (``--tokens``). Token k is tested only at prefixes that at least
+#: ``MIN_PREFIX_SAMPLES`` samples reach, which past a few tokens are none but on near-deterministic text, while
+#: the time grows with samples × tokens: 2,000 samples of 64 tokens are already 128,000 sampled tokens.
+MAX_TOKENS = 64
 DEFAULT_ALPHA = 0.01
 #: Cells expected to hold fewer samples are pooled (the usual rule for the chi-square approximation).
 MIN_EXPECTED = 5.0
@@ -409,6 +413,18 @@ def check_prompt(model, prompt_text: str, prompt: list[int], drafter: Drafter, s
                        drafted=sampled.drafted, accepted=sampled.accepted)
 
 
+def check_num_tokens(num_tokens: int) -> None:
+    """Refuse a sampled length past ``MAX_TOKENS`` (see there: no power gained, hours or days spent).
+
+    Raises:
+        ValueError: naming ``--tokens``, the bound and why.
+    """
+    if num_tokens > MAX_TOKENS:
+        raise ValueError(f"--tokens must be at most {MAX_TOKENS}, got {num_tokens}: a token is tested only where "
+                         f"{MIN_PREFIX_SAMPLES} or more samples share its prefix, which long prefixes almost never "
+                         "are, while the time grows with --samples × --tokens; the default 3 is usually enough")
+
+
 def run_check(model, prompts: list[tuple[str, list[int]]], drafter: Drafter, sampling: SamplingParams, *,
               num_tokens: int = DEFAULT_TOKENS, num_samples: int = DEFAULT_SAMPLES,
               num_draft_tokens: int | GammaPolicy = 4,
@@ -437,14 +453,16 @@ def run_check(model, prompts: list[tuple[str, list[int]]], drafter: Drafter, sam
         VerifyReport: one verdict per prompt.
 
     Raises:
-        ValueError: no prompts, ``num_tokens`` or ``num_samples`` < 1, ``num_draft_tokens`` < 0, or
-            ``alpha`` outside (0, 1).
+        ValueError: no prompts, ``num_tokens`` or ``num_samples`` < 1, ``num_tokens`` > ``MAX_TOKENS`` at
+            temperature > 0, ``num_draft_tokens`` < 0, or ``alpha`` outside (0, 1).
     """
     if not prompts:
         raise ValueError("no prompts to check; give --prompts FILE with one prompt per line")
     for value, flag in [(num_tokens, "--tokens"), (num_samples, "--samples")]:
         if value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
+    if not sampling.greedy:
+        check_num_tokens(num_tokens)
     if isinstance(num_draft_tokens, int) and num_draft_tokens < 0:
         raise ValueError(f"--num-draft-tokens must be >= 0, got {num_draft_tokens}")
     if not 0 < alpha < 1:

@@ -11,6 +11,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ..arguments import check_typical
 from ..assets import NAMED_MODELS
 from ..drafters import Drafter, DrafterSpec, drafter_types
 from ..gamma import AUTO, MAX_NUM_DRAFT_TOKENS, SCHEDULED, check_num_draft_tokens
@@ -68,12 +69,19 @@ def num_draft_tokens_arg(value: str) -> int | str:
         raise argparse.ArgumentTypeError(f"expected an integer, 'auto' or 'scheduled', got {value!r}") from None
 
 
-def drafter_arg(value: str) -> DrafterSpec:
-    """``--drafter``: a drafter name or spec string, e.g. ``eagle`` or ``eagle:depth=4,top_k=1``."""
-    try:
-        return DrafterSpec.parse(value)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+class DrafterAction(argparse.Action):
+    """``--drafter``: stores the parsed spec, and as ``drafter_keys`` the option keys its text set itself (a
+    key its own flag sets to another value is then a conflict: ``with_drafter_flags``)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        try:
+            spec = DrafterSpec.parse(values)
+        except ValueError as e:
+            raise argparse.ArgumentError(self, str(e)) from None
+        _, _, rest = values.partition(":")
+        keys = {item.partition("=")[0].strip().replace("-", "_") for item in rest.split(",") if item.strip()}
+        setattr(namespace, self.dest, spec)
+        setattr(namespace, "drafter_keys", {key: values for key in keys})
 
 
 def _flag_type(parse):
@@ -91,7 +99,7 @@ def add_drafter_args(parser: argparse.ArgumentParser) -> None:
     """``--drafter`` and one flag per option of every registered drafter, generated from its options
     dataclass: field ``top_k`` of ``eagle`` is ``--eagle-top-k`` (each default is the dataclass's)."""
     kinds = drafter_types()
-    parser.add_argument("--drafter", type=drafter_arg, default=None, metavar="{" + ",".join(kinds) + "}[:K=V,...]",
+    parser.add_argument("--drafter", action=DrafterAction, default=None, metavar="{" + ",".join(kinds) + "}[:K=V,...]",
                         help="how tokens are proposed: " + "; ".join(f"{k.name}: {k.summary}" for k in kinds.values())
                              + ". A spec such as 'eagle:depth=4,top_k=1' sets options too. "
                                "Default: draft with --draft-model, else ngram")
@@ -184,12 +192,22 @@ def drafter_flags_given(args: argparse.Namespace, name: str) -> dict:
 
 
 def with_drafter_flags(spec: DrafterSpec, args: argparse.Namespace) -> DrafterSpec:
-    """``spec`` with the options its drafter's own flags set (the flags win).
+    """``spec`` with the options its drafter's own flags set. A key set both by ``--drafter``'s spec text
+    and by its flag must agree (``--drafter eagle:depth=4 --eagle-depth 5`` is refused, not run at 5).
 
     Raises:
-        ValueError: an option value the drafter refuses, naming the flag.
+        ValueError: an option value the drafter refuses, naming the flag; or a spec key and its flag that
+            disagree, naming both.
     """
-    return spec.replace(**drafter_flags_given(args, spec.name))
+    given = drafter_flags_given(args, spec.name)
+    spec_keys = getattr(args, "drafter_keys", None) or {}
+    if args_spec := getattr(args, "drafter", None):
+        for key, value in given.items():
+            if key in spec_keys and args_spec.name == spec.name and getattr(args_spec.options, key) != value:
+                flag = f"--{spec.name}-{key.replace('_', '-')}"
+                raise ValueError(f"--drafter {spec_keys[key]} and {flag} {value} both set the {spec.name} drafter's "
+                                 f"{key}; keep one")
+    return spec.replace(**given)
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, *, max_tokens: int = DEFAULT_MAX_TOKENS,
@@ -271,7 +289,8 @@ def typical_from_args(args: argparse.Namespace) -> tuple[float, float] | None:
 
     Raises:
         ValueError: when only one of the two flags is given (Medusa's own helpers swap
-            their defaults, so both must be named).
+            their defaults, so both must be named), or a value out of range (``arguments.check_typical``,
+            what ``stream_generate`` checks too).
     """
     given = (args.typical_threshold, args.typical_alpha)
     if given == (None, None):
@@ -279,7 +298,7 @@ def typical_from_args(args: argparse.Namespace) -> tuple[float, float] | None:
     if None in given:
         raise ValueError("typical acceptance needs both --typical-threshold and --typical-alpha "
                          "(Medusa's defaults are 0.09 and 0.3)")
-    return given
+    return check_typical(given)
 
 
 @dataclass

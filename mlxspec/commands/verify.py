@@ -12,7 +12,8 @@ from tqdm import tqdm
 from ..calibration import load_or_calibrate
 from ..gamma import gamma_policy
 from ..generate import DEFAULT_NUM_DRAFT_TOKENS, encode_prompt
-from ..verify_check import DEFAULT_ALPHA, DEFAULT_PROMPTS, DEFAULT_SAMPLES, DEFAULT_TOKENS, VerifyReport, run_check
+from ..verify_check import (DEFAULT_ALPHA, DEFAULT_PROMPTS, DEFAULT_SAMPLES, DEFAULT_TOKENS, MAX_TOKENS, VerifyReport,
+                            check_num_tokens, run_check)
 from .common import ArgumentParser, add_blas_arg, add_model_args, add_recalibrate_arg, add_sampling_args, check_args
 from .common import load_models
 from .common import measuring_note, run_main
@@ -37,7 +38,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--samples", "-n", type=int, default=DEFAULT_SAMPLES,
                         help=f"sequences sampled per prompt at --temp > 0. Default: {DEFAULT_SAMPLES}")
     parser.add_argument("--tokens", "-k", type=int, default=DEFAULT_TOKENS,
-                        help=f"tokens per sampled sequence (K). Default: {DEFAULT_TOKENS}")
+                        help=f"tokens per sampled sequence (K), 1 to {MAX_TOKENS} (a longer prefix is almost never shared by "
+                             f"enough samples to be tested). Default: {DEFAULT_TOKENS}")
     parser.add_argument("--alpha", type=float, default=DEFAULT_ALPHA,
                         help=f"family-wise significance level over the prompts. Default: {DEFAULT_ALPHA}")
     parser.add_argument("--self-test", action="store_true",
@@ -101,6 +103,8 @@ def run(args: argparse.Namespace) -> int:
     check_args(args)
     if args.tokens < 1:  # run_check checks it only at --temp > 0, where it is used
         raise ValueError(f"--tokens must be >= 1, got {args.tokens}")
+    if args.temp > 0:  # before loading anything
+        check_num_tokens(args.tokens)
     prompt_texts = _prompts(args)
     sampling = sampling_from_args(args)
     loaded = load_models(args)
