@@ -7,6 +7,7 @@ import importlib.util
 import ipaddress
 import sys
 
+from .chat import exit_now
 from .common import (
     ArgumentParser,
     add_blas_arg,
@@ -98,7 +99,8 @@ def run(args: argparse.Namespace) -> int:
     from ..serve.server import serve
 
     defaults = Defaults(sampling_from_args(args), args.max_tokens, args.seed, tuple(args.stop or ()))
-    return serve(args, defaults)
+    status = serve(args, defaults)
+    exit_now(status)  # MLX's stream threads may still be winding down: skip the C++ destructors (as chat does)
 
 
 def main(argv: list[str] | None = None, *, entry: bool = False) -> int:

@@ -1,0 +1,195 @@
+"""Measure ``mlxspec serve`` as editors and agents use it (docs/serve.md's tables come from here).
+
+    python -m mlxspec.serve.measure --model default
+    python -m mlxspec.serve.measure --model qwen2.5-coder-1.5b --dtype float32
+
+Two scenarios, each against a server this script starts on 127.0.0.1 (and stops):
+
+- **conversation**: a conversation of ``--turns`` turns (one server); the time to first token of
+  every turn, streamed, and the prompt tokens the prefix cache held; then turn ``--turns`` again
+  with its first message changed by one character (a cache miss: what every turn would cost
+  without the prefix cache).
+- **agent**: ``--requests`` requests that each re-send a 60-line file with one edit asked (the
+  next request sends the file with that edit made), as a coding agent does; once with
+  ``--drafter suffix`` and once with ``--drafter none``: decode tokens/s of each request (the
+  server's ``speculative.decode_tokens_per_s``) side by side.
+
+Greedy (temperature 0). Prints Markdown tables and the machine's load average; ``--json`` writes
+every number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """``mlxspec serve`` in a subprocess until ``stop``."""
+
+    def __init__(self, args: list[str], timeout_s: float = 900.0):
+        self.port = _free_port()
+        self.process = subprocess.Popen([sys.executable, "-m", "mlxspec", "serve", "--port", str(self.port), *args],
+                                        stderr=sys.stderr)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise SystemExit(f"the server exited with status {self.process.returncode}")
+            try:
+                self.get("/health")
+                return
+            except OSError:
+                time.sleep(0.5)
+        raise SystemExit("the server did not start in time")
+
+    def get(self, path: str) -> dict:
+        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
+        connection.request("GET", path)
+        return json.loads(connection.getresponse().read())
+
+    def chat(self, messages: list[dict], max_tokens: int) -> dict:
+        """Stream one chat answer; returns its text, time to first token, total time and final stats."""
+        body = json.dumps({"model": "default", "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+                           "stream": True, "stream_options": {"include_usage": True}})
+        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=3600)
+        start = time.perf_counter()
+        connection.request("POST", "/v1/chat/completions", body, {"content-type": "application/json"})
+        response = connection.getresponse()
+        if response.status != 200:
+            raise SystemExit(f"the server answered {response.status}: {response.read().decode()}")
+        text, first, usage, stats = [], None, None, None
+        for line in response:
+            line = line.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                usage, stats = chunk["usage"], chunk["speculative"]
+            for choice in chunk["choices"]:
+                if choice["delta"].get("content"):
+                    first = first or time.perf_counter() - start
+                    text.append(choice["delta"]["content"])
+        return {"text": "".join(text), "ttft_s": first, "total_s": time.perf_counter() - start,
+                "prompt_tokens": usage["prompt_tokens"], "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
+                "completion_tokens": usage["completion_tokens"], "speculative": stats}
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(60)
+
+
+TOPICS = ["rivers", "bread", "bridges", "owls", "glass", "tides", "maps", "bees", "clocks", "salt", "moss", "kites",
+          "iron", "coral", "ink", "wind", "paper", "wolves", "rain", "copper", "sand", "comets"]
+
+
+def conversation(serve_args: list[str], turns: int, max_tokens: int) -> dict:
+    server = Server(serve_args)
+    try:
+        messages, rows = [{"role": "system", "content": "You are a concise, friendly assistant."}], []
+        for turn in range(1, turns + 1):
+            messages.append({"role": "user", "content": f"Tell me one surprising fact about {TOPICS[turn % len(TOPICS)]}."})
+            reply = server.chat(messages, max_tokens)
+            messages.append({"role": "assistant", "content": reply["text"]})
+            rows.append({"turn": turn, **{k: v for k, v in reply.items() if k != "text"}})
+        cold = [dict(messages[0], content="You are a concise, friendly assistant!")] + messages[1:-1]
+        miss = server.chat(cold, max_tokens)
+        miss.pop("text")
+    finally:
+        server.stop()
+    return {"turns": rows, "miss": miss}
+
+
+FUNCTIONS = ["parse_line", "load_rows", "mean", "median", "spread", "report"]
+
+
+def source_file() -> str:
+    """A 60-line Python module (6 functions of 10 lines)."""
+    lines = []
+    for name in FUNCTIONS:
+        lines += [f"def {name}(values, scale=1.0):",
+                  f'    """{name.replace("_", " ").capitalize()} of the values, scaled."""',
+                  "    total = 0.0",
+                  "    count = 0",
+                  "    for value in values:",
+                  "        total += float(value) * scale",
+                  "        count += 1",
+                  "    if count == 0:",
+                  "        return 0.0",
+                  "    return total / count"]
+    return "\n".join(lines) + "\n"
+
+
+def agent(serve_args: list[str], requests: int, max_tokens: int) -> list[dict]:
+    server = Server(serve_args)
+    try:
+        code, rows = source_file(), []
+        for i in range(requests):
+            old, new = FUNCTIONS[i % len(FUNCTIONS)], FUNCTIONS[i % len(FUNCTIONS)] + "_v2"
+            messages = [{"role": "system", "content": "You are a coding agent. Reply with the whole updated file and "
+                                                      "nothing else."},
+                        {"role": "user", "content": f"Here is stats.py:\n```python\n{code}```\nRename the function "
+                                                    f"`{old}` to `{new}`."}]
+            reply = server.chat(messages, max_tokens)
+            s = reply["speculative"]
+            rows.append({"request": i + 1, "decode_tokens_per_s": s["decode_tokens_per_s"], "tau": s["tau"],
+                         "alpha": s["alpha"], "completion_tokens": reply["completion_tokens"],
+                         "cached_tokens": reply["cached_tokens"], "prompt_tokens": reply["prompt_tokens"],
+                         "ttft_s": reply["ttft_s"]})
+            code = code.replace(f"def {old}(", f"def {new}(")  # the agent applies the edit
+    finally:
+        server.stop()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m mlxspec.serve.measure", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--turns", type=int, default=20)
+    parser.add_argument("--turn-tokens", type=int, default=40, help="max_tokens of each turn. Default: 40")
+    parser.add_argument("--requests", type=int, default=5)
+    parser.add_argument("--edit-tokens", type=int, default=400, help="max_tokens of each agent request. Default: 400")
+    parser.add_argument("--scenario", choices=("both", "conversation", "agent"), default="both")
+    parser.add_argument("--json", default=None, help="write every number to this file")
+    args = parser.parse_args(argv)
+    base = ["--model", args.model] + (["--dtype", args.dtype] if args.dtype else [])
+    out = {"model": args.model, "dtype": args.dtype, "load_before": os.getloadavg()}
+    if args.scenario in ("both", "conversation"):
+        out["conversation"] = result = conversation(base, args.turns, args.turn_tokens)
+        print(f"\nConversation, {args.model} ({args.dtype or 'as stored'}), {args.turn_tokens} tokens a turn\n")
+        print("| turn | prompt tokens | cached | TTFT s |\n| ---: | ---: | ---: | ---: |")
+        for row in result["turns"]:
+            print(f"| {row['turn']} | {row['prompt_tokens']} | {row['cached_tokens']} | {row['ttft_s']:.3f} |")
+        miss = result["miss"]
+        print(f"| {args.turns}, cache miss | {miss['prompt_tokens']} | {miss['cached_tokens']} | {miss['ttft_s']:.3f} |")
+        t = {row["turn"]: row["ttft_s"] for row in result["turns"]}
+        print(f"\nTTFT turn {args.turns} / turn 2: {t[args.turns] / t[2]:.2f}")
+    if args.scenario in ("both", "agent"):
+        out["agent"] = {name: agent(base + ["--drafter", name], args.requests, args.edit_tokens) for name in ("suffix", "none")}
+        print(f"\nAgent edits, {args.model} ({args.dtype or 'as stored'}), up to {args.edit_tokens} tokens a request\n")
+        print("| request | prompt (cached) | suffix tok/s | τ | none tok/s | speed-up |\n| ---: | ---: | ---: | ---: | ---: | ---: |")
+        for s, n in zip(out["agent"]["suffix"], out["agent"]["none"]):
+            print(f"| {s['request']} | {s['prompt_tokens']} ({s['cached_tokens']}) | {s['decode_tokens_per_s']:.1f} | "
+                  f"{s['tau']:.2f} | {n['decode_tokens_per_s']:.1f} | {s['decode_tokens_per_s'] / n['decode_tokens_per_s']:.2f}x |")
+    out["load_after"] = os.getloadavg()
+    print(f"\nload average before {out['load_before'][0]:.2f}, after {out['load_after'][0]:.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

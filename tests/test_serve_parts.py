@@ -1,0 +1,92 @@
+"""The server's parts without HTTP: the prefix cache's slots and the tool-call parser."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mlxspec import PromptCache, generate
+from mlxspec.serve.prefix_cache import PrefixCache, common_prefix
+from mlxspec.serve.tools import ToolCall, ToolCallParser, split
+
+
+def run(target, tokenizer, prompt, cache):
+    return generate(target, tokenizer, prompt, drafter="ngram", num_draft_tokens=3, max_tokens=12, prompt_cache=cache)
+
+
+def test_a_next_turn_extends_its_slot_in_place(target, tokenizer):
+    cache = PrefixCache(target, slots=4)
+    first = list(range(40, 90))
+    slot = cache.take(first)
+    answer = run(target, tokenizer, first, slot)
+    cache.release(slot)
+    second = first + answer.tokens + list(range(100, 120))
+    assert cache.take(second) is slot  # the whole slot is a prefix of the next prompt
+    assert common_prefix(slot.tokens, second) == len(slot.tokens) == len(first) + len(answer.tokens) - 1
+
+
+def test_a_partial_match_copies_and_keeps_the_slot(target, tokenizer):
+    cache = PrefixCache(target, slots=4)
+    first = list(range(40, 90))
+    slot = cache.take(first)
+    run(target, tokenizer, first, slot)
+    cache.release(slot)
+    held, offset = list(slot.tokens), slot.layers[0].offset
+    other = first[:30] + list(range(150, 170))  # shares 30 tokens, then goes elsewhere
+    copy = cache.take(other)
+    assert copy is not slot and copy.tokens == first[:30] and copy.layers[0].offset == 30
+    assert (slot.tokens, slot.layers[0].offset) == (held, offset)  # the first conversation keeps its slot
+    with_hit = run(target, tokenizer, other, copy)
+    assert with_hit.stats.cached_tokens == 30
+    assert with_hit.tokens == run(target, tokenizer, other, PromptCache(target)).tokens  # greedy: as without a cache
+
+
+def test_least_recently_used_slots_go_first_and_bytes_bound_them(target, tokenizer):
+    cache = PrefixCache(target, slots=2)
+    slots = []
+    for start in (10, 60, 110):
+        prompt = list(range(start, start + 20))
+        slot = cache.take(prompt)
+        run(target, tokenizer, prompt, slot)
+        cache.release(slot)
+        slots.append(slot)
+    assert len(cache) == 2 and cache.take(list(range(10, 40))) not in slots  # the first one was dropped
+    tight = PrefixCache(target, slots=4, max_bytes=0)
+    slot = tight.take(list(range(10, 30)))
+    run(target, tokenizer, list(range(10, 30)), slot)
+    tight.release(slot)
+    assert len(tight) == 0
+
+
+def test_bounds_are_checked(target):
+    with pytest.raises(ValueError, match="--prefix-cache-slots"):
+        PrefixCache(target, slots=0)
+
+
+TEXT = 'Sure.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call> Done <tool'
+
+
+def test_tool_calls_are_found_however_the_text_streams():
+    whole = split(TEXT)
+    assert whole[0] == "Sure. Done <tool"
+    assert [(c.name, json.loads(c.arguments)) for c in whole[1]] == [("get_weather", {"city": "Paris"})]
+    for size in (1, 2, 5, 11):
+        parser, pieces = ToolCallParser(), []
+        for i in range(0, len(TEXT), size):
+            pieces += parser.feed(TEXT[i:i + size])
+            assert not any(isinstance(p, str) and "<tool_call" in p for p in pieces)  # never part of the tag
+        pieces += parser.finish()
+        assert "".join(p for p in pieces if isinstance(p, str)) == whole[0]
+        assert [c.name for c in pieces if isinstance(c, ToolCall)] == ["get_weather"]
+
+
+@pytest.mark.parametrize("body", ["not json", '{"arguments": {}}', '{"name": "f", "arguments": [1]}'])
+def test_a_block_that_is_not_a_call_stays_text(body):
+    text = f"<tool_call>{body}</tool_call>"
+    assert split(text) == (text, [])
+
+
+def test_string_arguments_and_an_unclosed_block():
+    text, calls = split('<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}')
+    assert text == "" and calls[0].input == {"x": 1}
