@@ -254,6 +254,63 @@ def make_medusa(ref: Path, target, t_out: dict, folder: Path, n: int) -> dict:
             "tree_positions": buffers["medusa_position_ids"].numpy()}
 
 
+# --- DFlash (z-lab/dflash) -------------------------------------------------------------------------------
+
+def run_blocks(model, target, prompt: list[int], generate, **kw) -> dict[str, np.ndarray]:
+    """Run the reference's generation loop for a few rounds; record every draft forward's block logits."""
+    calls = []
+    B = model.block_size
+
+    def hook(module, args, kwargs, out):
+        hidden = out if isinstance(out, torch.Tensor) else out[0]
+        calls.append(target.lm_head(hidden[:, -B:]).detach()[0].clone())
+    handle = model.register_forward_hook(hook, with_kwargs=True)
+    with torch.no_grad():
+        out_ids = generate(model, target=target, input_ids=torch.tensor([prompt]), max_new_tokens=6,
+                           stop_token_ids=None, temperature=0.0, **kw)
+    handle.remove()
+    rec = {"output_ids": out_ids[0].numpy(), "block_size": np.array(B)}
+    for r, logits in enumerate(calls):
+        rec[f"block_logits_{r}"] = logits.numpy()  # [B, V]: row j scores the token at anchor + j
+    return rec
+
+
+def make_dflash(ref: Path, target, folder: Path, layout: int, n: int) -> dict:
+    """z-lab's ``DFlashDraftModel`` (2 Qwen3 layers, block 4) saved with ``save_pretrained``. Layout 1 is
+    what transformers 4.x writes (``block_size``, ``rope_theta`` at the top); layout 2 the later one
+    (``block_size`` in ``dflash_config``, ``rope_parameters``), written from the same save by moving
+    those two fields as transformers 5 / z-lab's later configs place them."""
+    sys.path.insert(0, str(ref))
+    try:
+        from dflash.model import DFlashDraftModel, dflash_generate
+    finally:
+        sys.path.pop(0)
+    import transformers as tf
+
+    theta = 10000.0 if layout == 1 else 1000000.0
+    config = tf.Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-6,
+                            rope_theta=theta, max_position_embeddings=256, tie_word_embeddings=False,
+                            torch_dtype="float32", attn_implementation="eager")
+    config.architectures = ["DFlashDraftModel"]
+    config.num_target_layers = target.config.num_hidden_layers
+    config.block_size = 4
+    config.dflash_config = {"mask_token_id": 250, "target_layer_ids": [1, 5]}
+    seed(n)
+    model = DFlashDraftModel(config)
+    randomize(model, 0.2, n)
+    model.eval()
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder, safe_serialization=True)
+    if layout == 2:
+        cfg = json.loads((folder / "config.json").read_text())
+        cfg["dflash_config"]["block_size"] = cfg.pop("block_size")
+        cfg["rope_parameters"] = {"rope_theta": cfg.pop("rope_theta"), "rope_type": "default"}
+        cfg.pop("rope_scaling", None)
+        (folder / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    return run_blocks(model, target, PROMPT, dflash_generate)
+
+
 # --- tree verification (item 5): transformers on every root-to-node path ---------------------------------
 
 def make_tree_verify(target, prompt: list[int], n: int) -> dict:
@@ -313,6 +370,12 @@ def generate(out: Path, refs: dict[str, Path | None]) -> None:
         ref = refs["medusa"]
         write_npz(out / "medusa" / "reference.npz", make_medusa(ref, llama, t_llama, out / "medusa", 20))
         sources["FasterDecoding/Medusa"] = git_commit(ref)
+    if refs.get("dflash"):
+        ref = refs["dflash"]
+        for layout in (1, 2):
+            name = "dflash" if layout == 1 else "dflash_layout2"
+            write_npz(out / name / "reference.npz", make_dflash(ref, llama, out / name, layout, 30 + layout))
+        sources["z-lab/dflash"] = git_commit(ref)
     old = out / "SOURCES.json"
     merged = {**(json.loads(old.read_text()) if old.is_file() else {}), **{k: v for k, v in sources.items() if v}}
     old.write_text(json.dumps(merged, indent=1, sort_keys=True) + "\n")
