@@ -81,6 +81,9 @@ def make_target(kind: str, folder: Path, n: int):
         # rope_theta differs from the 10000 EAGLE heads default to, so a head that inherits it shows
         config = tf.LlamaConfig(num_hidden_layers=8, rope_theta=50000.0, **common)
         model = tf.LlamaForCausalLM(config)
+    elif kind == "qwen3":
+        config = tf.Qwen3Config(num_hidden_layers=4, rope_theta=10000.0, head_dim=8, **common)
+        model = tf.Qwen3ForCausalLM(config)
     else:
         config = tf.Qwen2Config(num_hidden_layers=4, rope_theta=10000.0, use_sliding_window=False, **common)
         model = tf.Qwen2ForCausalLM(config)
@@ -311,6 +314,64 @@ def make_dflash(ref: Path, target, folder: Path, layout: int, n: int) -> dict:
     return run_blocks(model, target, PROMPT, dflash_generate)
 
 
+# --- DSpark (deepseek-ai/DeepSpec) -----------------------------------------------------------------------
+
+class _Args(dict):
+    __getattr__ = dict.__getitem__
+
+
+def make_dspark(ref: Path, target, folder: Path, n: int) -> dict:
+    """DeepSpec's ``Qwen3DSparkModel`` (2 layers, 4 proposals, Markov rank 8, confidence head with Markov
+    features) from its ``build_draft_config``, saved as its ``ckpt_manager`` does (``save_pretrained``
+    with the full state dict), run for a few rounds by its evaluator's own propose/update steps in its
+    ``generate_decoding_sample`` loop (greedy)."""
+    import types
+    for name in ("deepspec.modeling.dspark.gemma4", "deepspec.modeling.eagle3.gemma4"):
+        stub = types.ModuleType(name)  # Gemma-4 classes need transformers 5; the Qwen3 path never uses them
+        stub.Gemma4DSparkModel = stub.Gemma4Eagle3Model = type("Gemma4Unused", (), {})
+        sys.modules[name] = stub
+    sys.path.insert(0, str(ref))
+    try:
+        from deepspec.eval.base_evaluator import generate_decoding_sample
+        from deepspec.eval.dspark.evaluator import Qwen3DSparkEvaluator
+        from deepspec.modeling.dspark.qwen3 import Qwen3DSparkModel
+        from deepspec.modeling.dspark.qwen3.config import build_draft_config
+    finally:
+        sys.path.pop(0)
+    args = _Args(block_size=4, num_draft_layers=2, target_layer_ids=[1, 2], mask_token_id=250, num_anchors=8,
+                 markov_rank=8, markov_head_type="vanilla", confidence_head_alpha=1.0,
+                 confidence_head_with_markov=True)
+    config = build_draft_config(target.config, args)
+    config._attn_implementation = "eager"
+    seed(n)
+    model = Qwen3DSparkModel(config)
+    randomize(model, 0.2, n)
+    model.initialize_embeddings_and_head(embed_tokens=target.model.embed_tokens, lm_head=target.lm_head)
+    model.eval()
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder, state_dict=model.state_dict(), safe_serialization=True)
+
+    evaluator = types.SimpleNamespace(draft_model=model, max_proposal_tokens=model.block_size,
+                                      args=types.SimpleNamespace(temperature=0.0, confidence_threshold=0.0))
+    proposals = []
+
+    def propose(**kw):
+        p = Qwen3DSparkEvaluator._propose(evaluator, **kw)
+        proposals.append(p)
+        return p
+    with torch.no_grad():
+        out = generate_decoding_sample(
+            target_model=target, input_ids=torch.tensor([PROMPT]), max_new_tokens=6,
+            max_proposal_tokens=model.block_size, temperature=0.0, stop_token_ids=None,
+            init_context=lambda **kw: Qwen3DSparkEvaluator._init_context(evaluator, **kw), propose=propose,
+            update=lambda c, v: Qwen3DSparkEvaluator._update(evaluator, c, v))
+    rec = {"output_ids": out.output_ids[0].numpy(), "proposals": np.array(model.block_size)}
+    for r, p in enumerate(proposals):
+        rec[f"drafts_{r}"] = p.verify_input_ids[0, 1:].numpy()
+        rec[f"confidence_logits_{r}"] = p.confidence_logits[0].numpy()
+    return rec
+
+
 # --- tree verification (item 5): transformers on every root-to-node path ---------------------------------
 
 def make_tree_verify(target, prompt: list[int], n: int) -> dict:
@@ -376,6 +437,12 @@ def generate(out: Path, refs: dict[str, Path | None]) -> None:
             name = "dflash" if layout == 1 else "dflash_layout2"
             write_npz(out / name / "reference.npz", make_dflash(ref, llama, out / name, layout, 30 + layout))
         sources["z-lab/dflash"] = git_commit(ref)
+    if refs.get("deepspec"):
+        ref = refs["deepspec"]
+        qwen3 = make_target("qwen3", out / "qwen3", 5)
+        write_npz(out / "qwen3" / "reference.npz", target_outputs(qwen3, PROMPT))
+        write_npz(out / "dspark" / "reference.npz", make_dspark(ref, qwen3, out / "dspark", 40))
+        sources["deepseek-ai/DeepSpec"] = git_commit(ref)
     old = out / "SOURCES.json"
     merged = {**(json.loads(old.read_text()) if old.is_file() else {}), **{k: v for k, v in sources.items() if v}}
     old.write_text(json.dumps(merged, indent=1, sort_keys=True) + "\n")
