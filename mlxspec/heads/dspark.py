@@ -35,6 +35,12 @@ PASS_DSPARK = ("pass a DSpark drafter instead: a folder with config.json and mod
                "dspark' writes) or a Hugging Face repo id")
 
 
+#: DSpark fields DeepSpec's ``build_draft_config`` puts at the top of ``config.json`` (the published layout
+#: nests them in ``dflash_config``); DeepSpec's row layout is ``sample_from_anchor``'s (row j − 1 scores draft j).
+_DEEPSPEC_FIELDS = ("block_size", "mask_token_id", "target_layer_ids", "markov_rank", "markov_head_type",
+                    "enable_confidence_head", "confidence_head_with_markov")
+
+
 @dataclass(frozen=True)
 class DSparkConfig:
     """Shape of a DSpark drafter.
@@ -61,7 +67,8 @@ class DSparkConfig:
 
     @classmethod
     def from_dict(cls, config: dict) -> DSparkConfig:
-        """Read a published DSpark ``config.json``.
+        """Read a DSpark ``config.json``: the published layout (the DSpark fields in ``dflash_config``) or
+        DeepSpec's own save (``Qwen3DSparkModel``: the same fields at the top).
 
         Raises:
             ValueError: not a DSpark config, or a variant this drafter cannot run exactly as trained
@@ -70,6 +77,8 @@ class DSparkConfig:
         extra = config.get("dflash_config") or {}
         if not isinstance(extra, dict):
             raise ValueError("DSpark config's dflash_config must be a JSON object; is this a DSpark drafter's config.json?")
+        if "markov_rank" not in extra and "markov_rank" in config:  # DeepSpec's own save: the fields at the top
+            extra = {**{k: config[k] for k in _DEEPSPEC_FIELDS if k in config}, **extra}
         if extra.get("projector_type") != "dspark" and not any("DSpark" in a for a in config.get("architectures") or ()):
             raise ValueError("this config.json is not a DSpark drafter's (no dflash_config.projector_type 'dspark'); "
                              "for a DFlash drafter use --drafter dflash")
