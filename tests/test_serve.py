@@ -160,6 +160,8 @@ def test_anthropic_messages(server):
     assert message.usage.output_tokens == final.usage.output_tokens == 20
     assert final.usage.cache_read_input_tokens > 0  # the same prompt again: all but its last token was cached
     assert SPECULATIVE_KEYS <= set(message.model_extra["speculative"])
+    counted = client.messages.count_tokens(model=name, system="Be brief", messages=messages)
+    assert counted.input_tokens == message.usage.input_tokens + message.usage.cache_read_input_tokens
 
 
 def test_tool_calls(tool_server):

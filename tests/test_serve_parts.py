@@ -90,3 +90,64 @@ def test_a_block_that_is_not_a_call_stays_text(body):
 def test_string_arguments_and_an_unclosed_block():
     text, calls = split('<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}')
     assert text == "" and calls[0].input == {"x": 1}
+
+
+def test_a_draft_model_across_alternating_conversations_answers_as_without_a_cache(target, tokenizer):
+    from conftest import tiny_llama
+
+    from mlxspec import make_drafter
+
+    drafter = make_drafter("draft", target, tokenizer, draft_model=tiny_llama(seed=3), draft_tokenizer=tokenizer)
+    cache = PrefixCache(target, slots=4)
+    conversations = [list(range(40, 80)), list(range(120, 170))]
+    for turn in range(3):  # the draft model's one cache follows whichever conversation runs
+        for c, prompt in enumerate(conversations):
+            slot = cache.take(prompt)
+            hit = generate(target, tokenizer, prompt, drafter=drafter, num_draft_tokens=3, max_tokens=10, prompt_cache=slot)
+            cache.release(slot)
+            assert turn == 0 or hit.stats.cached_tokens >= len(prompt) - 20
+            fresh = generate(target, tokenizer, prompt, drafter="none", max_tokens=10)
+            assert hit.tokens == fresh.tokens
+            conversations[c] = prompt + hit.tokens + [50 + turn, 60 + c]
+
+
+def test_the_worker_ends_an_answer_at_its_deadline_and_refuses_a_full_queue(target, tokenizer):
+    import asyncio
+    import time
+
+    from mlxspec import SamplingParams, make_drafter
+    from mlxspec.serve.worker import Delta, Done, Job, QueueFull, Served, Worker
+
+    served = Served("tiny", tokenizer, None, "ngram", frozenset(tokenizer.eos_token_ids))
+    worker = Worker(lambda: (target, tokenizer, make_drafter("ngram"), 3, served), queue_size=1)
+    assert worker.start() is served
+
+    async def answer(deadline_s: float, max_tokens: int) -> tuple[int, Done]:
+        job = Job(list(range(30, 60)), max_tokens, SamplingParams(), None, [], time.monotonic() + deadline_s,
+                  asyncio.get_running_loop())
+        worker.submit(job)
+        tokens = 0
+        while not isinstance(event := await job.events.get(), Done):
+            assert isinstance(event, Delta)
+            tokens += event.tokens
+        return tokens, event
+
+    try:
+        tokens, done = asyncio.run(answer(0.3, 100_000))
+        assert done.timed_out and done.finish_reason == "length" and 0 < tokens == done.stats.generation_tokens < 4000
+        tokens, done = asyncio.run(answer(60, 8))
+        assert (tokens, done.finish_reason, done.timed_out) == (8, "length", False)
+
+        async def flood():
+            jobs = [Job([1, 2, 3], 2000, SamplingParams(), None, [], time.monotonic() + 60, asyncio.get_running_loop())
+                    for _ in range(3)]
+            with pytest.raises(QueueFull):
+                for job in jobs:  # one runs, one waits, the third finds the queue full
+                    worker.submit(job)
+                    await asyncio.sleep(0.05)
+            for job in jobs:
+                job.cancelled.set()
+
+        asyncio.run(flood())
+    finally:
+        assert worker.close()

@@ -16,7 +16,7 @@ from starlette.responses import JSONResponse
 from .errors import ApiError, error_body
 from .prompts import anthropic_messages, anthropic_tools, render
 from .routes import EventStream, collect, events, first_event, new_id, read, sampling, speculative, state, submit, watch
-from .schemas import MessagesRequest
+from .schemas import CountTokensRequest, MessagesRequest
 from .tools import ToolCall, ToolCallParser, split
 from .worker import Delta, Done
 
@@ -68,6 +68,15 @@ async def messages(request: Request):
     return JSONResponse({**message, "content": blocks, "stop_reason": reason, "stop_sequence": sequence,
                          "usage": usage(prompt, done.stats.cached_tokens, done.stats.generation_tokens),
                          "speculative": speculative(done.stats)})
+
+
+@router.post("/v1/messages/count_tokens")
+async def count_tokens(request: Request):
+    """The prompt's token count as the template renders it (Claude Code asks before sending)."""
+    body = await read(request, CountTokensRequest)
+    no_tools = body.tool_choice is not None and body.tool_choice.get("type") == "none"
+    prompt = render(state(request).served.tokenizer, anthropic_messages(body), None if no_tools else anthropic_tools(body.tools))
+    return {"input_tokens": len(prompt)}
 
 
 async def _stream(request, job, first, message: dict, tools: bool, prompt: list[int], stops: list[str]):

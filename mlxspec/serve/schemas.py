@@ -175,3 +175,9 @@ class MessagesRequest(ApiModel):
         if self.tool_choice is not None and self.tool_choice.get("type") not in ("auto", "none"):
             return "tool_choice", "tool_choice must be {'type': 'auto'} or {'type': 'none'} (a forced tool is not supported)"
         return None
+
+
+class CountTokensRequest(MessagesRequest):
+    """``/v1/messages/count_tokens``: a Messages request without ``max_tokens``."""
+
+    max_tokens: int | None = Field(None, ge=1)
