@@ -9,6 +9,14 @@ from mlx_lm.models import llama
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, TokenizerWrapper
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest's own -m deselection sees the markers
+def pytest_collection_modifyitems(items):
+    """A test on the real default model is slow too: the fast tier runs on tiny random models only."""
+    for item in items:
+        if item.get_closest_marker("real_model"):
+            item.add_marker(pytest.mark.slow)
+
+
 def tiny_llama(seed: int = 0, vocab_size: int = 264, hidden_size: int = 64, num_layers: int = 2,
                dtype=mx.float32, sharpen: float = 1.0) -> nn.Module:
     """A random llama (2 layers, hidden 64) with float32 weights.

@@ -141,12 +141,14 @@ def _drafter8(target):
     return DFlashDrafter(random_dflash(vocab=V, block_size=4, layer_ids=(0, 1)), target)
 
 
+@pytest.mark.slow  # statistical
 def test_sampled_blocks_are_lossless(target8):
     params = SamplingParams(temp=1.0)
     stat, critical = chi_square(sample_joint(target8, _drafter8(target8), params), exact_joint(target8, params))
     assert stat < critical, f"chi-square {stat:.1f} >= {critical:.1f}"
 
 
+@pytest.mark.slow  # statistical
 def test_the_same_test_rejects_a_wrong_q(target8, monkeypatch):
     """Draft each position's argmax but hand the verifier the softmax q it was not drawn from."""
 

@@ -49,6 +49,7 @@ def test_drafts_come_from_the_frequent_ids_and_the_texts_own(models):
 
 @pytest.mark.parametrize("params", [SamplingParams(temp=1.0), SamplingParams(temp=1.0, top_p=0.8),
                                     SamplingParams(temp=1.0, repetition_penalty=1.5)], ids=["temp1", "top_p", "rep"])
+@pytest.mark.slow  # statistical
 def test_drafting_from_a_draft_vocabulary_follows_the_target(models, params):
     target, draft = models
     stat, critical = chi_square(sample_joint(target, DraftModelDrafter(draft, V, V, vocab_ids=FREQUENT), params),
@@ -67,6 +68,7 @@ class WholeVocabularyQ(DraftModelDrafter):
         return proposed
 
 
+@pytest.mark.slow  # statistical
 def test_the_same_test_rejects_q_that_ignores_the_draft_vocabulary(models):
     target, draft = models
     params = SamplingParams(temp=1.0)

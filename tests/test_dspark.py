@@ -101,6 +101,7 @@ def _sample(target, drafter, gamma, n=1500) -> Counter:
     return counts
 
 
+@pytest.mark.slow  # statistical
 @pytest.mark.parametrize("scheduled", [False, True], ids=["fixed", "scheduled"])
 def test_sampled_dspark_is_lossless(target8, scheduled):
     drafter = DSparkDrafter(random_dspark(vocab=V, block_size=4), target8)
@@ -120,6 +121,7 @@ class _Recorder:
         return self.bias, markov
 
 
+@pytest.mark.slow  # statistical
 def test_the_same_test_rejects_a_q_without_the_markov_bias(target8, monkeypatch):
     """Sample x_j from the biased logits but hand the verifier the backbone's q (the bias forgotten)."""
     net = random_dspark(vocab=V, block_size=4)

@@ -192,6 +192,7 @@ def small_vocab():
     return target, drafter
 
 
+@pytest.mark.slow  # statistical
 def test_sampling_through_the_dynamic_tree_follows_the_target(small_vocab):
     from test_lossless import exact_joint
 
@@ -202,6 +203,7 @@ def test_sampling_through_the_dynamic_tree_follows_the_target(small_vocab):
     assert stat < critical, f"chi-square {stat:.1f} >= {critical:.1f}"
 
 
+@pytest.mark.slow  # statistical
 def test_the_same_test_rejects_a_wrong_tree_rule(small_vocab, monkeypatch):
     from test_lossless import exact_joint, without_residual
 
@@ -645,6 +647,7 @@ def test_eagle_with_the_ngram_branch_is_lossless_and_accepts_more_on_repeated_te
     assert runs[4].stats.accepted > runs[0].stats.accepted
 
 
+@pytest.mark.slow  # statistical
 def test_sampling_through_the_tree_with_the_ngram_branch_follows_the_target(small_vocab):
     from test_lossless import exact_joint
 

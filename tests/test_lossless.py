@@ -99,6 +99,7 @@ SETTINGS = {
 CASES = [("draft", name) for name in SETTINGS] + [("ngram", "temp1"), ("ngram", "top_p0.8"), ("none", "temp1")]
 
 
+@pytest.mark.slow  # statistical
 @pytest.mark.parametrize("kind,setting", CASES, ids=[f"{k}-{s}" for k, s in CASES])
 def test_first_two_tokens_follow_the_target(models, kind, setting):
     params = SETTINGS[setting]
@@ -116,6 +117,7 @@ def without_residual(rule):
     return broken
 
 
+@pytest.mark.slow  # statistical
 @pytest.mark.parametrize("kind,rule", [("draft", "verify_sampled"), ("ngram", "verify_deterministic")])
 def test_the_same_test_rejects_a_verifier_without_residual(models, kind, rule, monkeypatch):
     engine = sys.modules["mlxspec.generate"]
@@ -125,6 +127,7 @@ def test_the_same_test_rejects_a_verifier_without_residual(models, kind, rule, m
     assert stat > critical
 
 
+@pytest.mark.slow  # statistical
 def test_the_same_test_rejects_greedy_drafts_scored_as_sampled(models):
     """A draft model that drafts argmax q but reports the softmax q it did not sample from."""
     drafter = _drafter("draft", models)
@@ -167,6 +170,7 @@ PLAIN_CASES = {  # pipelined plain steps (γ = 0), and auto falling back after o
 }
 
 
+@pytest.mark.slow  # statistical
 @pytest.mark.parametrize("case", list(PLAIN_CASES))
 def test_plain_steps_and_fallback_follow_the_target(models, case):
     make, gamma, setting = PLAIN_CASES[case]
@@ -176,6 +180,7 @@ def test_plain_steps_and_fallback_follow_the_target(models, case):
     assert stat < critical, f"chi-square {stat:.1f} >= {critical:.1f}"
 
 
+@pytest.mark.slow  # statistical
 def test_the_same_test_rejects_plain_steps_that_drop_the_filters(models, monkeypatch):
     engine = sys.modules["mlxspec.plain_steps"]
     original = engine.sample  # the plain step's sampler, here without its top-k filter
@@ -191,6 +196,7 @@ def test_the_same_test_rejects_plain_steps_that_drop_the_filters(models, monkeyp
 STOPPING = Costs(MEMORY_BOUND.verify_s, draft_s=0.17)
 
 
+@pytest.mark.slow  # statistical
 @pytest.mark.parametrize("setting", ["temp1", "min_p0.1"])  # settings under which the first round stops both ways
 def test_rounds_ended_by_the_drafts_confidence_follow_the_target(models, setting):
     """γ auto with the draft model (``stop_early``): whether the first round drafts a third token depends on the

@@ -72,6 +72,7 @@ def test_untrained_heads_predict_the_next_token_exactly_like_the_lm_head():
     assert mx.allclose(logits[2], output_head(target)(hidden)).item()
 
 
+@pytest.mark.slow  # statistical
 def test_medusa_sampling_follows_the_target():
     from test_lossless import exact_joint, sample_joint
 

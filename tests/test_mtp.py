@@ -158,6 +158,7 @@ def small():
 
 @pytest.mark.parametrize("params", [SamplingParams(temp=1.0), SamplingParams(temp=0.7, top_k=3)],
                          ids=["temp1", "temp0.7-top_k3"])
+@pytest.mark.slow  # statistical
 def test_sampled_mtp_chains_follow_the_target(small, params):
     target, stack = small
     drafter = MTPDrafter(stack, target, depth=3)
@@ -177,6 +178,7 @@ class WrongQ(MTPDrafter):
         return Draft.chain(draft.tokens, flat - mx.logsumexp(flat, axis=-1, keepdims=True))
 
 
+@pytest.mark.slow  # statistical
 def test_the_same_test_rejects_the_wrong_q(small):
     target, stack = small
     params = SamplingParams(temp=1.0)
@@ -327,6 +329,7 @@ def test_plain_rounds_between_chains_are_pipelined_and_still_feed_the_drafter(ta
 HALF = np.array([0, 2, 3, 6], dtype=np.int32)  # half of the vocabulary-8 target's ids
 
 
+@pytest.mark.slow  # statistical
 def test_a_draft_vocabulary_drafts_only_its_ids_and_stays_lossless(small):
     target, stack = small
     restricted = MTPStack(stack.chain, stack.config, HALF)
@@ -351,6 +354,7 @@ class UnrestrictedQ(MTPDrafter):
         return token, warp(module.logits(h, self.lm_head), sampling)
 
 
+@pytest.mark.slow  # statistical
 def test_the_same_test_rejects_q_that_ignores_the_draft_vocabulary(small):
     target, stack = small
     params = SamplingParams(temp=1.0)

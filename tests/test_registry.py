@@ -76,6 +76,7 @@ def test_every_registered_drafter_is_greedy_identical(name):
         assert result.stats.drafted > 0, "the drafter never proposed anything, so nothing was tested"
 
 
+@pytest.mark.slow  # statistical
 @pytest.mark.parametrize("name", DRAFTERS)
 def test_every_registered_drafter_is_lossless_at_temperature_1(name):
     """Chi-square of the first two sampled tokens against the exact joint (see test_lossless)."""

@@ -162,6 +162,7 @@ def _scheduled_draft(models, own_token: bool):
     return drafter, ScheduledGamma(linear_costs(1.0), max_gamma=2, probe_every=0)
 
 
+@pytest.mark.slow  # statistical
 def test_scheduled_sampling_follows_the_target(lossless_models):
     params = SamplingParams(temp=1.0)
     drafter, policy = _scheduled_draft(lossless_models, own_token=False)
@@ -175,6 +176,7 @@ def test_scheduled_sampling_follows_the_target(lossless_models):
     assert min(lengths[1], lengths[2]) > 0
 
 
+@pytest.mark.slow  # statistical
 def test_the_same_test_rejects_survival_that_reads_its_own_token(lossless_models):
     params = SamplingParams(temp=1.0)
     drafter, policy = _scheduled_draft(lossless_models, own_token=True)

@@ -32,6 +32,8 @@ from mlxspec.train import (
 )
 from mlxspec.train.features import valid_targets
 
+pytestmark = pytest.mark.slow  # training
+
 LETTERS = string.ascii_lowercase
 
 

@@ -25,6 +25,8 @@ from mlxspec.train.dflash import (
 from mlxspec.train.loop import StepRecord
 from test_train_eagle import _corpus, _prompts
 
+pytestmark = pytest.mark.slow  # training
+
 CONFIG = DFlashTrainConfig(num_layers=1, block_size=4, epochs=3, batch_tokens=512, learning_rate=3e-3,
                            warmup_steps=5)
 

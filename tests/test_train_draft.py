@@ -24,6 +24,8 @@ from mlxspec.train.draft_data import DraftTrainConfig, training_vocab
 from mlxspec.train.loop import EvalRecord, StepRecord
 from mlxspec.train.features import FeatureCache
 
+pytestmark = pytest.mark.slow  # training
+
 WORDS = ["apple", "river", "blue", "sky", "seven", "cloud", "stone", "fast", "green", "moon", "why", "how"]
 SMALL = DraftTrainConfig(layers=1, hidden=32, epochs=4, batch_tokens=256, learning_rate=3e-3, warmup_steps=5,
                          max_eval_positions=512)

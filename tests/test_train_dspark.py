@@ -20,6 +20,8 @@ from mlxspec.train.loop import StepRecord
 from test_schedule import linear_costs
 from test_train_eagle import _corpus, _prompts
 
+pytestmark = pytest.mark.slow  # training
+
 CONFIG = DSparkTrainConfig(num_layers=1, block_size=4, markov_rank=8, epochs=3, batch_tokens=512,
                            learning_rate=3e-3, warmup_steps=5)
 

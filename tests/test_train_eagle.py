@@ -29,6 +29,8 @@ from mlxspec.train.eagle_data import (
 from mlxspec.train.features import FeatureCache
 from mlxspec.train.loop import StepRecord
 
+pytestmark = pytest.mark.slow  # training
+
 
 def _prompts(tok, n: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)

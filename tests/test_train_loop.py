@@ -19,6 +19,8 @@ from mlxspec.train.features import FeatureCache, extract_features
 from mlxspec.train.loop import EvalRecord, StepRecord, fit
 from mlxspec.train.medusa import MedusaTask, MedusaTrainConfig
 
+pytestmark = pytest.mark.slow  # training
+
 
 class Killed(Exception):
     """Stands for the process dying (Ctrl-C, OOM killer, the machine going away)."""

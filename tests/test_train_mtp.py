@@ -19,6 +19,8 @@ from mlxspec.train.loop import StepRecord
 from mlxspec.train.mtp import MTPTrainConfig, train_mtp
 from test_train_eagle import _corpus, _prompts
 
+pytestmark = pytest.mark.slow  # training
+
 CONFIG = MTPTrainConfig(ttt_steps=2, eval_steps=2, epochs=3, batch_tokens=512, learning_rate=3e-3, warmup_steps=5)
 
 

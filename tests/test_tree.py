@@ -146,11 +146,13 @@ def _matches_p(first, second) -> bool:
     return all(stat < critical for stat, critical in ok)
 
 
+@pytest.mark.slow  # statistical
 @pytest.mark.parametrize("mode", ["deterministic", "without-replacement"])
 def test_tree_walk_emits_p(mode):
     assert _matches_p(*_walk_counts(5000, mode))
 
 
+@pytest.mark.slow  # statistical
 def test_raw_q_without_renormalisation_fails_the_same_test():
     assert not _matches_p(*_walk_counts(5000, "raw-q"))
 
@@ -202,6 +204,7 @@ def test_greedy_with_trees_equals_plain_greedy():
     assert spec.stats.tau > 2.5  # the oracle branch is followed through the tree
 
 
+@pytest.mark.slow  # statistical
 def test_sampling_with_trees_follows_the_target():
     from test_lossless import exact_joint, sample_joint
 

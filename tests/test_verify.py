@@ -80,6 +80,7 @@ def test_disjoint_supports_reject_at_zero_and_sample_from_p():
     assert seen == {2, 3}
 
 
+@pytest.mark.slow  # statistical
 def test_one_hot_draft_is_accepted_with_probability_p():
     p_log = mx.log(mx.array(P))
     drafts = mx.array([3, 3], dtype=mx.int32)
@@ -89,6 +90,7 @@ def test_one_hot_draft_is_accepted_with_probability_p():
     assert abs(rate - P[0, 3]) < 4 * np.sqrt(P[0, 3] * (1 - P[0, 3]) / 3000)
 
 
+@pytest.mark.slow  # statistical
 def test_one_hot_rejection_resamples_from_p_without_the_draft():
     p_log = mx.log(mx.array(P))
     drafts = mx.array([1, 4], dtype=mx.int32)
@@ -105,6 +107,7 @@ def test_one_hot_rejection_resamples_from_p_without_the_draft():
     assert stat < critical
 
 
+@pytest.mark.slow  # statistical
 @pytest.mark.parametrize("deterministic", [False, True], ids=["sampled-q", "one-hot-q"])
 def test_emitted_tokens_follow_p(deterministic):
     if deterministic:  # a deterministic drafter: fixed tokens, q one-hot
@@ -120,10 +123,12 @@ def _verify_without_residual(draft_tokens, draft_logprobs, target_logprobs):
     return n, mx.random.categorical(target_logprobs[n]).item()
 
 
+@pytest.mark.slow  # statistical
 def test_a_verifier_without_residual_fails_the_same_test():
     assert not _all_depths_match_p(_run(_verify_without_residual, 4000, Q, Q))
 
 
+@pytest.mark.slow  # statistical
 def test_greedy_drafts_scored_as_sampled_fail_the_same_test():
     """Drafting argmax q but passing the softmax q as if the token were sampled from it."""
     greedy_rows = np.eye(V, dtype=np.float32)[Q.argmax(axis=1)]

@@ -46,6 +46,7 @@ def test_holm_adjusts_step_down():
     assert holm([0.01, 0.04, 0.03]) == pytest.approx([0.03, 0.06, 0.06])
 
 
+@pytest.mark.slow  # statistical
 @pytest.mark.parametrize("kind", ["ngram", "draft"])
 def test_exact_speculation_passes_and_a_broken_rule_fails(models, kind):
     target, draft = models
@@ -62,6 +63,7 @@ def test_exact_speculation_passes_and_a_broken_rule_fails(models, kind):
     assert not bad.passed and min(c.adjusted_p for c in bad.checks) < 1e-6, bad
 
 
+@pytest.mark.slow  # statistical
 def test_batched_and_engine_samples_pass_alike_with_filters(models):
     target, _ = models
     sampling = SamplingParams(temp=0.8, top_k=4, repetition_penalty=1.3)
@@ -71,6 +73,7 @@ def test_batched_and_engine_samples_pass_alike_with_filters(models):
         assert report.passed and report.checks[0].drafted > 0, report
 
 
+@pytest.mark.slow  # statistical
 def test_gamma_auto_is_checked_through_the_engine_with_rounds_the_drafts_confidence_ends(models):
     """``num_draft_tokens`` a γ policy (what ``generate`` runs by default): the samples go through the engine's loop,
     the policy learns across them, the draft model's rounds end on its own confidence and vary in length; the exact
@@ -103,6 +106,7 @@ def test_gamma_auto_is_checked_through_the_engine_with_rounds_the_drafts_confide
     assert greedy.passed and all(c.drafted > 0 for c in greedy.checks), greedy
 
 
+@pytest.mark.slow  # statistical
 def test_lossy_typical_acceptance_fails(models):
     target, draft = models
     drafter = make_drafter("draft", target, list(range(V)), draft_model=draft)
@@ -119,6 +123,7 @@ def test_greedy_is_compared_token_for_token(models):
     assert not broken.passed and all(c.mismatch_at is not None for c in broken.checks if not c.passed)
 
 
+@pytest.mark.slow  # statistical
 def test_the_command_prints_a_record_and_exits_by_verdict(tiny_model_dir, tmp_path, capsys, monkeypatch):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("abab abab abab\n\n")

@@ -20,7 +20,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-pytestmark = pytest.mark.real_model  # the shipped head is for the real default model
+pytestmark = [pytest.mark.real_model, pytest.mark.slow]  # a wheel build; the shipped head is for the real default model
 
 
 def _run(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
