@@ -293,8 +293,13 @@ def test_disconnect_cancels_and_metrics(server):
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_stops_cleanly_on_a_signal(chat_model, sig):
+    """A signal mid-answer ends the answer after its round (the stream finishes properly), then exit 0."""
     process = ServerProcess(["--model", str(chat_model), *GAMMA])
-    assert post(process, "/v1/completions", {"model": "default", "prompt": "hi", "max_tokens": 3})[0] == 200
+    stream = openai_client(process).chat.completions.create(
+        model="default", messages=[{"role": "user", "content": "x"}], max_tokens=3000, stream=True)
+    next(iter(stream))
     status, out = process.stop(sig)
-    assert status == 0, out
-    assert "Traceback" not in out
+    chunks = list(stream)
+    assert status == 0 and "Traceback" not in out, out
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert sum(bool(c.choices[0].delta.content) for c in chunks) < 3000

@@ -234,7 +234,8 @@ class Worker:
             max_tokens=job.max_tokens, sampling=job.sampling, seed=job.seed, stop=job.stop or None,
             prompt_cache=slot,
         )
-        totals = GenerationStats(drafter=self._drafter.name, prompt_tokens=len(job.prompt))
+        gamma = self._policy if isinstance(self._policy, int) else self._policy.max_gamma
+        totals = GenerationStats(drafter=self._drafter.name, num_draft_tokens=gamma, prompt_tokens=len(job.prompt))
         texts, count, last, stopped = [], 0, None, None
         try:
             for event in events:
@@ -243,6 +244,8 @@ class Worker:
                     count, last = count + 1, event.token
                 elif isinstance(event, CycleStats):
                     totals.add_cycle(event)
+                    if getattr(self._policy, "adaptive", False):  # as stream_generate counts them in its totals
+                        totals.add_gamma(event.gamma)
                     if event.cycle == 0:
                         totals.cached_tokens = slot.reused
                     self._post_text(job, texts, count, slot.reused)
