@@ -4,7 +4,6 @@ renders tools, and a running ``mlxspec serve`` on 127.0.0.1 (a free port) in a s
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -12,6 +11,8 @@ import urllib.request
 from pathlib import Path
 
 import mlx.core as mx
+
+from mlxspec.serve.measure import free_port
 
 from conftest import byte_tokenizer, save_tiny_model, tiny_llama
 
@@ -69,12 +70,6 @@ def save_tool_model(path: Path) -> Path:
     model.lm_head.weight = head
     mx.eval(model.parameters())
     return save_tiny_model(path, model, tokenizer)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ServerProcess:

@@ -30,7 +30,8 @@ import sys
 import time
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -40,7 +41,7 @@ class Server:
     """``mlxspec serve`` in a subprocess until ``stop``."""
 
     def __init__(self, args: list[str], timeout_s: float = 900.0):
-        self.port = _free_port()
+        self.port = free_port()
         self.process = subprocess.Popen([sys.executable, "-m", "mlxspec", "serve", "--port", str(self.port), *args],
                                         stderr=sys.stderr)
         deadline = time.monotonic() + timeout_s
