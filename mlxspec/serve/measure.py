@@ -44,6 +44,13 @@ class Server:
         self.port = free_port()
         self.process = subprocess.Popen([sys.executable, "-m", "mlxspec", "serve", "--port", str(self.port), *args],
                                         stderr=sys.stderr)
+        try:
+            self._wait(timeout_s)
+        except BaseException:  # Ctrl+C while it loads, or it never answered: do not leave it running
+            self.stop()
+            raise
+
+    def _wait(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -95,16 +102,24 @@ TOPICS = ["rivers", "bread", "bridges", "owls", "glass", "tides", "maps", "bees"
           "iron", "coral", "ink", "wind", "paper", "wolves", "rain", "copper", "sand", "comets"]
 
 
-def conversation(serve_args: list[str], turns: int, max_tokens: int) -> dict:
+def conversation(serve_args: list[str], turns: int, max_tokens: int, repeats: int = 1) -> dict:
+    """``repeats`` conversations on one server, interleaved turn by turn (so each turn's samples meet the
+    same machine load); then the last turn of the first one with its system prompt changed (a miss)."""
     server = Server(serve_args)
     try:
-        messages, rows = [{"role": "system", "content": "You are a concise, friendly assistant."}], []
+        talks = [[{"role": "system", "content": "You are a concise, friendly assistant."}] for _ in range(repeats)]
+        rows = []
         for turn in range(1, turns + 1):
-            messages.append({"role": "user", "content": f"Tell me one surprising fact about {TOPICS[turn % len(TOPICS)]}."})
-            reply = server.chat(messages, max_tokens)
-            messages.append({"role": "assistant", "content": reply["text"]})
-            rows.append({"turn": turn, **{k: v for k, v in reply.items() if k != "text"}})
-        cold = [dict(messages[0], content="You are a concise, friendly assistant!")] + messages[1:-1]
+            samples = []
+            for r, messages in enumerate(talks):
+                topic = TOPICS[(turn + 7 * r) % len(TOPICS)]
+                messages.append({"role": "user", "content": f"Tell me one surprising fact about {topic}."})
+                reply = server.chat(messages, max_tokens)
+                messages.append({"role": "assistant", "content": reply.pop("text")})
+                samples.append(reply)
+            ttfts = sorted(s["ttft_s"] for s in samples)
+            rows.append({"turn": turn, **samples[0], "ttft_s": ttfts[len(ttfts) // 2], "ttft_samples": ttfts})
+        cold = [dict(talks[0][0], content="You are a concise, friendly assistant!")] + talks[0][1:-1]
         miss = server.chat(cold, max_tokens)
         miss.pop("text")
     finally:
@@ -160,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--turns", type=int, default=20)
     parser.add_argument("--turn-tokens", type=int, default=40, help="max_tokens of each turn. Default: 40")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="conversations run interleaved; each turn's TTFT is their median. Default: 1")
     parser.add_argument("--requests", type=int, default=5)
     parser.add_argument("--edit-tokens", type=int, default=400, help="max_tokens of each agent request. Default: 400")
     parser.add_argument("--scenario", choices=("both", "conversation", "agent"), default="both")
@@ -168,8 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     base = ["--model", args.model] + (["--dtype", args.dtype] if args.dtype else [])
     out = {"model": args.model, "dtype": args.dtype, "load_before": os.getloadavg()}
     if args.scenario in ("both", "conversation"):
-        out["conversation"] = result = conversation(base, args.turns, args.turn_tokens)
-        print(f"\nConversation, {args.model} ({args.dtype or 'as stored'}), {args.turn_tokens} tokens a turn\n")
+        out["conversation"] = result = conversation(base, args.turns, args.turn_tokens, args.repeats)
+        print(f"\nConversation, {args.model} ({args.dtype or 'as stored'}), {args.turn_tokens} tokens a turn, "
+              f"TTFT the median of {args.repeats} interleaved conversations\n")
         print("| turn | prompt tokens | cached | TTFT s |\n| ---: | ---: | ---: | ---: |")
         for row in result["turns"]:
             print(f"| {row['turn']} | {row['prompt_tokens']} | {row['cached_tokens']} | {row['ttft_s']:.3f} |")
