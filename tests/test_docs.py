@@ -5,11 +5,15 @@
 - Every ``docs/....md`` cited in mlxspec/, app/ and tests/ exists, and a section it cites
   (``docs/acceptance.md 2.4``) is a heading of that file; no bare ``heads.md`` / ``DESIGN.md``
   (files outside the repository) is cited.
+- No tracked file outside tests/ names a path on the machine it was made on (``/work/...``,
+  ``/root/...``, ``/home/...``, ``/tmp/...``, ``/Users/...``): docs, README, scripts and the JSON
+  records and training records that ship.
 """
 
 from __future__ import annotations
 
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -22,6 +26,7 @@ CODE = [p for d in ("mlxspec", "app", "tests") for p in sorted((ROOT / d).rglob(
 LINK = re.compile(r"!?\[(?:[^\]\[]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 FENCE = re.compile(r"^(```|~~~).*?^\1", re.S | re.M)
 HEADING = re.compile(r"^#{1,6}\s+(.+?)\s*#*\s*$", re.M)
+MACHINE_PATH = re.compile(r"(?<![\w.~/-])/(?:work|root|home|tmp|Users)/[\w.-]+")
 CITED_DOC = re.compile(r"(?<![\w./-])((?:[\w.-]+/)*[\w.-]+\.md)(?:\s+(?:rule\s+|section\s+|§)?(\d+(?:\.\d+)*))?")
 
 
@@ -126,3 +131,27 @@ def test_no_merge_conflict_markers():
     found = [f"{p.relative_to(ROOT)}:{p.read_text(encoding='utf-8')[:m.start()].count(chr(10)) + 1}"
              for p in files for m in marker.finditer(p.read_text(encoding="utf-8"))]
     assert not found, "conflict markers left by a merge: " + ", ".join(found)
+
+
+def test_the_machine_path_check_finds_one():
+    assert MACHINE_PATH.findall('"checkpoint": "/work/qwen05/mtp/epoch-1", /root/x /Users/me/a /tmp/b /home/c') == [
+        "/work/qwen05", "/root/x", "/Users/me", "/tmp/b", "/home/c"]
+    assert MACHINE_PATH.findall("https://github.com/work/x ~/home/x models/tmp/x docs/work/x") == []
+
+
+def test_no_machine_paths_in_tracked_files():
+    """Records say where things are relative to the repository or as placeholders (CORPUS, OUTPUT), never
+    where they were on the machine that made them."""
+    names = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    found = []
+    for name in filter(None, names.split("\0")):
+        path = ROOT / name
+        if name.startswith("tests/") or not path.is_file() or path.suffix not in (
+                ".md", ".json", ".jsonl", ".sh", ".py", ".toml", ".txt", ".tcss", ".cfg", ".yml", ".yaml", ""):
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            continue
+        found += [f"{name}: {m}" for m in sorted(set(MACHINE_PATH.findall(text)))]
+    assert not found, found[:20]

@@ -1,11 +1,10 @@
 #!/bin/bash
 # The README table: 50 held-out prompts, 128 new tokens, temps 0 and 0.7, float32 target, OpenBLAS.
 set -e
-. /work/venv/bin/activate
-cd /work/main
+cd "$(dirname "$0")/../../.."  # the repository root; run with its environment active
 M=${MEDUSA:-models/medusa/SmolLM2-135M-Instruct}
 E3=${EAGLE3:-models/eagle/SmolLM2-135M-Instruct}
-D=${DRAFT:-models/draft/SmolLM2-135M-Instruct}
+D=${DRAFT:?DRAFT=the draft model folder (the one measured no longer ships: docs/training.md)}
 export LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3
 mlxspec train measure --model default --prompts models/medusa/SmolLM2-135M-Instruct/heldout_prompts.jsonl \
   --max-tokens 128 --engine-prompts ${ENGINE_PROMPTS:-8} \
