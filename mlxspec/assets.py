@@ -1,7 +1,7 @@
 """Where mlxspec finds its assets: files shipped beside the code, and models fetched by name.
 
 Shipped assets live in the ``models/`` folder as ``models/<kind>/<model name>/`` (``kind`` is
-``medusa``, ``eagle``, ``draft``, ``dflash`` or ``mtp``; the model name is
+``medusa``, ``eagle``, ``draft``, ``dflash``, ``dspark`` or ``mtp``; the model name is
 ``loading.model_name(spec)``, e.g. ``SmolLM2-135M-Instruct``); a wheel installs that folder as
 ``mlxspec_models``.
 ``$MLXSPEC_MODELS`` points at another ``models`` folder. Heads are matched to a target by its card
@@ -48,6 +48,16 @@ WHAT = {
     "mtp": ("MTP module ships", "--mtp-weights FOLDER", "mlxspec train mtp"),
     "dspark": ("DSpark drafter ships", "--dspark-heads PATH_OR_REPO", "mlxspec train dspark"),
 }
+#: Where trained drafters of each kind are published, for the same one-line error (a drafter ships in
+#: ``models/`` only when it pays on its target: docs/drafters.md, "What ships").
+PUBLISHED = {
+    "medusa": "published heads load by repo id, e.g. FasterDecoding/medusa-vicuna-7b-v1.3",
+    "eagle": "published EAGLE-3 heads load by repo id, e.g. yuhuili/EAGLE3-LLaMA3.1-Instruct-8B",
+    "draft": "a smaller model of the target's family with its tokenizer, e.g. mlx-community/Qwen2.5-0.5B-Instruct-4bit",
+    "dflash": "z-lab publishes DFlash drafters, e.g. z-lab/Qwen3-4B-DFlash-b16 for Qwen/Qwen3-4B",
+    "mtp": "DeepSeek-V3, GLM and Qwen3.5 checkpoints carry their own MTP layers",
+    "dspark": "published DSpark drafters (mlx-vlm's layout) load by folder or repo id",
+}
 
 
 def models_dir() -> Path:
@@ -67,7 +77,7 @@ def shipped(kind: str, model_name: str) -> Path | None:
     heads by what the target is (``identity.shipped_for``).
 
     Args:
-        kind: ``"medusa"``, ``"eagle"``, ``"draft"`` or ``"dflash"``.
+        kind: A key of ``SHIPPED_MARKERS`` (``"medusa"``, ``"eagle"``, ``"draft"``, ...).
         model_name: The target's name (``loading.model_name``), e.g. ``"SmolLM2-135M-Instruct"``.
 
     Returns:

@@ -18,7 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .assets import SHIPPED_MARKERS, WHAT, models_dir
+from .assets import PUBLISHED, SHIPPED_MARKERS, WHAT, models_dir
 from .taps import model_body
 
 #: The card's file in a shipped head folder.
@@ -122,5 +122,5 @@ def require_shipped_for(kind: str, target: nn.Module) -> Path:
     if path is None:
         what, flag, train = WHAT[kind]
         raise ValueError(f"no {what} for this model ({describe_card(model_card(target))}); pass {flag} "
-                         f"(or make one with '{train}')")
+                         f"({PUBLISHED[kind]}), or train one with '{train}'")
     return path

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .assets import shipped
+from .assets import PUBLISHED, shipped
 from .cache import check_compactable, check_rewindable, speculative_cache
 from .drafters import Drafter, DrafterSpec, make_drafter
 from .loading import DTYPES, describe, is_quantized, load, model_name
@@ -102,8 +102,8 @@ def draft_model_spec(drafter: DrafterSpec, given: ModelSpec | None, target: Mode
         return None
     path = shipped("draft", target.name)
     if path is None:
-        raise ValueError(f"--drafter draft needs a draft model: pass --draft-model PATH_OR_REPO (none ships for "
-                         f"{target.name}; distil one with 'mlxspec train draft')")
+        raise ValueError(f"--drafter draft needs a draft model: pass --draft-model PATH_OR_REPO ({PUBLISHED['draft']}; "
+                         f"none ships for {target.name}), or distil one with 'mlxspec train draft'")
     return ModelSpec(str(path), dtype)
 
 

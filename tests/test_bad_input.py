@@ -257,13 +257,24 @@ def test_messages_name_what_is_missing_and_the_fix(tmp_path):
 
 def test_no_shipped_asset_points_at_the_command_that_makes_one():
     """What ``require_shipped_for`` says when nothing ships: the flag, and a command that exists."""
-    from mlxspec.assets import SHIPPED_MARKERS, WHAT
+    from mlxspec.assets import PUBLISHED, SHIPPED_MARKERS, WHAT
     from mlxspec.commands.train import METHODS
 
-    assert set(WHAT) == set(SHIPPED_MARKERS)
+    assert set(WHAT) == set(SHIPPED_MARKERS) == set(PUBLISHED)
     for kind, (_, flag, make) in WHAT.items():
         assert flag.startswith(f"--{kind}-") or kind == "draft", kind
         assert make == f"mlxspec train {kind}" and kind in METHODS, kind
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dspark", "mtp", "draft"])
+def test_a_drafter_without_weights_says_how_to_train_one_or_where_published_ones_are(capsys, tiny_model_dir, tmp_path,
+                                                                                     monkeypatch, kind):
+    """Trained drafters ship only when they pay (docs/drafters.md): without one, one line says what to do."""
+    from mlxspec.assets import PUBLISHED
+
+    monkeypatch.setenv("MLXSPEC_MODELS", str(tmp_path))  # nothing ships
+    err = one_line_error(capsys, ["generate", "--model", str(tiny_model_dir), "--drafter", kind, "--prompt", "hi"])
+    assert f"mlxspec train {kind}" in err and PUBLISHED[kind] in err, err
 
 
 def test_closing_the_engine_mid_answer_exits_cleanly(tiny_model_dir):

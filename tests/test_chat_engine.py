@@ -18,8 +18,6 @@ from mlxspec.loading import load
 from mlxspec.metrics import CycleStats, GenerationStats, TokenEvent
 from test_app import messages, wait_for
 
-ROOT = Path(__file__).resolve().parent.parent
-
 
 def rounds(n, closed):
     """``n`` rounds of two tokens (one with empty text); sets ``closed`` when the generator closes."""
@@ -115,11 +113,17 @@ def test_chat_command_rejects_bad_flags_before_starting_the_app(capsys):
     assert "needs a draft model" in capsys.readouterr().err
 
 
-def test_chat_takes_the_draft_shipped_for_the_default_model():
+def test_chat_takes_the_draft_shipped_for_the_default_model(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("MLXSPEC_MODELS", str(tmp_path))  # no draft ships in the repository: file one here
     args = chat.setup_arg_parser().parse_args(["--drafter", "draft"])
+    assert chat.main(["--drafter", "draft"]) == 2
+    assert "needs a draft model" in capsys.readouterr().err
+    folder = tmp_path / "draft" / "SmolLM2-135M-Instruct"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text("{}")
     config = chat.checked_config(args)
     assert config.drafter.name == "draft"
-    assert Path(config.draft_model.spec).resolve() == (ROOT / "models" / "draft" / "SmolLM2-135M-Instruct").resolve()
+    assert Path(config.draft_model.spec).resolve() == folder.resolve()
 
 
 def test_chat_flags_become_the_engine_config():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import subprocess
 import tomllib
 from pathlib import Path
 
@@ -14,6 +15,8 @@ DATA_PACKAGES = {"mlxspec_models"}
 #: Files allowed past the size limit, and why.
 LONG_FILES = {"mlxspec/gguf.py": "one reader for a binary format with many block types"}
 MAX_LINES = 500
+#: What a clone's tracked files may weigh: code, docs, bench records and the shipped heads that pay.
+MAX_TRACKED_BYTES = 40 * 2**20
 
 
 def modules() -> dict[str, Path]:
@@ -119,3 +122,10 @@ def test_every_kind_of_shipped_asset_is_in_the_wheel():
 
     data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
     assert {f"{kind}/*/*" for kind in SHIPPED_MARKERS} <= set(data["mlxspec_models"])
+
+
+def test_the_tracked_files_stay_small():
+    """Every clone carries every tracked file: weights that do not pay (docs/drafters.md, "What ships") stay out."""
+    names = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    sizes = {name: (ROOT / name).stat().st_size for name in names.split("\0") if name and (ROOT / name).is_file()}
+    assert sum(sizes.values()) <= MAX_TRACKED_BYTES, sorted(sizes.items(), key=lambda kv: -kv[1])[:5]

@@ -254,7 +254,7 @@ def test_auto_runs_mtp_plainly_where_no_chain_of_its_depth_could_win(tmp_path, t
 
 def test_auto_falls_back_to_plain_decoding_when_the_chain_keeps_missing(target):
     """A chain that follows γ is priced on its running acceptance: drafts that never survive send γ auto back
-    to plain decoding after a few rounds (the shipped Qwen2.5-Coder-0.5B module, τ 1.25, lost 20-30% to plain
+    to plain decoding after a few rounds (the module trained for Qwen2.5-Coder-0.5B, τ 1.25, lost 20-30% to plain
     decoding at its full depth)."""
     from mlxspec.costmodel import AutoGamma, Costs
 

@@ -17,6 +17,7 @@ from test_cli import run as run_generate
 from mlxspec.commands.train import main as train_main
 from mlxspec.drafters import make_drafter
 from mlxspec.generate import generate
+from mlxspec.identity import write_card
 from mlxspec.sampling import SamplingParams
 from mlxspec.train.corpus import build_corpus
 from mlxspec.train.draft import draft_model_config, init_draft, project_embeddings, train_draft
@@ -182,6 +183,17 @@ def test_cli_output_is_an_mlx_lm_folder_for_both_generators(capsys, corpus, tmp_
     code, stdout, err = run_generate(capsys, *base, "--drafter", "draft", "--num-draft-tokens", "3")
     assert code == 0, err
     assert json.loads(stdout)["drafter"] == "draft" and json.loads(stdout)["draft_model"].startswith(tiny_model_dir.name)
+    # make_drafter("draft") in Python takes the shipped draft whose card matches the target, and only that one
+    shipped = tmp_path / "models" / "draft" / tiny_model_dir.name
+    with pytest.raises(ValueError, match="needs a draft model.*none ships for this model"):
+        make_drafter("draft", target, tokenizer)  # no card: never matched by name alone
+    write_card(shipped, target, tiny_model_dir.name)
+    drafter = make_drafter("draft", target, tokenizer)
+    assert mx.array_equal(drafter.model.model.embed_tokens.weight, mlx_lm.load(str(shipped))[0].model.embed_tokens.weight)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "blue sky"}], add_generation_prompt=True)
+    drafted = generate(target, tokenizer, prompt, drafter=drafter, num_draft_tokens=3, max_tokens=16)
+    assert drafted.stats.drafted > 0
+    assert drafted.tokens == generate(target, tokenizer, prompt, drafter="none", max_tokens=16).tokens
 
 
 def test_cli_errors_are_one_line(capsys, tmp_path):
@@ -190,30 +202,3 @@ def test_cli_errors_are_one_line(capsys, tmp_path):
     assert err.startswith("mlxspec: error: no corpus in") and err.count("\n") == 1
     assert train_main(["draft", "--corpus", str(tmp_path), "--output", str(tmp_path / "o"), "--hidden", "0"]) == 2
     assert "hidden must be >= 1" in capsys.readouterr().err
-
-
-@pytest.mark.real_model
-def test_the_shipped_draft_drafts_for_the_default_model(capsys):
-    base = ["--dtype", "float32", "--prompt", "Explain why the sky is blue.", "--max-tokens", "12", "--json"]
-    code, stdout, err = run_generate(capsys, *base, "--drafter", "draft", "--draft-dtype", "float32",
-                                     "--num-draft-tokens", "2")
-    assert code == 0, err
-    record = json.loads(stdout)
-    assert record["draft_model"] == "SmolLM2-135M-Instruct (MLX, float32)" and record["drafted"] > 0
-    assert record["text"] == json.loads(run_generate(capsys, *base, "--drafter", "none")[1])["text"]
-
-
-@pytest.mark.real_model
-def test_make_drafter_takes_the_shipped_draft_in_python():
-    from mlxspec import generate, load, make_drafter
-    from mlxspec.assets import models_dir
-
-    target, tokenizer = load("default", dtype="float32")
-    drafter = make_drafter("draft", target, tokenizer)  # no draft_model=: the one shipped for this target
-    shipped, _ = load(str(models_dir() / "draft" / "SmolLM2-135M-Instruct"))
-    assert len(drafter.model.model.layers) == len(shipped.model.layers)
-    assert mx.array_equal(drafter.model.model.embed_tokens.weight, shipped.model.embed_tokens.weight)
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Name a colour."}], add_generation_prompt=True)
-    drafted = generate(target, tokenizer, prompt, drafter=drafter, num_draft_tokens=2, max_tokens=12)
-    assert drafted.stats.drafted > 0
-    assert drafted.text == generate(target, tokenizer, prompt, drafter="none", max_tokens=12).text

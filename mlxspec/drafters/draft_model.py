@@ -328,13 +328,14 @@ def _with_shipped_draft(context: DrafterContext) -> DrafterContext:
     Raises:
         ValueError: no target, or no draft model ships for it.
     """
+    from ..assets import PUBLISHED
     from ..identity import shipped_for
     from ..loading import load
 
     path = shipped_for("draft", context.target) if context.target is not None else None
     if path is None:
-        raise ValueError("--drafter draft needs a draft model: pass --draft-model PATH_OR_REPO; none ships for this "
-                         f"model{PYTHON_DRAFT_ADVICE}")
+        raise ValueError(f"--drafter draft needs a draft model: pass --draft-model PATH_OR_REPO ({PUBLISHED['draft']}); "
+                         f"none ships for this model{PYTHON_DRAFT_ADVICE}")
     model, tokenizer = load(str(path))
     return dataclasses.replace(context, draft_model=model, draft_tokenizer=tokenizer)
 

@@ -20,7 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
-from ..assets import shipped
+from ..assets import PUBLISHED, shipped
 from ..heads.mtp import TRAIN_COMMAND, MTPStack, has_mtp, load_mtp
 from ..sampling import SamplingParams, sample
 from ..taps import head_slice, logits_width, model_body, output_head
@@ -159,8 +159,8 @@ def mtp_weights(context: DrafterContext, given: str | None) -> Path:
         return ships
     name = context.target_name or "this target"
     raise ValueError(f"no MTP layers for {name}: its checkpoint has none (no model.layers.{{N}}.eh_proj or mtp.* "
-                     f"tensors) and no module ships in models/mtp/{name}/; pass --mtp-weights FOLDER, or train "
-                     f"one: {TRAIN_COMMAND}")
+                     f"tensors) and no module ships for it; pass --mtp-weights FOLDER ({PUBLISHED['mtp']}), "
+                     f"or train one: {TRAIN_COMMAND}")
 
 
 def build(options: MTPOptions, context: DrafterContext) -> MTPDrafter:
