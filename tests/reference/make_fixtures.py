@@ -372,6 +372,84 @@ def make_dspark(ref: Path, target, folder: Path, n: int) -> dict:
     return rec
 
 
+# --- MTP, DeepSeek-V3 layout (no runnable code from DeepSeek: vLLM's deepseek_mtp.py forward) -------------
+
+def make_mtp_deepseek(folder: Path, n: int) -> dict:
+    """A tiny GLM-4.5 MoE target (transformers' ``Glm4MoeForCausalLM``: partial RoPE, q/k norms, routed and
+    shared experts) with one MTP layer in the DeepSeek-V3 layout, as DeepSeek and GLM publish it
+    (``model.layers.{N}.{enorm,hnorm,eh_proj,shared_head.*,embed_tokens}`` and the block's own tensors,
+    beside the main weights). GLM stands in for DeepSeek-V3 because mlx-lm's ``deepseek_v3`` drops only
+    ``model.layers.61`` (the full model's MTP index), so a tiny DeepSeek-V3 with its MTP layer does not
+    load there. DeepSeek's inference code has no MTP forward, so the numbers follow vLLM's
+    ``DeepSeekMultiTokenPredictorLayer.forward`` (its ``glm4_moe_mtp`` and SGLang's ``deepseek_nextn`` are
+    the same) with transformers' own decoder layer as the block: the embedding is zeroed at position 0,
+    x = eh_proj([enorm(e); hnorm(h)]), the block, logits = shared_head.head(shared_head.norm(x)); a chain
+    feeds x (before shared_head.norm) back as h."""
+    import transformers as tf
+    from safetensors.torch import save_file
+    from transformers.models.glm4_moe import modeling_glm4_moe as ds
+
+    cfg = tf.Glm4MoeConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=3,
+        first_k_dense_replace=1, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, n_group=1,
+        topk_group=1, num_attention_heads=4, num_key_value_heads=2, head_dim=8, partial_rotary_factor=0.5,
+        use_qk_norm=True, attention_bias=True, rope_theta=10000.0, max_position_embeddings=256,
+        tie_word_embeddings=False, num_nextn_predict_layers=1, rms_norm_eps=1e-6, bos_token_id=2,
+        eos_token_id=1, torch_dtype="float32", attn_implementation="eager")
+    seed(n)
+    target = tf.Glm4MoeForCausalLM(cfg)
+    randomize(target, 0.15, n)
+    target.eval()
+    N, H = cfg.num_hidden_layers, cfg.hidden_size
+    mtp = torch.nn.Module()
+    mtp.enorm, mtp.hnorm = ds.Glm4MoeRMSNorm(H, 1e-6), ds.Glm4MoeRMSNorm(H, 1e-6)
+    mtp.eh_proj = torch.nn.Linear(2 * H, H, bias=False)
+    mtp.block = ds.Glm4MoeDecoderLayer(cfg, layer_idx=N)
+    mtp.shared_head = torch.nn.Module()
+    mtp.shared_head.norm = ds.Glm4MoeRMSNorm(H, 1e-6)
+    randomize(mtp, 0.15, n + 1)
+    mtp.eval()
+
+    state = {k: v.contiguous() for k, v in target.state_dict().items()}
+    for k, v in mtp.state_dict().items():
+        state[f"model.layers.{N}.{k.removeprefix('block.')}"] = v.contiguous()
+    state[f"model.layers.{N}.shared_head.head.weight"] = target.lm_head.weight.detach().clone()
+    state[f"model.layers.{N}.embed_tokens.weight"] = target.model.embed_tokens.weight.detach().clone()
+    folder.mkdir(parents=True, exist_ok=True)
+    target.config.save_pretrained(folder)
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    save_tokenizer(folder)
+
+    t_out = target_outputs(target, PROMPT)
+    ids, L = PROMPT, len(PROMPT)
+    root = int(np.argmax(t_out["logits"][-1]))
+
+    def mtp_forward(tokens: list[int], hidden: torch.Tensor) -> torch.Tensor:
+        """vLLM's MTP layer over positions 0..T-1 (causal): the block output x [T, H]."""
+        T = len(tokens)
+        positions = torch.arange(T)
+        e = target.model.embed_tokens(torch.tensor(tokens)).clone()
+        e[positions == 0] = 0  # "masking inputs at position 0, as not needed by MTP"
+        x = mtp.eh_proj(torch.cat([mtp.enorm(e), mtp.hnorm(hidden)], dim=-1))[None]
+        mask = torch.full((T, T), torch.finfo(torch.float32).min).triu(1)[None, None]
+        cos_sin = target.model.rotary_emb(x, positions[None])
+        out = mtp.block(x, attention_mask=mask, position_ids=positions[None], position_embeddings=cos_sin)
+        return (out[0] if isinstance(out, tuple) else out)[0]
+
+    def logits(x):
+        return target.lm_head(mtp.shared_head.norm(x))
+
+    with torch.no_grad():
+        hidden = torch.from_numpy(t_out["final"])  # the target's last hidden states (after its final norm)
+        x1 = mtp_forward(ids[1:] + [root], hidden)  # position i: h_i with token i + 1
+        l1 = logits(x1)
+        d1 = int(torch.argmax(l1[-1]))
+        x2 = mtp_forward(ids[1:] + [root, d1], torch.cat([hidden, x1[-1:]]))  # the chain: x fed back as h
+        l2 = logits(x2[-1])
+    return {**{f"target_{k}": v for k, v in t_out.items()}, "root": np.array(root), "depth1_logits": l1.numpy(),
+            "depth2_logits": l2.numpy(), "drafts": np.array([d1, int(torch.argmax(l2))])}
+
+
 # --- tree verification (item 5): transformers on every root-to-node path ---------------------------------
 
 def make_tree_verify(target, prompt: list[int], n: int) -> dict:
@@ -443,6 +521,7 @@ def generate(out: Path, refs: dict[str, Path | None]) -> None:
         write_npz(out / "qwen3" / "reference.npz", target_outputs(qwen3, PROMPT))
         write_npz(out / "dspark" / "reference.npz", make_dspark(ref, qwen3, out / "dspark", 40))
         sources["deepseek-ai/DeepSpec"] = git_commit(ref)
+    write_npz(out / "mtp_deepseek" / "reference.npz", make_mtp_deepseek(out / "mtp_deepseek", 50))
     old = out / "SOURCES.json"
     merged = {**(json.loads(old.read_text()) if old.is_file() else {}), **{k: v for k, v in sources.items() if v}}
     old.write_text(json.dumps(merged, indent=1, sort_keys=True) + "\n")

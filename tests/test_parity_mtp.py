@@ -1,0 +1,40 @@
+"""MTP layers in the DeepSeek-V3 layout against the most authoritative runnable forward there is.
+
+DeepSeek's own inference code (deepseek-ai/DeepSeek-V3 ``inference/model.py``) has no MTP forward, so the
+fixture (tests/reference/make_fixtures.py) follows vLLM's ``DeepSeekMultiTokenPredictorLayer.forward``
+(SGLang's ``deepseek_nextn`` does the same) with transformers' own ``DeepseekV3DecoderLayer`` as the block,
+on a tiny transformers ``DeepseekV3ForCausalLM`` (MLA attention, routed and shared experts) whose
+checkpoint carries one MTP layer as DeepSeek publishes it (``model.layers.{N}.*`` beside the main
+weights). mlxspec loads the target folder through mlx-lm and the MTP layer through ``load_mtp``, and
+must give the reference's target logits, MTP logits at every position and the two-token chain.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from mlxspec.drafters.mtp import MTPDrafter
+from mlxspec.heads.mtp import load_mtp
+from mlxspec.taps import output_head
+from parity import FIXTURES, GREEDY, assert_close, features, reference, target
+
+
+def test_parity_mtp_deepseek():
+    ref = reference("mtp_deepseek")
+    model = target("mtp_deepseek")
+    prompt = ref["target_ids"].tolist()
+    assert_close(np.array(model(mx.array([prompt]))[0]), ref["target_logits"], "DeepSeek-V3 target logits")
+    stack = load_mtp(FIXTURES / "mtp_deepseek", model)
+    assert stack.config.layout == "deepseek" and stack.config.num_modules == 1
+    root = int(ref["root"])
+    hidden = features(model, prompt)  # [L, H], the target's last hidden states after its final norm
+    module = stack.first
+    out = module(hidden[None], mx.array([prompt[1:] + [root]]), model.model.embed_tokens)
+    assert_close(np.array(module.logits(out, output_head(model))[0]), ref["depth1_logits"], "MTP logits (depth 1)")
+
+    drafter = MTPDrafter(stack, model, depth=2)
+    history = prompt + [root]
+    drafter.prefill(history, hidden)
+    draft = drafter.propose(history, 2, GREEDY)
+    assert np.array(draft.tokens).tolist() == ref["drafts"].tolist(), "the MTP chain differs from the reference"
