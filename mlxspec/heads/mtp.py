@@ -91,10 +91,16 @@ class MTPModule(nn.Module):
     def __call__(self, hidden: mx.array, tokens: mx.array, embed, cache=None, mask=None) -> mx.array:
         """Normed output [B, T, H] for features ``hidden`` [B, T, H] and the next tokens [B, T] int32.
 
+        The token embedding at absolute position 0 is zeroed, as vLLM's and SGLang's DeepSeek/GLM/Qwen MTP
+        forwards do ("not needed by MTP"); every later position attends to that entry.
+
         ``cache``: one mlx-lm cache per block, or ``None``; ``mask``: the attention mask (``None`` =
         mlx-lm's causal mask for the cache, as an array).
         """
-        x = self.eh_proj(mx.concatenate([self.enorm(embed(tokens)), self.hnorm(hidden)], axis=-1))  # [B, T, H]
+        e = embed(tokens)  # [B, T, H]
+        if (cache[0].offset if cache is not None else 0) == 0:  # position 0's embedding is zeroed (vLLM, SGLang)
+            e = mx.concatenate([mx.zeros_like(e[:, :1]), e[:, 1:]], axis=1)
+        x = self.eh_proj(mx.concatenate([self.enorm(e), self.hnorm(hidden)], axis=-1))  # [B, T, H]
         for i, block in enumerate(self.blocks):
             c = cache[i] if cache is not None else None
             # an array mask: some attentions (DeepSeek's MLA) take no "causal" string
