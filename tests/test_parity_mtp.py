@@ -36,5 +36,8 @@ def test_parity_mtp_deepseek():
     drafter = MTPDrafter(stack, model, depth=2)
     history = prompt + [root]
     drafter.prefill(history, hidden)
+    calls, logits = [], module.logits
+    module.logits = lambda out, lm_head: calls.append(logits(out, lm_head)) or calls[-1]
     draft = drafter.propose(history, 2, GREEDY)
     assert np.array(draft.tokens).tolist() == ref["drafts"].tolist(), "the MTP chain differs from the reference"
+    assert_close(np.array(calls[1])[0], ref["depth2_logits"], "MTP logits at chain depth 2")
