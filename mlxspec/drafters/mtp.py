@@ -89,17 +89,18 @@ class MTPDrafter(Drafter):
             return Draft.empty()
         self._history = history
         module, n = self.stack.first, self._pending.shape[0]
-        out = module(self._pending[None], mx.array(history[-n:], dtype=mx.int32)[None], self.embed,
-                     cache=self.cache)[0]  # [n, H]
+        raw = module(self._pending[None], mx.array(history[-n:], dtype=mx.int32)[None], self.embed,
+                     cache=self.cache, raw=True)[0][-1:]  # [1, H]
         self._pending, committed = None, self.cache[0].offset
-        h, tokens, logprobs = out[-1:], [], []  # h [1, H]: predicts the token after the root
+        h, tokens, logprobs = module.norm(raw), [], []  # h [1, H]: predicts the token after the root
         for step in range(depth):
             token, q = self._sample(module, h, sampling)  # [1], [1, V] or None
             tokens.append(token)
             if q is not None:
                 logprobs.append(q)
             if step + 1 < depth:
-                h = module(h[None], token[None], self.embed, cache=self.cache)[0]
+                raw = module(module.chain_feature(raw, h)[None], token[None], self.embed, cache=self.cache, raw=True)[0]
+                h = module.norm(raw)
         for c in self.cache:
             c.trim(c.offset - committed)  # speculative entries go; later writes overwrite them
         draft = Draft.chain(mx.concatenate(tokens), mx.concatenate(logprobs) if logprobs else None)

@@ -76,10 +76,15 @@ class MTPModule(nn.Module):
         hidden_size: H.
         eps: RMSNorm epsilon.
         vocab_size: V, to give the module its own output head; ``None`` = the target's.
+        published: A published module (DeepSeek/GLM/Qwen, not one ``mlxspec train mtp`` wrote): run it as
+            vLLM and SGLang do, the token embedding at position 0 zeroed and a chain fed the block's output
+            before the final norm; mlxspec's own modules run as they were trained (neither).
     """
 
-    def __init__(self, blocks: list[nn.Module], hidden_size: int, eps: float, vocab_size: int | None = None):
+    def __init__(self, blocks: list[nn.Module], hidden_size: int, eps: float, vocab_size: int | None = None,
+                 published: bool = False):
         super().__init__()
+        self.published = published
         self.enorm = nn.RMSNorm(hidden_size, eps=eps)
         self.hnorm = nn.RMSNorm(hidden_size, eps=eps)
         self.eh_proj = nn.Linear(2 * hidden_size, hidden_size, bias=False)
@@ -88,17 +93,18 @@ class MTPModule(nn.Module):
         if vocab_size is not None:
             self.head = nn.Linear(hidden_size, vocab_size, bias=False)
 
-    def __call__(self, hidden: mx.array, tokens: mx.array, embed, cache=None, mask=None) -> mx.array:
-        """Normed output [B, T, H] for features ``hidden`` [B, T, H] and the next tokens [B, T] int32.
+    def __call__(self, hidden: mx.array, tokens: mx.array, embed, cache=None, mask=None, raw: bool = False) -> mx.array:
+        """Normed output [B, T, H] (``raw``: before the final norm) for features ``hidden`` [B, T, H] and the
+        next tokens [B, T] int32.
 
-        The token embedding at absolute position 0 is zeroed, as vLLM's and SGLang's DeepSeek/GLM/Qwen MTP
-        forwards do ("not needed by MTP"); every later position attends to that entry.
+        A published module zeroes the token embedding at absolute position 0, as vLLM's and SGLang's
+        DeepSeek/GLM/Qwen MTP forwards do ("not needed by MTP"); every later position attends to it.
 
         ``cache``: one mlx-lm cache per block, or ``None``; ``mask``: the attention mask (``None`` =
         mlx-lm's causal mask for the cache, as an array).
         """
         e = embed(tokens)  # [B, T, H]
-        if (cache[0].offset if cache is not None else 0) == 0:  # position 0's embedding is zeroed (vLLM, SGLang)
+        if self.published and (cache[0].offset if cache is not None else 0) == 0:  # as vLLM, SGLang
             e = mx.concatenate([mx.zeros_like(e[:, :1]), e[:, 1:]], axis=1)
         x = self.eh_proj(mx.concatenate([self.enorm(e), self.hnorm(hidden)], axis=-1))  # [B, T, H]
         for i, block in enumerate(self.blocks):
@@ -106,7 +112,12 @@ class MTPModule(nn.Module):
             # an array mask: some attentions (DeepSeek's MLA) take no "causal" string
             m = mask if mask is not None else create_attention_mask(x, c, return_array=True)
             x = block(x, m, c)
-        return self.norm(x)
+        return x if raw else self.norm(x)
+
+    def chain_feature(self, raw: mx.array, normed: mx.array) -> mx.array:
+        """What the next chain step reads as h: the block output before the final norm (a published module,
+        DeepSeek-V3 section 2.2 and vLLM), or the normed output (mlxspec's modules, trained so)."""
+        return raw if self.published else normed
 
     def logits(self, out: mx.array, lm_head) -> mx.array:
         """Draft logits [..., V] from the module's output [..., H]: its own head, else the target's."""
@@ -160,11 +171,11 @@ def new_block(target: nn.Module) -> nn.Module:
     return cls(args, len(body.layers)) if takes_index else cls(args)
 
 
-def _module(target: nn.Module, num_blocks: int, own_head: bool) -> MTPModule:
+def _module(target: nn.Module, num_blocks: int, own_head: bool, published: bool = False) -> MTPModule:
     args = target.args
     eps = getattr(args, "rms_norm_eps", 1e-6)
     vocab = logits_width(target) if own_head else None
-    return MTPModule([new_block(target) for _ in range(num_blocks)], args.hidden_size, eps, vocab)
+    return MTPModule([new_block(target) for _ in range(num_blocks)], args.hidden_size, eps, vocab, published)
 
 
 # --- reading published checkpoints ---------------------------------------------------------------
@@ -330,7 +341,8 @@ def load_mtp(path: str | Path, target: nn.Module, dtype=None) -> MTPStack:
         weights = _canonical({k: v for k, v in raw.items() if k.startswith(prefix)}, layout, prefix, num_blocks)
         weights.pop("embed_tokens.weight", None)  # DeepSeek/GLM duplicate the target's embedding
         weights = _sanitize_blocks(target, weights, num_blocks)
-        modules.append(_fill(_module(target, num_blocks, own_head), weights, prefix, folder))
+        published = not config.get("mlxspec_mtp", False)  # save_mtp marks mlxspec's own modules
+        modules.append(_fill(_module(target, num_blocks, own_head, published), weights, prefix, folder))
     stack = MTPStack(modules, stack_config, read_draft_vocab(folder, logits_width(target)))
     cast = dtype or model_body(target).embed_tokens.weight.dtype
     if cast in (mx.float16, mx.bfloat16, mx.float32):
