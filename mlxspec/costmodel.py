@@ -130,7 +130,7 @@ class AcceptanceEstimate:
     estimate: drafts behind a rejection were never judged and count at no depth), each h_i shrunk toward
     the pooled h of all deeper depths, itself shrunk toward α. So a depth no round reached continues the
     chains measured, and one rejection behind a long draft does not make every deeper depth look rejected,
-    as the per-depth ratio this replaced did (docs/benchmarks.md, run X). Counts decay by ``1 − 1/window``
+    as the per-depth ratio this replaced did (docs/results-archive.md, run X). Counts decay by ``1 − 1/window``
     per drafting round, so the estimate follows α as it moves.
 
     Attributes:
@@ -319,7 +319,7 @@ class AutoGamma:
 
     The defaults were chosen by replaying the policy, at temperature 0, on Qwen2.5-Coder-1.5B's greedy
     answers with its 0.5B draft model and with n-gram lookup, and on synthetic acceptance sequences
-    (docs/benchmarks.md, run Q).
+    (docs/results-archive.md, run Q).
 
     Args:
         costs: This machine's ``Costs`` for the target and drafter.

@@ -86,7 +86,7 @@ def test_auto_gamma_follows_acceptance_and_probes_while_plain():
 
 def test_auto_gamma_allows_chance_misses_but_not_an_improbable_run():
     """A drafter kept half the time misses 3 rounds in a row every few dozen rounds by chance; falling back
-    for that cost a cheap drafter up to 20% in the replays (docs/benchmarks.md). Only a run improbable at
+    for that cost a cheap drafter up to 20% in the replays (docs/results-archive.md). Only a run improbable at
     the estimate, (1 − α̂)^misses < miss_p, or one of ``miss_rounds`` falls back."""
     auto = AutoGamma(MEMORY_BOUND)
     for kept in [1, 0] * 20:  # kept half the time
@@ -278,7 +278,7 @@ def replay_lookup(prompt: list[int], answer: list[int], policy, costs: Costs) ->
 def test_auto_with_lookup_is_within_5_percent_of_the_best_fixed_gamma_on_the_15b_answers():
     """Issue 15's target, replayed exactly: the n-gram drafter under γ auto on Qwen2.5-Coder-1.5B's greedy answers
     to the 8 bench prompts, on run N's measured verify curve, against the best fixed γ in hindsight: with the
-    per-depth ratio estimate the rename edit was 16% short (docs/benchmarks.md run X)."""
+    per-depth ratio estimate the rename edit was 16% short (docs/results-archive.md, run X)."""
     bench = Path(__file__).parent.parent / "models/bench/qwen"
     costs = Costs(json.loads((bench / "N-qwen2.5-coder-1.5b.json").read_text())["costs"]["ngram"]["verify_s"])
     answers = json.loads((bench / "greedy-answers.json").read_text())["answers"]
