@@ -118,9 +118,31 @@ def test_ci_runs_the_readmes_test_command():
     assert commands[0] in (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()
 
 
-def test_readme_is_a_front_page():
-    """At most 250 lines (issue 14): manuals, methods and results live in docs/."""
-    assert len((ROOT / "README.md").read_text(encoding="utf-8").splitlines()) <= 250
+#: The README is a product page (issue 44): manuals, methods and results live in docs/.
+README_MAX_WORDS = 1500
+README_MAX_LINE = 200
+RUN_LETTER = re.compile(r"\b[Rr]uns? [A-Z]\d?\b(?:(?:, | and )[A-Z]\d?\b)*")
+
+
+def readme_prose(text: str) -> list[str]:
+    """The README's lines outside fenced code and tables."""
+    return [line for line in FENCE.sub("", text).splitlines() if not line.lstrip().startswith("|")]
+
+
+def test_readme_is_a_product_page():
+    """At most 1,500 words, no prose line over 200 characters, no benchmark runs named by letter (those
+    live in docs/results-archive.md)."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert len(text.split()) <= README_MAX_WORDS
+    assert [line for line in readme_prose(text) if len(line) > README_MAX_LINE] == []
+    assert RUN_LETTER.findall(text) == []
+
+
+def test_the_readme_checks_catch_what_they_forbid():
+    assert RUN_LETTER.findall("as run E showed; runs S, T and V; Run K2") == ["run E", "runs S, T and V", "Run K2"]
+    assert RUN_LETTER.findall("a run of 4 prompts; runs a chain; run `mlxspec bench`") == []
+    prose = readme_prose("para\n| " + "x" * 300 + " |\n```bash\n" + "y" * 300 + "\n```\n")
+    assert [line for line in prose if line] == ["para"]
 
 
 def test_no_merge_conflict_markers():
