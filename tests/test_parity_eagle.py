@@ -79,3 +79,22 @@ def test_parity_eagle1():
     """EAGLE-1/2 (``fc`` with bias over [embedding, feature], no input norm, the target's LM head)."""
     head = _check("eagle1")
     assert head.config.version == 1 and head.config.bias
+
+
+def test_parity_speculators_eagle3():
+    """The speculators / vLLM EAGLE-3 layout, against vllm-project/speculators' own ``Eagle3DraftModel``
+    (0.9.0, transformers 5): ``layers.0.*`` for the midlayer, the layer's config nested in
+    ``transformer_layer_config`` (RoPE base 70000 in ``rope_parameters``), ``eagle_aux_hidden_state_layer_ids``
+    counting layer outputs, saved with its ``save_pretrained``. The reference is its forward's draft
+    logits over the prompt (one training-time-test step)."""
+    ref = reference("speculators_eagle3")
+    model = target("llama")
+    head = load_eagle(FIXTURES / "speculators_eagle3", model)
+    assert head.config.version == 3 and head.config.reduced_vocab
+    N = len(model.model.layers)
+    layers = head.config.resolved_aux_layers(N)
+    assert list(layers) == [i + 1 for i in ref["aux_layer_outputs"].tolist()]
+    prompt = reference("llama")["ids"].tolist()
+    hidden = features(model, prompt, layers)
+    out = head(hidden[None], mx.array([prompt[1:] + [int(ref["root"])]]), model.model.embed_tokens)
+    assert_close(head.logits(out)[0], ref["seq_logits"], "speculators EAGLE-3 draft logits over the prompt")

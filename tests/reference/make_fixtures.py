@@ -450,6 +450,60 @@ def make_mtp_deepseek(folder: Path, n: int) -> dict:
             "depth2_logits": l2.numpy(), "drafts": np.array([d1, int(torch.argmax(l2))])}
 
 
+# --- speculators EAGLE-3 (vllm-project/speculators; needs transformers 5, so a run of its own) -------------
+
+def make_speculators_eagle3(out: Path, n: int) -> dict:
+    """speculators' ``Eagle3DraftModel`` (the layout vLLM serves: ``layers.0.*``, ``d2t``/``t2d``, a
+    ``transformer_layer_config`` and ``eagle_aux_hidden_state_layer_ids``, output-of-layer ids), for the
+    committed tiny llama target, saved with its ``save_pretrained``. The numbers are the draft logits of its
+    own ``forward`` (one TTT step: the causal draft over the prompt), read at its ``lm_head``. Its
+    position ids start at 1 in training; RoPE is relative, so the logits are those of positions 0.. ."""
+    from safetensors.numpy import load_file
+    from speculators import SpeculatorsConfig, VerifierConfig
+    from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
+    from speculators.proposals.greedy import GreedyTokenProposalConfig
+    from transformers import LlamaConfig
+
+    t_out = dict(np.load(out / "llama" / "reference.npz"))
+    embed = load_file(out / "llama" / "model.safetensors")["model.embed_tokens.weight"]
+    N = t_out["layer_inputs"].shape[0]
+    layer = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
+                        rms_norm_eps=1e-6, rope_theta=70000.0, tie_word_embeddings=False)  # not EAGLE's 10000
+    layer._attn_implementation = "eager"
+    aux = [0, 2, N - 3]  # outputs of these layers (not the default 2, N/2, N - 3 inputs, so a misread shows)
+    config = Eagle3SpeculatorConfig(
+        transformer_layer_config=layer, draft_vocab_size=64, eagle_aux_hidden_state_layer_ids=aux,
+        embed_requires_grad=False,
+        speculators_config=SpeculatorsConfig(
+            algorithm="eagle3", proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=3)],
+            default_proposal_method="greedy",
+            verifier=VerifierConfig(name_or_path=None, architectures=["LlamaForCausalLM"])))
+    seed(n)
+    model = Eagle3DraftModel(config)
+    randomize(model, 0.2, n)
+    with torch.no_grad():
+        model.embed_tokens.weight.copy_(torch.from_numpy(embed))
+        used = sorted(np.random.RandomState(n).choice(VOCAB, 64, replace=False).tolist())
+        model.d2t.copy_(torch.tensor([u - i for i, u in enumerate(used)]))
+        model.t2d.copy_(torch.tensor([i in used for i in range(VOCAB)]))
+    model.eval()
+    folder = out / "speculators_eagle3"
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    (folder / "config.py").unlink(missing_ok=True)  # a copy of speculators' config class (remote code): not ours
+    ids = t_out["ids"].tolist()
+    root = int(np.argmax(t_out["logits"][-1]))
+    hidden = torch.cat([torch.from_numpy(t_out["layer_inputs"][i + 1]) for i in aux], dim=-1)[None]
+    calls = []
+    hook = model.lm_head.register_forward_hook(lambda m, a, o: calls.append(o.detach()[0].clone()))
+    with torch.no_grad():
+        model(hidden_states=hidden, input_ids=torch.tensor([ids[1:] + [root]]),
+              document_ids=torch.zeros(1, len(ids), dtype=torch.long), ttt_steps=1)
+    hook.remove()
+    return {"root": np.array(root), "seq_logits": calls[0].numpy(), "aux_layer_outputs": np.array(aux)}
+
+
 # --- tree verification (item 5): transformers on every root-to-node path ---------------------------------
 
 def make_tree_verify(target, prompt: list[int], n: int) -> dict:
@@ -490,6 +544,14 @@ def git_commit(ref: Path) -> str | None:
 def generate(out: Path, refs: dict[str, Path | None]) -> None:
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
+    if refs.get("speculators"):  # a separate environment (transformers 5): only this fixture, from the llama one
+        write_npz(out / "speculators_eagle3" / "reference.npz", make_speculators_eagle3(out, 60))
+        old = out / "SOURCES.json"
+        from importlib.metadata import version
+        merged = {**json.loads(old.read_text()), "speculators": version("speculators"),
+                  "transformers (speculators)": __import__("transformers").__version__}
+        old.write_text(json.dumps(merged, indent=1, sort_keys=True) + "\n")
+        return
     llama = make_target("llama", out / "llama", 1)
     qwen2 = make_target("qwen2", out / "qwen2", 2)
     t_llama = target_outputs(llama, PROMPT)
