@@ -110,11 +110,12 @@ class EagleConfig:
     def from_dict(cls, config: dict, version: int | None = None) -> EagleConfig:
         """Read a published EAGLE / EAGLE-3 / speculators ``config.json``.
 
-        Honours a nested ``transformer_layer_config`` (speculators), ``rope_theta`` (10000 when
-        absent), ``bias`` (EAGLE-1/2 fc bias, default true), ``qkv_bias``/``attention_bias``,
-        ``norm_before_residual``, ``target_hidden_size`` and the aux layer ids: our
-        ``aux_layers`` (inputs of layers) or ``eagle_config.eagle_aux_hidden_state_layer_ids``
-        (outputs of layers, so +1 here, docs/heads.md 5.1).
+        Honours a nested ``transformer_layer_config`` (speculators), ``rope_theta`` or
+        ``rope_parameters.rope_theta`` (10000 when absent; a scaled RoPE type is refused), ``bias``
+        (EAGLE-1/2 fc bias, default true), ``qkv_bias``/``attention_bias``, ``norm_before_residual``,
+        ``target_hidden_size`` and the aux layer ids: our ``aux_layers`` (inputs of layers) or
+        ``eagle_aux_hidden_state_layer_ids`` (speculators: top level; SGLang/vLLM: in ``eagle_config``;
+        outputs of layers, so +1 here, docs/heads.md 5.1).
 
         Raises:
             ValueError: a required field is missing.
@@ -123,7 +124,8 @@ class EagleConfig:
         if version is None:
             version = int(flat.get("eagle_version", 3 if "draft_vocab_size" in flat else 1))
         aux = flat.get("aux_layers")
-        ids = (flat.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        ids = flat.get("eagle_aux_hidden_state_layer_ids") or (flat.get("eagle_config") or {}).get(
+            "eagle_aux_hidden_state_layer_ids")  # speculators: top level; SGLang/vLLM configs: eagle_config
         if aux is None and ids is not None:
             aux = [i + 1 for i in ids]
         known = {f.name for f in fields(cls)}
@@ -136,6 +138,13 @@ class EagleConfig:
         if unsupported:
             raise ValueError(f"EAGLE head variant with {', '.join(unsupported)} is not supported; "
                              "use a head in the EAGLE-1/2, EAGLE-3 or plain speculators layout")
+        rope = flat.get("rope_parameters") or {}  # transformers 5 (speculators) keeps the base here
+        if "rope_theta" not in kwargs and isinstance(rope, dict) and rope.get("rope_theta") is not None:
+            kwargs["rope_theta"] = rope["rope_theta"]
+        scaling = rope.get("rope_type") if isinstance(rope, dict) else None
+        if scaling not in (None, "default"):
+            raise ValueError(f"EAGLE head with {scaling!r} RoPE scaling is not supported (mlxspec runs the draft "
+                             "layer with plain RoPE); use a head whose config has no rope scaling")
         kwargs.setdefault("rope_theta", DEFAULT_ROPE_THETA)
         missing = [k for k in ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size") if k not in kwargs]
         if missing:

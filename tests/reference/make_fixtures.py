@@ -17,6 +17,10 @@ made from are in ``tests/fixtures/parity/SOURCES.json``) and run, from the repos
     /path/to/venv-ref/bin/python tests/reference/make_fixtures.py \\
         --eagle PATH/SafeAILab/EAGLE --medusa PATH/FasterDecoding/Medusa
 
+The speculators fixture needs transformers 5, on which the EAGLE code does not run: make it in an
+environment of its own (``tests/reference/requirements-speculators.txt``) with
+``--speculators installed`` (it imports the installed ``speculators`` package and reads the llama fixture).
+
 Each ``--NAME`` also reads ``MLXSPEC_REF_NAME`` (e.g. ``MLXSPEC_REF_EAGLE``). Fixtures whose reference is
 not given are left as they are. The run is deterministic (fixed seeds, one CPU thread, float32): run it
 twice and ``git diff --stat tests/fixtures/parity`` stays empty (``--check`` compares instead of
