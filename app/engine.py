@@ -29,6 +29,7 @@ from mlxspec.metrics import CycleStats, GenerationStats, TokenEvent
 from mlxspec.sampling import SamplingParams
 from mlxspec.session import USER_ERRORS, LoadedModel, ModelSpec, build_drafter, check_fits, load_model
 from mlxspec.stops import check_stops
+from mlxspec.threads import MLXThread
 
 from .messages import (
     EngineInfo,
@@ -268,7 +269,7 @@ class Engine:
         """Start the engine thread; it loads the configured models first."""
         self._requests.put(_Configure(self.config.drafter, self.config.num_draft_tokens,
                                       self.config.model, self.config.draft_model))
-        self._thread = threading.Thread(target=self._run, args=(post,), name="mlxspec-engine", daemon=True)
+        self._thread = MLXThread(self._run, (post,), name="mlxspec-engine")  # exits cleanly (mlxspec.threads)
         self._thread.start()
 
     def generate(self, request_id: int, messages: list[dict]) -> None:
@@ -293,7 +294,8 @@ class Engine:
 
     def close(self, timeout_s: float = 30.0) -> bool:
         """Cancel everything, stop the thread and wait up to ``timeout_s`` for it (an answer stops
-        after its current round; a long prefill cannot be interrupted). Returns whether it stopped."""
+        after its current round; a long prefill cannot be interrupted) to release the models and the device.
+        Returns whether it stopped; the process can then exit normally, with status 0 (``mlxspec.threads``)."""
         for event in list(self._cancels.values()):
             event.set()
         self._requests.put(None)
@@ -310,15 +312,18 @@ class Engine:
     # Everything below runs in the engine thread.
 
     def _run(self, post: Post) -> None:
-        with mx.stream(mx.new_thread_local_stream(mx.default_device())):
-            while (request := self._requests.get()) is not None:
-                if isinstance(request, _Generate):
-                    self._generate(post, request)  # reports its own errors
-                    continue
-                try:
-                    self._configure(post, request)
-                except Exception as e:  # a bug must not kill the thread: the UI would wait forever
-                    post(LoadFailed(f"Engine error: {one_line(e)}"))
+        try:
+            with mx.stream(mx.new_thread_local_stream(mx.default_device())):
+                while (request := self._requests.get()) is not None:
+                    if isinstance(request, _Generate):
+                        self._generate(post, request)  # reports its own errors
+                        continue
+                    try:
+                        self._configure(post, request)
+                    except Exception as e:  # a bug must not kill the thread: the UI would wait forever
+                        post(LoadFailed(f"Engine error: {one_line(e)}"))
+        finally:
+            self._state = _Loaded()  # the models and caches are released here, on the thread that made them
 
     def _generate(self, post: Post, request: _Generate) -> None:
         state, config, rid = self._state, self.config, request.request_id

@@ -133,3 +133,77 @@ def test_options_are_validated_and_named_by_key():
             parse_specs(text)
     with pytest.raises(ValueError, match="needs the target's measured verify costs"):
         SuffixDrafter(None, nodes="auto")
+
+
+def reference_searchable(store: SuffixStore, exclude):
+    """What the store searched before issue 46: every closed document joined afresh in id order, then the open
+    ones (read after ``searchable``, which closes the documents whose writers moved on)."""
+    from mlxspec.drafters.suffix import _join
+
+    closed = [doc for d, doc in store._docs.items() if d not in store._owners]
+    open_docs = [store._docs[d] for d in store._owners if d != exclude]
+    joined = _join(closed)
+    return _join([joined, *open_docs]) if open_docs else joined
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_incremental_store_searches_exactly_what_joining_afresh_did(seed):
+    """Random documents written by several drafters in turns, corpus files, drafters dropped, a small bound (so
+    eviction runs): every search sees the same array as joining every closed document afresh, so every draft is
+    the same."""
+    rng = np.random.default_rng(seed)
+    store = SuffixStore(max_tokens=int(rng.integers(60, 400)))
+    real = store.searchable
+    checked = []
+
+    def checking(exclude=None):
+        got = real(exclude)
+        np.testing.assert_array_equal(got, reference_searchable(store, exclude))
+        checked.append(got.size)
+        return got
+
+    store.searchable = checking
+    drafters = [SuffixDrafter(store, depth=4, min_prob=0.0) for _ in range(3)]
+    histories = [[] for _ in drafters]
+    for _ in range(300):
+        i = int(rng.integers(len(drafters)))
+        action = rng.random()
+        if action < 0.2 or not histories[i]:  # a new request
+            histories[i] = rng.integers(0, 6, size=int(rng.integers(1, 20))).tolist()
+            drafters[i].prefill(histories[i])
+        elif action < 0.25:
+            store.add(rng.integers(0, 6, size=int(rng.integers(0, 30))).tolist())
+        elif action < 0.28:  # a drafter dropped: its document closes
+            drafters[i] = SuffixDrafter(store, depth=4, min_prob=0.0)
+            histories[i] = []
+        else:
+            draft = drafters[i].propose(histories[i], 4, SamplingParams())
+            kept = int(rng.integers(0, draft.size + 1))
+            path = draft.tree.walk([0] * (draft.size + 1))[:kept] if draft.size else []
+            histories[i] += [draft.tokens.tolist()[n - 1] for n in path] + [int(rng.integers(0, 6))]
+            drafters[i].commit(len(histories[i]), [n - 1 for n in path])
+    assert len(checked) > 100 and max(checked) > 50 and store.evicted_documents > 0
+
+
+def test_a_finished_document_is_joined_once_not_every_request():
+    """Sequential requests (a chat, a server): each search copies only the document that closed since the last
+    one; before, every first search of a request joined every closed document again (quadratic work)."""
+    store = SuffixStore(max_tokens=10_000)
+    drafter = SuffixDrafter(store, depth=4)
+    added = 0
+    for request in range(200):
+        prompt = [request % 7, 1, 2, 3]
+        drafter.prefill(prompt)  # closes the last request's document
+        history = prompt + [4, 5, 6]
+        drafter.propose(history, 4, SamplingParams())
+        drafter.propose(history + [7], 4, SamplingParams())
+        added += (len(prompt) + 4) + 1 if request else 0  # the previous document and its separator
+    assert store.tokens_joined == added  # every closed document copied in exactly once
+    small = SuffixStore(max_tokens=300)  # at the bound: eviction moves the start, nothing is joined again
+    drafter = SuffixDrafter(small, depth=4)
+    for request in range(200):
+        drafter.prefill([request % 7, 1, 2, 3])
+        drafter.propose([request % 7, 1, 2, 3, 4, 5, 6], 4, SamplingParams())
+    assert small.tokens_joined == 199 * (7 + 1) and small.evicted_documents > 150
+    stats = small.stats()  # 4 bytes a held token, at most 8 a joined one (separators included): doubling
+    assert stats.bytes <= 4 * stats.tokens + 8 * (stats.tokens + stats.documents)

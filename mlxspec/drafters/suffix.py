@@ -18,19 +18,16 @@ the target's at any temperature, and equals plain greedy decoding at temperature
 The paper indexes the stores with suffix trees. The same query (every occurrence of the longest
 matching suffix, and how often each continuation followed) is answered here by a vectorised
 backward-extension scan over flat token arrays: appending a committed token costs O(1), a whole
-document is evicted in O(1), memory is 4 bytes per stored token (8 once the closed documents are
-joined for searching), and a round costs O(L) NumPy comparisons over L stored tokens (about a
+document is evicted in O(1), a finished document is joined into the search array once, amortised
+O(its length) (``SuffixStore``), memory is 4 bytes per stored token plus 4 to 8 for the joined search
+copy (it grows by doubling), and a round costs O(L) NumPy comparisons over L stored tokens (about a
 millisecond per million tokens), small beside a target forward.
 """
 
 from __future__ import annotations
 
 import math
-import weakref
-from array import array
-from collections import OrderedDict
 from dataclasses import dataclass
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -39,6 +36,16 @@ from ..taps import logits_width
 from ..tree import Tree
 from .base import Draft, Drafter
 from .registry import DrafterContext, DrafterType, at_least, int_or_auto, option, register
+from .suffix_store import (  # noqa: F401 (re-exported: the store's names as the suffix drafter's)
+    DEFAULT_STORE_TOKENS,
+    SEPARATOR as _SEPARATOR,
+    StoreStats,
+    SuffixStore,
+    _join,
+    global_store,
+    global_store_stats,
+    load_corpus,
+)
 
 DEFAULT_DEPTH = 8
 DEFAULT_NODES = 16
@@ -46,8 +53,6 @@ DEFAULT_NODES = 16
 DEFAULT_FACTOR = 2.0
 #: Nodes whose empirical probability is lower are not drafted (vLLM's ``min_token_prob`` default).
 DEFAULT_MIN_PROB = 0.1
-#: Tokens the global store keeps before evicting its oldest documents (about 8 MB).
-DEFAULT_STORE_TOKENS = 1_000_000
 #: Longest suffix matched against a store.
 MAX_MATCH = 32
 #: Most recent occurrences whose continuations are counted.
@@ -57,9 +62,6 @@ PROMPT_CONTEXT = 32
 #: ``nodes="auto"``: the most nodes a round may keep.
 AUTO_MAX_NODES = 32
 AUTO = "auto"
-#: Corpus files larger than this are skipped (binary blobs, data dumps).
-MAX_CORPUS_FILE_BYTES = 2_000_000
-_SEPARATOR = -1
 
 
 # --- matching and scoring ------------------------------------------------------------------
@@ -181,185 +183,6 @@ def budget_by_cost(scores: list[float], costs) -> int:
     gain = 1.0 + np.cumsum(scores)
     rate = [gain[m - 1] / costs.verify(m + 1) for m in range(1, len(scores) + 1)]
     return int(np.argmax(rate)) + 1
-
-
-# --- the global store ----------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class StoreStats:
-    """Size of a global suffix store.
-
-    Attributes:
-        documents: Documents held (outputs, chat turns, corpus files).
-        tokens: Tokens held.
-        max_tokens: The bound; the oldest documents are evicted beyond it.
-        bytes: Memory of the token arrays, bytes (documents plus the joined search copy).
-        evicted_documents: Documents evicted so far.
-    """
-
-    documents: int
-    tokens: int
-    max_tokens: int
-    bytes: int
-    evicted_documents: int
-
-
-class SuffixStore:
-    """A bounded, evictable store of token documents shared by every suffix drafter of a process.
-
-    A drafter opens a document at each prefill (the prompt's last ``PROMPT_CONTEXT`` tokens) and
-    appends each round's committed tokens to it; a document is searchable by other drafters at once,
-    and becomes part of the joined search array when its drafter moves on or is gone. Beyond
-    ``max_tokens`` the oldest documents are evicted (a document stops growing at ``max_tokens``).
-
-    Args:
-        max_tokens: Bound on the tokens held.
-
-    Raises:
-        ValueError: ``max_tokens < 1``.
-    """
-
-    def __init__(self, max_tokens: int = DEFAULT_STORE_TOKENS):
-        self.max_tokens = max_tokens
-        self._docs: OrderedDict[int, array] = OrderedDict()
-        self._owners: dict[int, weakref.ref] = {}  # open documents → the drafter writing them
-        self._joined = np.zeros(0, dtype=np.int32)
-        self._joined_ids: frozenset[int] = frozenset()
-        self.num_tokens, self.evicted_documents, self._next_id = 0, 0, 0
-        self.corpora: set[tuple[str, int]] = set()
-        self.resize(max_tokens)
-
-    def resize(self, max_tokens: int) -> None:
-        """Set the bound (evicting at once if the store is over it).
-
-        Raises:
-            ValueError: ``max_tokens < 1``.
-        """
-        if max_tokens < 1:
-            raise ValueError(f"--suffix-store-tokens must be >= 1, got {max_tokens}")
-        self.max_tokens = max_tokens
-        self._evict()
-
-    def open(self, owner: object, tokens: list[int]) -> int:
-        """Start a document written by ``owner`` (held weakly), beginning with ``tokens``; returns its id."""
-        doc = self.add(tokens)
-        self._owners[doc] = weakref.ref(owner)
-        return doc
-
-    def add(self, tokens: list[int]) -> int:
-        """Add a finished document (a corpus file); returns its id."""
-        doc, self._next_id = self._next_id, self._next_id + 1
-        self._docs[doc] = array("i", tokens[: self.max_tokens])
-        self.num_tokens += len(self._docs[doc])
-        self._evict(keep=doc)
-        return doc
-
-    def append(self, doc: int | None, tokens: list[int]) -> None:
-        """Append committed tokens to an open document (nothing if it was evicted or is full)."""
-        target = self._docs.get(doc)
-        if target is None or not tokens:
-            return
-        tokens = tokens[: self.max_tokens - len(target)]
-        target.extend(tokens)
-        self.num_tokens += len(tokens)
-        self._evict(keep=doc)
-
-    def _evict(self, keep: int | None = None) -> None:
-        while self.num_tokens > self.max_tokens and len(self._docs) > (keep is not None):
-            oldest = next(d for d in self._docs if d != keep)
-            self.num_tokens -= len(self._docs.pop(oldest))
-            self._owners.pop(oldest, None)
-            self.evicted_documents += 1
-            if oldest in self._joined_ids:  # release the joined copy now; rebuilt at the next search
-                self._joined, self._joined_ids = np.zeros(0, dtype=np.int32), frozenset()
-
-    def searchable(self, exclude: int | None = None) -> np.ndarray:
-        """Every document but ``exclude``, joined by ``-1`` separators, shape [L], int32."""
-        for doc, owner in list(self._owners.items()):
-            drafter = owner()
-            if drafter is None or drafter.document != doc:  # its writer is gone or moved on: closed
-                del self._owners[doc]
-        closed = frozenset(d for d in self._docs if d not in self._owners)
-        if closed != self._joined_ids:
-            self._joined, self._joined_ids = _join([self._docs[d] for d in self._docs if d in closed]), closed
-        open_docs = [self._docs[d] for d in self._owners if d != exclude]
-        return _join([self._joined, *open_docs]) if open_docs else self._joined
-
-    def stats(self) -> StoreStats:
-        """Documents, tokens and bytes held now."""
-        joined = self._joined.nbytes
-        held = sum(doc.itemsize * len(doc) for doc in self._docs.values())
-        return StoreStats(len(self._docs), self.num_tokens, self.max_tokens, held + joined, self.evicted_documents)
-
-
-def _join(docs: list) -> np.ndarray:
-    pieces = []
-    for doc in docs:
-        if doc is not None and len(doc):
-            pieces += [np.asarray(doc, dtype=np.int32), np.array([_SEPARATOR], dtype=np.int32)]
-    return np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int32)
-
-
-_STORES: dict[tuple, SuffixStore] = {}
-
-
-def global_store(key: tuple = (), max_tokens: int = DEFAULT_STORE_TOKENS) -> SuffixStore:
-    """The process-wide store for one vocabulary ``key`` (created on first use, then resized to ``max_tokens``)."""
-    store = _STORES.get(key)
-    if store is None:
-        store = _STORES[key] = SuffixStore(max_tokens)
-    else:
-        store.resize(max_tokens)
-    return store
-
-
-def global_store_stats() -> dict[tuple, StoreStats]:
-    """``StoreStats`` of every global store of this process, by vocabulary key (the memory report)."""
-    return {key: store.stats() for key, store in _STORES.items()}
-
-
-def load_corpus(store: SuffixStore, path: str, tokenizer, vocab_size: int | None = None) -> int:
-    """Tokenize the text files at ``path`` (a file, or every file under a folder) into ``store``.
-
-    A file is read once per process (by path and modification time); files that are not UTF-8
-    text, hidden ones and ones over 2 MB are skipped. Ids at or above ``vocab_size`` (tokens the
-    target cannot score) become document breaks.
-
-    Returns:
-        int: Tokens added.
-
-    Raises:
-        ValueError: the path does not exist, holds no text file, or there is no tokenizer.
-    """
-    root = Path(path).expanduser()
-    if not root.exists():
-        raise ValueError(f"--suffix-corpus: {path} does not exist; give a text file or a folder of them")
-    if not hasattr(tokenizer, "encode"):
-        raise ValueError("--suffix-corpus needs the target's tokenizer to read text files")
-    files = [root] if root.is_file() else sorted(
-        f for f in root.rglob("*") if f.is_file() and not any(p.startswith(".") for p in f.relative_to(root).parts))
-    added, texts = 0, 0
-    for file in files:
-        key = (str(file.resolve()), file.stat().st_mtime_ns)
-        if file.stat().st_size > MAX_CORPUS_FILE_BYTES:
-            continue
-        try:
-            text = file.read_text(encoding="utf-8")
-        except (UnicodeDecodeError, OSError):
-            continue
-        texts += 1
-        if key in store.corpora or not text.strip():
-            continue
-        tokens = list(tokenizer.encode(text, add_special_tokens=False))
-        if vocab_size is not None:
-            tokens = [t if t < vocab_size else _SEPARATOR for t in tokens]
-        store.add(tokens)
-        store.corpora.add(key)
-        added += len(tokens)
-    if texts == 0:
-        raise ValueError(f"--suffix-corpus: no UTF-8 text file under {path}")
-    return added
 
 
 # --- the drafter ---------------------------------------------------------------------------
