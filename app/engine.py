@@ -20,10 +20,9 @@ from collections.abc import Callable, Iterator
 import mlx.core as mx
 
 from mlxspec.cache import PromptCache
-from mlxspec.calibration import load_or_calibrate
 from mlxspec.drafters import DRAFTERS, DrafterSpec
 from mlxspec.drafters.draft_model import PYTHON_DRAFT_ADVICE
-from mlxspec.gamma import AUTO, gamma_policy, tree_summary
+from mlxspec.pacing import AUTO, load_or_calibrate, make_pacer, tree_summary
 from mlxspec.generate import stream_generate
 from mlxspec.metrics import CycleStats, GenerationStats, TokenEvent
 from mlxspec.sampling import SamplingParams
@@ -64,7 +63,7 @@ class EngineConfig:
         draft_model: The draft model, or ``None``.
         drafter: The drafter (a ``DrafterSpec`` or spec string); ``None`` = ``"draft"`` with a draft
             model, else ``"ngram"``.
-        num_draft_tokens: γ, tokens drafted per round, ``"auto"`` or ``"scheduled"`` (``gamma.gamma_policy``).
+        num_draft_tokens: γ, tokens drafted per round, ``"auto"`` or ``"scheduled"`` (``pacing.make_pacer``).
         sampling: Temperature and filters.
         max_tokens: Most tokens per answer.
         seed: Seed for ``mx.random`` before each answer, or ``None``.
@@ -117,7 +116,7 @@ def relay(events: Iterator, request_id: int, post: Post, cancelled: threading.Ev
         drafter, num_draft_tokens: Shown in the stats until the final totals arrive.
         policy: ``"auto"`` or ``"scheduled"`` when γ is picked each round (the stats then follow each
             round's ``CycleStats.gamma``); ``None`` for a fixed γ. Default: ``None``.
-        shape: What a tree drafter proposes each round (``gamma.tree_summary``), or ``None``.
+        shape: What a tree drafter proposes each round (``pacing.tree_summary``), or ``None``.
         flush_s: Shortest time between two batches, seconds. Default: ``1/30``.
 
     Raises:
@@ -388,11 +387,11 @@ class Engine:
             post(LoadFailed(f"Cannot use the {name} drafter: {one_line(e)}; keeping the {state.drafter.name} drafter"))
         try:
             costs = self._fresh_costs(state, note)
-            state.policy = gamma_policy(state.num_draft_tokens, state.target.model, state.drafter, costs=costs,
+            state.policy = make_pacer(state.num_draft_tokens, state.target.model, state.drafter, costs=costs,
                                         on_measure=note)
         except Exception as e:
             state.num_draft_tokens = DEFAULT_NUM_DRAFT_TOKENS
-            state.policy = gamma_policy(state.num_draft_tokens, state.target.model, state.drafter)
+            state.policy = make_pacer(state.num_draft_tokens, state.target.model, state.drafter)
             post(LoadFailed(f"Cannot use γ {request.num_draft_tokens}: {one_line(e)}; using "
                             f"{DEFAULT_NUM_DRAFT_TOKENS}"))
         self._state = state
@@ -400,7 +399,7 @@ class Engine:
 
     def _fresh_costs(self, state: _Loaded, on_measure):
         """With ``recalibrate`` and γ auto, the costs measured again (as ``mlxspec generate --recalibrate``),
-        once per target and drafter pair; else ``None``: ``gamma_policy`` uses the cached ones."""
+        once per target and drafter pair; else ``None``: ``make_pacer`` uses the cached ones."""
         key = (state.target.spec, state.drafter.name, state.draft.spec if state.draft else None)
         if not self.config.recalibrate or state.num_draft_tokens != AUTO or state.drafter.name == "none" \
                 or key in self._recalibrated:
@@ -453,7 +452,6 @@ class Engine:
 
 
 def _shape(drafter, policy=None) -> str | None:
-    """What a tree drafter proposes each round, as ``mlxspec generate`` says it (``gamma.tree_summary``, which
-    also says when γ auto priced the drafter as plain decoding); ``None`` for a chain that drafts."""
-    priced_plain = getattr(policy, "priced_plain", False)
-    return tree_summary(drafter, policy) if drafter.makes_trees or priced_plain else None
+    """What a tree drafter proposes each round, as ``mlxspec generate`` says it (``pacing.tree_summary``, which
+    also says when the costs ruled the drafter out); ``None`` for a chain that drafts."""
+    return tree_summary(drafter, policy)

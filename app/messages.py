@@ -26,7 +26,7 @@ class EngineInfo:
             (what its spec string or ``--<drafter>-<field>`` flags set).
         dtype, draft_dtype: The dtypes the target and draft model were loaded in; ``None`` = as stored.
         shape: What a tree drafter proposes each round, in the words of ``mlxspec generate``'s stats
-            (``gamma.tree_summary``: ``"depth-4 chain + a 6-token n-gram branch"``); ``None`` when γ says it.
+            (``pacing.tree_summary``: ``"depth-4 chain + a 6-token n-gram branch"``); ``None`` when γ says it.
     """
 
     model_name: str

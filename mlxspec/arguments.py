@@ -34,8 +34,8 @@ def check_types(prompt, drafter, num_draft_tokens, max_tokens, sampling) -> None
     if not isinstance(drafter, (str, DrafterSpec, Drafter)):
         raise TypeError(f"drafter must be a Drafter, a DrafterSpec or a spec string such as 'ngram' or 'none', got "
                         f"{type(drafter).__name__}")
-    if not (is_int(num_draft_tokens) or isinstance(num_draft_tokens, str) or hasattr(num_draft_tokens, "choose_gamma")):
-        raise TypeError(f"num_draft_tokens must be an integer, 'auto', 'scheduled' or a γ policy, got "
+    if not (is_int(num_draft_tokens) or isinstance(num_draft_tokens, str) or hasattr(num_draft_tokens, "plan")):
+        raise TypeError(f"num_draft_tokens must be an integer, 'auto', 'scheduled' or a pacer (pacing.make_pacer), got "
                         f"{num_draft_tokens!r}")
     if not is_int(max_tokens):
         raise TypeError(f"max_tokens must be an integer, got {max_tokens!r}")

@@ -28,8 +28,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
 from .cache import prefill
-from .costmodel import Costs
-from .gamma import AUTO, SCHEDULED, gamma_policy
+from .pacing import AUTO, SCHEDULED, Costs, Scheduled, make_pacer
 from .generate import stream_generate
 from .metrics import CycleStats, GenerationStats
 from .sampling import SamplingParams
@@ -52,7 +51,7 @@ class System:
         gamma: γ, ``"auto"`` or ``"scheduled"``; 0 for plain decoding.
         note: What its row should say about it (e.g. a tree priced as plain decoding); empty for nothing.
         priced_plain: Whether its rounds are all plain steps because the costs ruled its drafter out
-            (``gamma.priced_plain``): plain decoding in disguise, never the verdict's pick.
+            (``Pacer.priced_plain``): plain decoding in disguise, never the verdict's pick.
     """
 
     name: str
@@ -170,7 +169,7 @@ def make_systems(drafters: list[str], gammas: list[int | str], has_draft_model: 
 
 def without_unscheduled(systems: list[System], drafters: dict) -> tuple[list[System], list[str]]:
     """``systems`` less the ``scheduled`` ones whose drafter reports no survival estimates, and their names."""
-    dropped = [s.name for s in systems if s.gamma == SCHEDULED and not drafters[s.drafter].reports_survival]
+    dropped = [s.name for s in systems if s.gamma == SCHEDULED and not drafters[s.drafter].profile.survival]
     return [s for s in systems if s.name not in dropped], dropped
 
 
@@ -295,10 +294,10 @@ def rounds_from_flags(from_draft: list[bool], gamma: int) -> list[list[int]]:
 def _run_mlxspec(models: BenchModels, system: System, ids, temp, seed, max_tokens) -> RunRecord:
     """mlxspec's ``stream_generate`` with one drafter and a fixed, automatic or scheduled γ."""
     drafter = models.drafters[system.drafter]
-    gamma = gamma_policy(system.gamma, models.model, drafter, costs=models.costs.get(system.drafter))
+    pacer = make_pacer(system.gamma, models.model, drafter, costs=models.costs.get(system.drafter))
     rounds, tokens, stats = [], [], None
     mx.reset_peak_memory()
-    for event in stream_generate(models.model, models.tokenizer, ids, drafter=drafter, num_draft_tokens=gamma,
+    for event in stream_generate(models.model, models.tokenizer, ids, drafter=drafter, num_draft_tokens=pacer,
                                  max_tokens=max_tokens, sampling=SamplingParams(temp=temp), seed=seed,
                                  time_split=True):
         if isinstance(event, CycleStats):
@@ -310,7 +309,7 @@ def _run_mlxspec(models: BenchModels, system: System, ids, temp, seed, max_token
     return RunRecord("", "", "", temp, seed, len(ids), stats.prompt_s, stats.generation_tokens, stats.generation_s,
                      rounds=rounds, draft_s=stats.draft_s, verify_s=stats.verify_s,
                      gamma_rounds=list(stats.gamma_rounds),
-                     calibration=gamma.calibration.totals if hasattr(gamma, "calibration") else None,
+                     calibration=pacer.calibration.totals if isinstance(pacer, Scheduled) else None,
                      peak_memory_gb=mx.get_peak_memory() / 1e9,
                      finish_reason=stats.finish_reason, output_sha=_sha(tokens))
 

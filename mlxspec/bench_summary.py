@@ -11,9 +11,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from .bench import BASELINE, CONTROL, RunRecord, System
-from .costmodel import Costs, expected_tau
-from .gamma import AUTO, SCHEDULED
-from .schedule import NUM_BINS
+from .pacing import AUTO, NUM_BINS, SCHEDULED, Costs, expected_tau
 
 
 def alpha_mle(rounds: list[tuple[int, int]]) -> float:
@@ -134,7 +132,7 @@ def _predict(system: System, costs: dict[str, Costs], rounds: list[tuple[int, in
         return None
     alpha = alpha_mle(rounds)
     tokens = sum(expected_tau(alpha, k) for k, _ in rounds)
-    return tokens * cost.verify(1) / sum(cost.round_s(k) for k, _ in rounds)
+    return tokens * cost.verify(1) / sum(cost.draft(k) + cost.verify(k + 1) for k, _ in rounds)
 
 
 def _cycle_split(group: list[RunRecord], num_rounds: int) -> tuple:

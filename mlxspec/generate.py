@@ -34,10 +34,10 @@ from .cache import (
     prefill,
     tree_attention,
 )
-from .drafters import Draft, Drafter, DrafterSpec, make_drafter
-from .gamma import FixedGamma, GammaPolicy, gamma_policy, priced_plain
+from .drafters import Draft, Drafter, DrafterSpec, Plan, make_drafter
 from .metrics import CycleStats, GenerationStats, TokenEvent
-from .plain_steps import PlainSteps, Stretch
+from .pacing import Fixed, Pacer, make_pacer
+from .plain_steps import PlainSteps
 from .sampling import SamplingParams, process_logits, warp
 from .taps import HiddenTap
 from .stops import HeldText, StopStrings, check_stops
@@ -152,126 +152,102 @@ def _verify(model, cache, history: list[int], draft: Draft, sampling: SamplingPa
     return rule(tokens, tree, logits, draft)
 
 
-def _cut_at_stop(tokens: list[int], stop_tokens: set[int], room: int) -> tuple[int, str | None]:
+def _cut(tokens: list[int], stop_tokens: set[int], room: int, stop_strings: StopStrings | None):
     """How many of a round's tokens to keep, and why generation ends (if it does)."""
-    for i, token in enumerate(tokens[:room]):
-        if token in stop_tokens:
-            return i + 1, "stop"
-    if len(tokens) >= room:
-        return room, "length"
-    return len(tokens), None
+    keep, reason = next(((i + 1, "stop") for i, t in enumerate(tokens[:room]) if t in stop_tokens), (None, None))
+    if keep is None:
+        keep, reason = (room, "length") if len(tokens) >= room else (len(tokens), None)
+    if stop_strings is not None and (cut := stop_strings.cut([t for t in tokens[:keep] if t not in stop_tokens])):
+        return cut, "stop"
+    return keep, reason
 
 
 def speculative_rounds(
-    model: nn.Module,
-    prompt: list[int],
-    drafter: Drafter,
-    *,
-    num_draft_tokens: int | GammaPolicy,
-    max_tokens: int,
-    sampling: SamplingParams,
-    stop_tokens: set[int],
-    rule: Callable | None = None,
-    prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE,
-    prompt_cache: PromptCache | list | None = None,
-    stop_strings: StopStrings | None = None,
-    time_split: bool = False,
+    model: nn.Module, prompt: list[int], drafter: Drafter, *, num_draft_tokens: int | Pacer, max_tokens: int,
+    sampling: SamplingParams, stop_tokens: set[int], rule: Callable | None = None,
+    prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE, prompt_cache: PromptCache | list | None = None,
+    stop_strings: StopStrings | None = None, time_split: bool = False,
 ) -> Iterator[_Round]:
-    """Prefill, then run rounds until a stop token or ``max_tokens``; yields each round's committed tokens.
-
-    γ is ``choose_gamma()`` of the policy (an integer is a ``FixedGamma``) before each round;
-    the caller updates the policy and the stats from each round's ``CycleStats`` (the first
-    round also carries the prefill time). ``rule`` defaults to ``make_verifier(sampling)``.
-    ``stop_strings`` cuts a round at the token that completes a stop string, before the commit.
-    ``time_split`` times a lazy drafter's device work on its own every ``TIMING_EVERY`` rounds
-    (one extra sync there; ``bench`` uses it); otherwise its work counts as verify time.
-
-    A round the policy gives γ = 0 is a plain step, pipelined when the next one is plain too:
-    the policy is asked for the next γ before the current token is read (a plain round teaches
-    a policy nothing, so asking early changes no choice), and if it is 0 the next forward is queued.
-    For a drafter that reads the target's features each plain step also keeps the features of its
-    input (lazy, taken when its forward is built), which ``commit`` hands on as after a verify, so γ
-    auto's fall-back rounds cost what ``--drafter none``'s steps cost. A drafter the costs ruled out
-    (``gamma.priced_plain``) never drafts, and nothing is tapped.
-    """
-    policy = FixedGamma(num_draft_tokens) if isinstance(num_draft_tokens, int) else num_draft_tokens
-    rule = rule or make_verifier(sampling)
-    store = as_prompt_cache(model, prompt_cache)
-    cache = store.layers
-    if policy.max_gamma > 0:
-        (check_compactable if drafter.makes_trees else check_rewindable)(cache)
-    # a drafter the costs ruled out never drafts: its rounds are plain steps, pipelined and untapped
-    reads = drafter.needs_hidden and not priced_plain(drafter, policy)
-    tap = HiddenTap(model, layers=drafter.feature_layers) if reads else None
-    start = time.perf_counter()
-    features = _prefill(model, store, prompt, drafter.feature_layers if reads else None, tap, prefill_step_size)
-    if not priced_plain(drafter, policy):  # a drafter the costs ruled out does not read the prompt either
-        drafter.prefill(prompt, features)
-    prefill_s, cached = time.perf_counter() - start, store.reused
-    history, clock, generated = list(prompt), _DraftClock(drafter.lazy and time_split), 0
-    plain = PlainSteps(model, cache, sampling, tap)
-    schedule = getattr(policy, "schedule", None)  # scheduled verification trims the draft (schedule.py)
-    # γ auto lets a drafter that can stop on its own confidence end each round (costmodel.AutoGamma.keep_drafting)
-    keep_drafting = policy.keep_drafting if getattr(policy, "stop_early", False) and drafter.stops_early else None
-    gamma = None  # the next round's γ, when it was chosen early (pipelined plain steps)
-    stretch = Stretch(len(history))  # the tokens decoded plainly since the last drafting round
+    """Prefill, then rounds until a stop token or ``max_tokens``: plan → propose → verify → one sync → commit →
+    observe; yields each round's committed tokens (see the module docstring; ``_Rounds`` holds the steps)."""
+    loop = _Rounds(model, prompt, drafter, num_draft_tokens, sampling,
+                   rule or make_verifier(sampling), as_prompt_cache(model, prompt_cache), prefill_step_size, time_split)
+    history, generated, upcoming = list(prompt), 0, None
     try:
         for cycle in range(max_tokens):
             room = max_tokens - generated
-            judged = None
-            if getattr(policy, "judging", False):  # γ auto ends a wait in a judgement (AutoGamma.observe)
-                judged = stretch.judge(drafter, history, sampling)
-                policy.observe(judged)
-            gamma = min(policy.choose_gamma(), room - 1) if gamma is None else gamma
-            chosen, t0 = gamma, time.perf_counter()
-            if gamma == 0:
-                token, hidden, logp = plain.take(history)  # hidden: the root's features [1, F], or None
-                gamma = min(policy.choose_gamma(), room - 2) if room > 1 else None
-                if gamma == 0:
-                    plain.queue(token, history)
-                mx.eval(token, hidden, logp)  # the round's one sync
-                path, tokens, kinds = [], [token.item()], ["target"]
-                t1, num_drafted, depth = t0, 0, 0
-                stretch.add(logp)
+            plan, t0 = upcoming or loop.plan(room - 1), time.perf_counter()
+            if plan.gamma == 0:  # a plain step: the next one is queued before this token is read if plain too
+                upcoming = loop.plan(room - 2) if room > 1 else None
+                draft, t1 = Draft.empty(), t0
+                path, tokens, kinds, hidden = loop.plain.round(history, queue=upcoming is not None and upcoming.gamma == 0)
             else:
-                if keep_drafting is None:
-                    draft = drafter.propose(history, gamma, sampling)
-                else:  # its γ is what it drafted
-                    draft = drafter.propose(history, gamma, sampling, keep_drafting=keep_drafting)
-                    chosen = draft.size
-                gamma = None
-                if schedule is not None:
-                    draft = schedule(draft)
-                clock.drafted(cycle, draft)
-                t1 = time.perf_counter()
-                choice, next_tokens = _verify(model, cache, history, draft, sampling, rule)
-                hidden = tap.features()[0] if tap is not None else None  # [N + 1, F]
-                mx.eval(choice, next_tokens, draft.tokens, hidden)  # the round's one blocking sync
-                path, tokens, kinds = _accepted(draft, choice.tolist(), next_tokens.tolist())
-                num_drafted, depth = draft.size, int(draft.tree.depths.max())
-                stretch = Stretch(len(history) + len(tokens))
-            keep, finish_reason = _cut_at_stop(tokens, stop_tokens, room)
-            if stop_strings is not None and (cut := stop_strings.cut([t for t in tokens[:keep] if t not in stop_tokens])):
-                keep, finish_reason = cut, "stop"
+                upcoming, draft = None, plan.select(drafter.propose(history, plan.gamma, sampling, plan))
+                t1 = loop.clock.drafted(cycle, draft)
+                path, tokens, kinds, hidden = loop.verify(history, draft)
+            keep, finish_reason = _cut(tokens, stop_tokens, room, stop_strings)
             if finish_reason:
-                plain.cancel()  # no next step: drop the one queued ahead
-            kept = ([0] + path)[:keep]  # root-first nodes whose positions stay in the cache
-            commit_path(cache, len(history) - 1, kept, written=num_drafted + 1)
-            store.add(history[-1:] + tokens[: keep - 1], hidden[mx.array(kept)] if store.feature_layers is not None else None)
-            history += tokens[:keep]
-            drafter.commit(len(history), [node - 1 for node in path[:keep]], hidden)
-            draft_s, verify_s = clock.split(t0, t1, time.perf_counter(), num_drafted)
-            stats = CycleStats(cycle, num_drafted, min(len(path), keep), keep, draft_s, verify_s, depth,
-                               tuple(node - 1 for node in path), chosen, tuple(judged) if judged else None)
+                loop.plain.cancel()  # no next step: drop the one queued ahead
+            loop.commit(history, path, tokens[:keep], hidden, draft.size)
+            stats = CycleStats(cycle, draft.size, min(len(path), keep), keep, *loop.clock.split(t0, t1, draft.size),
+                               int(draft.tree.depths.max()) if draft.size else 0, tuple(n - 1 for n in path),
+                               plan.gamma if plan.keep_above is None else draft.size)
+            loop.pacer.observe(stats, draft)
             generated += keep
             if cycle % 64 == 63:
                 mx.clear_cache()
-            yield _Round(tokens[:keep], kinds[:keep], stats, finish_reason, prefill_s if cycle == 0 else 0.0,
-                         cached)
+            yield _Round(tokens[:keep], kinds[:keep], stats, finish_reason, loop.prefill_s if cycle == 0 else 0.0,
+                         loop.store.reused)
             if finish_reason:
                 return
     finally:
-        plain.cancel()  # a step queued ahead wrote the last committed token: drop it (the invariant)
+        loop.plain.cancel()  # a step queued ahead wrote the last committed token: drop it (the invariant)
+
+
+class _Rounds:
+    """The steps of ``speculative_rounds``: prefill (made here), plan, verify and commit.
+
+    A drafter the costs ruled out (``pacer.priced_plain``) never runs, not even over the prompt, and nothing is
+    tapped. For a drafter that reads the target's features each plain step keeps the features of its input, as a
+    verify does, so fall-back rounds cost what ``--drafter none``'s steps cost.
+    """
+
+    def __init__(self, model, prompt, drafter, pacer, sampling, rule, store, prefill_step_size, time_split):
+        pacer = Fixed(pacer) if isinstance(pacer, int) else pacer  # an integer is a fixed γ
+        self.model, self.drafter, self.pacer, self.sampling, self.rule, self.store = (
+            model, drafter, pacer, sampling, rule, store)
+        runs = not pacer.priced_plain
+        if pacer.max_gamma > 0:
+            (check_compactable if drafter.makes_trees else check_rewindable)(store.layers)
+        self.tap = HiddenTap(model, layers=drafter.feature_layers) if drafter.needs_hidden and runs else None
+        start = time.perf_counter()
+        features = _prefill(model, store, prompt, drafter.feature_layers if self.tap else None, self.tap,
+                            prefill_step_size)
+        if runs:
+            drafter.prefill(prompt, features)
+        self.prefill_s = time.perf_counter() - start
+        self.clock, self.plain = _DraftClock(drafter.lazy and time_split), PlainSteps(model, store.layers, sampling, self.tap)
+
+    def plan(self, room: int) -> Plan:
+        """The pacer's next plan, never drafting past ``room`` tokens."""
+        plan = self.pacer.plan()
+        return plan if plan.gamma <= room else Plan(max(room, 0), plan.keep_above, plan.budget, plan.select)
+
+    def verify(self, history: list[int], draft: Draft):
+        """One target forward over [root, *draft], the acceptance rule, and the round's one blocking sync."""
+        choice, next_tokens = _verify(self.model, self.store.layers, history, draft, self.sampling, self.rule)
+        hidden = self.tap.features()[0] if self.tap is not None else None  # [N + 1, F]
+        mx.eval(choice, next_tokens, draft.tokens, hidden)
+        return (*_accepted(draft, choice.tolist(), next_tokens.tolist()), hidden)
+
+    def commit(self, history: list[int], path: list[int], kept_tokens: list[int], hidden, num_drafted: int) -> None:
+        """Rewind the target cache to the committed tokens, extend ``history``, and tell the drafter."""
+        kept = ([0] + path)[: len(kept_tokens)]  # root-first nodes whose positions stay in the cache
+        commit_path(self.store.layers, len(history) - 1, kept, written=num_drafted + 1)
+        features = hidden[mx.array(kept)] if self.store.feature_layers is not None else None
+        self.store.add(history[-1:] + kept_tokens[:-1], features)
+        history += kept_tokens
+        self.drafter.commit(len(history), [node - 1 for node in path[: len(kept_tokens)]], hidden)
 
 
 def _prefill(model, store: PromptCache, prompt: list[int], feature_layers: tuple[int, ...] | None, tap,
@@ -308,12 +284,16 @@ class _DraftClock:
     def __init__(self, lazy: bool):
         self.lazy, self.share = lazy, None
 
-    def drafted(self, cycle: int, draft: Draft) -> None:
+    def drafted(self, cycle: int, draft: Draft) -> float:
+        """The time drafting ended (after evaluating a lazy draft on timed rounds)."""
         self.timed = self.lazy and draft.size > 0 and (cycle % TIMING_EVERY == 0 or self.share is None)
         if self.timed:
             mx.eval(draft.tokens)
+        return time.perf_counter()
 
-    def split(self, t0: float, t1: float, t2: float, num_drafted: int) -> tuple[float, float]:
+    def split(self, t0: float, t1: float, num_drafted: int) -> tuple[float, float]:
+        """(draft_s, verify_s) of a round that started at ``t0`` and ended drafting at ``t1``."""
+        t2 = time.perf_counter()
         if not (self.lazy and num_drafted > 0):
             return t1 - t0, t2 - t1
         if self.timed:
@@ -327,7 +307,7 @@ def stream_generate(
     prompt: str | list[int],
     *,
     drafter: Drafter | DrafterSpec | str = "none",
-    num_draft_tokens: int | str | GammaPolicy = DEFAULT_NUM_DRAFT_TOKENS,
+    num_draft_tokens: int | str | Pacer = DEFAULT_NUM_DRAFT_TOKENS,
     max_tokens: int = DEFAULT_MAX_TOKENS,
     sampling: SamplingParams | None = None,
     seed: int | None = None,
@@ -351,11 +331,11 @@ def stream_generate(
             ``"eagle:depth=4"``; built with ``make_drafter(spec, model, tokenizer)``).
             Default: ``"none"``.
         num_draft_tokens: γ, tokens drafted per round; ``0`` = plain decoding; ``"auto"``:
-            the policy ``gamma.gamma_policy`` picks for this drafter, exactly as
+            the pacer ``pacing.make_pacer`` makes for this drafter, exactly as
             ``mlxspec generate`` does (a tree drafter's own depth, else γ per round from this
             machine's measured costs and the running acceptance, falling back to plain decoding
             when speculation is predicted to lose; costs are measured once and cached); or a
-            policy object to reuse (an ``AutoGamma`` keeps its acceptance estimate). Default: ``4``.
+            pacer to reuse (``make_pacer``'s ``Auto`` keeps its acceptance estimate). Default: ``4``.
         max_tokens: Most tokens to generate. Default: ``256``.
         sampling: Temperature, filters and logits processors. Default: greedy.
         seed: Seed for ``mx.random`` (drafting and acceptance draws), or ``None``.
@@ -408,17 +388,17 @@ def stream_generate(
     store = as_prompt_cache(model, prompt_cache)
     if drafter.name != "none" and num_draft_tokens != 0:  # before any cost measurement for "auto"
         (check_compactable if drafter.makes_trees else check_rewindable)(store.layers)
-    policy = gamma_policy(num_draft_tokens, model, drafter)
+    pacer = make_pacer(num_draft_tokens, model, drafter)
     stop_tokens = set(tokenizer.eos_token_ids) if stop_tokens is None else set(stop_tokens)
     if seed is not None:
         mx.random.seed(seed)
     mx.reset_peak_memory()
-    stats = GenerationStats(drafter=drafter.name, num_draft_tokens=policy.max_gamma, prompt_tokens=len(ids),
-                            priced_plain=priced_plain(drafter, policy))
+    stats = GenerationStats(drafter=drafter.name, num_draft_tokens=pacer.max_gamma, prompt_tokens=len(ids),
+                            priced_plain=pacer.priced_plain)
     detokenizer, held = tokenizer.detokenizer, HeldText(stops)
     stopper = StopStrings(tokenizer, stops) if stops else None
     rounds = speculative_rounds(
-        model, ids, drafter, num_draft_tokens=policy, max_tokens=max_tokens, sampling=sampling, stop_tokens=stop_tokens,
+        model, ids, drafter, num_draft_tokens=pacer, max_tokens=max_tokens, sampling=sampling, stop_tokens=stop_tokens,
         rule=make_verifier(sampling, typical), prefill_step_size=prefill_step_size, prompt_cache=store,
         stop_strings=stopper, time_split=time_split,
     )
@@ -428,8 +408,7 @@ def stream_generate(
             stats.prompt_s, start = round_.prefill_s, start + round_.prefill_s
             stats.cached_tokens = round_.cached_tokens
         stats.add_cycle(round_.stats)
-        policy.update(round_.stats)
-        if policy.adaptive:
+        if pacer.adaptive:
             stats.add_gamma(round_.stats.gamma)
         stats.generation_s = time.perf_counter() - start
         if round_.finish_reason:

@@ -1,7 +1,7 @@
 """What this machine is: CPU, cores, BLAS, memory and library versions.
 
-Costs (``costmodel``) are cached per machine under ``machine_fingerprint()``; a benchmark
-header records ``machine_info()``. On Linux, MLX's CPU matmuls run on whichever BLAS the
+Measured costs are cached per machine (``pacing.costs.machine_fingerprint``, from ``cpu_name`` and
+``blas_in_use``); a benchmark header records ``machine_info()``. On Linux, MLX's CPU matmuls run on whichever BLAS the
 process resolves ``cblas_sgemm`` to (``blas_in_use``); ``find_fast_blas`` finds an
 installed multithreaded OpenBLAS to preload.
 """
@@ -30,17 +30,10 @@ FAST_BLAS_CANDIDATES = (
 )
 
 
-def machine_fingerprint() -> dict:
-    """What costs depend on besides the model: CPU, cores, OS, BLAS, MLX version and device."""
-    return {"system": platform.system(), "arch": platform.machine(), "cpu": cpu_name(),
-            "cores": os.cpu_count(), "blas": blas_in_use()["name"], "mlx": mx.__version__,
-            "device": str(mx.default_device())}
-
-
 def machine_info() -> dict:
     """Everything a benchmark header should say about this machine."""
-    info = machine_fingerprint()
-    info["blas"] = blas_in_use()
+    info = {"system": platform.system(), "arch": platform.machine(), "cpu": cpu_name(), "cores": os.cpu_count(),
+            "mlx": mx.__version__, "device": str(mx.default_device()), "blas": blas_in_use()}
     info["memory_gb"] = _memory_gb()
     info["platform"] = platform.platform()
     info["python"] = platform.python_version()

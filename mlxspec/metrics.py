@@ -49,10 +49,8 @@ class CycleStats:
         verify_s: Seconds spent in the target forward, acceptance and commit.
         depth: Deepest draft node (γ for a full chain; 0 when nothing was drafted).
         path: The draft nodes (0-based, root to leaf) the target accepted, before any stop cut.
-        gamma: γ the policy picked for the round (0: a plain round); with ``auto`` it changes each round.
-        judged: γ auto's judgement made before this round (``AutoGamma.observe``): the drafter's estimated
-            acceptance of each token decoded plainly since it last drafted, in [0, 1]; ``None`` when there
-            was none (or the drafter could not judge, so the round probes).
+        gamma: γ the pacer planned for the round (0: a plain round; a draft model that stops on its
+            confidence: what it drafted); with ``auto`` it changes each round.
     """
 
     cycle: int
@@ -64,7 +62,6 @@ class CycleStats:
     depth: int = 0
     path: tuple[int, ...] = ()
     gamma: int = 0
-    judged: tuple[float, ...] | None = None
 
 
 @dataclass
@@ -96,11 +93,7 @@ class GenerationStats:
             was predicted to lose); empty with a fixed γ. ``num_draft_tokens`` is then
             the largest γ auto may pick.
         priced_plain: Whether every round was a plain step because this machine's measured costs
-            ruled the drafter out even if every draft were accepted (a Medusa tree priced at load, or
-            γ auto's ``gamma.PricedPlain`` for a drafter that sizes its own rounds).
-        judgements, judged_tokens, judged_kept: γ auto's judgements of waits (a draft model judges the
-            tokens decoded plainly instead of probing, docs/acceptance.md 3.4): how many, the tokens they
-            judged, and the sum of those tokens' estimated acceptances (``judged_acceptance`` is the mean).
+            ruled the drafter out even if every draft were accepted (``pacing.make_pacer``).
     """
 
     drafter: str = "none"
@@ -121,9 +114,6 @@ class GenerationStats:
     peak_memory_gb: float = 0.0
     gamma_rounds: list[int] = field(default_factory=list)
     priced_plain: bool = False
-    judgements: int = 0
-    judged_tokens: int = 0
-    judged_kept: float = 0.0
 
     def add_cycle(self, stats: CycleStats) -> None:
         """Fold one round into the totals."""
@@ -140,10 +130,6 @@ class GenerationStats:
         for i in range(stats.depth):
             self.drafted_per_position[i] += 1
             self.accepted_per_position[i] += i < stats.num_accepted
-        if stats.judged:
-            self.judgements += 1
-            self.judged_tokens += len(stats.judged)
-            self.judged_kept += sum(stats.judged)
 
     def add_gamma(self, gamma: int) -> None:
         """Count one round run with draft length ``gamma`` chosen by auto-γ."""
@@ -155,11 +141,6 @@ class GenerationStats:
     def plain_fallback_rounds(self) -> int:
         """Rounds in which auto-γ fell back to plain decoding (γ = 0)."""
         return self.gamma_rounds[0] if self.gamma_rounds else 0
-
-    @property
-    def judged_acceptance(self) -> float:
-        """Mean estimated acceptance of the tokens γ auto's judgements read (0 when none were judged)."""
-        return self.judged_kept / self.judged_tokens if self.judged_tokens else 0.0
 
     @property
     def alpha(self) -> float:
@@ -192,6 +173,6 @@ class GenerationStats:
         """Every field and derived metric as plain JSON-ready values."""
         out = dict(self.__dict__)
         for name in ("alpha", "tau", "acceptance_per_position", "prompt_tps", "generation_tps",
-                     "plain_fallback_rounds", "judged_acceptance"):
+                     "plain_fallback_rounds"):
             out[name] = getattr(self, name)
         return out

@@ -31,7 +31,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from .cache import prefill, tree_attention
 from .drafters import Draft, Drafter
-from .gamma import FixedGamma, GammaPolicy
+from .pacing import Fixed, Pacer
 from .generate import make_verifier, speculative_rounds
 from .sampling import SamplingParams, process_logits, warp
 from .tree import Tree
@@ -277,7 +277,7 @@ class Sampled:
 
 
 def _engine_rounds(model, prompt: list[int], drafter: Drafter, sampling: SamplingParams, *, num_tokens: int,
-                   policy: GammaPolicy, rule: Callable) -> tuple[list[int], int, int]:
+                   policy: Pacer, rule: Callable) -> tuple[list[int], int, int]:
     """One run of the engine's round loop (no stop tokens), the policy told each round as ``generate`` tells it.
 
     Returns:
@@ -286,21 +286,20 @@ def _engine_rounds(model, prompt: list[int], drafter: Drafter, sampling: Samplin
     tokens, drafted, accepted = [], 0, 0
     for round_ in speculative_rounds(model, prompt, drafter, num_draft_tokens=policy, max_tokens=num_tokens,
                                      sampling=sampling, stop_tokens=set(), rule=rule):
-        policy.update(round_.stats)
         tokens += round_.tokens
         drafted, accepted = drafted + round_.stats.num_drafted, accepted + round_.stats.num_accepted
     return tokens, drafted, accepted
 
 
 def sample_engine(model, prompt: list[int], drafter: Drafter, sampling: SamplingParams, *, num_tokens: int,
-                  num_samples: int, num_draft_tokens: int | GammaPolicy, rule: Callable,
+                  num_samples: int, num_draft_tokens: int | Pacer, rule: Callable,
                   progress: Callable[[int], None]) -> Sampled:
     """``num_samples`` runs of the engine's round loop, ``num_tokens`` tokens each (no stop tokens).
 
-    A γ policy (``gamma.gamma_policy``: ``auto``, ``scheduled``) is shared by the runs and learns across them, as
+    A γ policy (``pacing.make_pacer``: ``auto``, ``scheduled``) is shared by the runs and learns across them, as
     in a chat; each run is still distributed as the target, whatever the policy learnt before it (its choices
     depend on earlier tokens only), so the runs stay independent draws from the target."""
-    policy = FixedGamma(num_draft_tokens) if isinstance(num_draft_tokens, int) else num_draft_tokens
+    policy = Fixed(num_draft_tokens) if isinstance(num_draft_tokens, int) else num_draft_tokens
     out = Sampled()
     for _ in range(num_samples):
         tokens, drafted, accepted = _engine_rounds(model, prompt, drafter, sampling, num_tokens=num_tokens,
@@ -374,14 +373,14 @@ def sample_batched(model, prompt: list[int], drafter: Drafter, sampling: Samplin
 
 
 def greedy_mismatch(model, prompt: list[int], drafter: Drafter, *, num_tokens: int,
-                    num_draft_tokens: int | GammaPolicy, rule: Callable) -> tuple[int | None, int, int]:
+                    num_draft_tokens: int | Pacer, rule: Callable) -> tuple[int | None, int, int]:
     """First position where greedy speculation differs from mlx-lm's plain greedy decoding (or ``None``).
 
     Returns:
         tuple: the position, draft tokens proposed, draft tokens kept.
     """
     plain = [token for token, _ in generate_step(mx.array(prompt), model, max_tokens=num_tokens)]
-    policy = FixedGamma(num_draft_tokens) if isinstance(num_draft_tokens, int) else num_draft_tokens
+    policy = Fixed(num_draft_tokens) if isinstance(num_draft_tokens, int) else num_draft_tokens
     spec, drafted, accepted = _engine_rounds(model, prompt, drafter, SamplingParams(), num_tokens=num_tokens,
                                              policy=policy, rule=rule)
     mismatch = next((i for i, (a, b) in enumerate(zip(spec, plain)) if a != b), None)
@@ -391,7 +390,7 @@ def greedy_mismatch(model, prompt: list[int], drafter: Drafter, *, num_tokens: i
 
 
 def check_prompt(model, prompt_text: str, prompt: list[int], drafter: Drafter, sampling: SamplingParams, *,
-                 num_tokens: int, num_samples: int, num_draft_tokens: int | GammaPolicy, rule: Callable,
+                 num_tokens: int, num_samples: int, num_draft_tokens: int | Pacer, rule: Callable,
                  progress: Callable[[int], None], batch: bool = True) -> PromptCheck:
     """Sample one prompt through speculation and test it (temperature 0: compare with plain greedy).
 
@@ -427,7 +426,7 @@ def check_num_tokens(num_tokens: int) -> None:
 
 def run_check(model, prompts: list[tuple[str, list[int]]], drafter: Drafter, sampling: SamplingParams, *,
               num_tokens: int = DEFAULT_TOKENS, num_samples: int = DEFAULT_SAMPLES,
-              num_draft_tokens: int | GammaPolicy = 4,
+              num_draft_tokens: int | Pacer = 4,
               alpha: float = DEFAULT_ALPHA, self_test: bool = False, typical: tuple[float, float] | None = None,
               seed: int | None = 0, batch: bool = True,
               progress: Callable[[int], None] = lambda n: None) -> VerifyReport:
@@ -440,7 +439,7 @@ def run_check(model, prompts: list[tuple[str, list[int]]], drafter: Drafter, sam
         sampling: The sampling settings under test; temperature 0 compares with plain greedy decoding.
         num_tokens: K, tokens sampled per sequence (at temperature 0: tokens compared). Default: ``3``.
         num_samples: N, sequences per prompt. Default: ``2000``.
-        num_draft_tokens: γ, or a γ policy (``gamma.gamma_policy("auto", ...)``: what ``generate`` runs), shared by
+        num_draft_tokens: γ, or a γ policy (``pacing.make_pacer("auto", ...)``: what ``generate`` runs), shared by
             every sample and prompt and updated after each round as ``generate`` does. Default: ``4``.
         alpha: Family-wise level; a prompt FAILs when its Holm-adjusted p-value is below it. Default: ``0.01``.
         self_test: Use ``broken_rule`` instead of the exact rule (the check should then FAIL).

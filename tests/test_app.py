@@ -200,7 +200,7 @@ def picked(gammas, drafter="ngram"):
     return events + [totals]
 
 
-EAGLE_SHAPE = "depth-4 chain + a 6-token n-gram branch"  # gamma.tree_summary's words, as generate prints them
+EAGLE_SHAPE = "depth-4 chain + a 6-token n-gram branch"  # pacing.tree_summary's words, as generate prints them
 
 
 @pytest.mark.parametrize("drafter,gamma,relayed,events,before,after,summary", [
@@ -433,7 +433,7 @@ def test_drafter_dialog_enter_on_the_list_applies_and_gamma_has_the_cli_bound():
     async def body():
         from textual.widgets import Label
 
-        from mlxspec.gamma import MAX_NUM_DRAFT_TOKENS
+        from mlxspec.pacing import MAX_NUM_DRAFT_TOKENS
 
         long_name = "SmolLM2-135M-Instruct-Q4_K_M.gguf (GGUF, float16) from a folder with a long name"
         engine = FakeEngine([], info=EngineInfo(INFO.model_name, False, long_name, "ngram", "auto", INFO.drafters))

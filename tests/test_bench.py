@@ -13,8 +13,8 @@ from mlxspec.bench import BASELINE, CONTROL, RunRecord, make_systems, rounds_fro
 from mlxspec.bench_summary import summarize
 from mlxspec.cli import main
 from mlxspec.commands import bench as bench_command
-from mlxspec.costmodel import Costs
-from mlxspec.gamma import AUTO_PRICED_PLAIN
+from mlxspec.pacing import Costs
+from mlxspec.pacing import PRICED_PLAIN
 
 RUN_FIELDS = {"system", "prompt_id", "kind", "temp", "seed", "prompt_tokens", "prompt_s", "generation_tokens",
               "generation_s", "generation_tps", "prompt_tps", "rounds", "draft_s", "verify_s", "gamma_rounds",
@@ -83,7 +83,7 @@ def test_bench_summary_is_sane(bench_result):
             assert all(0 <= a <= 1 for a in row["acceptance_per_position"])
         if row["temp"] == 0:
             assert row["same_output"] == 1.0  # float32: every lossless system reproduces greedy decoding
-        if row["gamma"] == "auto" and row["note"] != AUTO_PRICED_PLAIN:  # else its drafter never ran (costs)
+        if row["gamma"] == "auto" and row["note"] != PRICED_PLAIN:  # else its drafter never ran (costs)
             assert row["mean_gamma"] is not None and 0 <= row["plain_fallback"] <= 1
     grounded_ngram = [r for r in rows if r["system"] == "mlxspec ngram γ=2" and r["kind"] == "grounded"]
     assert any(r["alpha"] for r in grounded_ngram)  # a repetitive prompt gives the n-gram drafter hits
@@ -252,13 +252,13 @@ def test_bench_times_head_drafters_from_specs(tmp_path, tiny_model_dir, capsys, 
 
 def test_a_medusa_tree_priced_as_plain_is_timed_once_and_its_row_says_why(tmp_path, tiny_model_dir, capsys,
                                                                           monkeypatch):
-    from mlxspec.drafters import registry
+    import mlxspec.commands.bench as command
     from mlxspec.heads.medusa import save_medusa
     from test_medusa import random_heads
 
     save_medusa(tmp_path / "heads", random_heads(shared=True))
     steep = Costs([0.01 * k for k in range(1, 17)])  # k tokens cost k steps: no tree can pay
-    monkeypatch.setattr(registry.DrafterContext, "verify_costs", lambda self: steep)
+    monkeypatch.setattr(command, "load_or_calibrate", lambda *a, **k: steep)
     monkeypatch.setenv("MLXSPEC_CACHE", str(tmp_path / "cache"))
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "Say hi.", "kind": "open"}) + "\n")
@@ -270,10 +270,10 @@ def test_a_medusa_tree_priced_as_plain_is_timed_once_and_its_row_says_why(tmp_pa
     result = json.loads(output.read_text())
     medusa = f"mlxspec medusa:heads={tmp_path / 'heads'} γ=auto"
     assert [s["name"] for s in result["systems"]] == [BASELINE, medusa, "mlxspec none"]
-    assert err.count("tree auto → plain") == 1 and f"timing it once, as '{medusa}'" in err
+    assert err.count("γ auto → plain") == 1 and f"timing it once, as '{medusa}'" in err
     [row] = [r for r in result["summary"] if r["system"] == medusa]
-    assert row["note"].startswith("tree auto → plain: the cost model predicts no gain on this machine")
-    assert f"| {medusa} |" in out and "| tree auto → plain: " in out
+    assert row["note"] == PRICED_PLAIN
+    assert f"| {medusa} |" in out and "| γ auto → plain: " in out
 
 
 def _ship_heads(root, tiny_model_dir):

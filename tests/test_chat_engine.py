@@ -107,7 +107,7 @@ def test_real_engine_thread_answers_like_plain_greedy_decoding(tmp_path):
 def test_chat_command_rejects_bad_flags_before_starting_the_app(capsys):
     assert chat.main(["--num-draft-tokens", "-1"]) == 2
     assert "--num-draft-tokens must be from 0 to 64" in capsys.readouterr().err
-    assert chat.main(["--num-draft-tokens", "65"]) == 2  # the bound F2 has too: gamma.MAX_NUM_DRAFT_TOKENS
+    assert chat.main(["--num-draft-tokens", "65"]) == 2  # the bound F2 has too: pacing.MAX_NUM_DRAFT_TOKENS
     assert "--num-draft-tokens must be from 0 to 64" in capsys.readouterr().err
     assert chat.main(["--model", "no-draft-ships-for-this", "--drafter", "draft"]) == 2
     assert "needs a draft model" in capsys.readouterr().err
@@ -195,7 +195,7 @@ def test_recalibrate_measures_the_costs_again_once_per_target_and_drafter(tmp_pa
     ``mlxspec generate --recalibrate`` does: once per target and drafter pair; later switches use the cache."""
     import queue
 
-    import mlxspec.gamma as gamma
+    import mlxspec.pacing as gamma
     import mlxspec_app.engine as engine_module
     from mlxspec_app.messages import EngineReady, LoadFailed
     from test_registry import FAKE_COSTS
@@ -212,7 +212,7 @@ def test_recalibrate_measures_the_costs_again_once_per_target_and_drafter(tmp_pa
         return load_or_calibrate
 
     monkeypatch.setattr(engine_module, "load_or_calibrate", measured("engine"))
-    monkeypatch.setattr(gamma, "load_or_calibrate", measured("gamma_policy"))
+    monkeypatch.setattr(gamma, "load_or_calibrate", measured("make_pacer"))
     model, tokenizer = tiny_llama(seed=3), byte_tokenizer()
     save_model(tmp_path, model)
     save_config(dict(model.args.__dict__, eos_token_id=256), tmp_path / "config.json")
@@ -233,22 +233,22 @@ def test_recalibrate_measures_the_costs_again_once_per_target_and_drafter(tmp_pa
         ready()
         engine.configure("ngram")  # measured once already in this chat: the cached costs
         ready()
-        assert calls == [("engine", "ngram", True), ("gamma_policy", "ngram", False)]
+        assert calls == [("engine", "ngram", True), ("make_pacer", "ngram", False)]
     finally:
         assert engine.close()
 
 
 def test_the_engine_says_what_its_drafter_drafts(tiny_model_dir, tmp_path, monkeypatch):
     """What the chat shows for the drafter is what ``mlxspec generate``'s stats say: a tree drafter's tree
-    (``gamma.tree_summary``) rather than the depth γ auto keeps, and with γ auto each round's pick."""
+    (``pacing.tree_summary``) rather than the depth γ auto keeps, and with γ auto each round's pick."""
     import queue
 
-    import mlxspec.gamma as gamma
-    from mlxspec.costmodel import Costs
+    import mlxspec.pacing as gamma
+    from mlxspec.pacing import Costs
     from mlxspec.drafters import parse_specs
     from mlxspec.heads.eagle import save_eagle
     from mlxspec_app.messages import EngineReady, LoadFailed
-    from test_costmodel import MEMORY_BOUND
+    from test_pacing import MEMORY_BOUND
     from test_eagle import random_head
 
     save_eagle(random_head(1), tmp_path / "eagle")
@@ -284,8 +284,8 @@ def test_the_engine_says_what_its_drafter_drafts(tiny_model_dir, tmp_path, monke
         engine.configure(parse_specs(spec)[0])
         ready = wait((EngineReady, LoadFailed))
         assert isinstance(ready, EngineReady), ready
-        assert ready.info.shape == gamma.AUTO_PRICED_PLAIN
+        assert ready.info.shape == gamma.PRICED_PLAIN
         stats = answer(3)
-        assert stats.shape == gamma.AUTO_PRICED_PLAIN and stats.drafted == 0
+        assert stats.shape == gamma.PRICED_PLAIN and stats.drafted == 0
     finally:
         assert engine.close()

@@ -55,7 +55,7 @@ def test_prompt_from_stdin(tiny_model_dir):
 
 @pytest.mark.parametrize("flags,message", [
     (["--num-draft-tokens", "-1"], "--num-draft-tokens must be from 0 to 64"),
-    (["--num-draft-tokens", "1000"], "--num-draft-tokens must be from 0 to 64"),  # gamma.MAX_NUM_DRAFT_TOKENS
+    (["--num-draft-tokens", "1000"], "--num-draft-tokens must be from 0 to 64"),  # pacing.MAX_NUM_DRAFT_TOKENS
     (["--temp", "-1"], "temp must be >= 0"),
     (["--top-p", "0"], r"top_p must be in (0, 1]"),
     (["--top-p", "1.5"], r"top_p must be in (0, 1]"),
@@ -165,14 +165,14 @@ def test_a_bad_draft_model_is_named_as_such(capsys, tiny_model_dir):
 
 
 def test_tree_stats_name_the_tree_and_explain_alpha(capsys, tiny_model_dir, tmp_path, monkeypatch):
-    import mlxspec.gamma as gamma
-    from mlxspec.costmodel import Costs
+    import mlxspec.pacing as gamma
+    from mlxspec.pacing import Costs
     from mlxspec.heads.eagle import save_eagle
     from mlxspec.heads.medusa import save_medusa
     from test_eagle import random_head
     from test_medusa import random_heads
 
-    # γ auto prices the tree (gamma.round_can_win): on costs where drafting pays it keeps the tree's depth
+    # γ auto prices the tree (pacing.make_pacer): on costs where drafting pays it keeps the tree's depth
     monkeypatch.setattr(gamma, "load_or_calibrate", lambda *a, **k: Costs([0.01 + 0.0001 * k for k in range(16)]))
     save_medusa(tmp_path / "medusa", random_heads(shared=True))
     save_eagle(random_head(1), tmp_path / "eagle")
@@ -193,20 +193,18 @@ def test_tree_stats_name_the_tree_and_explain_alpha(capsys, tiny_model_dir, tmp_
 
 
 def test_a_medusa_tree_priced_as_plain_says_so(capsys, tiny_model_dir, tmp_path, monkeypatch):
-    from mlxspec.costmodel import Costs
-    from mlxspec.drafters import registry
+    import mlxspec.pacing as pacing
     from mlxspec.heads.medusa import save_medusa
     from test_medusa import random_heads
 
     save_medusa(tmp_path / "medusa", random_heads(shared=True))
-    steep = Costs([0.01 * k for k in range(1, 17)])  # k tokens cost k steps: no tree can pay
-    monkeypatch.setattr(registry.DrafterContext, "verify_costs", lambda self: steep)
+    steep = pacing.Costs([0.01 * k for k in range(1, 17)])  # k tokens cost k steps: no tree can pay
+    monkeypatch.setattr(pacing, "load_or_calibrate", lambda *a, **k: steep)
     code, _, err = run(capsys, "--model", str(tiny_model_dir), "--prompt", "hi", "--max-tokens", "4",
                        "--drafter", "medusa", "--medusa-heads", str(tmp_path / "medusa"))
     assert code == 0, err
-    assert ("Drafter: medusa, tree auto → plain: the cost model predicts no gain on this machine, so the heads "
-            "are not run; cycles: ") in err
-    assert "(a tree" not in err and err.count("tree auto → plain") == 1
+    assert f"Drafter: medusa, {pacing.PRICED_PLAIN}; cycles: " in err
+    assert "(a tree" not in err and err.count("γ auto → plain") == 1
 
 
 def test_every_help_is_plain_text_from_a_capital():
@@ -248,7 +246,7 @@ def test_ctrl_c_while_loading_or_measuring_says_so_in_one_line(capsys, tiny_mode
     assert (code, out) == (130, "")
     assert err == "mlxspec: interrupted (Ctrl+C) while loading the models; nothing was generated\n"
     monkeypatch.setattr(command, "load_models", real_load)
-    monkeypatch.setattr(command, "gamma_policy", interrupted_measure)
+    monkeypatch.setattr(command, "make_pacer", interrupted_measure)
     code, out, err = run(capsys, *argv)
     assert (code, out) == (130, "")
     assert err.splitlines()[-1] == ("mlxspec: interrupted (Ctrl+C) while measuring the verify cost on this machine; "

@@ -19,7 +19,7 @@ from mlxspec.generate import speculative_rounds
 from mlxspec.heads.dflash import DFlashConfig
 from mlxspec.heads.dspark import DSparkConfig, DSparkNet, load_dspark, save_dspark
 from mlxspec.sampling import SamplingParams, warp
-from mlxspec.schedule import ScheduledGamma
+from mlxspec.pacing import Scheduled
 from stats import chi_square
 from test_dflash import write_published
 from test_lossless import PROMPT as SHORT_PROMPT, V, exact_joint
@@ -94,8 +94,6 @@ def _sample(target, drafter, gamma, n=1500) -> Counter:
         tokens = []
         for round_ in speculative_rounds(target, SHORT_PROMPT, drafter, num_draft_tokens=gamma, max_tokens=3,
                                          sampling=SamplingParams(temp=1.0), stop_tokens=set()):
-            if hasattr(gamma, "update"):
-                gamma.update(round_.stats)
             tokens += round_.tokens
         counts[tuple(tokens[:2])] += 1
     return counts
@@ -105,7 +103,7 @@ def _sample(target, drafter, gamma, n=1500) -> Counter:
 @pytest.mark.parametrize("scheduled", [False, True], ids=["fixed", "scheduled"])
 def test_sampled_dspark_is_lossless(target8, scheduled):
     drafter = DSparkDrafter(random_dspark(vocab=V, block_size=4), target8)
-    gamma = ScheduledGamma(linear_costs(1.0), max_gamma=2, probe_every=0) if scheduled else 2
+    gamma = Scheduled(linear_costs(1.0), max_gamma=2, probe_every=0) if scheduled else 2
     stat, critical = chi_square(_sample(target8, drafter, gamma), exact_joint(target8, SamplingParams(temp=1.0)))
     assert stat < critical, f"chi-square {stat:.1f} >= {critical:.1f}"
 
@@ -200,11 +198,11 @@ def test_bad_dspark_checkpoints_are_refused_at_load(tmp_path):
 
 def test_scheduled_drafts_a_whole_block():
     from mlxspec.drafters.dflash import DFlashDrafter
-    from mlxspec.gamma import gamma_policy
+    from mlxspec.pacing import make_pacer
     from test_dflash import random_dflash
 
     target = tiny_llama(seed=0)
-    policy = gamma_policy("scheduled", target, DSparkDrafter(random_dspark(), target), costs=linear_costs(1.0))
-    assert isinstance(policy, ScheduledGamma) and policy.max_gamma == 5
+    policy = make_pacer("scheduled", target, DSparkDrafter(random_dspark(), target), costs=linear_costs(1.0))
+    assert isinstance(policy, Scheduled) and policy.max_gamma == 5
     dflash = DFlashDrafter(random_dflash(layer_ids=(0, 1)), target)
-    assert gamma_policy("scheduled", target, dflash, costs=linear_costs(1.0)).max_gamma == 5  # B − 1
+    assert make_pacer("scheduled", target, dflash, costs=linear_costs(1.0)).max_gamma == 5  # B − 1

@@ -461,11 +461,11 @@ def test_heads_that_do_not_fit_are_refused(tmp_path):
 
 
 def test_eagle_from_the_command_line(capsys, tmp_path, tiny_model_dir, monkeypatch):
-    import mlxspec.gamma as gamma
+    import mlxspec.pacing as gamma
     from mlxspec.cli import main
-    from mlxspec.costmodel import Costs
+    from mlxspec.pacing import Costs
 
-    # γ auto prices the tree (gamma.round_can_win): on costs where drafting pays it keeps the tree's depth
+    # γ auto prices the tree (pacing.make_pacer): on costs where drafting pays it keeps the tree's depth
     monkeypatch.setattr(gamma, "load_or_calibrate", lambda *a, **k: Costs([0.01 + 0.0001 * k for k in range(16)]))
     save_eagle(random_head(1), tmp_path / "head")
     base = ["generate", "--model", str(tiny_model_dir), "--prompt", "hello", "--max-tokens", "12", "--drafter", "eagle"]
@@ -552,24 +552,24 @@ def _scores(*probs) -> np.ndarray:
 
 
 def test_tree_budget_keeps_more_nodes_when_verifying_is_cheap():
-    from mlxspec.costmodel import Costs
-    from mlxspec.drafters.eagle import TreeBudget
+    from mlxspec.pacing import Costs
+    from mlxspec.pacing import TreeBudget
 
     scores = _scores(0.9, 0.6, 0.3, 0.2, 0.1, 0.05, 0.02, 0.01)
-    flat = TreeBudget(Costs([0.1] * 16), max_nodes=6)  # an Apple GPU: width costs nothing
+    flat = TreeBudget(Costs([0.1] * 16), max_nodes=6, allow_plain=False)  # an Apple GPU: width costs nothing
     assert flat.choose(scores, draft_s=0.01) == 6
-    linear = TreeBudget(Costs([0.1 * k for k in range(1, 17)]))  # compute-bound: k tokens cost k steps
+    linear = TreeBudget(Costs([0.1 * k for k in range(1, 17)]), allow_plain=False)  # compute-bound: k tokens cost k steps
     assert linear.choose(scores, draft_s=0.01) == 1  # (1 + .9) / 2 beats (1 + .9 + .6) / 3
     mild = TreeBudget(Costs([0.1 + 0.01 * (k - 1) for k in range(1, 17)]))
     assert 2 < mild.choose(scores, draft_s=0.01) < 8
 
 
 def test_tree_budget_learns_the_draft_calibration():
-    from mlxspec.costmodel import Costs
-    from mlxspec.drafters.eagle import TreeBudget
+    from mlxspec.pacing import Costs
+    from mlxspec.pacing import TreeBudget
 
     scores = _scores(0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2)
-    budget = TreeBudget(Costs([0.1 + 0.02 * (k - 1) for k in range(1, 17)]))
+    budget = TreeBudget(Costs([0.1 + 0.02 * (k - 1) for k in range(1, 17)]), allow_plain=False)
     first = budget.choose(scores, draft_s=0.01)
     for _ in range(40):  # an over-confident draft: nothing it proposes is accepted
         budget.choose(scores, draft_s=0.01)
@@ -582,20 +582,23 @@ def test_tree_budget_learns_the_draft_calibration():
     assert budget.calibration > 1.0
 
 
-def test_auto_tree_size_is_lossless_and_varies():
-    from mlxspec.costmodel import Costs
+def test_auto_tree_size_is_lossless_and_follows_the_costs():
+    """``total_tokens="auto"``: the plan's budget sizes each tree from the measured costs; where verifying is cheap
+    the head's best candidates are kept, where a node cannot pay for itself the round is a plain step."""
+    from mlxspec.pacing import Costs, make_pacer
 
     target, tokenizer = tiny_llama(seed=0, sharpen=4.0), byte_tokenizer()
-    plain = generate(target, tokenizer, PROMPT, drafter="none", max_tokens=200, stop_tokens=set())
-    costs = Costs([0.01 + 0.001 * (k - 1) for k in range(1, 17)])
-    drafter = EagleDrafter(random_head(1, scale=4.0), target, depth=4, top_k=4, total_tokens="auto", costs=costs)
-    sizes = []
-    propose = drafter.propose
-    drafter.propose = lambda *a: sizes.append((d := propose(*a)).size) or d
-    spec = generate(target, tokenizer, PROMPT, drafter=drafter, num_draft_tokens=4, max_tokens=200, stop_tokens=set())
-    assert spec.tokens == plain.tokens
-    sizes = [n for n in sizes if n]  # 0: the last round, with no room left to draft
-    assert len(set(sizes)) > 1 and max(sizes) <= 4 + 3 * 16
+    plain = generate(target, tokenizer, PROMPT, drafter="none", max_tokens=100, stop_tokens=set())
+    for step_s, drafted in ((1.0, True), (0.01, False)):  # the draft's host time is nothing, or a tenth of a step
+        costs = Costs([step_s + 0.001 * (k - 1) for k in range(1, 17)])
+        drafter = EagleDrafter(random_head(1, scale=4.0), target, depth=4, top_k=4, total_tokens="auto")
+        sizes, propose = [], drafter.propose
+        drafter.propose = lambda *a: sizes.append((d := propose(*a)).size) or d
+        pacer = make_pacer(4, target, drafter, costs=costs)
+        spec = generate(target, tokenizer, PROMPT, drafter=drafter, num_draft_tokens=pacer, max_tokens=100,
+                        stop_tokens=set())
+        assert spec.tokens == plain.tokens and (spec.stats.drafted > 50) == drafted, (step_s, sizes)
+        assert max(sizes) <= 4 + 3 * 16
 
 
 def test_auto_total_tokens_on_the_command_line(capsys, tmp_path, tiny_model_dir, monkeypatch):
@@ -665,24 +668,22 @@ def test_sampling_through_the_tree_with_the_ngram_branch_follows_the_target(smal
 
 def test_auto_runs_eagle_plainly_where_no_round_of_its_depth_could_win(capsys, monkeypatch):
     """Where a fully accepted round of the tree's depth cannot beat a plain step on the measured costs, γ auto
-    never runs the head (``gamma.PricedPlain``) and the stats say so; where one can, the tree drafts as before."""
+    never runs the head (``Fixed(0, priced_plain=True)``) and the stats say so; where one can, the tree drafts."""
     from mlxspec.commands.generate import format_stats
-    from mlxspec.costmodel import Costs
-    from mlxspec.costmodel import AutoGamma
-    from mlxspec.gamma import AUTO_PRICED_PLAIN, FixedGamma, PricedPlain, gamma_policy, round_can_win, tree_summary
+    from mlxspec.pacing import PRICED_PLAIN, Auto, Costs, Fixed, make_pacer, tree_summary
 
     target, tokenizer = tiny_llama(seed=0, sharpen=4.0), byte_tokenizer()
     prompt = tokenizer.encode("the cat sat on the mat. the cat sat on the mat. the cat")
     steep = Costs([0.01 * k for k in range(1, 17)], draft_s=0.001)  # k tokens cost k steps, and drafting costs
     flat = Costs([0.01 + 0.0001 * k for k in range(16)], draft_s=0.001)
     drafter = EagleDrafter(random_head(1, scale=4.0), target, depth=4, top_k=1, total_tokens=5, ngram=6)
-    assert not round_can_win(steep, 6) and round_can_win(flat, 6)
-    assert round_can_win(Costs(steep.verify_s, draft_s=0.0), 6) is False  # m + 1 tokens in m + 1 steps: a tie
-    policy = gamma_policy("auto", target, drafter, costs=steep)
-    assert policy == PricedPlain(6) and policy.max_gamma == 0 and tree_summary(drafter, policy) == AUTO_PRICED_PLAIN
+    assert steep.best_gamma(1.0, 6) == 0 and flat.best_gamma(1.0, 6) > 0
+    assert Costs(steep.verify_s, draft_s=0.0).best_gamma(1.0, 6) == 0  # m + 1 tokens in m + 1 steps: a tie
+    policy = make_pacer("auto", target, drafter, costs=steep)
+    assert policy == Fixed(0, priced_plain=True) and policy.max_gamma == 0 and tree_summary(drafter, policy) == PRICED_PLAIN
     calls = []
     propose = drafter.propose
-    drafter.propose = lambda history, gamma, sampling: calls.append(gamma) or propose(history, gamma, sampling)
+    drafter.propose = lambda history, gamma, sampling, plan=None: calls.append(gamma) or propose(history, gamma, sampling, plan)
     plain = generate(target, tokenizer, prompt, drafter="none", max_tokens=20, stop_tokens=set())
     with monkeypatch.context() as patched:  # plain steps as for --drafter none: pipelined, no features tapped
         patched.setattr(sys.modules["mlxspec.generate"], "HiddenTap", None)
@@ -690,44 +691,43 @@ def test_auto_runs_eagle_plainly_where_no_round_of_its_depth_could_win(capsys, m
                           stop_tokens=set())
     assert result.tokens == plain.tokens and result.stats.drafted == 0 and calls == []
     assert result.stats.priced_plain and result.stats.to_dict()["priced_plain"]
-    assert f"Drafter: eagle, {AUTO_PRICED_PLAIN}; cycles: " in format_stats(result.stats, drafter)
+    assert f"Drafter: eagle, {PRICED_PLAIN}; cycles: " in format_stats(result.stats, drafter)
     # where a round can win, γ auto chooses each round's depth up to the tree's own, priced on its nodes
-    policy = gamma_policy("auto", target, drafter, costs=flat)
-    assert isinstance(policy, AutoGamma) and policy.max_gamma == 6 and policy.nodes == drafter.round_nodes
-    assert gamma_policy(4, target, drafter, costs=steep) == FixedGamma(4)  # a γ of one's own is kept
-    drafted = generate(target, tokenizer, prompt, drafter=drafter, num_draft_tokens=gamma_policy(
+    policy = make_pacer("auto", target, drafter, costs=flat)
+    assert isinstance(policy, Auto) and policy.max_gamma == 6 and policy.profile.nodes == drafter.profile.nodes
+    assert make_pacer(4, target, drafter, costs=steep) == Fixed(4)  # a γ of one's own is kept
+    drafted = generate(target, tokenizer, prompt, drafter=drafter, num_draft_tokens=make_pacer(
         "auto", target, drafter, costs=flat), max_tokens=20, stop_tokens=set())
     assert drafted.tokens == plain.tokens and drafted.stats.drafted > 0 and not drafted.stats.priced_plain
 
 
 def test_auto_prices_a_tree_round_at_the_nodes_it_sends_and_falls_back_when_it_misses():
-    """γ auto prices an EAGLE round at the nodes it verifies (``round_nodes``: the chain and the n-gram
+    """γ auto prices an EAGLE round at the nodes it verifies (``DraftProfile.nodes``: the chain and the n-gram
     branch), not at its depth, and drops a tree that keeps missing within a few rounds (issue 15: the
     shipped default head on a quantized target ran every round at depth 4 + a 6-token branch, 0.25× plain)."""
-    from mlxspec.costmodel import AutoGamma, Costs
-    from mlxspec.gamma import PricedPlain, gamma_policy, round_can_win
+    from mlxspec.pacing import Auto, Costs, Fixed, make_pacer
 
     target, tokenizer = tiny_llama(seed=0, sharpen=4.0), byte_tokenizer()
     drafter = EagleDrafter(random_head(1), target, depth=4, top_k=1, total_tokens=5, ngram=6)
-    assert [drafter.round_nodes(g) for g in (0, 1, 4, 6)] == [0, 2, 8, 10]
+    assert [drafter.profile.nodes[g - 1] for g in (1, 4, 6)] == [2, 8, 10]
     tree = EagleDrafter(random_head(1), target, depth=3, top_k=2, total_tokens=8)
-    assert [tree.round_nodes(g) for g in (1, 2, 3)] == [2, 6, 7]  # k + (d - 1) k², at most total_tokens - 1
+    assert tree.profile.nodes == (2, 6, 7)  # k + (d - 1) k², at most total_tokens - 1
     # a chain of γ wins here when fully accepted (γ + 1 tokens for 0.3 + 0.7 (γ + 1) steps), 2γ nodes never do
     costs = Costs([0.01 * (0.3 + 0.7 * k) for k in range(1, 17)])
-    assert round_can_win(costs, 6) and not round_can_win(costs, 6, drafter.round_nodes)
-    assert gamma_policy("auto", target, drafter, costs=costs) == PricedPlain(6)
+    assert costs.best_gamma(1.0, 6) > 0 and costs.best_gamma(1.0, 6, nodes=drafter.profile.nodes) == 0
+    assert make_pacer("auto", target, drafter, costs=costs) == Fixed(0, priced_plain=True)
     # on costs where it could win, a tree that keeps missing (a random head) is dropped within a few rounds
-    flat = Costs([0.01 + 0.0001 * k for k in range(16)])
-    policy = gamma_policy("auto", target, tree, costs=flat)
-    assert isinstance(policy, AutoGamma)
+    mild = Costs([0.01 * (1 + 0.05 * (k - 1)) for k in range(1, 17)])
+    policy = make_pacer("auto", target, tree, costs=mild)
+    assert isinstance(policy, Auto)
     depths = []
     propose = tree.propose
-    tree.propose = lambda history, gamma, sampling: depths.append(gamma) or propose(history, gamma, sampling)
+    tree.propose = lambda history, gamma, sampling, plan=None: depths.append(gamma) or propose(history, gamma, sampling, plan)
     prompt = tokenizer.encode("a quick brown fox jumps over")
     plain = generate(target, tokenizer, prompt, drafter="none", max_tokens=48, stop_tokens=set())
     result = generate(target, tokenizer, prompt, drafter=tree, num_draft_tokens=policy, max_tokens=48,
                       stop_tokens=set())
     assert result.tokens == plain.tokens
-    # at most miss_rounds (8) misses (a random head's estimate sinks with each miss, so no run of them looks
-    # improbable), then one 2-token probe after 16 plain steps: most of the 48 rounds are plain
-    assert result.stats.accepted == 0 and 3 <= len(depths) <= 9 and result.stats.gamma_rounds[0] >= 36
+    # a few misses sink the estimate below break-even, then plain steps and a 2-token probe after 16: most of the
+    # 48 rounds are plain
+    assert result.stats.accepted == 0 and 2 <= len(depths) <= 9 and result.stats.gamma_rounds[0] >= 36

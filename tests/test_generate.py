@@ -14,9 +14,9 @@ from mlx_lm.sample_utils import make_logits_processors
 
 from conftest import byte_tokenizer, tiny_llama
 from mlxspec import PromptCache, SamplingParams, TokenEvent, generate, make_drafter, stream_generate
-from mlxspec.costmodel import Costs
 from mlxspec.drafters import check_same_tokenizer
-from mlxspec.gamma import gamma_policy
+from mlxspec.drafters import Plan
+from mlxspec.pacing import Auto, Costs, make_pacer
 from mlxspec.generate import speculative_rounds
 
 PROMPT = [10, 20, 30, 40, 10, 20, 30, 41, 50, 60]
@@ -83,27 +83,24 @@ def test_target_as_its_own_draft_accepts_everything(target, tokenizer, reference
 def test_the_draft_model_asks_before_each_further_token_and_stops_when_told(target, tokenizer):
     drafter = _draft(target, tokenizer, tiny_llama(seed=0, sharpen=1.5))
     drafter.prefill(PROMPT)
-    asked = []
-
-    def keep_drafting(drafted, survival):
-        asked.append((drafted, survival))
-        return drafted < 3
-
-    draft = drafter.propose(PROMPT, 8, SamplingParams(), keep_drafting=keep_drafting)
-    assert draft.size == 3 and [k for k, _ in asked] == [1, 2, 3]
-    # what it is told is the product of its confidences so far: the survival the draft reports
-    assert np.allclose([s for _, s in asked], np.array(draft.survival), rtol=1e-5)
-    assert 0 < asked[-1][1] < asked[0][1] < 1
+    whole = drafter.propose(PROMPT, 8, SamplingParams())  # the survival it reports: its confidences multiplied
+    survival = np.array(whole.survival)
+    assert whole.size == 8 and 0 < survival[-1] < survival[0] < 1
+    drafter.commit(len(PROMPT), [])
+    # it stops after token k when the survival of the first k is at or below keep_above[k - 1]: here after 3
+    keep_above = tuple(float(s) / 2 if k < 3 else 1.0 for k, s in enumerate(survival[:7], 1))
+    draft = drafter.propose(PROMPT, 8, SamplingParams(), Plan(8, keep_above=keep_above))
+    assert draft.size == 3 and np.allclose(np.array(draft.survival), survival[:3], rtol=1e-5)
 
 
 @pytest.mark.parametrize("draft_kind", ["same-argmax", "confident-and-wrong"])
 def test_auto_lets_the_draft_model_end_its_rounds_and_stays_greedy(target, tokenizer, reference, draft_kind):
-    """γ auto with a draft model: each round drafts until the next token would not pay (AutoGamma.keep_drafting);
+    """γ auto with a draft model: each round drafts until the next token would not pay (``Plan.keep_above``);
     rounds of many lengths, kept whole or rejected early, leave the output plain greedy decoding's."""
     draft_model = tiny_llama(seed=0, sharpen=8.0) if draft_kind == "same-argmax" else tiny_llama(seed=3, sharpen=10.0)
     cheap = Costs([1.0 + 0.005 * k for k in range(16)], draft_s=0.01)  # another token pays while survival > 0.015
-    policy = gamma_policy("auto", target, _draft(target, tokenizer, draft_model), costs=cheap)
-    assert policy.stop_early
+    policy = make_pacer("auto", target, _draft(target, tokenizer, draft_model), costs=cheap)
+    assert isinstance(policy, Auto) and policy.plan().keep_above is not None
     result = generate(target, tokenizer, PROMPT, drafter=_draft(target, tokenizer, draft_model),
                       num_draft_tokens=policy, max_tokens=120, stop_tokens=set())
     assert result.tokens == reference[:120]
@@ -225,7 +222,7 @@ def test_mismatched_tokenizer_is_refused(tokenizer):
 
 @pytest.mark.parametrize("kwargs,message", [
     ({"num_draft_tokens": -1}, "num_draft_tokens must be from 0 to 64"),
-    ({"num_draft_tokens": 65}, "num_draft_tokens must be from 0 to 64"),  # gamma.MAX_NUM_DRAFT_TOKENS
+    ({"num_draft_tokens": 65}, "num_draft_tokens must be from 0 to 64"),  # pacing.MAX_NUM_DRAFT_TOKENS
     ({"max_tokens": 0}, "max_tokens"),
     ({"drafter": "medusa-typo"}, "unknown drafter"),
 ])

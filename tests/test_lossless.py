@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from conftest import tiny_llama
-from mlxspec.costmodel import AutoGamma, Costs
+from mlxspec.drafters import DraftProfile
+from mlxspec.pacing import AcceptanceEstimate, Auto, Costs
 from mlxspec.drafters import Draft, Drafter, make_drafter
 from mlxspec.generate import speculative_rounds
 from mlxspec.sampling import SamplingParams, warp
@@ -133,7 +134,7 @@ def test_the_same_test_rejects_greedy_drafts_scored_as_sampled(models):
     drafter = _drafter("draft", models)
     propose_greedy = drafter.propose
 
-    def greedy_with_softmax_q(history, num_draft_tokens, sampling):
+    def greedy_with_softmax_q(history, num_draft_tokens, sampling, plan=None):
         draft = propose_greedy(history, num_draft_tokens, SamplingParams())
         if draft.size == 0:
             return draft
@@ -155,7 +156,7 @@ class MissingDrafter(Drafter):
     def __init__(self, target):
         self.target = target
 
-    def propose(self, history, num_draft_tokens, sampling):
+    def propose(self, history, num_draft_tokens, sampling, plan=None):
         if num_draft_tokens == 0:
             return Draft.empty()
         worst = int(mx.argmin(self.target(mx.array(history)[None])[0, -1]).item())
@@ -163,10 +164,11 @@ class MissingDrafter(Drafter):
 
 
 MEMORY_BOUND = Costs([1.0 + 0.1 * (k - 1) for k in range(1, 17)])
-PLAIN_CASES = {  # pipelined plain steps (γ = 0), and auto falling back after one miss: round 1 drafts, round 2 is plain
+PLAIN_CASES = {  # pipelined plain steps (γ = 0), and auto falling back after one miss (a weak prior): round 1 drafts,
+    # round 2 is plain
     "plain-repetition1.5": (lambda m: make_drafter("none", m, list(range(V))), lambda: 0, "repetition1.5"),
     "plain-temp0.7-top_k3": (lambda m: make_drafter("none", m, list(range(V))), lambda: 0, "temp0.7-top_k3"),
-    "auto-missing-top_k3": (MissingDrafter, lambda: AutoGamma(MEMORY_BOUND, miss_rounds=1), "temp0.7-top_k3"),
+    "auto-missing-top_k3": (MissingDrafter, lambda: Auto(MEMORY_BOUND, estimate=AcceptanceEstimate(prior_weight=0.1)), "temp0.7-top_k3"),
 }
 
 
@@ -199,21 +201,21 @@ STOPPING = Costs(MEMORY_BOUND.verify_s, draft_s=0.17)
 @pytest.mark.slow  # statistical
 @pytest.mark.parametrize("setting", ["temp1", "min_p0.1"])  # settings under which the first round stops both ways
 def test_rounds_ended_by_the_drafts_confidence_follow_the_target(models, setting):
-    """γ auto with the draft model (``stop_early``): whether the first round drafts a third token depends on the
+    """γ auto with the draft model (``DraftProfile.confidence``): whether the first round drafts a third token depends on the
     first token drawn (through the draft's confidence at the second); the first three tokens are still
     distributed as the target's (docs/acceptance.md 3.3). Four are generated, so the first round may draft three."""
     params = SETTINGS[setting]
     drafter, sizes = _drafter("draft", models), Counter()
     propose = drafter.propose
 
-    def counted(history, num_draft_tokens, sampling, **kwargs):
-        draft = propose(history, num_draft_tokens, sampling, **kwargs)
+    def counted(history, num_draft_tokens, sampling, plan=None):
+        draft = propose(history, num_draft_tokens, sampling, plan)
         if len(history) == len(PROMPT):
             sizes[draft.size] += 1
         return draft
 
     drafter.propose = counted
-    counts = sample_joint(models[0], drafter, params, gamma=lambda: AutoGamma(STOPPING, stop_early=True),
+    counts = sample_joint(models[0], drafter, params, gamma=lambda: Auto(STOPPING, DraftProfile(confidence=True)),
                           length=3, max_tokens=4)
     assert sizes[2] > 200 and sizes[3] > 200  # the first round's stop went both ways
     stat, critical = chi_square(counts, exact_joint(models[0], params, length=3))

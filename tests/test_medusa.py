@@ -10,7 +10,7 @@ import pytest
 
 from conftest import byte_tokenizer, tiny_llama
 from mlxspec import SamplingParams, generate
-from mlxspec.costmodel import Costs
+from mlxspec.pacing import Costs, Fixed, make_pacer
 from mlxspec.drafters.medusa import MedusaDrafter
 from mlxspec.heads.medusa import MedusaConfig, MedusaHeads, load_medusa, save_medusa
 from mlxspec.taps import output_head
@@ -183,12 +183,12 @@ def test_the_default_tree_is_priced_by_the_machine():
 
 
 def test_tree_budget_may_choose_plain_decoding():
-    from mlxspec.costmodel import TreeBudget
+    from mlxspec.pacing import TreeBudget
 
     scores = np.log(np.array([0.9, 0.6, 0.3, 0.2]))
     steep = TreeBudget(Costs([0.1 * k for k in range(1, 17)]), allow_plain=True)  # k tokens cost k steps
     assert steep.choose(scores, draft_s=0.001) == 0 and steep.pending is None
-    assert TreeBudget(Costs([0.1 * k for k in range(1, 17)])).choose(scores, draft_s=0.001) == 1  # EAGLE's: >= 1
+    assert TreeBudget(Costs([0.1 * k for k in range(1, 17)]), allow_plain=False).choose(scores, draft_s=0.001) == 1
     flat = TreeBudget(Costs([0.1] * 16), allow_plain=True)  # width costs nothing
     assert flat.choose(scores, draft_s=0.001) == 4
     assert flat.choose(scores[:0], draft_s=0.001) == 0
@@ -201,20 +201,21 @@ def test_priced_tree_is_lossless_and_sized_by_the_verify_cost(machine):
     costs = {"flat": Costs([0.01] * 16), "steep": Costs([0.01 * k for k in range(1, 17)])}[machine]
     target, tokenizer = tiny_llama(seed=0, sharpen=4.0), byte_tokenizer()
     plain = generate(target, tokenizer, PROMPT, drafter="none", max_tokens=80, stop_tokens=set())
-    drafter = MedusaDrafter(random_heads(shared=True), output_head(target), MC_SIM_7B_63, costs=costs)
-    assert not drafter.lazy
+    drafter = MedusaDrafter(random_heads(shared=True), output_head(target), MC_SIM_7B_63, priced=True)
+    assert not drafter.lazy and drafter.profile.budget
     sizes, propose = [], drafter.propose
     drafter.propose = lambda *a: sizes.append((d := propose(*a)).size) or d
-    spec = generate(target, tokenizer, PROMPT, drafter=drafter, num_draft_tokens=4, max_tokens=80, stop_tokens=set())
+    pacer = make_pacer(4, target, drafter, costs=costs)
+    spec = generate(target, tokenizer, PROMPT, drafter=drafter, num_draft_tokens=pacer, max_tokens=80, stop_tokens=set())
     assert spec.tokens == plain.tokens
     if machine == "flat":
         assert max(sizes) > 15 and spec.stats.drafted > 0
     else:
-        assert set(sizes) == {0} and spec.stats.drafted == 0
+        assert pacer.priced_plain and sizes == [] and spec.stats.drafted == 0
 
 
 def test_tree_budget_knows_before_any_round_when_no_tree_can_pay():
-    from mlxspec.costmodel import TreeBudget
+    from mlxspec.pacing import TreeBudget
 
     steep = TreeBudget(Costs([0.1 * k for k in range(1, 17)]), allow_plain=True)  # k tokens cost k steps
     assert not steep.can_win(max_depth=4, draft_s=0.0)  # m nodes add at most m tokens for m more steps
@@ -222,7 +223,7 @@ def test_tree_budget_knows_before_any_round_when_no_tree_can_pay():
     two_rows = TreeBudget(Costs([0.1, 0.185] + [0.1 * k for k in range(3, 17)]), allow_plain=True)
     assert two_rows.can_win(max_depth=4, draft_s=0.0)  # 2 tokens in 1.85 steps
     assert not two_rows.can_win(max_depth=4, draft_s=0.1)  # ... unless the heads cost a step
-    assert TreeBudget(steep.costs).can_win(max_depth=4, draft_s=1.0)  # EAGLE's budget always keeps a node
+    assert TreeBudget(steep.costs, allow_plain=False).can_win(max_depth=4, draft_s=1.0)  # one that keeps a node
 
 
 def count_head_runs(drafter: MedusaDrafter) -> list:
@@ -245,10 +246,11 @@ def test_a_tree_priced_as_plain_runs_no_heads(machine):
     """Where no tree can pay for its verify, the heads are never run: every round is a plain step."""
     costs = {"flat": Costs([0.01] * 16), "steep": Costs([0.01 * k for k in range(1, 17)])}[machine]
     target, tokenizer = tiny_llama(seed=0, sharpen=4.0), byte_tokenizer()
-    drafter = MedusaDrafter(random_heads(shared=True), output_head(target), MC_SIM_7B_63, costs=costs)
-    assert drafter.priced_plain == (machine == "steep")
+    drafter = MedusaDrafter(random_heads(shared=True), output_head(target), MC_SIM_7B_63, priced=True)
+    pacer = make_pacer(4, target, drafter, costs=costs)
+    assert pacer.priced_plain == (machine == "steep")
     calls = count_head_runs(drafter)
-    spec = generate(target, tokenizer, PROMPT, drafter=drafter, num_draft_tokens=4, max_tokens=20, stop_tokens=set())
+    spec = generate(target, tokenizer, PROMPT, drafter=drafter, num_draft_tokens=pacer, max_tokens=20, stop_tokens=set())
     assert (len(calls) == 0) == (machine == "steep") and (spec.stats.drafted == 0) == (machine == "steep")
 
 
@@ -259,14 +261,11 @@ def test_heads_rest_while_the_budget_keeps_pricing_rounds_as_plain():
     too); a kept node resets it. The output stays plain greedy's."""
     costs = Costs([0.1, 0.185] + [0.1 * k for k in range(3, 17)])  # 2 tokens in 1.85 steps: only a sure node pays
     target, tokenizer = tiny_llama(seed=0, sharpen=4.0), byte_tokenizer()
-    drafter = MedusaDrafter(random_heads(shared=True, scale=0.01), output_head(target), MC_SIM_7B_63, costs=costs)
-    assert not drafter.priced_plain
+    drafter = MedusaDrafter(random_heads(shared=True, scale=0.01), output_head(target), MC_SIM_7B_63, priced=True)
+    pacer = make_pacer(4, target, drafter, costs=costs)
+    assert isinstance(pacer, Fixed) and not pacer.priced_plain
     calls = count_head_runs(drafter)
     plain = generate(target, tokenizer, PROMPT, drafter="none", max_tokens=60, stop_tokens=set())
-    spec = generate(target, tokenizer, PROMPT, drafter=drafter, num_draft_tokens=4, max_tokens=60, stop_tokens=set())
+    spec = generate(target, tokenizer, PROMPT, drafter=drafter, num_draft_tokens=pacer, max_tokens=60, stop_tokens=set())
     assert spec.tokens == plain.tokens and spec.stats.drafted == 0
     assert len(calls) == 4  # rounds 1, 2; the probe after a rest of 16 (round 19); after 32 more (round 52)
-    drafter._back_off(3)  # a round that keeps nodes
-    assert (drafter._plain_run, drafter._wait) == (0, MedusaDrafter.FIRST_WAIT)
-    drafter._back_off(0), drafter._back_off(0)
-    assert (drafter._skip, drafter._wait) == (16, 32)

@@ -15,10 +15,10 @@ from mlx.utils import tree_flatten, tree_map
 from conftest import byte_tokenizer, tiny_llama
 from mlxspec import generate, make_drafter
 from mlxspec.cli import main
-from mlxspec.drafters import Draft
+from mlxspec.drafters import Draft, Plan
 from mlxspec.drafters.mtp import MTPDrafter
 from mlxspec.heads.mtp import MTPStack, has_mtp, init_mtp, load_mtp, save_mtp
-from mlxspec.gamma import FixedGamma, gamma_policy
+from mlxspec.pacing import Fixed, make_pacer
 from mlxspec.sampling import SamplingParams, warp
 from stats import chi_square
 from test_generate import plain_greedy
@@ -170,7 +170,7 @@ def test_sampled_mtp_chains_follow_the_target(small, params):
 class WrongQ(MTPDrafter):
     """Samples from the module's q but reports a flattened q (the softmax at twice the temperature)."""
 
-    def propose(self, history, num_draft_tokens, sampling):
+    def propose(self, history, num_draft_tokens, sampling, plan=None):
         draft = super().propose(history, num_draft_tokens, sampling)
         if draft.logprobs is None:
             return draft
@@ -230,62 +230,58 @@ def test_a_deepseek_v3_target_reads_its_hf_mtp_layer_through_its_own_sanitize(tm
 
 
 def test_auto_runs_mtp_plainly_where_no_chain_of_its_depth_could_win(tmp_path, target):
-    """MTP sizes its own rounds too: γ auto prices them (``gamma.round_can_win``) and, where a fully accepted
+    """MTP sizes its own rounds too: γ auto prices them (``pacing.make_pacer``) and, where a fully accepted
     chain loses to a plain step, decodes plainly and says so."""
     from mlxspec.commands.generate import format_stats
-    from mlxspec.costmodel import AutoGamma, Costs
-    from mlxspec.gamma import AUTO_PRICED_PLAIN, PricedPlain, gamma_policy
+    from mlxspec.pacing import PRICED_PLAIN, Auto, Costs, Fixed, make_pacer
 
     stack = init_mtp(target)
     save_mtp(stack, tmp_path / "mtp", target, {"draft_depth": 3})
     drafter = make_drafter(f"mtp:weights={tmp_path / 'mtp'}", target, byte_tokenizer())
     steep = Costs([0.01 * k for k in range(1, 17)], draft_s=0.002)
     flat = Costs([0.01 + 0.0001 * k for k in range(16)], draft_s=0.002)
-    chosen = gamma_policy("auto", target, drafter, costs=flat)  # a chain: priced round by round, up to its depth
-    assert isinstance(chosen, AutoGamma) and chosen.max_gamma == 3 and chosen.costs == flat
-    policy = gamma_policy("auto", target, drafter, costs=steep)
-    assert policy == PricedPlain(3)
+    chosen = make_pacer("auto", target, drafter, costs=flat)  # a chain: priced round by round, up to its depth
+    assert isinstance(chosen, Auto) and chosen.max_gamma == 3 and chosen.costs == flat
+    policy = make_pacer("auto", target, drafter, costs=steep)
+    assert policy == Fixed(0, priced_plain=True)
     result = generate(target, byte_tokenizer(), PROMPT, drafter=drafter, num_draft_tokens=policy, max_tokens=30,
                       stop_tokens=set())
     assert result.tokens == plain_greedy(target, PROMPT, 30) and result.stats.drafted == 0
     assert result.stats.priced_plain and result.stats.num_draft_tokens == 0
-    assert f"Drafter: mtp, {AUTO_PRICED_PLAIN}; cycles: " in format_stats(result.stats, drafter)
+    assert f"Drafter: mtp, {PRICED_PLAIN}; cycles: " in format_stats(result.stats, drafter)
 
 
 def test_auto_falls_back_to_plain_decoding_when_the_chain_keeps_missing(target):
     """A chain that follows γ is priced on its running acceptance: drafts that never survive send γ auto back
     to plain decoding after a few rounds (the module trained for Qwen2.5-Coder-0.5B, τ 1.25, lost 20-30% to plain
     decoding at its full depth)."""
-    from mlxspec.costmodel import AutoGamma, Costs
+    from mlxspec.pacing import Auto, Costs
 
     plain = plain_greedy(target, PROMPT, 60)
     never = next(i for i in range(target.args.vocab_size) if i not in plain)
     drafter = MTPDrafter(MTPStack(init_mtp(target).chain, init_mtp(target).config, np.array([never], np.int32)),
                          target, depth=3)
     costs = Costs([0.01 * (1 + 0.1 * k) for k in range(16)], draft_s=0.0005)
-    policy = gamma_policy("auto", target, drafter, costs=costs)
-    assert isinstance(policy, AutoGamma) and policy.max_gamma == 3
+    policy = make_pacer("auto", target, drafter, costs=costs)
+    assert isinstance(policy, Auto) and policy.max_gamma == 3
     result = generate(target, byte_tokenizer(), PROMPT, drafter=drafter, num_draft_tokens=policy, max_tokens=60,
                       stop_tokens=set())
     assert result.tokens == plain and result.stats.accepted == 0
-    # at most 8 missed rounds (AutoGamma.miss_rounds) at γ <= 3, then plain steps and a probe or two
+    # a few missed rounds at γ <= 3 sink the estimate below break-even, then plain steps and a probe or two
     assert 0 < result.stats.drafted <= 8 * 3 + 2 * 2 and result.stats.gamma_rounds[0] >= 45
 
 
-class Scripted(FixedGamma):
+class Scripted(Fixed):
     """A γ policy that replays a fixed pattern of γ (0 = a plain step), then keeps its last value."""
 
     def __init__(self, pattern):
         super().__init__(max(pattern))
         self.pattern, self.round = list(pattern), 0
 
-    def choose_gamma(self):
+    def plan(self):
         gamma = self.pattern[min(self.round, len(self.pattern) - 1)]
         self.round += 1
-        return gamma
-
-    def update(self, cycle):
-        pass
+        return Plan(gamma)
 
 
 def test_plain_rounds_between_chains_are_pipelined_and_still_feed_the_drafter(target, monkeypatch):
@@ -303,7 +299,7 @@ def test_plain_rounds_between_chains_are_pipelined_and_still_feed_the_drafter(ta
     monkeypatch.setattr(engine.PlainSteps, "queue", lambda self, *a: queued.append(1) or original_queue(self, *a))
     drafter, seen = MTPDrafter(stack, target, depth=3), []
     propose = drafter.propose
-    drafter.propose = lambda history, gamma, sampling: seen.append((len(history), d := propose(history, gamma, sampling))) or d
+    drafter.propose = lambda history, gamma, sampling, plan=None: seen.append((len(history), d := propose(history, gamma, sampling, plan))) or d
     pattern = [3, 0, 0, 0, 2, 0, 3, 0, 0, 3, 0, 0, 0, 0, 3]
     result = generate(target, byte_tokenizer(), PROMPT, drafter=drafter, num_draft_tokens=Scripted(pattern),
                       max_tokens=40, stop_tokens=set())

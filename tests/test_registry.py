@@ -12,9 +12,9 @@ import pytest
 from conftest import byte_tokenizer, tiny_llama
 from mlxspec import generate, make_drafter
 from mlxspec.cli import main
-from mlxspec.costmodel import AutoGamma, Costs
+from mlxspec.pacing import Auto, Costs
 from mlxspec.drafters import DRAFTERS, Draft, Drafter, DrafterSpec, DrafterType, drafter_types, parse_specs, registry
-from mlxspec.gamma import FixedGamma, PricedPlain, auto_priced_plain
+from mlxspec.pacing import Fixed
 from mlxspec.heads.dflash import save_dflash
 from mlxspec.heads.dspark import save_dspark
 from mlxspec.heads.eagle import save_eagle
@@ -148,7 +148,7 @@ def test_auto_is_the_same_policy_in_the_api_and_the_cli(name, tmp_path, tiny_mod
     import sys
 
     import mlxspec.commands.generate as command
-    import mlxspec.gamma as gamma
+    import mlxspec.pacing as gamma
 
     engine = sys.modules["mlxspec.generate"]  # the package's ``generate`` is the function
 
@@ -159,12 +159,12 @@ def test_auto_is_the_same_policy_in_the_api_and_the_cli(name, tmp_path, tiny_mod
 
     def recording(where):
         def policy(*args, **kwargs):
-            chosen[where] = gamma.gamma_policy(*args, **kwargs)
+            chosen[where] = gamma.make_pacer(*args, **kwargs)
             return chosen[where]
         return policy
 
-    monkeypatch.setattr(command, "gamma_policy", recording("cli"))
-    monkeypatch.setattr(engine, "gamma_policy", recording("api"))
+    monkeypatch.setattr(command, "make_pacer", recording("cli"))
+    monkeypatch.setattr(engine, "make_pacer", recording("api"))
     draft_flags = ["--draft-model", str(tiny_draft_dir)] if name == "draft" else []  # refused for the others
     assert main(["generate", "--model", str(tiny_model_dir), *draft_flags, "--drafter", name,
                  "--prompt", "hi", "--max-tokens", "8", "--json"]) == 0, capsys.readouterr().err
@@ -176,16 +176,14 @@ def test_auto_is_the_same_policy_in_the_api_and_the_cli(name, tmp_path, tiny_mod
     cli, api = chosen["cli"], chosen["api"]
     assert type(cli) is type(api) and cli.max_gamma == api.max_gamma
     if name == "none":
-        assert cli == FixedGamma(0)
-    elif drafter.tree_depth is not None and drafter.name == "medusa" and drafter.budget is not None:
-        assert cli == FixedGamma(drafter.tree_depth)  # a priced Medusa tree sizes each round itself
-    elif drafter.tree_depth is not None and auto_priced_plain(drafter, FAKE_COSTS):  # e.g. a 60-node EAGLE-2 tree
-        assert cli == api == PricedPlain(drafter.tree_depth)
-    elif drafter.tree_depth is not None:  # priced round by round up to its depth, on the nodes it sends
-        assert isinstance(api, AutoGamma) and cli.max_gamma == drafter.tree_depth
-        assert api.nodes(drafter.tree_depth) == cli.nodes(drafter.tree_depth) == drafter.round_nodes(drafter.tree_depth)
-    else:
-        assert isinstance(api, AutoGamma) and api.costs == cli.costs == FAKE_COSTS
+        assert cli == Fixed(0)
+    elif drafter.profile.budget:  # a priced tree (Medusa's default): its depth, each round sized by its budget
+        assert isinstance(cli, Fixed) and cli.budget is not None and cli.max_gamma == drafter.profile.max_depth
+    elif cli.priced_plain:  # e.g. a 60-node EAGLE-2 tree: no round could win on these costs
+        assert cli == api == Fixed(0, priced_plain=True)
+    else:  # priced round by round up to its depth, on the nodes it sends
+        assert isinstance(api, Auto) and api.costs == cli.costs == FAKE_COSTS and api.profile == cli.profile
+        assert api.max_gamma == (drafter.profile.max_depth or 15)
 
 
 # --- a new drafter is one file -------------------------------------------------------------------
@@ -200,7 +198,7 @@ class RepeatDrafter(Drafter):
     def __init__(self, times: int):
         self.times = times
 
-    def propose(self, history, num_draft_tokens, sampling):
+    def propose(self, history, num_draft_tokens, sampling, plan=None):
         return Draft.chain([history[-1]] * min(self.times, num_draft_tokens))
 
 

@@ -42,7 +42,7 @@ class AlwaysWrong(Drafter):
     def __init__(self, model):
         self.model = model
 
-    def propose(self, history, num_draft_tokens, sampling):
+    def propose(self, history, num_draft_tokens, sampling, plan=None):
         logits = self.model(mx.array(history)[None])[0, -1]
         return Draft.chain([(int(mx.argmax(logits)) + 1) % 264] * num_draft_tokens)
 
@@ -101,7 +101,7 @@ def test_plain_decoding_runs_on_a_recurrent_cache_and_drafting_is_refused():
 
 
 def test_checks_come_before_any_cost_measurement(monkeypatch):
-    import mlxspec.gamma as gamma
+    import mlxspec.pacing as gamma
 
     def no_measuring(*args, **kwargs):
         raise AssertionError("costs were measured before the checks")

@@ -10,14 +10,14 @@ import pytest
 
 from conftest import byte_tokenizer, tiny_llama
 from mlxspec import generate, make_drafter
-from mlxspec.costmodel import Costs
+from mlxspec.pacing import Costs
 from mlxspec.drafters import Draft
 from mlxspec.drafters.eagle import EagleDrafter
 from mlxspec.drafters.medusa import MedusaDrafter
-from mlxspec.gamma import gamma_policy
+from mlxspec.pacing import make_pacer
 from mlxspec.generate import speculative_rounds
 from mlxspec.sampling import SamplingParams
-from mlxspec.schedule import ScheduledGamma, SurvivalCalibration, best_count, closed_survival, stopping_length
+from mlxspec.pacing.scheduled import Scheduled, SurvivalCalibration, best_count, closed_survival, stopping_length
 from mlxspec.taps import output_head
 from mlxspec.tree import Tree
 from stats import chi_square
@@ -83,13 +83,13 @@ def test_calibration_follows_observed_survival():
 def test_scheduled_needs_a_drafter_that_reports_survival():
     target = tiny_llama(seed=0)
     with pytest.raises(ValueError, match="the ngram drafter does not: use 'auto' or an integer"):
-        gamma_policy("scheduled", target, make_drafter("ngram"), costs=linear_costs(1.0))
+        make_pacer("scheduled", target, make_drafter("ngram"), costs=linear_costs(1.0))
     drafter = make_drafter("draft", target=target, tokenizer=byte_tokenizer(), draft_model=tiny_llama(seed=3))
-    policy = gamma_policy("scheduled", target, drafter, costs=linear_costs(1.0))
-    assert isinstance(policy, ScheduledGamma) and policy.max_gamma == 8
-    assert gamma_policy(policy, target, drafter) is policy
+    policy = make_pacer("scheduled", target, drafter, costs=linear_costs(1.0))
+    assert isinstance(policy, Scheduled) and policy.max_gamma == 8
+    assert make_pacer(policy, target, drafter) is policy
     with pytest.raises(ValueError, match="'scheduled'"):
-        gamma_policy("sheduled", target, drafter)
+        make_pacer("sheduled", target, drafter)
 
 
 def noisy_copy(model_seed: int = 0, sharpen: float = 4.0, scale: float = 0.3):
@@ -115,7 +115,7 @@ def test_scheduled_greedy_equals_plain_greedy_over_300_tokens(kind, step_ms):
     target, tokenizer = tiny_llama(seed=0, sharpen=4.0), byte_tokenizer()
     plain = generate(target, tokenizer, PROMPT, drafter="none", max_tokens=300, stop_tokens=set())
     drafter = _drafter(kind, target)
-    policy = ScheduledGamma(linear_costs(step_ms), max_gamma=drafter.tree_depth or 6, probe_every=4)
+    policy = Scheduled(linear_costs(step_ms), max_gamma=drafter.profile.max_depth or 6, probe_every=4)
     verified = []
     schedule = policy.schedule
     policy.schedule = lambda draft: verified.append((draft.size, (kept := schedule(draft)).size)) or kept
@@ -134,7 +134,6 @@ def _sample(target, drafter, policy, params, n=1500) -> Counter:
         tokens = []
         for round_ in speculative_rounds(target, SHORT_PROMPT, drafter, num_draft_tokens=policy, max_tokens=3,
                                          sampling=params, stop_tokens=set()):
-            policy.update(round_.stats)
             tokens += round_.tokens
         counts[tuple(tokens[:2])] += 1
     return counts
@@ -151,7 +150,7 @@ def _scheduled_draft(models, own_token: bool):
     if own_token:  # the mistake: a position's survival read from q of the token drawn there
         propose = drafter.propose
 
-        def with_own_token_survival(history, num_draft_tokens, sampling):
+        def with_own_token_survival(history, num_draft_tokens, sampling, plan=None):
             d = propose(history, num_draft_tokens, sampling)
             if d.size:
                 own = mx.take_along_axis(d.logprobs, d.tokens[:, None], axis=-1)[:, 0]
@@ -159,7 +158,7 @@ def _scheduled_draft(models, own_token: bool):
             return d
 
         drafter.propose = with_own_token_survival
-    return drafter, ScheduledGamma(linear_costs(1.0), max_gamma=2, probe_every=0)
+    return drafter, Scheduled(linear_costs(1.0), max_gamma=2, probe_every=0)
 
 
 @pytest.mark.slow  # statistical

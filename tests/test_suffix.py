@@ -9,9 +9,9 @@ import pytest
 
 from conftest import byte_tokenizer, tiny_llama
 from mlxspec import generate, make_drafter
-from mlxspec.costmodel import Costs
+from mlxspec.pacing import Costs, make_pacer
 from mlxspec.drafters import DrafterSpec, parse_specs
-from mlxspec.drafters.suffix import (StoreStats, SuffixDrafter, SuffixStore, budget_by_cost, continuation_tree, global_store_stats,
+from mlxspec.drafters.suffix import (StoreStats, SuffixDrafter, SuffixStore, continuation_tree, global_store_stats,
                                      longest_match)
 from mlxspec.sampling import SamplingParams
 from test_generate import plain_greedy
@@ -109,16 +109,17 @@ def test_a_corpus_is_drafted_from_and_read_once(tmp_path):
         make_drafter(f"suffix:corpus={tmp_path / 'nope'}", target, tokenizer)
 
 
-def test_auto_nodes_follow_the_measured_verify_cost():
-    scores = [0.9, 0.8, 0.5, 0.2, 0.1]
+def test_auto_nodes_follow_the_plans_budget():
+    """``nodes="auto"``: each round's tree is cut to the plan's node budget, priced on the measured verify cost."""
     flat = Costs([0.1] * 16)  # verifying more costs nothing: keep every candidate
-    steep = Costs([0.1 * k for k in range(1, 17)])  # each token costs a step: one node at most pays
-    assert budget_by_cost(scores, flat) == 5 and budget_by_cost(scores, steep) == 1
+    steep = Costs([0.1 * k for k in range(1, 17)])  # each token costs a step: no tree can beat a plain step
     history = [1, 2, 3, 4, 5, 6, 7, 1, 2, 3, 4, 5, 6, 8, 1, 2, 3, 4, 5, 6]
-    drafter = SuffixDrafter(None, nodes="auto", costs=lambda: steep, min_prob=0.0)
-    assert drafter.propose(history, 8, SamplingParams()).size == 1
-    assert SuffixDrafter(None, nodes="auto", costs=flat, min_prob=0.0).propose(history, 8, SamplingParams()).size == 12
+    drafter = SuffixDrafter(None, nodes="auto", min_prob=0.0)
+    assert drafter.profile.budget and make_pacer(8, None, drafter, costs=steep).priced_plain
+    plan = make_pacer(8, None, drafter, costs=flat).plan()
+    assert drafter.propose(history, 8, SamplingParams(), plan).size == 12
     # 12 = ceil(factor 2 x match length 6): the match still caps the tree
+    assert drafter.propose(history, 8, SamplingParams()).size == 12  # no plan: the drafter's own cap
 
 
 def test_options_are_validated_and_named_by_key():
@@ -131,8 +132,6 @@ def test_options_are_validated_and_named_by_key():
                           ("suffix:nodes=many", ": nodes: expected an integer or 'auto'")]:
         with pytest.raises(ValueError, match=message):
             parse_specs(text)
-    with pytest.raises(ValueError, match="needs the target's measured verify costs"):
-        SuffixDrafter(None, nodes="auto")
 
 
 def reference_searchable(store: SuffixStore, exclude):

@@ -11,7 +11,7 @@ import pytest
 from conftest import byte_tokenizer, save_tiny_model, tiny_llama
 
 from mlxspec.drafters import make_drafter
-from mlxspec.gamma import gamma_policy
+from mlxspec.pacing import make_pacer
 from mlxspec.generate import generate
 from mlxspec.heads.dspark import ConfidenceHead, load_dspark
 from mlxspec.train.dflash import DFlashTrainConfig, make_batch, plan_epoch, train_dflash
@@ -105,7 +105,7 @@ def test_the_trained_drafter_loads_and_is_greedy_identical(tiny, trained):
         plain = generate(model, tok, prompt, drafter="none", max_tokens=40)
         for scheduled in (False, True):
             drafter = make_drafter(f"dspark:heads={output / 'epoch-3'}", model, tok)
-            gamma = gamma_policy("scheduled", model, drafter, costs=linear_costs(1.0)) if scheduled else 4
+            gamma = make_pacer("scheduled", model, drafter, costs=linear_costs(1.0)) if scheduled else 4
             run = generate(model, tok, prompt, drafter=drafter, num_draft_tokens=gamma, max_tokens=40)
             assert run.tokens == plain.tokens
             accepted += run.stats.accepted

@@ -180,7 +180,7 @@ class RandomTreeDrafter(Drafter):
         self.oracle, self.prompt_len = oracle, prompt_len
         self.rng = np.random.default_rng(seed)
 
-    def propose(self, history, num_draft_tokens, sampling):
+    def propose(self, history, num_draft_tokens, sampling, plan=None):
         if num_draft_tokens < 1:
             return Draft.empty()
         at = len(history) - self.prompt_len
@@ -217,7 +217,7 @@ def test_sampling_with_trees_follows_the_target():
 
 
 def _small_vocab(propose):
-    def wrapped(history, num_draft_tokens, sampling):
+    def wrapped(history, num_draft_tokens, sampling, plan=None):
         draft = propose(history, num_draft_tokens, sampling)
         return Draft(draft.tokens % 8, draft.tree) if draft.size else draft
 

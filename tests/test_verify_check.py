@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 
 from conftest import tiny_llama
-from mlxspec import gamma
+from mlxspec import pacing as gamma
 from mlxspec.cli import main
-from mlxspec.costmodel import AutoGamma, Costs
+from mlxspec.drafters import DraftProfile
+from mlxspec.pacing import Auto, Costs
 from mlxspec.drafters import make_drafter
 from mlxspec.sampling import SamplingParams
 from mlxspec.verify_check import batchable, chi2_sf, g_statistic, holm, run_check
@@ -83,8 +84,8 @@ def test_gamma_auto_is_checked_through_the_engine_with_rounds_the_drafts_confide
     sizes = Counter()
     propose = drafter.propose
 
-    def counted(history, num_draft_tokens, sampling, **kwargs):
-        proposal = propose(history, num_draft_tokens, sampling, **kwargs)
+    def counted(history, num_draft_tokens, sampling, plan=None):
+        proposal = propose(history, num_draft_tokens, sampling, plan)
         sizes[proposal.size] += 1
         return proposal
 
@@ -92,17 +93,17 @@ def test_gamma_auto_is_checked_through_the_engine_with_rounds_the_drafts_confide
     costs = Costs([1.0 + 0.1 * (k - 1) for k in range(1, 17)], draft_s=0.05)  # drafting pays; a round ends
     sampling = SamplingParams(temp=1.0)                                      # where survival < 0.15
     good = run_check(target, PROMPTS[:1], drafter, sampling, num_tokens=3, num_samples=600,
-                     num_draft_tokens=AutoGamma(costs, stop_early=True))
-    assert good.passed and good.checks[0].drafted > 300 and good.checks[0].prefixes_tested >= 3, good
+                     num_draft_tokens=Auto(costs, DraftProfile(confidence=True)))
+    assert good.passed and good.checks[0].drafted > 150 and good.checks[0].prefixes_tested >= 3, good
     assert len([n for n in sizes if n > 0]) >= 2, sizes  # rounds of different lengths were checked
     # the broken rule keeps few drafts, so under these costs γ auto soon falls back to plain decoding and the check
     # loses its power (docs: use an integer γ for --self-test); a flat verify curve that never falls back keeps drafting
-    flat = AutoGamma(Costs([1.0] * 16, draft_s=0.0), stop_early=True, miss_p=1e-300, miss_rounds=10**9)
+    flat = Auto(Costs([1.0] * 16, draft_s=0.0), DraftProfile(confidence=True))
     bad = run_check(target, PROMPTS[:1], drafter, sampling, num_tokens=3, num_samples=600, self_test=True,
                     num_draft_tokens=flat)
     assert not bad.passed and bad.checks[0].adjusted_p < 1e-6, bad
     greedy = run_check(target, PROMPTS, drafter, SamplingParams(), num_tokens=30,
-                       num_draft_tokens=AutoGamma(costs, stop_early=True))
+                       num_draft_tokens=Auto(costs, DraftProfile(confidence=True)))
     assert greedy.passed and all(c.drafted > 0 for c in greedy.checks), greedy
 
 

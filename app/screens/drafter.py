@@ -20,7 +20,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, RadioButton, RadioSet, Select
 
 from mlxspec.drafters import DrafterSpec, drafter_types
-from mlxspec.gamma import AUTO, MAX_NUM_DRAFT_TOKENS, SCHEDULED, check_num_draft_tokens
+from mlxspec.pacing import AUTO, MAX_NUM_DRAFT_TOKENS, SCHEDULED, check_num_draft_tokens
 from mlxspec.loading import DTYPES
 
 from ..messages import EngineInfo
@@ -176,7 +176,7 @@ class DrafterScreen(ModalScreen[DrafterChoice | None]):
     def choice(self, drafter: str | None = None) -> DrafterChoice | str:
         """The settings for ``drafter`` (default: the picked one), or an error message saying what to fix."""
         text = self.query_one("#gamma", Input).value.strip().lower()
-        try:  # what --num-draft-tokens takes; whether the drafter can be scheduled is gamma_policy's check
+        try:  # what --num-draft-tokens takes; whether the drafter can be scheduled is make_pacer's check
             gamma = text if text in (AUTO, SCHEDULED) else int(text)
             if isinstance(gamma, int):
                 check_num_draft_tokens(gamma)  # the bound of --num-draft-tokens

@@ -72,7 +72,7 @@ class StatsPanel(Vertical):
 
 def drafting(drafter: str, gamma: int | str, shape: str | None = None, detail: str = "") -> str:
     """What each round drafts, as the panel, an answer's summary and the Ready line say it: a tree
-    drafter's tree (``gamma.tree_summary``, the words of ``mlxspec generate``'s stats), ``γ 4``,
+    drafter's tree (``pacing.tree_summary``, the words of ``mlxspec generate``'s stats), ``γ 4``,
     ``γ auto`` with ``detail`` in brackets, or ``plain decoding`` when nothing is drafted."""
     if drafter == "none" or gamma == 0:
         return "plain decoding"

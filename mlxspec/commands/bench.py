@@ -15,13 +15,11 @@ from tqdm import tqdm
 
 from ..bench import BenchModels, RunRecord, System, estimate_s, iter_runs, make_systems, without_unscheduled
 from ..bench_summary import Verdict, format_table, summarize, verdicts, write_plots
-from ..calibration import load_or_calibrate
-from ..costmodel import Costs
 from ..data import load_sharegpt, read_prompts_jsonl, sample_prompts
 from ..drafters import DrafterSpec, drafter_types, parse_specs
-from ..gamma import AUTO, AUTO_PRICED_PLAIN, PRICED_PLAIN, SCHEDULED, auto_priced_plain
-from ..loading import DTYPES
 from ..machine import machine_info
+from ..pacing import AUTO, PRICED_PLAIN, SCHEDULED, Costs, load_or_calibrate, make_pacer
+from ..loading import DTYPES
 from ..session import ModelSpec, build_drafter, draft_model_spec, load_model, runnable_drafters
 from .common import ArgumentParser, add_drafter_option_args, drafter_flags_given, fail, run_main, with_drafter_flags
 from .files import check_output_file, save_or_keep
@@ -195,24 +193,19 @@ def _specs(args, discover: bool) -> list[DrafterSpec]:
 
 def _once_if_priced_plain(systems: list[System], drafters: dict, costs: dict) -> list[System]:
     """Mark the systems that take only plain steps because the costs rule their drafter out (``priced_plain``,
-    never the verdict's pick), their rows saying why, with one line on stderr each. A Medusa tree priced as
-    plain (``MedusaDrafter.priced_plain``) does so at every γ: its first system only (γ auto by default) is
-    kept. Any other does so under γ auto when ``gamma.auto_priced_plain`` says so (a draft model slower than its target)."""
+    never the verdict's pick), their rows saying why, with one line on stderr each. A priced tree
+    (``DraftProfile.budget``) is ruled out at every γ: its first system only is kept."""
     out, seen = [], set()
     for system in systems:
         drafter = drafters.get(system.drafter) if system.engine == "mlxspec" else None
-        if drafter is not None and getattr(drafter, "priced_plain", False):
-            if system.drafter not in seen:
-                seen.add(system.drafter)
-                out.append(replace(system, note=PRICED_PLAIN, priced_plain=True))
-                print(f"mlxspec bench: {system.drafter}: {PRICED_PLAIN}; timing it once, as '{system.name}'",
-                      file=sys.stderr)
-        elif drafter is not None and system.gamma == AUTO and system.drafter in costs \
-                and auto_priced_plain(drafter, costs[system.drafter]):
-            out.append(replace(system, note=AUTO_PRICED_PLAIN, priced_plain=True))
-            print(f"mlxspec bench: {system.drafter}: {AUTO_PRICED_PLAIN} ('{system.name}')", file=sys.stderr)
-        else:
+        if drafter is None or system.drafter not in costs or \
+                not make_pacer(system.gamma, None, drafter, costs=costs[system.drafter]).priced_plain:
             out.append(system)
+        elif not (drafter.profile.budget and system.drafter in seen):
+            seen.add(system.drafter)
+            out.append(replace(system, note=PRICED_PLAIN, priced_plain=True))
+            once = f"; timing it once, as '{system.name}'" if drafter.profile.budget else f" ('{system.name}')"
+            print(f"mlxspec bench: {system.drafter}: {PRICED_PLAIN}{once}", file=sys.stderr)
     return out
 
 
@@ -373,7 +366,7 @@ def resummarize(args: argparse.Namespace) -> int:
         derived = ("generation_tps", "prompt_tps")
         runs = [RunRecord(**{k: v for k, v in r.items() if k not in derived}) for r in result["runs"]]
         # a file from before ``priced_plain`` marks those systems only by their note
-        systems = [System(**{"priced_plain": s.get("note") in (PRICED_PLAIN, AUTO_PRICED_PLAIN), **s})
+        systems = [System(**{"priced_plain": s.get("note") == PRICED_PLAIN or s.get("note", "").startswith("tree auto → plain"), **s})
                    for s in result["systems"]]
         costs = {name: Costs(**c) for name, c in result["costs"].items()}
     except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:

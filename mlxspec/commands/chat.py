@@ -8,7 +8,7 @@ import sys
 from dataclasses import replace
 
 from ..assets import NAMED_MODELS, named_model_path
-from ..gamma import AUTO
+from ..pacing import AUTO
 from ..session import draft_model_spec
 from .common import (
     ArgumentParser,

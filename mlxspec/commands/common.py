@@ -14,10 +14,10 @@ from dataclasses import dataclass
 from ..arguments import check_typical
 from ..assets import NAMED_MODELS
 from ..drafters import Drafter, DrafterSpec, drafter_types
-from ..gamma import AUTO, MAX_NUM_DRAFT_TOKENS, SCHEDULED, check_num_draft_tokens
+from ..machine import blas_in_use, find_fast_blas
+from ..pacing import AUTO, MAX_NUM_DRAFT_TOKENS, SCHEDULED, check_num_draft_tokens
 from ..generate import DEFAULT_MAX_TOKENS, DEFAULT_NUM_DRAFT_TOKENS
 from ..loading import DTYPES
-from ..machine import blas_in_use, find_fast_blas
 from ..sampling import SamplingParams
 from ..stops import check_stops
 from ..session import USER_ERRORS, LoadedModel, ModelSpec, draft_model_spec, load_model
@@ -60,7 +60,7 @@ def stop_arg(value: str) -> str:
 
 
 def num_draft_tokens_arg(value: str) -> int | str:
-    """``--num-draft-tokens``: an integer, ``auto`` or ``scheduled`` (``gamma.gamma_policy``)."""
+    """``--num-draft-tokens``: an integer, ``auto`` or ``scheduled`` (``pacing.make_pacer``)."""
     if value in (AUTO, SCHEDULED):
         return value
     try:
@@ -120,7 +120,7 @@ def add_drafter_option_args(parser: argparse.ArgumentParser) -> None:
 def add_model_args(parser: argparse.ArgumentParser, allow_auto: bool = False, default_gamma: int | str = AUTO) -> None:
     """``--model``, ``--draft-model``, the drafter flags, γ, dtypes and the lossy typical acceptance.
 
-    With ``allow_auto``, ``--num-draft-tokens`` also takes ``auto`` (``gamma.gamma_policy``).
+    With ``allow_auto``, ``--num-draft-tokens`` also takes ``auto`` (``pacing.make_pacer``).
     """
     parser.add_argument("--model", default="default",
                         help="target: an mlx-lm folder, a Hugging Face repo id, a .gguf file, or a named model: "
@@ -227,7 +227,7 @@ def add_sampling_args(parser: argparse.ArgumentParser, *, max_tokens: int = DEFA
 
 
 def add_recalibrate_arg(parser: argparse.ArgumentParser) -> None:
-    """``--recalibrate``: measure the costs behind ``auto`` again (``calibration.load_or_calibrate(refresh=True)``)."""
+    """``--recalibrate``: measure the costs behind ``auto`` again (``pacing.load_or_calibrate(refresh=True)``)."""
     parser.add_argument("--recalibrate", action="store_true",
                         help="with --num-draft-tokens auto or scheduled: measure this machine's verify and draft "
                              "costs again (after a BLAS, load or hardware change) instead of using the cached ones")

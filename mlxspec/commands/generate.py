@@ -8,9 +8,10 @@ import sys
 
 import mlx.core as mx
 
-from ..calibration import load_or_calibrate
-from ..gamma import AUTO, AUTO_PRICED_PLAIN, PRICED_PLAIN, gamma_policy, tree_summary
-from ..generate import context_length, encode_prompt, stream_generate
+from ..pacing import AUTO, PRICED_PLAIN, load_or_calibrate, make_pacer, tree_summary
+from ..drafters import make_drafter
+from ..generate import check_context, context_length, encode_prompt, stream_generate
+from ..session import check_fits
 from ..metrics import GenerationStats, TokenEvent
 from .common import (
     ArgumentParser,
@@ -64,12 +65,12 @@ def format_stats(stats: GenerationStats, drafter=None, policy: str = AUTO) -> st
         policy: ``--num-draft-tokens``'s word for an adaptive γ (``auto`` or ``scheduled``).
     """
     per_position = " ".join(f"{rate:.2f}" for rate in stats.acceptance_per_position) or "-"
-    tree = tree_summary(drafter) if drafter is not None and drafter.makes_trees else None
-    if stats.priced_plain and tree != PRICED_PLAIN:
-        tree = AUTO_PRICED_PLAIN  # γ auto ruled out a drafter that sizes its own rounds (gamma.PricedPlain)
-    elif tree and stats.gamma_rounds and tree != PRICED_PLAIN:  # γ auto chose each round's depth
+    tree = tree_summary(drafter) if drafter is not None else None
+    if stats.priced_plain:
+        tree = PRICED_PLAIN  # the costs ruled the drafter out (pacing.make_pacer)
+    elif tree and stats.gamma_rounds:  # γ auto chose each round's depth
         tree += f"; depth γ = {_gamma_summary(stats, policy)}"
-    elif tree and tree != PRICED_PLAIN and 0 < stats.num_draft_tokens < (getattr(drafter, "tree_depth", None) or 0):
+    elif tree and 0 < stats.num_draft_tokens < (drafter.profile.max_depth or 0):
         tree += f", cut to depth {stats.num_draft_tokens} by γ"  # a fixed γ below the tree's own depth
     vocabulary = getattr(drafter, "vocab_summary", lambda: None)()
     name = stats.drafter + (f" ({vocabulary})" if vocabulary else "")
@@ -87,7 +88,7 @@ def format_stats(stats: GenerationStats, drafter=None, policy: str = AUTO) -> st
         f"Time: draft {stats.draft_s:.2f} s, verify {stats.verify_s:.2f} s",
         f"Peak memory: {stats.peak_memory_gb:.3f} GB",
     ]
-    if tree and tree not in (PRICED_PLAIN, AUTO_PRICED_PLAIN):
+    if tree and tree != PRICED_PLAIN:
         lines.insert(5, "  (a tree: α = accepted / all drafted nodes, and at most one path of them can be kept; "
                         "τ and acceptance per depth say how far the kept path reached)")
     return "\n".join(lines)
@@ -102,10 +103,6 @@ def _gamma_summary(stats: GenerationStats, policy: str) -> str:
     text = f"{policy} (mean {mean:.1f}, at most {stats.num_draft_tokens})"
     if stats.plain_fallback_rounds:
         text += f"; fell back to plain decoding in {stats.plain_fallback_rounds} of {rounds} rounds"
-    if stats.judgements:
-        waits = "wait" if stats.judgements == 1 else "waits"
-        text += (f"; judged {stats.judgements} {waits} ({stats.judged_tokens} tokens, estimated acceptance "
-                 f"{stats.judged_acceptance:.2f})")
     return text
 
 
@@ -144,6 +141,20 @@ def _note_context_cap(model, tokenizer, prompt, max_tokens: int) -> None:
     if limit and num < limit < num + max_tokens:
         print(f"mlxspec: note: the model's context is {limit} tokens, so the answer stops after "
               f"{limit - num} (the prompt has {num})", file=sys.stderr)
+
+
+def _plain_if_unfit(args, loaded) -> None:
+    """Before any cost measurement: a drafter the target's cache cannot serve (a recurrent model's state cannot
+    be rewound) is refused in one line when asked for; the default one is replaced by plain decoding, said once."""
+    if loaded.drafter.name == "none" or args.num_draft_tokens == 0:
+        return
+    try:
+        check_fits(loaded.target, loaded.drafter)
+    except ValueError as error:
+        if args.drafter is not None or args.draft_model:
+            raise
+        print(f"mlxspec: note: {error}; decoding plainly", file=sys.stderr)
+        loaded.drafter = make_drafter("none")
 
 
 def _note_quantized_on_cpu(target) -> None:
@@ -187,11 +198,13 @@ def _prepare(args: argparse.Namespace, stage: list[str]):
     stage[0] = "preparing to generate"  # a cost measurement below names itself
     prompt = build_prompt(loaded.tokenizer, prompt_text, args.system, not args.no_chat_template)
     _note_context_cap(loaded.model, loaded.tokenizer, prompt, args.max_tokens)
+    check_context(loaded.model, len(encode_prompt(loaded.tokenizer, prompt)))  # before any cost measurement
+    _plain_if_unfit(args, loaded)
     note = _noting(stage, f"--num-draft-tokens {args.num_draft_tokens}", args.json)
     costs = None
     if args.recalibrate and args.num_draft_tokens in ("auto", "scheduled") and loaded.drafter.name != "none":
         costs = load_or_calibrate(loaded.model, loaded.drafter, refresh=True, on_measure=note)
-    policy = gamma_policy(args.num_draft_tokens, loaded.model, loaded.drafter, costs=costs, on_measure=note)
+    policy = make_pacer(args.num_draft_tokens, loaded.model, loaded.drafter, costs=costs, on_measure=note)
     return loaded, prompt, policy
 
 

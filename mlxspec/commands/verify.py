@@ -9,8 +9,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from ..calibration import load_or_calibrate
-from ..gamma import gamma_policy
+from ..pacing import load_or_calibrate, make_pacer
 from ..generate import DEFAULT_NUM_DRAFT_TOKENS, encode_prompt
 from ..verify_check import (DEFAULT_ALPHA, DEFAULT_PROMPTS, DEFAULT_SAMPLES, DEFAULT_TOKENS, MAX_TOKENS, VerifyReport,
                             check_num_tokens, run_check)
@@ -115,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
         say = measuring_note(f"--num-draft-tokens {gamma}")
         costs = (load_or_calibrate(loaded.model, loaded.drafter, refresh=True, on_measure=say)
                  if args.recalibrate and loaded.drafter.name != "none" else None)
-        gamma = gamma_policy(gamma, loaded.model, loaded.drafter, costs=costs, on_measure=say)
+        gamma = make_pacer(gamma, loaded.model, loaded.drafter, costs=costs, on_measure=say)
     total = len(prompts) * (1 if sampling.greedy else args.samples)
     with tqdm(total=total, unit="prompt" if sampling.greedy else "sample", disable=None, file=sys.stderr,
               desc=f"verify {loaded.drafter.name}") as bar:

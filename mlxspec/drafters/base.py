@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
+import numpy as np
 
 from ..sampling import SamplingParams
 from ..tree import Tree, chain
@@ -28,7 +30,7 @@ class Draft:
             deterministic (q one-hot on the drafted token).
         survival (mx.array | None): The drafter's estimate that each node ends on the accepted
             path, shape [N], float32 in [0, 1], NaN where it has none; ``None`` = no estimates.
-            Only ``--num-draft-tokens scheduled`` reads it (``schedule.ScheduledGamma``). In a
+            Only ``--num-draft-tokens scheduled`` reads it (``pacing.Scheduled``). In a
             sampled draft a node's estimate must not depend on its own token (only on its
             ancestors' and its q), or scheduling would bias the output (docs/acceptance.md 3.2).
     """
@@ -58,7 +60,7 @@ class Draft:
 
         Each kept node keeps its token, q and survival, so verifying the sub-draft is as exact as
         verifying the whole one as long as sibling lists stay prefixes in draw order
-        (docs/acceptance.md 3.2; ``schedule.closed_survival`` guarantees it).
+        (docs/acceptance.md 3.2; ``pacing``'s scheduled verification guarantees it).
 
         Raises:
             ValueError: a node whose parent is not kept.
@@ -116,12 +118,57 @@ class Draft:
         return Draft(mx.array(tokens, dtype=mx.int32), Tree(tuple(parents)), survival=survival)
 
 
+@dataclass(frozen=True)
+class DraftProfile:
+    """What a drafter tells the pacer (``mlxspec.pacing``) about its rounds: data, no behaviour.
+
+    Attributes:
+        max_depth: The deepest a round drafts when the drafter sizes its own rounds (a tree keeps its shape, a
+            block its length), or ``None`` (any γ). Default: ``None``.
+        nodes: ``nodes[d - 1]`` = the most draft nodes a round of depth d sends to the target, d = 1..max_depth
+            (a tree verifies more than its depth), or ``None``: d, a chain. Default: ``None``.
+        per_round: Whether drafting costs the same for every γ >= 1 (one forward fills a block). Default: ``False``.
+        confidence: Whether ``propose`` stops on its own confidence (``Plan.keep_above``). Default: ``False``.
+        survival: Whether drafts carry ``Draft.survival`` (what ``scheduled`` reads). Default: ``False``.
+        budget: Whether each round's tree is cut to the plan's node budget (``Plan.budget``): a tree priced on
+            this machine's costs. Default: ``False``.
+    """
+
+    max_depth: int | None = None
+    nodes: tuple[int, ...] | None = None
+    per_round: bool = False
+    confidence: bool = False
+    survival: bool = False
+    budget: bool = False
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One round as the pacer (``mlxspec.pacing``) plans it; the round and the drafter read it.
+
+    Attributes:
+        gamma: The depth to draft; 0 = a plain step.
+        keep_above: For a drafter that stops on its confidence: ``keep_above[k - 1]`` = the least survival (the
+            product of its confidences over the k tokens drafted) at which token k + 1 pays for itself; ``None``:
+            draft γ. Deciding before the next token is drawn keeps the output exact (docs/acceptance.md 3.3).
+        budget: For a priced tree: ``budget(scores, draft_s) -> m``, the nodes to keep given the candidates' log
+            path probabilities best first [C] and the seconds already spent drafting; ``None``: the drafter's size.
+        select: What to verify of the draft (``scheduled``): ``select(draft) -> Draft``. Default: all of it.
+    """
+
+    gamma: int
+    keep_above: tuple[float, ...] | None = None
+    budget: Callable[[np.ndarray, float], int] | None = None
+    select: Callable[[Draft], Draft] = lambda draft: draft
+
+
 class Drafter(ABC):
     """Proposes tokens each round; told afterwards what the target kept.
 
     The engine calls ``prefill`` once per prompt, then per round ``propose`` and
     ``commit``. ``history`` is always the committed sequence (prompt + output);
-    its last token is the root the draft grows from.
+    its last token is the root the draft grows from. How far it drafts is the pacer's
+    (``mlxspec.pacing``), told by ``profile`` and handed back in each round's ``Plan``.
     """
 
     name: str = "drafter"
@@ -134,34 +181,11 @@ class Drafter(ABC):
     #: With ``needs_hidden``: ``()`` = the final normalised hidden state (H wide); layer indices =
     #: the residual streams entering those decoder layers, concatenated (EAGLE-3: 3 H wide).
     feature_layers: tuple[int, ...] = ()
-    #: Whether drafts carry ``Draft.survival`` estimates (needed by ``--num-draft-tokens scheduled``).
-    reports_survival: bool = False
-    #: Whether ``propose`` drafts a chain token by token and takes ``keep_drafting``, a callable asked after
-    #: each token (the count so far, and the product of the drafter's confidences so far) whether to draft
-    #: another; γ auto then lets the drafter's confidence end each round (``costmodel.AutoGamma``'s ``stop_early``).
-    stops_early: bool = False
-    #: Whether a round's drafting costs the same for every γ >= 1 (one forward fills a whole block:
-    #: DFlash, DSpark); the cost model then prices it per round (``costmodel.Costs.draft_round_s``).
-    fixed_round_cost: bool = False
-    #: Whether ``judge`` can say how the drafter would have drafted tokens decoded plainly (the draft model).
-    judges: bool = False
+    #: What the pacer needs to know of its rounds (a subclass overrides it, or sets it per instance).
+    profile: DraftProfile = DraftProfile()
 
-    @property
-    def tree_depth(self) -> int | None:
-        """Deepest node a round drafts when the drafter sizes its own rounds (a tree keeps its
-        shape), or ``None``: then ``--num-draft-tokens auto`` prices γ with the cost model
-        (``gamma.gamma_policy``). Default: ``None``."""
-        return None
-
-    def round_nodes(self, gamma: int) -> int:
-        """Most draft nodes a round of depth γ sends to the target (the verify forward's width − 1): what
-        γ auto prices a round at (``costmodel.Costs.round_s``). Default: γ, a chain; a tree says more."""
-        return gamma
-
-    @property
-    def max_draft_tokens(self) -> int | None:
-        """Most tokens one round can draft when the drafter bounds it (a block drafter's block), or
-        ``None``; ``--num-draft-tokens scheduled`` drafts this many. Default: ``None``."""
+    def describe(self) -> str | None:
+        """What a round proposes, in words, when γ alone does not say it (a tree's shape), or ``None``."""
         return None
 
     def prefill(self, prompt: list[int], hidden: mx.array | None = None) -> None:
@@ -169,23 +193,16 @@ class Drafter(ABC):
         (``feature_layers``) for ``prompt[:-1]``, [L - 1, F], when ``needs_hidden``. Default: nothing."""
 
     @abstractmethod
-    def propose(self, history: list[int], num_draft_tokens: int, sampling: SamplingParams) -> Draft:
-        """Propose up to ``num_draft_tokens`` tokens after ``history``."""
+    def propose(self, history: list[int], num_draft_tokens: int, sampling: SamplingParams,
+                plan: Plan | None = None) -> Draft:
+        """Propose up to ``num_draft_tokens`` tokens after ``history``; ``plan``: the round's ``Plan`` (its
+        ``keep_above`` or ``budget``, where the profile says the drafter reads them), or ``None``."""
 
     def commit(self, num_committed: int, accepted: list[int], hidden: mx.array | None = None) -> None:
         """After verification: ``history`` now has ``num_committed`` tokens; ``accepted``
         lists the draft nodes (0-based, root to leaf) that were kept. ``hidden``: the
         target's features (``feature_layers``) at the verified nodes, root first, [N + 1, F],
         when ``needs_hidden``. Default: nothing."""
-
-    def judge(self, history: list[int], start: int, sampling: SamplingParams) -> mx.array | None:
-        """How the drafter would have drafted the committed tokens ``history[start:]``, teacher-forced:
-        log q(x_i | history[:i]) of each, [len(history) - start] float32 (``-inf`` where a greedy draft
-        differs), lazy; or ``None`` when it cannot say (the default). γ auto asks this instead of a probe
-        round after plain rounds (``costmodel.AutoGamma.observe``): with the target's log p(x_i) of the
-        plain steps, min(1, q/p) at each token is an unbiased estimate of the acceptance Σ min(p, q) there
-        (docs/acceptance.md 3.4). It must leave the drafter ready to propose after ``history``."""
-        return None
 
 
 def pending_features(pending: mx.array | None, cached: int, num_committed: int, accepted: list[int],

@@ -14,7 +14,7 @@ from mlx_lm.models.cache import KVCache
 from ..heads.dflash import DFlashNet, load_dflash
 from ..sampling import SamplingParams, sample
 from ..taps import model_body, output_head
-from .base import Draft, Drafter, feature_prefill, pending_features
+from .base import Draft, Drafter, DraftProfile, feature_prefill, pending_features
 from .registry import DrafterContext, DrafterType, option, register
 
 
@@ -52,12 +52,13 @@ class DFlashDrafter(Drafter):
     name = "dflash"
     lazy = True
     needs_hidden = True
-    reports_survival = True  # each position's largest q, multiplied along the block (docs/acceptance.md 3.1)
-    fixed_round_cost = True  # the block is always run whole: γ only cuts how much of it is proposed
 
     def __init__(self, net: DFlashNet, target: nn.Module):
         self.net, self.config = net, net.config
         self.feature_layers = self.config.feature_layers
+        # the block is always run whole (γ only cuts how much of it is proposed); survival: each position's
+        # largest q, multiplied along the block (docs/acceptance.md 3.1)
+        self.profile = DraftProfile(max_depth=self.max_draft_tokens, per_round=True, survival=True)
         self.embed, self.lm_head = model_body(target).embed_tokens, output_head(target)
         self.cache, self._history = [KVCache() for _ in self.net.layers], []  # and the tokens it was built from
         self.prefill([], None)
@@ -90,7 +91,7 @@ class DFlashDrafter(Drafter):
         self._pending = None
         return hidden[0], logits[0]
 
-    def propose(self, history, num_draft_tokens, sampling: SamplingParams):
+    def propose(self, history, num_draft_tokens, sampling: SamplingParams, plan=None):
         K = min(num_draft_tokens, self.config.block_size - 1)
         if K < 1 or (self._pending is None and self.cache[0].offset == 0):
             return Draft.empty()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -20,10 +20,10 @@ import mlx.nn as nn
 import numpy as np
 
 from ..cache import check_rewindable, prefill, speculative_cache, trim
-from ..sampling import SamplingParams, process_logits, sample, warp
+from ..sampling import SamplingParams, process_logits, sample
 from ..taps import head_slice, logits_width, model_body
 from ..vocab import DEFAULT_DRAFT_VOCAB, MIN_AUTO_VOCAB, draft_ids, load_ranking, sharegpt_ranking, tokenizer_digest
-from .base import Draft, Drafter
+from .base import Draft, Drafter, DraftProfile, Plan
 from .registry import DrafterContext, DrafterType, at_least, int_or_auto, option, register
 
 
@@ -75,9 +75,9 @@ class DraftModelDrafter(Drafter):
 
     name = "draft"
     lazy = True
-    reports_survival = True  # the draft's confidence (largest q) at each position, multiplied along the chain
-    stops_early = True  # γ auto stops a round where the next token would not pay (costmodel.AutoGamma.keep_drafting)
-    judges = True  # γ auto judges its plain stretches instead of probing (Drafter.judge)
+    #: It stops each round on its confidence (``Plan.keep_above``); survival: its confidence (largest q) at each
+    #: position, multiplied along the chain.
+    profile = DraftProfile(confidence=True, survival=True)
 
     def __init__(self, model: nn.Module, vocab_size: int, num_real_tokens: int,
                  vocab_ids: Sequence[int] | np.ndarray | None = None):
@@ -91,7 +91,7 @@ class DraftModelDrafter(Drafter):
         self._round_start = 0  # committed tokens when the last round was proposed
         self._drafted: mx.array | None = None  # the last round's drafts [γ] (lazy)
         self._real = mx.arange(vocab_size) < self.num_real_tokens if self.num_real_tokens < vocab_size else None
-        self.draft_vocab = None  # N of the draft vocabulary, or None (the cost calibration reads it)
+        self.draft_vocab = None  # N of the draft vocabulary, or None (``describe`` says it)
         if vocab_ids is not None:
             base = np.unique(np.asarray(vocab_ids, dtype=np.int32))
             base = base[(base >= 0) & (base < self.num_real_tokens)]
@@ -168,15 +168,14 @@ class DraftModelDrafter(Drafter):
             logits = mx.where(self._real, logits, -mx.inf)
         return logits
 
-    def propose(self, history, num_draft_tokens, sampling: SamplingParams,
-                keep_drafting: Callable[[int, float], bool] | None = None):
+    def propose(self, history, num_draft_tokens, sampling: SamplingParams, plan: Plan | None = None):
         """Draft up to ``num_draft_tokens`` tokens, one forward each.
 
-        ``keep_drafting(k, survival)``, if given, is asked after each token but the last whether to draft
-        another: k tokens so far, ``survival`` the product of their confidences (largest q). It costs a host
-        read per token; the decision never looks at a token it would decide about, so the output stays exact
-        (docs/acceptance.md 3.3).
+        With ``plan.keep_above``, after each token k but the last it drafts another only while the product of
+        the confidences (largest q) of the k tokens exceeds ``keep_above[k - 1]``. It costs a host read per token;
+        the decision never looks at a token it would decide about, so the output stays exact (docs/acceptance.md 3.3).
         """
+        keep_above = plan.keep_above if plan is not None else None
         processors = sampling.processors()
         if self.draft_vocab is not None:
             self._take_in(history)
@@ -194,9 +193,9 @@ class DraftModelDrafter(Drafter):
             logprobs.append(token_logprobs)
             confidence.append(_confidence(logits if token_logprobs is None else token_logprobs))
             inputs = token
-            if keep_drafting is not None and k < num_draft_tokens:
+            if keep_above is not None and k < num_draft_tokens:
                 log_survival += confidence[-1].item()
-                if not keep_drafting(k, math.exp(log_survival)):
+                if math.exp(log_survival) <= keep_above[k - 1]:
                     break
         self._tokens += history[len(self._tokens) :]
         self._round_start = len(history)
@@ -207,27 +206,8 @@ class DraftModelDrafter(Drafter):
         survival = mx.exp(mx.cumsum(mx.concatenate(confidence)))  # lazy: only scheduling reads it
         return Draft.chain(mx.concatenate(tokens), q, survival)
 
-    def judge(self, history, start, sampling):
-        """log q of each token of ``history[start:]`` (see ``Drafter.judge``), from one forward over the tokens
-        the cache lacks but the root, which the next ``propose`` reads as usual: the catch-up a round after
-        plain steps makes anyway, with logits at the judged positions. ``None`` with logits processors
-        (q would need each position's own context) or when ``start`` lies in what the cache already holds.
-        With a draft vocabulary, q at every judged position comes from the ids of ``history[:start]``: a
-        token first seen in the judged stretch counts as undraftable there (slightly pessimistic)."""
-        first, end = start - 1, len(history) - 1  # the logits of position i predict token i + 1
-        if sampling.processors() or not self._num_cached <= first < end:
-            return None
-        if self.draft_vocab is not None:
-            self._take_in(history[:start])
-        prefill(self.model, self.cache, list(history[self._num_cached : first]))
-        logits = self._logits(mx.array(history[first:end], dtype=mx.int32), last=end - first)  # [M, V]
-        self._tokens = list(history[:end])
-        self._num_cached = self._round_start = end
-        committed = mx.array(history[start:], dtype=mx.int32)
-        if sampling.greedy:
-            return mx.where(mx.argmax(logits, axis=-1) == committed, 0.0, -mx.inf)
-        logq = warp(logits, sampling)
-        return mx.take_along_axis(logq, committed[:, None], axis=-1)[:, 0]
+    def describe(self):
+        return f"draft vocabulary of {self.draft_vocab} ids" if self.draft_vocab is not None else None
 
     def commit(self, num_committed, accepted, hidden=None):
         # The cache holds history + drafts[:K - 1]; what the target kept of it stays,

@@ -13,7 +13,7 @@ import mlx.nn as nn
 
 from ..heads.dspark import DSparkNet, load_dspark
 from ..sampling import SamplingParams, sample
-from .base import Draft
+from .base import Draft, DraftProfile
 from .dflash import DFlashDrafter
 from .registry import DrafterContext, DrafterType, option, register
 
@@ -40,17 +40,17 @@ class DSparkDrafter(DFlashDrafter):
     """
 
     name = "dspark"
-    reports_survival = True
 
     def __init__(self, net: DSparkNet, target: nn.Module):
         super().__init__(net, target)
+        self.profile = DraftProfile(max_depth=self.max_draft_tokens, per_round=True, survival=True)
 
     @property
     def max_draft_tokens(self) -> int:
         """P, the proposals of one block."""
         return self.net.dspark.proposals
 
-    def propose(self, history, num_draft_tokens, sampling: SamplingParams):
+    def propose(self, history, num_draft_tokens, sampling: SamplingParams, plan=None):
         K = min(num_draft_tokens, self.max_draft_tokens)
         if K < 1 or (self._pending is None and self.cache[0].offset == 0):
             return Draft.empty()

@@ -15,12 +15,10 @@ import numpy as np
 from mlx_lm.models.cache import KVCache
 
 from ..cache import TreeRoPE
-from ..calibration import load_or_calibrate
-from ..costmodel import TreeBudget  # noqa: F401 (where it used to live)
 from ..heads.eagle import EagleHead, load_eagle
 from ..taps import model_body, output_head
 from ..tree import Tree, read_eagle_tree, tree_from_choices
-from .base import Draft, Drafter, feature_prefill, pending_features
+from .base import Draft, Drafter, DraftProfile, Plan, feature_prefill, pending_features
 from .registry import DrafterContext, DrafterType, at_least, int_or_auto, option, register
 from .ngram import lookup_continuation
 
@@ -63,15 +61,13 @@ class EagleDrafter(Drafter):
         top_k: Children per expanded node and frontier width; ``1`` = a chain.
         total_tokens: Nodes per verify forward, the root included (EAGLE's ``total_token``), or
             ``"auto"``: each round keeps the number of nodes with the best predicted tokens per
-            second on this machine (``TreeBudget``; the target's verify cost is measured once per
-            machine and cached, see ``calibration.load_or_calibrate``), at most 64.
+            second on this machine (the plan's node budget, ``Plan.budget``; the pacer prices it on the
+            target's measured verify cost), at most 64.
         tree: ``None``/``"dynamic"``, or a static tree of rank paths (EAGLE-1, docs/heads.md 4.4): a
             preset (``"eagle1_25"``), a list such as ``[[0], [1], [0, 0]]`` or a JSON file; a rank
             indexes the draft's top-k at the parent. ``top_k``/``total_tokens`` then do not apply.
         (Each default: the head's ``config.draft_tree`` entry, else EAGLE-2's ``6``, ``10``, ``60``,
         dynamic; a static tree's depth defaults to its own.)
-        costs: ``costmodel.Costs`` for ``total_tokens="auto"``, or a function returning them
-            (called only then). Default: measured (or cached) for ``target`` on this machine.
         ngram: Also merge the n-gram prompt lookup's continuation (``NgramDrafter``, suffixes of
             1-4 tokens) into each round's tree as one more branch of at most this many tokens
             (capped by the round's depth); ``0`` = EAGLE alone. Text that repeats earlier text
@@ -89,7 +85,7 @@ class EagleDrafter(Drafter):
 
     def __init__(self, head: EagleHead, target: nn.Module, *, depth: int | None = None,
                  top_k: int | None = None, total_tokens: int | str | None = None, tree: str | list | None = None,
-                 costs=None, ngram: int | None = None):
+                 ngram: int | None = None):
         shipped = head.config.draft_tree or {}
         self.choices = read_eagle_tree(tree if tree is not None else shipped.get("tree"))
         if self.choices is not None and depth is None:
@@ -107,10 +103,8 @@ class EagleDrafter(Drafter):
         top_k = min(top_k, head.config.draft_vocab_size)
         self.head, self.depth, self.top_k = head, depth, top_k
         self.total_tokens = AUTO_MAX_TOTAL_TOKENS if auto else total_tokens
-        self.budget = None
-        if auto and self.choices is None:
-            costs = costs() if callable(costs) else costs
-            self.budget = TreeBudget(costs if costs is not None else load_or_calibrate(target))
+        self.priced = auto and self.choices is None  # the plan's budget sizes each tree (DraftProfile.budget)
+        self._budget = None
         body = model_body(target)
         self.embed, self.lm_head = body.embed_tokens, output_head(target)
         if head.config.version == 3:
@@ -118,30 +112,37 @@ class EagleDrafter(Drafter):
             if not all(0 <= i < len(body.layers) for i in self.feature_layers):
                 raise ValueError(f"the EAGLE-3 head reads layers {list(self.feature_layers)} but the target has "
                                  f"{len(body.layers)} decoder layers; use a head trained for this target")
-        self.reports_survival = self.choices is None  # the path probabilities of EAGLE-2's candidates
         # a dynamic branching tree reads its shape on the host in propose; a chain or static tree never does
-        self.lazy = ((top_k == 1 and self.budget is None) or self.choices is not None) and not self.ngram
+        self.lazy = ((top_k == 1 and not self.priced) or self.choices is not None) and not self.ngram
+        depth_max = max(self.depth, self.ngram)  # the head's depth or the n-gram branch, whichever is longer
+        # survival: the path probabilities of EAGLE-2's candidates
+        self.profile = DraftProfile(max_depth=depth_max, nodes=tuple(self._nodes(d) for d in range(1, depth_max + 1)),
+                                    survival=self.choices is None, budget=self.priced)
         self._plans: dict[int, _StaticPlan] = {}
         self.cache, self._history = [KVCache()], []  # draft cache entries, and the tokens they were built from
         self.prefill([], None)
 
-    @property
-    def tree_depth(self) -> int:
-        """Deepest node a round can draft: the head's depth or the n-gram branch, whichever is longer
-        (what ``--num-draft-tokens auto`` gives a round)."""
-        return max(self.depth, self.ngram)
-
-    def round_nodes(self, gamma: int) -> int:
+    def _nodes(self, gamma: int) -> int:
         """Nodes a round of depth γ verifies at most: the chain, static tree or EAGLE-2 candidates cut to
-        depth min(γ, depth) (a budgeted tree: one path, the least it keeps), plus the n-gram branch."""
+        depth min(γ, depth) (a priced tree: one path, the least it keeps), plus the n-gram branch."""
         depth = min(gamma, self.depth)
         if self.choices is not None:
             head = sum(1 for path in self.choices if len(path) <= depth)
-        elif self.top_k == 1 or self.budget is not None:
+        elif self.top_k == 1 or self.priced:
             head = min(depth, self.total_tokens - 1)
         else:
             head = min(self.total_tokens - 1, self.top_k + (depth - 1) * self.top_k**2) if depth else 0
         return head + min(self.ngram, gamma)
+
+    def describe(self) -> str:
+        if self.choices is not None:
+            shape = f"static tree of {len(self.choices)} nodes, depth {self.depth}"
+        elif self.top_k == 1:
+            shape = f"depth-{self.depth} chain"
+        else:
+            total = "sized each round" if self.priced else f"at most {self.total_tokens} nodes"
+            shape = f"EAGLE-2 tree (depth {self.depth}, top-{self.top_k}, {total})"
+        return shape + (f" + a {self.ngram}-token n-gram branch" if self.ngram else "")
 
     def prefill(self, prompt, hidden=None):
         """Keep the draft cache's entries that the new prompt shares (a chat turn), queue the rest.
@@ -153,8 +154,6 @@ class EagleDrafter(Drafter):
         self.prefilled = 0 if self._pending is None else self._pending.shape[0]  # head rows the next propose runs
 
     def commit(self, num_committed, accepted, hidden=None):
-        if self.budget is not None:
-            self.budget.update(len(accepted))
         self._pending = pending_features(self._pending, self.cache[0].offset, num_committed, accepted, hidden)
 
     def _step(self, features: mx.array, tokens: mx.array, mask=None, position: int | None = None) -> mx.array:
@@ -185,7 +184,8 @@ class EagleDrafter(Drafter):
         scores = mx.take_along_axis(logits, ids, axis=-1) - mx.logsumexp(logits, axis=-1, keepdims=True)
         return scores, self.head.target_ids(ids).astype(mx.int32)
 
-    def propose(self, history, num_draft_tokens, sampling):
+    def propose(self, history, num_draft_tokens, sampling, plan: Plan | None = None):
+        self._budget = plan.budget if plan is not None and self.priced else None
         draft = self._propose(history, num_draft_tokens)
         if self.ngram and num_draft_tokens > 0:
             branch = lookup_continuation(np.asarray(history), min(self.ngram, num_draft_tokens))
@@ -210,7 +210,7 @@ class EagleDrafter(Drafter):
             scores, ids, parents = self._expand(out[-1], depth, committed)
         finally:
             self.cache[0].trim(self.cache[0].offset - committed)  # speculative entries go
-        if self.top_k == 1 and self.budget is None:  # a chain: no host read needed
+        if self.top_k == 1 and self._budget is None:  # a chain: no host read needed
             size = min(depth, self.total_tokens - 1)
             tokens = ids[:size]
             mx.async_eval(tokens)
@@ -264,10 +264,10 @@ class EagleDrafter(Drafter):
 
     def _rerank(self, scores: mx.array, ids: mx.array, parents: mx.array) -> Draft:
         """Keep the best ``total_tokens - 1`` candidates as a tree (docs/heads.md 4.5 steps 4-5)."""
-        if self.budget is not None:  # sizes the tree from the scores: one host read of them
+        if self._budget is not None:  # sizes the tree from the scores: one host read of them
             host = np.array(scores)
             order = np.argsort(-host, kind="stable")
-            keep = self.budget.choose(host[order], time.perf_counter() - self._t0)
+            keep = self._budget(host[order], time.perf_counter() - self._t0)
             chosen = mx.array(np.sort(order[:keep]).astype(np.int32))
         else:
             keep = min(self.total_tokens - 1, scores.shape[0])
@@ -283,6 +283,8 @@ class EagleDrafter(Drafter):
             index[flat] = len(nodes)
             tree_parents.append(index[parent] if parent >= 0 else -1)
             nodes.append(flat)
+        if not nodes:  # the budget priced the round plain
+            return Draft.empty()
         rows = mx.array(nodes)
         return Draft(ids[rows], Tree(tuple(tree_parents)), survival=mx.exp(scores[rows]))
 
@@ -363,7 +365,7 @@ def build(options: EagleOptions, context: DrafterContext) -> EagleDrafter:
     """Raises ``ValueError``/``FileNotFoundError``: no head for the target, or a head that does not fit it."""
     head = load_eagle(context.asset("eagle", options.heads), context.target)
     return EagleDrafter(head, context.target, depth=options.depth, top_k=options.top_k,
-                        total_tokens=options.total_tokens, tree=options.tree, costs=context.verify_costs,
+                        total_tokens=options.total_tokens, tree=options.tree,
                         ngram=options.ngram)
 
 

@@ -24,7 +24,7 @@ from ..assets import PUBLISHED, shipped
 from ..heads.mtp import TRAIN_COMMAND, MTPStack, has_mtp, load_mtp
 from ..sampling import SamplingParams, sample
 from ..taps import head_slice, logits_width, model_body, output_head
-from .base import Draft, Drafter, feature_prefill, pending_features
+from .base import Draft, Drafter, DraftProfile, feature_prefill, pending_features
 from .registry import DrafterContext, DrafterType, at_least, option, register
 
 #: Chain depth when neither the option nor the checkpoint's ``draft_depth`` sets one.
@@ -69,9 +69,9 @@ class MTPDrafter(Drafter):
         self.prefill([], None)
 
     @property
-    def tree_depth(self) -> int:
-        """The chain's depth (what ``--num-draft-tokens auto`` gives a round)."""
-        return self.depth
+    def profile(self) -> DraftProfile:
+        """A chain of its depth (what ``--num-draft-tokens auto`` gives a round at most)."""
+        return DraftProfile(max_depth=self.depth)
 
     def prefill(self, prompt, hidden=None):
         """Keep the cache entries the new prompt shares (a chat turn), as EAGLE does: entry i holds
@@ -83,7 +83,7 @@ class MTPDrafter(Drafter):
     def commit(self, num_committed, accepted, hidden=None):
         self._pending = pending_features(self._pending, self.cache[0].offset, num_committed, accepted, hidden)
 
-    def propose(self, history, num_draft_tokens, sampling: SamplingParams):
+    def propose(self, history, num_draft_tokens, sampling: SamplingParams, plan=None):
         depth = min(num_draft_tokens, self.depth)
         if depth < 1 or self._pending is None:
             return Draft.empty()

@@ -13,7 +13,7 @@ class NoDrafter(Drafter):
 
     name = "none"
 
-    def propose(self, history, num_draft_tokens, sampling):
+    def propose(self, history, num_draft_tokens, sampling, plan=None):
         return Draft.empty()
 
 

@@ -16,8 +16,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..identity import require_shipped_for
-from ..calibration import load_or_calibrate
-from ..costmodel import Costs
 from .base import Drafter
 
 
@@ -91,10 +89,6 @@ class DrafterContext:
         if self.target is None:
             raise ValueError(f"no {kind} weights given and no target; pass --{kind}-heads PATH_OR_REPO")
         return str(require_shipped_for(kind, self.target))
-
-    def verify_costs(self) -> Costs:
-        """The target's measured verify costs on this machine (measured once, then cached)."""
-        return load_or_calibrate(self.target, on_measure=self.on_measure)
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ import numpy as np
 
 from ..taps import logits_width
 from ..tree import Tree
-from .base import Draft, Drafter
+from .base import Draft, Drafter, DraftProfile
 from .registry import DrafterContext, DrafterType, at_least, int_or_auto, option, register
 from .suffix_store import (  # noqa: F401 (re-exported: the store's names as the suffix drafter's)
     DEFAULT_STORE_TOKENS,
@@ -170,21 +170,6 @@ def continuation_tree(tokens: np.ndarray, ends: np.ndarray, match_length: int, d
     return out
 
 
-def budget_by_cost(scores: list[float], costs) -> int:
-    """Nodes to keep with the most expected tokens per second: argmax_m (1 + Σ_{i<m} s_i) / T_verify(m + 1).
-
-    Args:
-        scores: Candidate scores best first [C] (C >= 1).
-        costs: ``costmodel.Costs`` (its verify curve, seconds).
-
-    Returns:
-        int: m in 1..C.
-    """
-    gain = 1.0 + np.cumsum(scores)
-    rate = [gain[m - 1] / costs.verify(m + 1) for m in range(1, len(scores) + 1)]
-    return int(np.argmax(rate)) + 1
-
-
 # --- the drafter ---------------------------------------------------------------------------
 
 
@@ -198,11 +183,7 @@ class SuffixDrafter(Drafter):
             per second on ``costs`` (at most 32). Default: ``16``.
         factor: Draft nodes per matched token (the paper's α). Default: ``2.0``.
         min_prob: Least empirical path probability drafted. Default: ``0.1``.
-        costs: ``costmodel.Costs``, or a function returning them, for ``nodes="auto"``.
         vocab_size: The target's logits width (recorded; the store is keyed by it). Default: none.
-
-    Raises:
-        ValueError: ``nodes="auto"`` without costs.
     """
 
     name = "suffix"
@@ -210,25 +191,23 @@ class SuffixDrafter(Drafter):
 
     def __init__(self, store: SuffixStore | None = None, *, depth: int = DEFAULT_DEPTH,
                  nodes: int | str = DEFAULT_NODES, factor: float = DEFAULT_FACTOR,
-                 min_prob: float = DEFAULT_MIN_PROB, costs=None, vocab_size: int | None = None):
-        if nodes == AUTO and costs is None:
-            raise ValueError("suffix nodes='auto' needs the target's measured verify costs")
+                 min_prob: float = DEFAULT_MIN_PROB, vocab_size: int | None = None):
         self.store, self.depth, self.nodes, self.factor, self.min_prob = store, depth, nodes, factor, min_prob
-        self.costs = (costs() if callable(costs) else costs) if nodes == AUTO else None
         self.vocab_size = vocab_size
         self.document: int | None = None
         self._recorded, self._drafted = 0, []
 
     @property
-    def tree_depth(self) -> int:
-        """The deepest node a round can draft (what ``--num-draft-tokens auto`` gives a round)."""
-        return self.depth
+    def profile(self) -> DraftProfile:
+        """Its depth; with ``nodes="auto"`` each round's tree is cut to the plan's budget (``Plan.budget``)."""
+        return DraftProfile(max_depth=self.depth, budget=self.nodes == AUTO,
+                            nodes=(AUTO_MAX_NODES,) * self.depth if self.nodes == AUTO else None)
 
     def prefill(self, prompt, hidden=None):
         self.document = self.store.open(self, list(prompt[-PROMPT_CONTEXT:])) if self.store is not None else None
         self._recorded, self._drafted = len(prompt), []
 
-    def propose(self, history, num_draft_tokens, sampling):
+    def propose(self, history, num_draft_tokens, sampling, plan=None):
         if self.document is not None and len(history) > self._recorded:
             self.store.append(self.document, list(history[self._recorded :]))  # the last round's target token
             self._recorded = len(history)
@@ -238,7 +217,8 @@ class SuffixDrafter(Drafter):
         own = np.asarray(history, dtype=np.int32)
         stores = [own] + ([self.store.searchable(exclude=self.document)] if self.store is not None else [])
         trees = [self._candidates(tokens, own, depth) for tokens in stores]
-        trees = [(tree, self._budget(tree)) for tree in trees]
+        budget = plan.budget if plan is not None else None
+        trees = [(tree, self._budget(tree, budget)) for tree in trees]
         best, keep = max(trees, key=lambda t: (sum(t[0].scores[: t[1]]), t[0].match_length))
         self._drafted = best.tokens[:keep]
         if keep == 0:
@@ -256,12 +236,12 @@ class SuffixDrafter(Drafter):
         limit = AUTO_MAX_NODES if self.nodes == AUTO else self.nodes
         return continuation_tree(tokens, ends, length, depth, self.min_prob, limit)
 
-    def _budget(self, tree: ScoredTree) -> int:
+    def _budget(self, tree: ScoredTree, budget) -> int:
         if not tree.tokens:
             return 0
         by_match = max(1, math.ceil(self.factor * tree.match_length))
-        if self.costs is not None:
-            return min(by_match, budget_by_cost(tree.scores, self.costs))
+        if budget is not None:  # the scores are path probabilities, best first
+            return min(by_match, budget(np.log(np.maximum(tree.scores, 1e-30)), 0.0))
         return min(by_match, len(tree.tokens))
 
 
@@ -314,7 +294,7 @@ def build(options: SuffixOptions, context: DrafterContext) -> SuffixDrafter:
         if options.corpus is not None:
             load_corpus(store, options.corpus, context.tokenizer, vocab_size)
     return SuffixDrafter(store, depth=options.depth, nodes=options.nodes, factor=options.factor,
-                         min_prob=options.min_prob, costs=context.verify_costs, vocab_size=vocab_size)
+                         min_prob=options.min_prob, vocab_size=vocab_size)
 
 
 DRAFTER = register(DrafterType("suffix", SuffixOptions, build,

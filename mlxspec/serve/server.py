@@ -8,7 +8,7 @@ import sys
 
 import uvicorn
 
-from ..gamma import gamma_policy
+from ..pacing import make_pacer
 from ..generate import context_length
 from ..session import check_fits
 from .app import create_app
@@ -31,8 +31,8 @@ def loader(args: argparse.Namespace):
     def load():
         loaded = load_models(args, on_measure=measuring_note("the automatic tree size"))
         check_fits(loaded.target, loaded.drafter)
-        policy = gamma_policy(args.num_draft_tokens, loaded.model, loaded.drafter,
-                              on_measure=measuring_note(f"--num-draft-tokens {args.num_draft_tokens}"))
+        policy = make_pacer(args.num_draft_tokens, loaded.model, loaded.drafter,
+                            on_measure=measuring_note(f"--num-draft-tokens {args.num_draft_tokens}"))
         tokenizer = loaded.tokenizer
         served = Served(loaded.target.name, tokenizer, context_length(loaded.model), loaded.drafter.name,
                         frozenset(tokenizer.eos_token_ids))

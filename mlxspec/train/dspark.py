@@ -27,7 +27,7 @@ packed examples, seeded anchors, one forward per batch) with three changes:
   < j survived", the conditional survival whose running product ``Draft.survival`` hands to
   ``--num-draft-tokens scheduled``. Its gradient stops at h_j and W1[y_{j−1}]: the confidence head
   reads the drafter, it does not move it. At temperature > 0 the same c_j estimates the greedy
-  event (the scheduler recalibrates it online on observed acceptance, ``schedule.SurvivalCalibration``).
+  event (the scheduler recalibrates it online on observed acceptance, ``pacing.scheduled.SurvivalCalibration``).
 - **Held-out scores** each epoch: DFlash's per-position acceptance (A_j itself), chain acceptance and
   τ, plus the confidence head's calibration: the mean c_j per position, the Brier score of c_j
   against A_j and its expected calibration error (10 equal-width bins), and the Brier score of the
@@ -46,7 +46,7 @@ import numpy as np
 
 from ..heads.dflash import load_dflash
 from ..heads.dspark import DSparkConfig, DSparkNet, load_dspark, save_dspark
-from ..schedule import NUM_BINS
+from ..pacing import NUM_BINS
 from .dflash import (
     RESUME_KEYS as DFLASH_RESUME_KEYS,
     BlockBatch,
@@ -102,7 +102,7 @@ class DSparkEvalRecord(DFlashEvalRecord):
         brier: Mean (c_j − A_j)² over the scored positions (0 is perfect; 0.25 is a constant 0.5 on a
             fair coin).
         calibration_error: Expected calibration error of c_j: Σ_bins (n_bin / n) · |mean c − mean A|
-            over ``schedule.NUM_BINS`` equal-width bins.
+            over ``pacing.NUM_BINS`` equal-width bins.
         survival: Mean predicted survival Π_{i≤j} c_i per position (compare with ``chain_acceptance``).
         survival_brier: Mean (Π_{i≤j} c_i − Π_{i≤j} A_i)² over blocks with every position scored.
     """

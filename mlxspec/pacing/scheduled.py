@@ -3,13 +3,13 @@
 DSpark (DeepSeek's DeepSpec, arXiv 2607.05147) sends the target, each round, only as many drafted
 tokens as pay for their verification; docs/acceptance.md 3.1. A drafter that reports per-node
 survival estimates (``Draft.survival``: its own prediction of P(node on the accepted path)) drafts
-its full length; ``ScheduledGamma.schedule`` then keeps the node set S (a prefix of a chain, a
+its full length; ``Scheduled.schedule`` then keeps the node set S (a prefix of a chain, a
 subtree of a tree) that maximises
 
     τ(S) / (T_draft + T_verify(|S| + 1)),   τ(S) = 1 + Σ_{n ∈ S} ŝ(n),
 
 where ŝ is the survival recalibrated on this generation's observed acceptance (histogram binning,
-Zadrozny & Elkan 2001) and both times come from this machine's measured ``costmodel.Costs``. By
+Zadrozny & Elkan 2001) and both times come from this machine's measured ``Costs``. By
 linearity of expectation τ(S) is the expected number of tokens the round commits. Scheduling only
 decides which drafted nodes are verified; every kept node is verified by the unchanged exact rule,
 so the output distribution is untouched (docs/acceptance.md 3.2).
@@ -21,8 +21,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .costmodel import Costs
-from .drafters.base import Draft
+from ..drafters.base import Draft, Plan
+from ..metrics import CycleStats
+from .costs import Costs
+from .policies import PLAIN
 
 #: Drafted length of a chain drafter under ``scheduled`` when the drafter sizes no rounds itself.
 DEFAULT_SCHEDULED_MAX = 8
@@ -147,35 +149,27 @@ def stopping_length(values: np.ndarray, costs: Costs, spent_s: float) -> int:
     return K
 
 
-class ScheduledGamma:
-    """``--num-draft-tokens scheduled``: draft the full length, verify the best predicted part of it.
+class Scheduled:
+    """``--num-draft-tokens scheduled``: draft the full length, verify the best predicted part (``Plan.select``).
 
-    ``choose_gamma`` gives the drafter its full length; ``schedule(draft)`` reads the draft's
-    survival estimates (one host read before the verify forward) and keeps the best m nodes,
-    m = argmax_m (1 + Σ_{i<m} ŝ_i) / (T_draft + T_verify(m + 1)) over the ŝ sorted best first
-    (module docstring; a sampled chain is cut by a stopping rule instead, see ``schedule``). T_draft is the round's drafting, already spent (``costs.draft`` of its
-    depth), which makes longer verifications relatively cheaper. When even the best m
-    is predicted slower than plain decoding, the next ``probe_every`` rounds draft nothing. The
-    first drafting round, and the first after such a pause, is a probe that verifies the whole
-    draft, so the recalibration sees every position even when the drafter is under-confident.
+    ``schedule`` keeps the best m nodes, m = argmax_m (1 + Σ_{i<m} ŝ_i) / (T_draft + T_verify(m + 1)) over the
+    recalibrated survivals ŝ sorted best first (a sampled chain is cut by ``stopping_length`` instead); T_draft,
+    the round's drafting, is already spent. When even the best m is predicted slower than plain decoding, the
+    next ``probe_every`` rounds are plain; the first drafting round, and the first after such a pause, verifies
+    the whole draft, so the recalibration sees every position even when the drafter is under-confident.
 
     Args:
         costs: This machine's measured ``Costs`` for the target and drafter.
         max_gamma: Depth the drafter drafts each round. Default: ``DEFAULT_SCHEDULED_MAX``.
-        probe_every: Plain rounds after a losing one before drafting again. Default: ``16``.
+        probe_every: Plain rounds after a losing one. Default: ``16``.
         calibration: A ``SurvivalCalibration`` to continue. Default: a fresh one.
-
-    Attributes:
-        gamma: Depth of the draft verified this round (0: nothing verified).
-        kept_nodes: Draft nodes verified this round.
-        predicted_speedup: Predicted speedup of that choice over plain decoding.
 
     Raises:
         ValueError: ``max_gamma < 1``.
     """
 
-    #: The per-round choices are recorded in the stats (``GenerationStats.gamma_rounds``).
     adaptive = True
+    priced_plain = False
 
     def __init__(self, costs: Costs, *, max_gamma: int = DEFAULT_SCHEDULED_MAX, probe_every: int = 16,
                  calibration: SurvivalCalibration | None = None):
@@ -183,35 +177,28 @@ class ScheduledGamma:
             raise ValueError(f"the scheduled draft length must be >= 1, got {max_gamma}")
         self.costs, self.max_gamma, self.probe_every = costs, max_gamma, probe_every
         self.calibration = calibration or SurvivalCalibration()
-        self.gamma, self.kept_nodes, self.predicted_speedup = 0, 0, 1.0
+        self.kept_nodes, self.predicted_speedup = 0, 1.0
         self._plain_left, self._pending, self._probe = 0, None, True
 
-    def choose_gamma(self) -> int:
-        """Depth the drafter drafts this round: ``max_gamma``, or 0 while pausing after a losing round."""
-        self.gamma, self.kept_nodes, self._pending = 0, 0, None
+    def plan(self) -> Plan:
+        """Draft ``max_gamma`` and verify what ``schedule`` keeps, or a plain step while pausing."""
+        self.kept_nodes, self._pending = 0, None
         if self._plain_left > 0:
             self._plain_left -= 1
             self._probe = self._plain_left == 0
-            return 0
-        return self.max_gamma
+            return PLAIN
+        return Plan(self.max_gamma, select=self.schedule)
 
     def schedule(self, draft: Draft) -> Draft:
         """The part of ``draft`` to verify (a draft without survival estimates is verified whole).
 
-        A deterministic draft (``logprobs`` None) keeps the best m nodes overall. A sampled chain is
-        cut by a stopping rule instead (``stopping_length``): whether position i is verified may
-        depend on the tokens before it but never on its own, or the verified token would no longer
-        be distributed as q (docs/acceptance.md 3.2). A sampled tree is verified whole.
-
-        Args:
-            draft: The drafter's proposal, ``survival`` [N] float32 (may be lazy: read here).
-
-        Returns:
-            Draft: ``draft.select(nodes)`` for the chosen node set.
+        A deterministic draft keeps the best m nodes overall; a sampled chain is cut by a stopping rule
+        (``stopping_length``): whether position i is verified may depend on the tokens before it but never on its
+        own, or the verified token would no longer be distributed as q (docs/acceptance.md 3.2). A sampled tree is
+        verified whole. Reads ``draft.survival`` [N] on the host.
         """
         sampled = draft.logprobs is not None
         if draft.size == 0 or draft.survival is None or (sampled and not draft.tree.is_chain):
-            self.gamma = int(draft.tree.depths.max()) if draft.size else 0
             self.kept_nodes = draft.size
             return draft
         raw = np.array(draft.survival, dtype=np.float64)  # the host read scheduling costs
@@ -231,20 +218,19 @@ class ScheduledGamma:
             self._plain_left = self.probe_every
         if self._probe:  # decided before the draft was seen, so exact for any draft
             m, nodes, self._probe = draft.size, list(range(draft.size)), False
-        kept = draft.select(nodes)
         self._pending = (raw[nodes], depths[nodes])
-        self.gamma, self.kept_nodes = (int(kept.tree.depths.max()) if m else 0), m
-        return kept
+        self.kept_nodes = m
+        return draft.select(nodes)
 
-    def update(self, cycle) -> None:
-        """Learn from one round's ``CycleStats``: which verified nodes were on the accepted path (``path``)."""
+    def observe(self, outcome: CycleStats, draft: Draft | None = None) -> None:
+        """Learn which verified nodes were on the accepted path (``outcome.path``)."""
         if self._pending is None or not self.kept_nodes:
             return
         raw, depths = self._pending
         kept = np.zeros(len(raw), dtype=bool)
-        kept[list(cycle.path)] = True
+        kept[list(outcome.path)] = True
         self.calibration.observe(raw, depths, kept)
         self._pending = None
 
     def __repr__(self) -> str:
-        return f"ScheduledGamma(max_gamma={self.max_gamma})"
+        return f"Scheduled(max_gamma={self.max_gamma})"

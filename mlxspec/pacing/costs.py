@@ -1,0 +1,301 @@
+"""This machine's costs (the target's verify curve, a drafter's cost), measured once and cached, and the speed-up
+they predict: τ(γ) · T_verify(1) / (T_draft(γ) + T_verify(nodes(γ) + 1)) (Leviathan et al. 2023, arXiv 2211.17192,
+section 3). The same model verifies 8 tokens for 1.8x one step on one machine and 7x on another, so no constant
+is right everywhere."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten
+
+from ..cache import prefill, speculative_cache, trim
+from ..loading import default_cache_dir
+from ..progress import progress_bar
+from ..sampling import SamplingParams
+from ..machine import blas_in_use, cpu_name
+
+#: Largest verify width measured (γ + 1 ≤ this, so γ auto drafts at most 15).
+MAX_VERIFY_TOKENS = 16
+#: Context the costs are measured at (attention cost grows with it).
+DEFAULT_CONTEXT_TOKENS = 256
+#: Widths measured; the others in 1..16 are interpolated.
+VERIFY_GRID = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
+#: γ of the timed draft round of a drafter that does not size its own rounds.
+DRAFT_GAMMA = 4
+#: A cached curve is stale when one token now takes more than this factor more or less than its first point,
+#: and by more than ``STALE_MIN_DIFF_S`` seconds (timer noise on tiny models is not staleness).
+STALE_FACTOR, STALE_MIN_DIFF_S = 1.6, 0.01
+
+
+def expected_tau(alpha: float, gamma: int) -> float:
+    """τ = (1 − α^(γ+1)) / (1 − α): expected tokens per round at acceptance α (Leviathan et al. 2023, eq. 1)."""
+    if gamma <= 0:
+        return 1.0
+    return gamma + 1.0 if alpha >= 1.0 else (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
+
+
+@dataclasses.dataclass
+class Costs:
+    """Measured costs of one target (+ one drafter) on one machine.
+
+    Attributes:
+        verify_s: ``[k - 1]`` = seconds of one target forward over k tokens and the host read that ends a
+            round, k = 1..16, non-decreasing; ``verify_s[0]`` is a plain step.
+        draft_s: Seconds per drafted token (0 for a drafter that costs nothing measurable).
+        context_tokens: Cache length the costs were measured at.
+        draft_round_s: Seconds of drafting per round that drafts at all (a block drafter's one forward).
+    """
+
+    verify_s: list[float]
+    draft_s: float = 0.0
+    context_tokens: int = DEFAULT_CONTEXT_TOKENS
+    draft_round_s: float = 0.0
+
+    def verify(self, num_tokens: int) -> float:
+        """T_verify(k) in seconds; beyond the measured range, extrapolated linearly."""
+        n = len(self.verify_s)
+        if num_tokens <= n:
+            return self.verify_s[max(num_tokens, 1) - 1]
+        return self.verify_s[-1] + (self.verify_s[-1] - self.verify_s[0]) / max(n - 1, 1) * (num_tokens - n)
+
+    def draft(self, gamma: int) -> float:
+        """Seconds of drafting a round of depth γ."""
+        return (self.draft_round_s if gamma > 0 else 0.0) + gamma * self.draft_s
+
+    def speedup(self, gamma: int, reach: float | list[float], nodes: tuple[int, ...] | None = None) -> float:
+        """Predicted speed-up over plain decoding of a round of depth γ (γ = 0: exactly 1).
+
+        Args:
+            gamma: The round's depth.
+            reach: ``[i]`` = P(the draft at depth i + 1 is kept), at least γ long; or one α (geometric).
+            nodes: ``nodes[d - 1]`` = draft nodes a depth-d round verifies (``DraftProfile.nodes``); None: d.
+        """
+        reach = [reach ** (i + 1) for i in range(gamma)] if isinstance(reach, (int, float)) else reach
+        width = (nodes[min(gamma, len(nodes)) - 1] if nodes and gamma else gamma) + 1
+        return (1.0 + sum(reach[:gamma])) * self.verify(1) / (self.draft(gamma) + self.verify(width))
+
+    def best_gamma(self, reach: float | list[float], max_gamma: int, margin: float = 0.0,
+                   nodes: tuple[int, ...] | None = None) -> int:
+        """The γ in 1..max_gamma with the best predicted speed-up, or 0 when none beats plain by ``margin``."""
+        best = max(range(1, max_gamma + 1), key=lambda g: self.speedup(g, reach, nodes), default=0)
+        return best if best and self.speedup(best, reach, nodes) > 1.0 + margin else 0
+
+
+# ---------------------------------------------------------------- measuring
+
+
+def calibrate_verify(model: nn.Module, *, context_tokens: int = DEFAULT_CONTEXT_TOKENS, budget_s: float = 6.0,
+                     seed: int = 0) -> list[float]:
+    """``[k - 1]`` = seconds of one target forward over k = 1..16 tokens after ``context_tokens``, ending with the
+    host read a round makes: ``VERIFY_GRID`` timed (up to 5 times within ``budget_s``; medians), interpolated."""
+    rng = np.random.default_rng(seed)
+    cache = speculative_cache(model)  # the cache the loop verifies on (sliding windows made rewindable)
+    prefill(model, cache, rng.integers(0, _vocab_size(model), size=context_tokens).tolist())
+    block = rng.integers(0, _vocab_size(model), size=MAX_VERIFY_TOKENS).tolist()
+    for k in (1, MAX_VERIFY_TOKENS):  # warm-up
+        _time_forward(model, cache, block[:k])
+    samples: dict[int, list[float]] = {k: [] for k in VERIFY_GRID}
+    start = time.perf_counter()
+    with progress_bar(5 * len(VERIFY_GRID), "mlxspec: measuring the verify cost", "forward") as bar:
+        for rep in range(5):
+            for k in VERIFY_GRID:
+                samples[k].append(_time_forward(model, cache, block[:k]))
+                bar.update()
+            if (time.perf_counter() - start) * (rep + 2) / (rep + 1) > budget_s:
+                break
+    curve = np.interp(np.arange(1, MAX_VERIFY_TOKENS + 1), VERIFY_GRID, [statistics.median(samples[k]) for k in VERIFY_GRID])
+    return np.maximum.accumulate(curve).tolist()  # noise must not make k + 1 tokens cheaper than k
+
+
+def spot_check_verify(model: nn.Module, *, reps: int = 3) -> float:
+    """Seconds of one one-token forward now (median of ``reps`` after a warm-up, after a 16-token prefix)."""
+    tokens = np.random.default_rng(0).integers(0, _vocab_size(model), size=17).tolist()
+    cache = speculative_cache(model)
+    prefill(model, cache, tokens[:-1])
+    _time_forward(model, cache, tokens[-1:])
+    return statistics.median(_time_forward(model, cache, tokens[-1:]) for _ in range(reps))
+
+
+def is_stale(cached_s: float, now_s: float) -> bool:
+    """Whether a cached one-token time ``cached_s`` no longer describes this machine, timed ``now_s`` (seconds)."""
+    if cached_s <= 0 or now_s <= 0:
+        return True
+    return max(now_s / cached_s, cached_s / now_s) > STALE_FACTOR and abs(now_s - cached_s) > STALE_MIN_DIFF_S
+
+
+def calibrate_draft(drafter, history: list[int], *, num_draft_tokens: int = DRAFT_GAMMA, reps: int = 3,
+                    hidden_size: int | None = None) -> float:
+    """Seconds per drafted token: ``drafter.propose`` of γ tokens, timed to the sync (a feature reader gets zeros
+    ``hidden_size`` wide per feature layer); each timed round keeps nothing, so every round drafts."""
+    width = (hidden_size or 0) * max(1, len(drafter.feature_layers))  # EAGLE-3 reads 3 layers
+    zeros = (lambda n: [mx.zeros((n, width))]) if drafter.needs_hidden else (lambda n: [])
+    history = list(history)
+    drafter.prefill(history, *zeros(len(history) - 1))
+    times = []
+    for rep in range(reps + 1):
+        t0 = time.perf_counter()
+        draft = drafter.propose(history, num_draft_tokens, SamplingParams())
+        mx.eval(draft.tokens)
+        if rep:  # the first is a warm-up
+            times.append(time.perf_counter() - t0)
+        history.append(history[-1])
+        drafter.commit(len(history), [], *zeros(draft.size + 1))
+    return statistics.median(times) / num_draft_tokens
+
+
+def load_or_calibrate(model: nn.Module, drafter=None, *, cache_dir: Path | None = None,
+                      context_tokens: int = DEFAULT_CONTEXT_TOKENS, refresh: bool = False,
+                      on_measure: Callable[[str], None] | None = None) -> Costs:
+    """``Costs`` for ``model`` and ``drafter`` on this machine, measured once and then cached.
+
+    Keyed by the target and the machine (``machine_fingerprint``), the draft cost also by the drafter
+    (``drafter_fingerprint``; timed at its ``DraftProfile.max_depth``, per round when ``per_round``). A cached
+    curve a one-token timing now contradicts (``is_stale``, checked once per process) is measured again with the
+    draft cost. A cache folder that cannot be written is said once on stderr; the costs then live in the process.
+
+    Args:
+        model, drafter: The target and a ``Drafter`` (or ``None``: draft cost 0).
+        cache_dir: Default: ``$MLXSPEC_CACHE/costs`` (``~/.cache/mlxspec/costs``).
+        context_tokens: Prefix length of the measurements. Default: ``256``.
+        refresh: Measure again even if cached. Default: ``False``.
+        on_measure: Told a short description before each measurement that was not cached. Default: none.
+    """
+    cache_dir = Path(cache_dir) if cache_dir else default_cache_dir() / "costs"
+    machine = machine_fingerprint()
+    target_key = {"what": "verify", "model": model_fingerprint(model), "machine": machine,
+                  "context": context_tokens, "grid": VERIFY_GRID}
+    checked_key, stale = json.dumps(target_key, sort_keys=True, default=str) + str(cache_dir), []
+
+    def still_valid(curve) -> bool:
+        if not (isinstance(curve, list) and len(curve) == MAX_VERIFY_TOKENS
+                and all(isinstance(v, (int, float)) for v in curve)):
+            return False  # a damaged file is measured again
+        if checked_key in _CHECKED:
+            return True
+        now = spot_check_verify(model)
+        if is_stale(curve[0], now):
+            stale.append(f"the cached one is stale: one token takes {1e3 * now:.0f} ms now, {1e3 * curve[0]:.0f} ms then")
+        return not stale
+
+    verify_s = _cached(cache_dir, target_key, refresh, on_measure, "the target's verify cost for 1..16 tokens",
+                       lambda: calibrate_verify(model, context_tokens=context_tokens), still_valid, stale)
+    _CHECKED.add(checked_key)
+    if drafter is None or drafter.name == "none":
+        return Costs(verify_s, 0.0, context_tokens)
+    profile = drafter.profile
+    gamma, per = profile.max_depth or DRAFT_GAMMA, "round" if profile.per_round else "token"
+    key = {"what": "draft", "drafter": drafter_fingerprint(drafter, model), "machine": machine,
+           "context": context_tokens, "num_draft_tokens": gamma, "per": per}
+    history = np.random.default_rng(1).integers(0, _vocab_size(model), size=context_tokens).tolist()
+    hidden_size = getattr(getattr(model, "args", None), "hidden_size", None)
+    draft_s = _cached(cache_dir, key, refresh or bool(stale), on_measure, f"the {drafter.name} drafter's cost per {per}",
+                      lambda: calibrate_draft(drafter, history, num_draft_tokens=gamma, hidden_size=hidden_size)
+                      * (gamma if profile.per_round else 1))
+    return Costs(verify_s, 0.0, context_tokens, draft_s) if profile.per_round else Costs(verify_s, draft_s, context_tokens)
+
+
+#: Verify-curve cache entries already checked against the machine in this process; cache folders said unwritable,
+#: and the values measured there (kept for this process).
+_CHECKED: set[str] = set()
+_UNWRITABLE: set[str] = set()
+_UNWRITTEN: dict[str, object] = {}
+
+
+def _time_forward(model, cache, tokens: list[int]) -> float:
+    t0 = time.perf_counter()
+    mx.eval(model(mx.array(tokens, dtype=mx.int32)[None], cache=cache)[0].argmax(axis=-1))
+    elapsed = time.perf_counter() - t0
+    trim(cache, len(tokens))
+    return elapsed
+
+
+def _vocab_size(model) -> int:
+    return int(getattr(getattr(model, "args", None), "vocab_size", None) or 256)
+
+
+def _cached(cache_dir: Path, key: dict, refresh: bool, on_measure, what: str, measure,
+            still_valid: Callable | None = None, why: list[str] | None = None):
+    """The cached value for ``key``, else ``measure()``, stored when the folder takes it."""
+    blob = json.dumps(key, sort_keys=True, default=str)
+    path = cache_dir / f"{key['what']}-{hashlib.sha256(blob.encode()).hexdigest()[:16]}.json"
+    if not refresh and str(path) in _UNWRITTEN:
+        return _UNWRITTEN[str(path)]
+    if not refresh and path.is_file():
+        try:
+            value = json.loads(path.read_text())["value"]
+        except (ValueError, KeyError, OSError):
+            value = None  # a damaged cache file is measured again
+        if value is not None and (still_valid is None or still_valid(value)):
+            return value
+    if on_measure is not None:
+        on_measure(f"{what} ({why[-1]})" if why else what)
+    value = measure()
+    partial = path.with_suffix(".part")
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        partial.write_text(json.dumps({"key": json.loads(blob), "value": value, "measured_at": time.time()}))
+        partial.replace(path)
+    except OSError as error:
+        _UNWRITTEN[str(path)] = value
+        with contextlib.suppress(OSError):
+            partial.unlink(missing_ok=True)
+        if str(cache_dir) not in _UNWRITABLE:
+            _UNWRITABLE.add(str(cache_dir))
+            print(f"mlxspec: measured costs are not cached: cannot write {cache_dir} ({error.strerror or error}); "
+                  "set MLXSPEC_CACHE to a writable folder to keep them", file=sys.stderr)
+    return value
+
+
+# ---------------------------------------------------------------- fingerprints
+
+
+def machine_fingerprint() -> dict:
+    """What costs depend on besides the model: CPU, cores, OS, BLAS, MLX version and device."""
+    return {"system": platform.system(), "arch": platform.machine(), "cpu": cpu_name(), "cores": os.cpu_count(),
+            "blas": blas_in_use()["name"], "mlx": mx.__version__, "device": str(mx.default_device())}
+
+
+def model_fingerprint(model: nn.Module) -> dict:
+    """What a model's speed depends on: class, config, parameter count, dtypes, quantization."""
+    args = getattr(model, "args", None)
+    params = tree_flatten(model.parameters())
+    bits = sorted({m.bits for _, m in model.named_modules() if hasattr(m, "bits") and hasattr(m, "group_size")})
+    return {"class": f"{type(model).__module__}.{type(model).__name__}",
+            "config": dataclasses.asdict(args) if dataclasses.is_dataclass(args) else {},
+            "parameters": int(sum(p.size for _, p in params)),
+            "dtypes": sorted({str(p.dtype) for _, p in params}), "quantized_bits": bits}
+
+
+def drafter_fingerprint(drafter, target: nn.Module) -> dict:
+    """What a drafter's cost depends on besides the machine: its kind and settings (``describe()``, its profile),
+    the target, and each model it holds (``weights_fingerprint``)."""
+    modules = {name: value for name, value in vars(drafter).items() if isinstance(value, nn.Module)}
+    return {"drafter": drafter.name, "class": f"{type(drafter).__module__}.{type(drafter).__name__}",
+            "settings": {"describe": drafter.describe(), "profile": repr(drafter.profile)},
+            "target": model_fingerprint(target),
+            "weights": {name: weights_fingerprint(module) for name, module in sorted(modules.items())}}
+
+
+def weights_fingerprint(module: nn.Module, sample: int = 64) -> dict:
+    """``model_fingerprint`` plus a digest of every parameter's name, shape, dtype and a few strided values."""
+    digest = hashlib.sha256()
+    for name, p in tree_flatten(module.parameters()):
+        flat = p.reshape(-1)
+        picked = mx.concatenate([flat[:sample], flat[:: max(1, flat.size // sample)][:sample]])
+        digest.update(f"{name}{tuple(p.shape)}{p.dtype}".encode())
+        digest.update(np.array(picked.astype(mx.float32)).tobytes())
+    return {**model_fingerprint(module), "weights": digest.hexdigest()[:16]}

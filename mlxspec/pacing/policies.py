@@ -1,0 +1,188 @@
+"""How far each round drafts: a fixed γ, or γ auto from measured costs and the running acceptance.
+
+A pacer hands the round a ``Plan`` (``plan()``) and learns from the round's outcome (``observe``); it is made
+once per generation (``pacing.make_pacer``), as ``mlx_lm.sample_utils.make_sampler`` makes a sampler.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..drafters.base import Draft, DraftProfile, Plan
+from ..metrics import CycleStats
+from .costs import MAX_VERIFY_TOKENS, Costs
+
+PLAIN = Plan(0)
+#: Plain rounds before the first look again after a fall-back, and the longest wait (doubling in between).
+FIRST_WAIT, MAX_WAIT = 16, 256
+
+
+@dataclass
+class AcceptanceEstimate:
+    """Running per-depth acceptance as a product of conditional survivals, with exponential forgetting.
+
+    A round that drafted K and kept n counts, at each depth i <= min(n + 1, K), one *reach* (the draft there was
+    judged, its parent being kept) and, for i <= n, one keep. ``reach(m)[i]`` = h_1 · … · h_{i+1}, h_i = keeps /
+    reaches at depth i shrunk toward α (depth 1) or toward the pooled h of all deeper depths (the product-limit, Kaplan–Meier, estimate: drafts behind a rejection count
+    at no depth, so one rejection behind a long draft does not make every deeper depth look rejected; the per-depth
+    ratio it replaced left a lookup 15% short of the best fixed γ on a replayed answer, docs/design.md, automatic γ).
+    Counts decay by ``1 − 1/window`` per drafting round.
+
+    Attributes:
+        prior_alpha: α before any round. Default: ``0.5``.
+        prior_weight: Pseudo-rounds behind the prior and behind each depth's shrinkage. Default: ``2``.
+        window: Rounds the memory spans. Default: ``16``.
+        kept, reached: Decayed counts per depth.
+    """
+
+    prior_alpha: float = 0.5
+    prior_weight: float = 2.0
+    window: float = 16.0
+    kept: list[float] = field(default_factory=list)
+    reached: list[float] = field(default_factory=list)
+
+    def update(self, num_drafted: int, num_accepted: int) -> None:
+        """Fold in one round (nothing for a round without drafts)."""
+        if num_drafted <= 0:
+            return
+        decay = 1.0 - 1.0 / self.window
+        for counts in (self.kept, self.reached):
+            counts[:] = [c * decay for c in counts] + [0.0] * max(0, num_drafted - len(counts))
+        for i in range(min(num_accepted + 1, num_drafted)):
+            self.reached[i] += 1.0
+            self.kept[i] += float(i < num_accepted)
+
+    @property
+    def alpha(self) -> float:
+        """Acceptance at depth 1, shrunk to the prior."""
+        kept, reached = (self.kept[0], self.reached[0]) if self.reached else (0.0, 0.0)
+        return (kept + self.prior_weight * self.prior_alpha) / (reached + self.prior_weight)
+
+    def reach(self, num_depths: int) -> list[float]:
+        """``[i]`` = estimated P(the draft at depth i + 1 is kept), non-increasing in i."""
+        alpha, w, out, above = self.alpha, self.prior_weight, [], 1.0
+        deep = sum(self.reached[1:])
+        pooled = sum(self.kept[1:]) / deep if deep > 0 else alpha  # the survival of all depths below the first
+        for i in range(num_depths):
+            kept, reached = (self.kept[i], self.reached[i]) if i < len(self.reached) else (0.0, 0.0)
+            above *= (kept + w * (alpha if i == 0 else pooled)) / (reached + w)
+            out.append(above)
+        return out
+
+
+class Fixed:
+    """The same γ every round (0 = plain decoding).
+
+    Args:
+        gamma: Depth drafted per round.
+        budget: A priced tree's ``TreeBudget``: it sizes each round's tree and may price a round plain; after 2
+            such rounds in a row the drafter rests 16, 32, … 256 rounds, reset by a kept node. Default: none.
+        priced_plain: The costs ruled the drafter out: plain decoding, the drafter never runs. Default: ``False``.
+    """
+
+    adaptive = False
+
+    def __init__(self, gamma: int, budget=None, *, priced_plain: bool = False):
+        self.gamma = self.max_gamma = gamma
+        self.budget, self.priced_plain = budget, priced_plain
+        self._plan = Plan(gamma, budget=budget.choose if budget is not None else None)
+        self._wait, self._next_wait, self._plain_run = 0, FIRST_WAIT, 0
+
+    def plan(self) -> Plan:
+        """The next round's plan."""
+        if self._wait > 0:
+            self._wait -= 1
+            return PLAIN
+        return self._plan
+
+    def observe(self, outcome: CycleStats, draft: Draft | None = None) -> None:
+        """Learn from one round: the budget's calibration, and its rests."""
+        if self.budget is None or outcome.gamma == 0:
+            return
+        self.budget.update(outcome.num_accepted)
+        if outcome.num_drafted:
+            self._plain_run, self._next_wait = 0, FIRST_WAIT
+        if outcome.num_drafted or not self.budget.said_plain:
+            return
+        self._plain_run += 1
+        if self._plain_run >= 2:  # the budget priced 2 rounds in a row as plain: rest, then one round decides again
+            self._wait, self._next_wait, self._plain_run = self._next_wait, min(2 * self._next_wait, MAX_WAIT), 1
+
+    def __eq__(self, other) -> bool:
+        return type(other) is Fixed and (other.gamma, other.priced_plain) == (self.gamma, self.priced_plain)
+
+    def __repr__(self) -> str:
+        return f"Fixed({self.gamma}{', priced_plain=True' if self.priced_plain else ''})"
+
+
+class Auto:
+    """γ auto: before each round, the depth with the best predicted speed-up at the running acceptance.
+
+    γ maximises τ(γ) · T_verify(1) / (T_draft(γ) + T_verify(nodes(γ) + 1)) (``Costs.speedup``) on the
+    ``AcceptanceEstimate``; when no γ beats plain decoding by ``margin`` the round is a plain step, and the pacer
+    decodes plainly for 16, then 32, … up to 256 rounds (reset by a kept token) before a ``probe_gamma`` probe
+    looks again; the first round is such a probe too, so the estimate starts from evidence. A drafter that stops on
+    its confidence (``DraftProfile.confidence``) is priced at one token, and a round that drafts is given the
+    whole depth with ``Plan.keep_above``: token k + 1 is drafted while the survival s of the first k, scaled by the
+    drafter's calibration c (kept tokens per unit of survival it claimed, capped at 1), pays for itself,
+    s · c · T_verify(1) > T_draft(1) + T_verify(k + 2) − T_verify(k + 1).
+
+    Args:
+        costs, profile: This machine's ``Costs``, and the drafter's ``DraftProfile`` (default: a chain).
+        margin: Predicted gain a γ > 0 needs over plain decoding. Default: ``0.03``.
+        probe_gamma: γ of a probe. Default: ``2``.
+        estimate: An ``AcceptanceEstimate`` to continue. Default: a fresh one.
+    """
+
+    adaptive = True
+    priced_plain = False
+
+    def __init__(self, costs: Costs, profile: DraftProfile = DraftProfile(), *, margin: float = 0.03,
+                 probe_gamma: int = 2, estimate: AcceptanceEstimate | None = None):
+        self.costs, self.profile, self.margin = costs, profile, margin
+        self.max_gamma = profile.max_depth or MAX_VERIFY_TOKENS - 1
+        self.probe_gamma = min(probe_gamma, self.max_gamma)
+        self.estimate = estimate or AcceptanceEstimate()
+        self._priced = 1 if profile.confidence else self.max_gamma  # the deepest round a choice is priced at
+        self._kept_claimed = [2.0, 2.0]  # decayed tokens kept and survival claimed (prior: 2 tokens, calibrated)
+        self._wait, self._next_wait, self._probe, self.probing = 0, FIRST_WAIT, True, False
+
+    def plan(self) -> Plan:
+        """The next round's plan (``PLAIN`` while waiting)."""
+        self.probing = False
+        if self._wait > 0:
+            self._wait -= 1
+            return PLAIN
+        gamma = self.costs.best_gamma(self.estimate.reach(self._priced), self._priced, self.margin, self.profile.nodes)
+        if gamma == 0 and self._probe:
+            gamma, self.probing = self.probe_gamma, True
+        elif gamma == 0:
+            self._wait, self._next_wait = self._next_wait, min(2 * self._next_wait, MAX_WAIT)
+            self._probe = True  # the round after the wait looks again
+            return PLAIN
+        if not self.profile.confidence:
+            return Plan(gamma)
+        calibration = min(1.0, self._kept_claimed[0] / self._kept_claimed[1])
+        verify = self.costs.verify
+        return Plan(self.max_gamma, keep_above=tuple(
+            (self.costs.draft_s + verify(k + 2) - verify(k + 1)) / (calibration * verify(1)) for k in range(1, self.max_gamma)))
+
+    def observe(self, outcome: CycleStats, draft: Draft | None = None) -> None:
+        """Learn from one round (a plain round, or a lookup that found nothing, teaches nothing)."""
+        depth = outcome.depth or outcome.num_drafted
+        if depth <= 0:
+            return
+        self._probe = False
+        self.estimate.update(depth, outcome.num_accepted)
+        if outcome.num_accepted > 0:
+            self._next_wait = FIRST_WAIT
+        if self.profile.confidence and draft is not None and draft.survival is not None:
+            claimed = np.array(draft.survival, dtype=np.float64)[: min(depth, self.max_gamma - 1)]  # those compared
+            decay = 1.0 - 1.0 / self.estimate.window
+            self._kept_claimed = [self._kept_claimed[0] * decay + min(outcome.num_accepted, len(claimed)),
+                                  self._kept_claimed[1] * decay + float(claimed.sum())]
+
+    def __repr__(self) -> str:
+        return f"Auto(max_gamma={self.max_gamma})"

@@ -1,0 +1,304 @@
+"""The pacer (``mlxspec.pacing``): predicted speed-up, the acceptance estimate, γ auto's choices, replays against
+every fixed γ, the cost cache, and auto through the loop and the CLI."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from conftest import byte_tokenizer, save_tiny_model, tiny_llama
+from mlxspec import generate, make_drafter, stream_generate
+from mlxspec.cli import main
+from mlxspec.commands.generate import format_stats
+from mlxspec.drafters import DraftProfile, Plan
+from mlxspec.metrics import CycleStats, GenerationStats, TokenEvent
+from mlxspec.machine import blas_in_use
+from mlxspec.pacing import AcceptanceEstimate, Auto, Costs, Fixed, expected_tau, load_or_calibrate, make_pacer
+from mlxspec.pacing import costs as pacing_costs
+
+#: A memory-bound target: verifying k tokens costs 1 + 0.1 (k - 1) plain steps.
+MEMORY_BOUND = Costs([1.0 + 0.1 * (k - 1) for k in range(1, 17)])
+#: The reference BLAS: verifying k tokens costs k plain steps.
+COMPUTE_BOUND = Costs([float(k) for k in range(1, 17)])
+#: A draft model that costs 0.45 of a target step: it loses at the prior α 0.5 and wins at 0.9.
+COSTLY = Costs(MEMORY_BOUND.verify_s, draft_s=0.45)
+BENCH = Path(__file__).parent.parent / "models/bench/qwen"
+RUN_N = Costs(json.loads((BENCH / "N-qwen2.5-coder-1.5b.json").read_text())["costs"]["ngram"]["verify_s"])
+REPETITIVE = [10, 20, 30, 40, 50, 60] * 6
+
+
+def test_predicted_speedup_and_best_gamma():
+    assert expected_tau(0.8, 3) == pytest.approx(1 + 0.8 + 0.64 + 0.512) and expected_tau(1.0, 5) == 6.0
+    by_hand = {g: (1 - 0.8 ** (g + 1)) / 0.2 / (1 + 0.1 * g) for g in range(1, 16)}
+    assert MEMORY_BOUND.best_gamma(0.8, 15) == max(by_hand, key=by_hand.get) == 6
+    assert MEMORY_BOUND.speedup(6, 0.8) == pytest.approx(by_hand[6]) and MEMORY_BOUND.speedup(0, 0.5) == 1.0
+    assert MEMORY_BOUND.best_gamma(0.05, 15) == 0 and COMPUTE_BOUND.best_gamma(1.0, 15) == 0  # plain wins
+    assert MEMORY_BOUND.speedup(2, [1.0, 0.5]) == pytest.approx(2.5 / 1.2)
+    assert MEMORY_BOUND.speedup(2, 1.0, nodes=(3, 6)) == pytest.approx(3 / 1.6)  # a tree verifies its nodes
+    # a block drafter pays its one forward per round: at α 0.7 the whole block wins, priced per token γ 1 would
+    verify = [0.16, 0.19, 0.24, 0.28, 0.28, 0.28, 0.29, 0.29] + [0.29 + 0.01 * k for k in range(8)]
+    assert Costs(verify, draft_round_s=0.075).best_gamma(0.7, 7) == 7
+    assert Costs(verify, draft_s=0.075 / 4).best_gamma(0.7, 7) == 1
+
+
+def test_the_estimate_counts_no_depth_behind_a_rejection():
+    """Product-limit: a round of 15 that kept 3, then 8 rounds of 7 kept whole (a lookup inside a copy) leave depth
+    15 priced by the chains measured, so on run N's curve auto drafts 15 (the per-depth ratio it replaced: 7)."""
+    assert AcceptanceEstimate(prior_alpha=0.6).reach(3) == pytest.approx([0.6, 0.36, 0.216])  # the prior
+    estimate = AcceptanceEstimate()
+    estimate.update(4, 1)
+    assert (estimate.kept, estimate.reached) == ([1.0, 0.0, 0.0, 0.0], [1.0, 1.0, 0.0, 0.0])
+    estimate = AcceptanceEstimate()
+    estimate.update(15, 3)
+    for _ in range(8):
+        estimate.update(7, 7)
+    reach = estimate.reach(15)
+    assert all(a >= b for a, b in zip(reach, reach[1:])) and reach[14] > 0.6
+    assert Auto(RUN_N, estimate=estimate).plan().gamma == 15
+
+
+def rounds(pacer, n: int, kept=lambda gamma: 0) -> list[int]:
+    """``n`` rounds of ``pacer``, a round that drafts γ keeping ``kept(γ)``; the γ planned for each."""
+    planned = []
+    for i in range(n):
+        gamma = pacer.plan().gamma
+        k = kept(gamma) if gamma else 0
+        pacer.observe(CycleStats(i, gamma, k, k + 1, 0.0, 0.0, gamma, tuple(range(k)), gamma))
+        planned.append(gamma)
+    return planned
+
+
+def test_auto_probes_first_backs_off_doubling_and_a_kept_token_resets_the_wait():
+    assert COSTLY.best_gamma(0.5, 15) == 0 < COSTLY.best_gamma(0.9, 15)
+    assert all(g > 0 for g in rounds(Auto(COSTLY), 12, kept=lambda g: g))  # the first round probes, then drafts
+    bad = Auto(COSTLY)
+    drafting = [i for i, g in enumerate(rounds(bad, 140)) if g]
+    assert drafting == [0, 18, 52, 118]  # 2-token probes after 16, 32, 64 plain rounds
+    kept = [i for i, g in enumerate(rounds(bad, 150, kept=lambda g: 1), 140) if g]
+    assert kept[:3] == [248, 266, 284]  # after 128 more, a probe keeps a token: the wait is 16 again
+    lookup = Auto(COSTLY)
+    lookup.observe(CycleStats(0, 0, 0, 1, 0.0, 0.0, 0, (), 2))  # the probe's lookup found nothing to draft
+    assert lookup.plan().gamma == 2 and lookup.probing  # it probes again
+
+
+def test_a_drafter_that_stops_on_its_confidence_is_told_where_the_next_token_pays():
+    """Token k + 1 pays while survival · c · T(1) > T_draft + T(k + 2) − T(k + 1); an over-confident drafter's
+    calibration c (kept tokens per survival it claimed) raises the bar, an under-confident one is taken at its word."""
+    costly = Costs(MEMORY_BOUND.verify_s, draft_s=0.3)
+    plan = Auto(costly, DraftProfile(confidence=True)).plan()
+    assert plan.gamma == 15 and plan.keep_above[0] == pytest.approx(0.4)
+    steep = Auto(Costs([1.0, 1.1, 1.5] + [1.6] * 13, draft_s=0.3), DraftProfile(confidence=True)).plan()
+    assert steep.keep_above[:2] == pytest.approx((0.7, 0.4))  # width 2 → 3 costs 0.4, 3 → 4 costs 0.1
+    boastful, modest = Auto(costly, DraftProfile(confidence=True)), Auto(costly, DraftProfile(confidence=True))
+    for _ in range(20):
+        boastful.plan(), modest.plan()
+        boastful.observe(CycleStats(0, 2, 0, 1, 0.0, 0.0, 2), SimpleNamespace(survival=np.array([0.9, 0.81])))
+        modest.observe(CycleStats(0, 2, 2, 3, 0.0, 0.0, 2), SimpleNamespace(survival=np.array([0.3, 0.09])))
+    assert boastful._kept_claimed[0] / boastful._kept_claimed[1] < 0.3
+    assert Plan(1).keep_above is None and modest.plan().keep_above[0] == pytest.approx(0.4)
+
+
+def test_make_pacer_chooses_once_per_generation():
+    target, drafter = tiny_llama(), make_drafter("ngram")
+    assert make_pacer(0, target, drafter) == make_pacer(3, target, make_drafter("none")) == Fixed(0)
+    assert make_pacer(4, target, drafter) == Fixed(4) and isinstance(make_pacer("auto", target, drafter, costs=RUN_N), Auto)
+    assert make_pacer("auto", target, drafter, costs=COMPUTE_BOUND) == Fixed(0, priced_plain=True)  # cannot win
+    pacer = make_pacer("auto", target, drafter, costs=RUN_N)
+    assert make_pacer(pacer, target, drafter) is pacer  # reused: it keeps what it learned
+    with pytest.raises(ValueError, match="'auto'"):
+        generate(target, byte_tokenizer(), [1, 2], drafter="ngram", num_draft_tokens="fast")
+
+
+def test_a_draft_model_slower_than_its_target_never_runs():
+    target, tokenizer = tiny_llama(seed=0), byte_tokenizer()
+    drafter = make_drafter("draft", target=target, tokenizer=tokenizer, draft_model=tiny_llama(seed=3))
+    pacer = make_pacer("auto", target, drafter, costs=Costs(MEMORY_BOUND.verify_s, draft_s=2.0))
+    ran = []
+    drafter.prefill = drafter.propose = lambda *a: ran.append(a)
+    result = generate(target, tokenizer, REPETITIVE, drafter=drafter, num_draft_tokens=pacer, max_tokens=8)
+    assert pacer.priced_plain and ran == [] and result.stats.priced_plain and result.stats.drafted == 0
+
+
+# --- replays: at temperature 0 a round's outcome is fixed by the answer, so the pacer's choices replay exactly
+
+
+def replay_lookup(prompt: list[int], answer: list[int], pacer, costs: Costs) -> float:
+    """Speed-up over plain decoding of the n-gram drafter under ``pacer`` (or a fixed γ) on a greedy answer."""
+    drafter, pos, seconds, cycle = make_drafter("ngram"), 0, 0.0, 0
+    while pos < len(answer):
+        room = len(answer) - pos
+        gamma = min(pacer if isinstance(pacer, int) else pacer.plan().gamma, room - 1)
+        draft = drafter.propose(prompt + answer[:pos], gamma, None).tokens.tolist() if gamma > 0 else []
+        kept = next((i for i, t in enumerate(draft) if t != answer[pos + i]), len(draft))
+        seconds += costs.verify(len(draft) + 1)
+        if not isinstance(pacer, int):
+            pacer.observe(CycleStats(cycle, len(draft), kept, min(kept + 1, room), 0.0, 0.0, len(draft), (), gamma))
+        pos, cycle = pos + min(kept + 1, room), cycle + 1
+    return len(answer) * costs.verify(1) / seconds
+
+
+def test_auto_with_lookup_is_within_5_percent_of_the_best_fixed_gamma_on_the_15b_answers():
+    """The n-gram drafter on Qwen2.5-Coder-1.5B's greedy answers to the 8 bench prompts, run N's verify curve."""
+    answers = json.loads((BENCH / "greedy-answers.json").read_text())["answers"]
+    ratios = []
+    for a in answers:
+        best = max(replay_lookup(a["prompt"], a["answer"], g, RUN_N) for g in (1, 2, 3, 4, 6, 8, 12, 15))
+        auto = replay_lookup(a["prompt"], a["answer"], Auto(RUN_N), RUN_N)
+        ratios.append(auto / best)
+        assert auto >= 0.95 * best and (auto > 1.2 or a["kind"] != "grounded"), a["id"]
+    assert np.exp(np.mean(np.log(ratios))) > 0.99
+
+
+def replay_draft(kept_at: np.ndarray, confidence: np.ndarray, pacer, costs: Costs) -> float:
+    """Speed-up of a draft model at temperature 0 whose draft at position t is kept iff ``kept_at[t]``, with its
+    confidence there ``confidence[t]``, under ``pacer`` (or a fixed γ)."""
+    n, pos, seconds, cycle = len(kept_at), 0, 0.0, 0
+    while pos < n:
+        plan = Plan(pacer) if isinstance(pacer, int) else pacer.plan()
+        gamma, k = min(plan.gamma, n - pos - 1), 0
+        survival = np.cumprod(confidence[pos : pos + max(gamma, 0)])
+        while k < gamma and (k == 0 or plan.keep_above is None or survival[k - 1] > plan.keep_above[k - 1]):
+            k += 1
+        kept = int(np.argmin(np.append(kept_at[pos : pos + k], False)))
+        seconds += costs.draft(k) + costs.verify(k + 1)
+        if not isinstance(pacer, int):
+            pacer.observe(CycleStats(cycle, k, kept, kept + 1, 0.0, 0.0, k, (), k), SimpleNamespace(survival=survival[:k]))
+        pos, cycle = pos + kept + 1, cycle + 1
+    return n * costs.verify(1) / seconds
+
+
+@pytest.mark.parametrize("alpha", [0.9, 0.5, 0.0, "bursts"])
+def test_auto_with_a_draft_model_is_within_5_percent_of_the_best_fixed_gamma(alpha):
+    """Synthetic traces of 400 tokens, a draft costing 0.47 of a target step (the 0.5B on run N's machine), its
+    confidence high where its token is kept: auto is within 5% of the best fixed γ (γ 0 included). Its
+    confidence stop beats every fixed γ by over 10% at α 0.9; waits that double up to 256 rounds keep a drafter
+    never kept within 1.5% of plain decoding (waits of 16 alone: 3.2% under)."""
+    rng = np.random.default_rng(0)
+    kept = (rng.random(400) < alpha) if alpha != "bursts" else np.concatenate(
+        [rng.random(40) < (0.95 if i % 2 == 0 else 0.1) for i in range(10)])
+    confidence = np.where(kept, rng.uniform(0.8, 1.0, 400), rng.uniform(0.2, 0.7, 400))
+    costs = Costs(RUN_N.verify_s, draft_s=0.47 * RUN_N.verify_s[0])
+    best = max(replay_draft(kept, confidence, g, costs) for g in (0, 1, 2, 3, 4, 6, 8))
+    auto = replay_draft(kept, confidence, Auto(costs, DraftProfile(confidence=True)), costs)
+    assert auto >= 0.95 * best
+    assert auto > 1.1 * best if alpha == 0.9 else auto > 0.985 if alpha == 0.0 else True
+
+
+# --- the cost cache
+
+
+def test_costs_are_measured_once_per_model_and_machine(tmp_path):
+    target, tokenizer = tiny_llama(seed=0), byte_tokenizer()
+    drafter = make_drafter("draft", target=target, tokenizer=tokenizer, draft_model=tiny_llama(seed=3, num_layers=1))
+    measured = []
+    costs = load_or_calibrate(target, drafter, cache_dir=tmp_path, context_tokens=32, on_measure=measured.append)
+    assert len(measured) == 2 and len(costs.verify_s) == 16 and costs.draft_s > 0
+    assert all(a <= b for a, b in zip(costs.verify_s, costs.verify_s[1:])) and costs.verify_s[0] > 0
+    assert load_or_calibrate(target, drafter, cache_dir=tmp_path, context_tokens=32) == costs  # cached
+    load_or_calibrate(tiny_llama(seed=0, hidden_size=32), None, cache_dir=tmp_path, context_tokens=32,
+                      on_measure=measured.append)
+    assert len(measured) == 3  # another architecture is measured anew
+
+
+def test_a_stale_or_damaged_cached_curve_is_measured_again(tmp_path):
+    """A cached curve a one-token timing now contradicts (written at 10 s a forward, as under another job's load) is
+    measured again with the draft cost, saying why; so is a damaged file, never a crash."""
+    target, tokenizer = tiny_llama(seed=0), byte_tokenizer()
+    drafter = make_drafter("draft", target=target, tokenizer=tokenizer, draft_model=tiny_llama(seed=3, num_layers=1))
+    measured = []
+    first = load_or_calibrate(target, drafter, cache_dir=tmp_path, context_tokens=32, on_measure=measured.append)
+    (verify_file,) = tmp_path.glob("verify-*.json")
+    record = json.loads(verify_file.read_text())
+    for value in ([10.0] * 16, "x", [1.0] * 3):
+        verify_file.write_text(json.dumps({**record, "value": value}))
+        pacing_costs._CHECKED.clear()  # as a new process
+        again = load_or_calibrate(target, drafter, cache_dir=tmp_path, context_tokens=32, on_measure=measured.append)
+        assert again.verify_s[0] == pytest.approx(first.verify_s[0], abs=0.05)
+    assert "stale" in measured[2] and "10000 ms then" in measured[2] and "drafter" in measured[3]
+    assert pacing_costs.is_stale(0.314, 0.122) and not pacing_costs.is_stale(0.100, 0.120)
+    assert not pacing_costs.is_stale(0.0001, 0.002)  # a tiny model: 20x, but 2 ms of timer noise
+
+
+def test_a_drafters_cost_is_keyed_by_its_weights_and_settings_and_a_blocks_is_per_round(tmp_path):
+    from mlxspec.drafters.dflash import DFlashDrafter
+    from mlxspec.drafters.eagle import EagleDrafter
+    from test_dflash import random_dflash
+    from test_eagle import random_head
+
+    target, measured = tiny_llama(seed=0), []
+
+    def measure(drafter):
+        return load_or_calibrate(target, drafter, cache_dir=tmp_path, context_tokens=16, on_measure=measured.append)
+
+    eagle = lambda seed, depth=2: EagleDrafter(random_head(1, seed=seed), target, depth=depth, top_k=1, total_tokens=3)  # noqa: E731
+    for drafter in (eagle(1), eagle(1), eagle(2), eagle(1, depth=3)):
+        measure(drafter)
+    assert sum("drafter" in m for m in measured) == 3  # the same head again: cached
+    block = DFlashDrafter(random_dflash(layer_ids=(0, 1)), target)
+    costs = measure(block)
+    assert costs.draft_s == 0.0 and costs.draft_round_s > 0 and "cost per round" in measured[-1]
+
+
+def test_an_unwritable_cost_cache_is_said_once_and_generation_goes_on(tmp_path, capsys, monkeypatch, tiny_model_dir):
+    blocked = tmp_path / "file"
+    blocked.write_text("not a folder")  # MLXSPEC_CACHE that cannot be written (as a read-only or full disk)
+    monkeypatch.setenv("MLXSPEC_CACHE", str(blocked))
+    assert main(["generate", "--model", str(tiny_model_dir), "--prompt", "abcabcabc", "--max-tokens", "6"]) == 0
+    out, err = capsys.readouterr()
+    assert out and "Traceback" not in err and err.count("measured costs are not cached") == 1, err
+
+
+# --- through the loop and the command line
+
+
+def test_auto_in_the_loop_is_lossless_and_reports_fallback():
+    model, tokenizer = tiny_llama(seed=0, sharpen=4.0), byte_tokenizer()
+    plain = generate(model, tokenizer, REPETITIVE, drafter="none", max_tokens=40).tokens
+    events = list(stream_generate(model, tokenizer, REPETITIVE, drafter="ngram", max_tokens=40,
+                                  num_draft_tokens=Auto(MEMORY_BOUND)))
+    assert [e.token for e in events if isinstance(e, TokenEvent)] == plain
+    stats, rounds_ = events[-1], [e for e in events if isinstance(e, CycleStats)]
+    assert stats.drafted > 0 and sum(stats.gamma_rounds) == stats.cycles and stats.num_draft_tokens == 15
+    assert all(r.depth <= r.gamma for r in rounds_) and any(r.gamma > 0 for r in rounds_)
+    stats = GenerationStats(drafter="draft", num_draft_tokens=15, gamma_rounds=[3, 0, 2])
+    assert "γ = auto (mean 0.8, at most 15); fell back to plain decoding in 3 of 5 rounds;" in format_stats(stats)
+
+
+def test_cli_generate_defaults_to_auto_and_recalibrates(capsys, tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("MLXSPEC_CACHE", str(tmp_path))
+    argv = ["generate", "--model", str(tiny_model_dir), "--prompt", "abcabcabc", "--max-tokens", "12"]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "measuring the target's verify cost" in err and "γ = auto (mean" in err
+    assert main(argv) == 0 and "measuring" not in capsys.readouterr().err  # cached
+    assert main([*argv, "--recalibrate"]) == 0
+    err = capsys.readouterr().err
+    assert "measuring the target's verify cost" in err and "measuring the ngram drafter's cost" in err
+    assert blas_in_use()["name"] in ("OpenBLAS", "reference BLAS", "Accelerate", "Intel MKL", "BLIS", "unknown")
+
+
+def test_a_recurrent_target_under_default_settings_decodes_plainly_in_one_line(tmp_path, capsys, monkeypatch):
+    """Its state cannot be rewound: said in one line before any cost measurement, then plain decoding (it used to end
+    in a traceback from the verify-cost measurement); asked for by name, the drafter is refused in one line."""
+    from test_reliability import tiny_mamba
+
+    monkeypatch.setenv("MLXSPEC_CACHE", str(tmp_path / "cache"))
+    folder = save_tiny_model(tmp_path / "mamba", tiny_mamba(), byte_tokenizer())
+    assert main(["generate", "--model", str(folder), "--prompt", "abcabc", "--max-tokens", "6"]) == 0
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "cannot be rewound" in err and "Drafter: none" in err and "measuring" not in err
+    assert main(["generate", "--model", str(folder), "--prompt", "abc", "--drafter", "ngram"]) == 2
+    assert "cannot be rewound" in capsys.readouterr().err
+
+
+def test_a_prompt_longer_than_the_context_is_refused_before_any_cost_measurement(tmp_path, capsys, monkeypatch,
+                                                                                   tiny_model_dir):
+    monkeypatch.setenv("MLXSPEC_CACHE", str(tmp_path / "cache"))
+    argv = ["generate", "--model", str(tiny_model_dir), "--prompt", "ab" * 2100, "--no-chat-template"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "context is 4096" in err and "measuring" not in err, err
