@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .assets import PUBLISHED, shipped
+from .distributed import SHARD_KINDS, init_group, shard
 from .cache import check_compactable, check_rewindable, speculative_cache
 from .drafters import Drafter, DrafterSpec, make_drafter
 from .loading import DTYPES, describe, is_quantized, load, model_name
@@ -28,19 +29,24 @@ class ModelSpec:
         spec: What ``loading.load`` takes: an mlx-lm folder, a Hugging Face repo id, a ``.gguf``
             file or ``"default"``.
         dtype: ``None`` keeps the stored dtypes; ``"float32"``/``"float16"``/``"bfloat16"`` dequantizes.
+        shard: ``None`` loads the whole model; ``"tensor"`` or ``"pipeline"`` splits it over the ranks of a job
+            started by ``mlx.launch`` (``distributed.shard``, docs/distributed.md).
 
     Raises:
-        ValueError: an empty spec or an unknown dtype.
+        ValueError: an empty spec, an unknown dtype or an unknown shard kind.
     """
 
     spec: str = "default"
     dtype: str | None = None
+    shard: str | None = None
 
     def __post_init__(self):
         if not self.spec:
             raise ValueError("the model spec is empty; pass a folder, a .gguf file, a repo id or 'default'")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
+        if self.shard is not None and self.shard not in SHARD_KINDS:
+            raise ValueError(f"unknown shard kind {self.shard!r}; choose one of {', '.join(SHARD_KINDS)}")
 
     @property
     def name(self) -> str:
@@ -75,12 +81,17 @@ def load_model(spec: ModelSpec | str, role: str | None = None) -> LoadedModel:
         spec: A ``ModelSpec`` or the text of one (stored dtypes).
         role: Prefixes errors, e.g. ``"draft model"`` → ``"draft model: No such file ..."``.
 
+    With ``spec.shard``, every rank of the ``mlx.launch`` job loads the whole model and keeps its share
+    (``distributed.shard``).
+
     Raises:
-        ValueError, FileNotFoundError: as ``loading.load``.
+        ValueError, FileNotFoundError: as ``loading.load``; ``distributed.init_group`` and ``distributed.shard``.
     """
     spec = ModelSpec(spec) if isinstance(spec, str) else spec
     try:
         model, tokenizer = load(spec.spec, dtype=spec.dtype)
+        if spec.shard is not None:
+            shard(model, spec.shard, init_group())
     except USER_ERRORS as e:
         if role is None:
             raise

@@ -5,7 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
-from mlx_lm.models import llama
+from mlx_lm.models import llama, qwen2
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, TokenizerWrapper
 
 
@@ -35,6 +35,23 @@ def tiny_llama(seed: int = 0, vocab_size: int = 264, hidden_size: int = 64, num_
     model.set_dtype(dtype)
     if sharpen != 1.0:
         model.lm_head.weight = model.lm_head.weight * sharpen
+    mx.eval(model.parameters())
+    model.eval()
+    return model
+
+
+def tiny_qwen2(seed: int = 0, vocab_size: int = 264, hidden_size: int = 64, num_layers: int = 2,
+               sharpen: float = 1.0) -> nn.Module:
+    """A random qwen2 (biased q/k/v projections, tied embeddings) shaped like ``tiny_llama``, float32."""
+    mx.random.seed(seed)
+    args = qwen2.ModelArgs(
+        model_type="qwen2", hidden_size=hidden_size, num_hidden_layers=num_layers,
+        intermediate_size=2 * hidden_size, num_attention_heads=4, num_key_value_heads=2,
+        rms_norm_eps=1e-5, vocab_size=vocab_size, max_position_embeddings=4096, tie_word_embeddings=True,
+    )
+    model = qwen2.Model(args)
+    if sharpen != 1.0:
+        model.model.embed_tokens.weight = model.model.embed_tokens.weight * sharpen
     mx.eval(model.parameters())
     model.eval()
     return model

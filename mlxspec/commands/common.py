@@ -281,7 +281,7 @@ def model_spec(args: argparse.Namespace, draft: bool = False) -> ModelSpec | Non
     """``--model``/``--dtype`` (or ``--draft-model``/``--draft-dtype``) as a ``ModelSpec``; ``None`` for no draft model."""
     if draft:
         return ModelSpec(args.draft_model, args.draft_dtype) if args.draft_model else None
-    return ModelSpec(args.model, args.dtype)
+    return ModelSpec(args.model, args.dtype, getattr(args, "shard", None))
 
 
 def typical_from_args(args: argparse.Namespace) -> tuple[float, float] | None:

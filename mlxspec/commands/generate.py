@@ -10,7 +10,8 @@ import mlx.core as mx
 
 from ..pacing import AUTO, PRICED_PLAIN, load_or_calibrate, make_pacer, tree_summary
 from ..drafters import make_drafter
-from ..generate import check_context, context_length, encode_prompt, stream_generate
+from ..distributed import SHARD_KINDS, check_sharded_args, job_sum, rank_output
+from ..generate import DEFAULT_NUM_DRAFT_TOKENS, check_context, context_length, encode_prompt, stream_generate
 from ..session import check_fits
 from ..metrics import GenerationStats, TokenEvent
 from .common import (
@@ -44,6 +45,11 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     add_blas_arg(parser)
     parser.add_argument("--json", action="store_true",
                         help="print one JSON record (text and every stat) instead of streaming")
+    parser.add_argument("--shard", choices=SHARD_KINDS, default=None,
+                        help="split the target over the processes of an mlx.launch job: 'tensor' (every rank holds "
+                             "part of every layer) or 'pipeline' (every rank holds some layers); only rank 0 prints. "
+                             f"γ 'auto' is then the fixed {DEFAULT_NUM_DRAFT_TOKENS} (costs are not measured per "
+                             "rank). See docs/distributed.md. Default: the whole model in this process")
     return parser
 
 
@@ -210,6 +216,13 @@ def _prepare(args: argparse.Namespace, stage: list[str]):
 
 def run(args: argparse.Namespace) -> int:
     check_args(args)
+    if args.shard:
+        with rank_output(check_sharded_args(args)):  # only rank 0 prints
+            return _run(args)
+    return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     stage = ["reading the prompt"]
     try:
         loaded, prompt, policy = _prepare(args, stage)
@@ -234,6 +247,7 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         events.close()  # its finally leaves the caches at what was committed
         return _interrupted(len(text), args.json)
+    stats.peak_memory_gb = job_sum(loaded.model, stats.peak_memory_gb)  # the whole job's memory
     if args.json:
         record = {"model": loaded.target.display, "draft_model": loaded.draft.display if loaded.draft else None,
                   "text": "".join(text), "num_draft_tokens_requested": args.num_draft_tokens, "temp": args.temp,

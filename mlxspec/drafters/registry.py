@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..identity import require_shipped_for
+from ..distributed import check_drafter
 from .base import Drafter
 
 
@@ -267,4 +268,6 @@ def make_drafter(spec: str | DrafterSpec = "none", target=None, tokenizer=None, 
         raise ValueError(f"draft_model is used by the draft drafter only, but the drafter is {spec.name}; pass "
                          "'draft', or leave draft_model out")
     context = DrafterContext(target, tokenizer, target_name, draft_model, draft_tokenizer, on_measure, target_path)
-    return drafter_type(spec.name).build(spec.options, context)
+    drafter = drafter_type(spec.name).build(spec.options, context)
+    check_drafter(target, drafter)  # a sharded target: refuse what it cannot serve exactly
+    return drafter

@@ -23,6 +23,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from ..cache import prefill, speculative_cache, trim
+from ..distributed import check_measured
 from ..loading import default_cache_dir
 from ..progress import progress_bar
 from ..sampling import SamplingParams
@@ -173,7 +174,11 @@ def load_or_calibrate(model: nn.Module, drafter=None, *, cache_dir: Path | None 
         context_tokens: Prefix length of the measurements. Default: ``256``.
         refresh: Measure again even if cached. Default: ``False``.
         on_measure: Told a short description before each measurement that was not cached. Default: none.
+
+    Raises:
+        ValueError: a sharded target (``distributed.check_measured``: each rank would measure its own costs).
     """
+    check_measured(model)
     cache_dir = Path(cache_dir) if cache_dir else default_cache_dir() / "costs"
     machine = machine_fingerprint()
     target_key = {"what": "verify", "model": model_fingerprint(model), "machine": machine,

@@ -1,0 +1,103 @@
+"""One rank of a sharded job, started by tests/test_distributed.py under ``mlx.launch`` (not a test module).
+
+``greedy``: loads a saved target with ``ModelSpec(shard=...)``, generates greedily with each drafter, and
+records the prompt's logits; ``sample``: builds the tiny V=8 target of test_lossless from its seed, shards
+it, and counts the first two tokens of many sampled generations. Every rank gathers what every rank
+produced, so rank 0's JSON (``--out``) says whether the ranks agreed bit for bit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from conftest import tiny_llama, tiny_qwen2  # noqa: E402
+from mlxspec.distributed import init_group, shard  # noqa: E402
+from mlxspec.drafters import make_drafter  # noqa: E402
+from mlxspec.generate import generate, speculative_rounds  # noqa: E402
+from mlxspec.sampling import SamplingParams  # noqa: E402
+from mlxspec.session import ModelSpec, load_model  # noqa: E402
+
+
+def same_on_every_rank(group, values: mx.array) -> bool:
+    """Whether every rank holds exactly these values (all-gathered, compared bit for bit)."""
+    gathered = mx.distributed.all_gather(values[None], group=group, stream=mx.cpu)
+    return bool(mx.all(gathered == gathered[0:1]).item())
+
+
+def greedy(args) -> dict:
+    target = load_model(ModelSpec(args.model, shard=args.shard))
+    group = target.model.sharding.group
+    draft = load_model(args.draft_model) if args.draft_model else None
+    logits = target.model(mx.array(args.prompt)[None])[0, -1].astype(mx.float32)
+    record = {"logits": np.array(logits).tolist(), "logits_agree": same_on_every_rank(group, logits), "runs": {}}
+    for spec in args.drafters:
+        drafter = make_drafter(spec, target.model, target.tokenizer, draft_model=draft.model if draft else None,
+                               draft_tokenizer=draft.tokenizer if draft else None)
+        result = generate(target.model, target.tokenizer, args.prompt, drafter=drafter, max_tokens=args.max_tokens,
+                          num_draft_tokens=args.gamma, stop_tokens=set())
+        tokens = mx.array(result.tokens, dtype=mx.int32)
+        record["runs"][spec] = {"tokens": result.tokens, "agree": same_on_every_rank(group, tokens),
+                                "drafted": result.stats.drafted, "accepted": result.stats.accepted}
+    return record
+
+
+def sample(args) -> dict:
+    build = tiny_llama if args.arch == "llama" else tiny_qwen2
+    target, draft = build(seed=0, vocab_size=8, sharpen=3.0), build(seed=7, vocab_size=8, sharpen=3.0)
+    group = init_group()
+    shard(target, args.shard, group)
+    drafter = make_drafter(args.drafters[0], target, list(range(8)), draft_model=draft)
+    if args.broken:  # the classic mistake: after a rejection, draw from p instead of the residual
+        from mlxspec import generate as engine
+
+        rule = engine.verify_sampled
+
+        def without_residual(*a):
+            choice, _ = rule(*a)
+            return choice, mx.random.categorical(a[-1], axis=-1).astype(mx.int32)
+
+        engine.verify_sampled = without_residual
+    mx.random.seed(1234)
+    params, pairs = SamplingParams(temp=args.temp), []
+    for _ in range(args.samples):
+        tokens = []
+        for round_ in speculative_rounds(target, args.prompt, drafter, num_draft_tokens=args.gamma, max_tokens=2,
+                                         sampling=params, stop_tokens=set()):
+            tokens += round_.tokens
+        pairs.append(tokens[:2])
+    counts = Counter(f"{a},{b}" for a, b in pairs)
+    return {"counts": counts, "agree": same_on_every_rank(group, mx.array(pairs, dtype=mx.int32))}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=("greedy", "sample"))
+    parser.add_argument("--model")
+    parser.add_argument("--draft-model")
+    parser.add_argument("--arch", default="llama")
+    parser.add_argument("--shard", required=True)
+    parser.add_argument("--drafters", nargs="+", default=["ngram"])
+    parser.add_argument("--prompt", type=lambda s: [int(t) for t in s.split(",")], required=True)
+    parser.add_argument("--max-tokens", type=int, default=40)
+    parser.add_argument("--gamma", type=int, default=4)
+    parser.add_argument("--temp", type=float, default=0.8)
+    parser.add_argument("--samples", type=int, default=1200)
+    parser.add_argument("--broken", action="store_true")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    record = greedy(args) if args.mode == "greedy" else sample(args)
+    if mx.distributed.init().rank() == 0:
+        Path(args.out).write_text(json.dumps(record))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,219 @@
+"""A target sharded over 2 processes (MLX's ring backend on 127.0.0.1, started by ``mlx.launch``) decodes
+exactly as one process does: greedy tokens equal for the draft model, n-gram and EAGLE drafters, tensor-
+and pipeline-parallel; sampled output passes the chi-square test of test_lossless (and a broken verifier
+fails it); every rank commits the same tokens; a rank killed mid-answer ends the job with one error line.
+
+Every launch has a hard timeout, so a hang fails the test instead of wedging the run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from conftest import byte_tokenizer, save_tiny_model, tiny_llama, tiny_qwen2
+from mlxspec.drafters import make_drafter
+from mlxspec.generate import generate
+from mlxspec.heads.eagle import save_eagle
+from mlxspec.sampling import SamplingParams
+from mlxspec.session import ModelSpec, load_model
+from stats import chi_square
+from test_eagle import random_head
+from test_lossless import PROMPT as SAMPLE_PROMPT, exact_joint
+
+WORKER = Path(__file__).parent / "shard_worker.py"
+LAUNCH = Path(sys.executable).parent / "mlx.launch"
+TIMEOUT_S = 240  # one launch: two interpreters importing mlx-lm on a loaded 2-core machine, then the work
+PROMPT = [10, 20, 30, 40, 10, 20, 30, 41, 50, 60, 10, 20, 30]
+
+
+def free_ports() -> int:
+    """A starting port whose next port is free too (the ring backend listens on one port per rank)."""
+    for _ in range(50):
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            with socket.socket() as b:
+                try:
+                    b.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+        return port
+    raise RuntimeError("no two consecutive free ports")
+
+
+def launch_command(*command: str) -> list[str]:
+    return [str(LAUNCH), "--backend", "ring", "--hosts", "127.0.0.1,127.0.0.1", "--starting-port", str(free_ports()),
+            "--", sys.executable, *command]
+
+
+def run_launch(*command: str, timeout: float = TIMEOUT_S) -> subprocess.CompletedProcess:
+    """``mlx.launch`` 2 ranks of ``command`` (Python arguments) and wait, failing after ``timeout`` seconds."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent)}
+    try:
+        return subprocess.run(launch_command(*command), capture_output=True, text=True, timeout=timeout, env=env,
+                              start_new_session=True)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"the 2-rank job did not end within {timeout} s (a hang): {e.stderr}")
+
+
+def worker(tmp_path, *args: str) -> dict:
+    out = tmp_path / f"out-{time.monotonic_ns()}.json"
+    done = run_launch(str(WORKER), *args, "--out", str(out))
+    assert out.is_file(), f"rank 0 wrote nothing:\n{done.stdout}\n{done.stderr}"
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """Tiny llama and qwen2 targets (byte tokenizer), a draft model and an EAGLE-2 head for each, saved."""
+    root, tokenizer = tmp_path_factory.mktemp("sharded"), byte_tokenizer()
+    made = {}
+    for arch, build in (("llama", tiny_llama), ("qwen2", tiny_qwen2)):
+        (root / arch).mkdir()
+        (root / f"{arch}-draft").mkdir()
+        made[arch] = save_tiny_model(root / arch, build(seed=0, sharpen=4.0), tokenizer)
+        made[f"{arch}-draft"] = save_tiny_model(root / f"{arch}-draft", build(seed=3, sharpen=4.0), tokenizer)
+        save_eagle(random_head(1), root / f"{arch}-eagle")
+        made[f"{arch}-eagle"] = root / f"{arch}-eagle"
+    return made
+
+
+def drafter_specs(folders, arch: str) -> list[str]:
+    return ["ngram", "draft", f"eagle:heads={folders[arch + '-eagle']},depth=4,top_k=4,total_tokens=16"]
+
+
+def single_process(folders, arch: str) -> dict:
+    """What one process produces for ``check_greedy``: each drafter's greedy tokens, the prompt's last logits."""
+    target, draft = load_model(str(folders[arch])), load_model(str(folders[arch + "-draft"]))
+    runs = {}
+    for spec in drafter_specs(folders, arch):
+        drafter = make_drafter(spec, target.model, target.tokenizer, draft_model=draft.model,
+                               draft_tokenizer=draft.tokenizer)
+        runs[spec] = generate(target.model, target.tokenizer, PROMPT, drafter=drafter, max_tokens=40,
+                              num_draft_tokens=4, stop_tokens=set()).tokens
+    logits = target.model(mx.array(PROMPT)[None])[0, -1]
+    return {"runs": runs, "logits": np.array(logits)}
+
+
+def check_greedy(folders, tmp_path, arch: str, kind: str) -> None:
+    specs = drafter_specs(folders, arch)
+    sharded = worker(tmp_path, "greedy", "--model", str(folders[arch]), "--draft-model", str(folders[arch + "-draft"]),
+                     "--shard", kind, "--prompt", ",".join(map(str, PROMPT)), "--drafters", *specs)
+    whole = single_process(folders, arch)
+    assert sharded["logits_agree"], "the ranks' logits differ after the collectives"
+    np.testing.assert_allclose(sharded["logits"], whole["logits"], rtol=1e-4, atol=1e-4)
+    for spec in specs:
+        run = sharded["runs"][spec]
+        assert run["agree"], f"{spec}: the ranks committed different tokens"
+        assert run["drafted"] > 0, f"{spec}: nothing was drafted, so nothing was verified"
+        assert run["tokens"] == whole["runs"][spec], f"{spec}: the sharded output differs from one process's"
+
+
+@pytest.mark.slow  # a sweep over drafters, one 2-rank launch per case
+@pytest.mark.parametrize("arch,kind", [("llama", "tensor"), ("qwen2", "tensor"), ("qwen2", "pipeline")])
+def test_greedy_sharded_equals_one_process(folders, tmp_path, arch, kind):
+    check_greedy(folders, tmp_path, arch, kind)
+
+
+def test_generate_command_tensor_parallel_prints_once_and_matches(tiny_model_dir):
+    """The CLI under mlx.launch: rank 0 alone prints, and prints what one process prints."""
+    args = ["-m", "mlxspec", "generate", "--model", str(tiny_model_dir), "--drafter", "ngram", "--temp", "0",
+            "--max-tokens", "30", "--prompt", "abcabcabcabc", "--no-chat-template", "--json", "--blas", "keep"]
+    whole = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert whole.returncode == 0, whole.stderr
+    sharded = run_launch(*args, "--shard", "tensor")
+    records = [json.loads(line) for line in sharded.stdout.splitlines() if line.startswith("{")]
+    assert len(records) == 1, f"expected one record (rank 0's), got:\n{sharded.stdout}\n{sharded.stderr}"
+    expected = json.loads(whole.stdout)
+    assert records[0]["text"] == expected["text"]
+    assert records[0]["generation_tokens"] == expected["generation_tokens"]
+    assert records[0]["num_draft_tokens"] == 4  # γ auto is the fixed default in a sharded job
+    assert records[0]["drafted"] > 0
+
+
+def test_llama_pipeline_is_refused_in_one_line(tiny_model_dir):
+    """mlx-lm 0.32's llama has no pipeline stages: refused at load time, naming the way that works."""
+    done = run_launch("-m", "mlxspec", "generate", "--model", str(tiny_model_dir), "--prompt", "hi", "--shard",
+                      "pipeline", "--drafter", "ngram", "--blas", "keep")
+    errors = [line for line in done.stderr.splitlines() if line.startswith("mlxspec: error")]
+    assert errors and all("cannot split a llama model into pipeline stages (it supports --shard tensor)" in e
+                          for e in errors), done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_shard_without_launch_is_refused():
+    done = subprocess.run([sys.executable, "-m", "mlxspec", "generate", "--prompt", "hi", "--shard", "tensor",
+                           "--blas", "keep"], capture_output=True, text=True, timeout=TIMEOUT_S,
+                          env={k: v for k, v in os.environ.items() if not k.startswith("MLX_")})
+    assert done.returncode == 2
+    assert done.stderr.strip().startswith("mlxspec: error: --shard needs several processes: start the command with "
+                                          "mlx.launch"), done.stderr
+
+
+def test_a_killed_rank_ends_the_job_with_one_error(tiny_model_dir):
+    """Rank 1 is killed mid-answer; rank 0 ends within the timeout with one ``mlxspec: error`` line."""
+    args = ["-m", "mlxspec", "generate", "--model", str(tiny_model_dir), "--drafter", "ngram", "--temp", "0",
+            "--max-tokens", "4000", "--prompt", "abcabcabcabc", "--no-chat-template", "--blas", "keep",
+            "--shard", "tensor"]
+    job = subprocess.Popen(launch_command(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           start_new_session=True)
+    try:
+        assert job.stdout.read(8), "rank 0 printed nothing"  # generation is under way
+        rank1 = _rank_pid(job.pid, 1)
+        os.kill(rank1, signal.SIGKILL)
+        _, stderr = job.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(job.pid, signal.SIGKILL)
+        pytest.fail("rank 0 still runs 60 s after rank 1 was killed (a hang)")
+    errors = [line for line in stderr.splitlines() if line.startswith("mlxspec: error")]
+    assert len(errors) == 1, stderr
+    assert "rank 0" in errors[0] or "connection to a peer was lost" in errors[0], errors[0]
+
+
+def _rank_pid(launcher: int, rank: int) -> int:
+    """The pid of the launcher's child process that runs ``rank`` (its MLX_RANK)."""
+    for _ in range(100):
+        children = [c for task in Path(f"/proc/{launcher}/task").iterdir() for c in (task / "children").read_text().split()]
+        for child in children:
+            try:
+                env = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if f"MLX_RANK={rank}".encode() in env:
+                return int(child)
+        time.sleep(0.1)
+    raise AssertionError(f"no rank {rank} process under the launcher")
+
+
+def check_sampled(tmp_path, arch: str, kind: str, broken: bool = False) -> tuple[float, float]:
+    result = worker(tmp_path, "sample", "--arch", arch, "--shard", kind, "--drafters", "draft", "--gamma", "3",
+                    "--temp", "0.8", "--prompt", ",".join(map(str, SAMPLE_PROMPT)), *(["--broken"] if broken else []))
+    assert result["agree"], "the ranks sampled different tokens"
+    build = tiny_llama if arch == "llama" else tiny_qwen2
+    counts = Counter({tuple(int(t) for t in k.split(",")): n for k, n in result["counts"].items()})
+    return chi_square(counts, exact_joint(build(seed=0, vocab_size=8, sharpen=3.0), SamplingParams(temp=0.8)))
+
+
+@pytest.mark.slow  # statistical
+@pytest.mark.parametrize("arch,kind", [("llama", "tensor"), ("qwen2", "pipeline")])
+def test_sampled_sharded_follows_the_target(tmp_path, arch, kind):
+    stat, critical = check_sampled(tmp_path, arch, kind)
+    assert stat < critical, f"chi-square {stat:.1f} >= {critical:.1f}"
+
+
+@pytest.mark.slow  # statistical
+def test_the_same_test_rejects_a_sharded_verifier_without_residual(tmp_path):
+    stat, critical = check_sampled(tmp_path, "llama", "tensor", broken=True)
+    assert stat > critical
