@@ -40,8 +40,8 @@ def greedy(args) -> dict:
     logits = target.model(mx.array(args.prompt)[None])[0, -1].astype(mx.float32)
     record = {"logits": np.array(logits).tolist(), "logits_agree": same_on_every_rank(group, logits), "runs": {}}
     for spec in args.drafters:
-        drafter = make_drafter(spec, target.model, target.tokenizer, draft_model=draft.model if draft else None,
-                               draft_tokenizer=draft.tokenizer if draft else None)
+        given = {"draft_model": draft.model, "draft_tokenizer": draft.tokenizer} if spec == "draft" else {}
+        drafter = make_drafter(spec, target.model, target.tokenizer, **given)
         result = generate(target.model, target.tokenizer, args.prompt, drafter=drafter, max_tokens=args.max_tokens,
                           num_draft_tokens=args.gamma, stop_tokens=set())
         tokens = mx.array(result.tokens, dtype=mx.int32)

@@ -99,8 +99,8 @@ def single_process(folders, arch: str) -> dict:
     target, draft = load_model(str(folders[arch])), load_model(str(folders[arch + "-draft"]))
     runs = {}
     for spec in drafter_specs(folders, arch):
-        drafter = make_drafter(spec, target.model, target.tokenizer, draft_model=draft.model,
-                               draft_tokenizer=draft.tokenizer)
+        given = {"draft_model": draft.model, "draft_tokenizer": draft.tokenizer} if spec == "draft" else {}
+        drafter = make_drafter(spec, target.model, target.tokenizer, **given)
         runs[spec] = generate(target.model, target.tokenizer, PROMPT, drafter=drafter, max_tokens=40,
                               num_draft_tokens=4, stop_tokens=set()).tokens
     logits = target.model(mx.array(PROMPT)[None])[0, -1]
