@@ -298,3 +298,54 @@ def test_a_quantized_target_on_the_cpu_gets_a_note_to_dequantize(capsys, tmp_pat
     for path, dtype, expected in ((folder, [], 1), (folder, ["--dtype", "float32"], 0), (tiny_model_dir, [], 0)):
         assert main(["generate", "--model", str(path), "--prompt", "hi", "-m", "2", "--drafter", "none", *dtype]) == 0
         assert capsys.readouterr().err.count(note) == expected, (path, dtype)
+
+
+def test_progress_bars_go_to_a_terminal_stderr_only(monkeypatch, capsys):
+    import io
+
+    from mlxspec import progress
+
+    assert not progress.shows_progress()  # stderr captured (a pipe, a log, pytest, the chat app): no bar
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    terminal = Terminal()
+    monkeypatch.setattr("sys.stderr", terminal)
+    monkeypatch.setattr("sys.__stderr__", terminal)
+    assert progress.shows_progress()
+    with progress.progress_bar(3, "mlxspec: measuring the verify cost", "forward", delay_s=0) as bar:
+        bar.update(3)
+    assert "mlxspec: measuring the verify cost" in terminal.getvalue()
+    assert capsys.readouterr().out == ""  # never on stdout, which carries the answer or the JSON
+
+
+def test_blas_is_named():
+    from mlxspec.machine import blas_in_use
+
+    assert blas_in_use()["name"] in ("OpenBLAS", "reference BLAS", "Accelerate", "Intel MKL", "BLIS", "unknown")
+
+
+def test_a_recurrent_target_under_default_settings_decodes_plainly_in_one_line(tmp_path, capsys, monkeypatch):
+    """Its state cannot be rewound: said in one line before any cost measurement, then plain decoding (it used to end
+    in a traceback from the verify-cost measurement); asked for by name, the drafter is refused in one line."""
+    from conftest import byte_tokenizer
+    from test_reliability import tiny_mamba
+
+    monkeypatch.setenv("MLXSPEC_CACHE", str(tmp_path / "cache"))
+    folder = save_tiny_model(tmp_path / "mamba", tiny_mamba(), byte_tokenizer())
+    assert main(["generate", "--model", str(folder), "--prompt", "abcabc", "--max-tokens", "6"]) == 0
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "cannot be rewound" in err and "Drafter: none" in err and "measuring" not in err
+    assert main(["generate", "--model", str(folder), "--prompt", "abc", "--drafter", "ngram"]) == 2
+    assert "cannot be rewound" in capsys.readouterr().err
+
+
+def test_a_prompt_longer_than_the_context_is_refused_before_any_cost_measurement(tmp_path, capsys, monkeypatch,
+                                                                                   tiny_model_dir):
+    monkeypatch.setenv("MLXSPEC_CACHE", str(tmp_path / "cache"))
+    argv = ["generate", "--model", str(tiny_model_dir), "--prompt", "ab" * 2100, "--no-chat-template"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "context is 4096" in err and "measuring" not in err, err

@@ -10,13 +10,12 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from conftest import byte_tokenizer, save_tiny_model, tiny_llama
+from conftest import byte_tokenizer, tiny_llama
 from mlxspec import generate, make_drafter, stream_generate
 from mlxspec.cli import main
 from mlxspec.commands.generate import format_stats
 from mlxspec.drafters import DraftProfile, Plan
 from mlxspec.metrics import CycleStats, GenerationStats, TokenEvent
-from mlxspec.machine import blas_in_use
 from mlxspec.pacing import AcceptanceEstimate, Auto, Costs, Fixed, expected_tau, load_or_calibrate, make_pacer
 from mlxspec.pacing import costs as pacing_costs
 
@@ -52,7 +51,6 @@ def test_the_estimate_counts_no_depth_behind_a_rejection():
     estimate = AcceptanceEstimate()
     estimate.update(4, 1)
     assert (estimate.kept, estimate.reached) == ([1.0, 0.0, 0.0, 0.0], [1.0, 1.0, 0.0, 0.0])
-    estimate = AcceptanceEstimate()
     estimate.update(15, 3)
     for _ in range(8):
         estimate.update(7, 7)
@@ -105,10 +103,10 @@ def test_a_drafter_that_stops_on_its_confidence_is_told_where_the_next_token_pay
 def test_make_pacer_chooses_once_per_generation():
     target, drafter = tiny_llama(), make_drafter("ngram")
     assert make_pacer(0, target, drafter) == make_pacer(3, target, make_drafter("none")) == Fixed(0)
-    assert make_pacer(4, target, drafter) == Fixed(4) and isinstance(make_pacer("auto", target, drafter, costs=RUN_N), Auto)
+    assert make_pacer(4, target, drafter) == Fixed(4)
     assert make_pacer("auto", target, drafter, costs=COMPUTE_BOUND) == Fixed(0, priced_plain=True)  # cannot win
     pacer = make_pacer("auto", target, drafter, costs=RUN_N)
-    assert make_pacer(pacer, target, drafter) is pacer  # reused: it keeps what it learned
+    assert isinstance(pacer, Auto) and make_pacer(pacer, target, drafter) is pacer  # reused: it keeps what it learned
     with pytest.raises(ValueError, match="'auto'"):
         generate(target, byte_tokenizer(), [1, 2], drafter="ngram", num_draft_tokens="fast")
 
@@ -196,8 +194,7 @@ def test_costs_are_measured_once_per_model_and_machine(tmp_path):
     drafter = make_drafter("draft", target=target, tokenizer=tokenizer, draft_model=tiny_llama(seed=3, num_layers=1))
     measured = []
     costs = load_or_calibrate(target, drafter, cache_dir=tmp_path, context_tokens=32, on_measure=measured.append)
-    assert len(measured) == 2 and len(costs.verify_s) == 16 and costs.draft_s > 0
-    assert all(a <= b for a, b in zip(costs.verify_s, costs.verify_s[1:])) and costs.verify_s[0] > 0
+    assert len(measured) == 2 and costs.draft_s > 0 and costs.verify_s == sorted(costs.verify_s) and costs.verify_s[0] > 0
     assert load_or_calibrate(target, drafter, cache_dir=tmp_path, context_tokens=32) == costs  # cached
     load_or_calibrate(tiny_llama(seed=0, hidden_size=32), None, cache_dir=tmp_path, context_tokens=32,
                       on_measure=measured.append)
@@ -234,10 +231,14 @@ def test_a_drafters_cost_is_keyed_by_its_weights_and_settings_and_a_blocks_is_pe
     def measure(drafter):
         return load_or_calibrate(target, drafter, cache_dir=tmp_path, context_tokens=16, on_measure=measured.append)
 
-    eagle = lambda seed, depth=2: EagleDrafter(random_head(1, seed=seed), target, depth=depth, top_k=1, total_tokens=3)  # noqa: E731
-    for drafter in (eagle(1), eagle(1), eagle(2), eagle(1, depth=3)):
+    sizes = []
+    for seed, depth in ((1, 2), (1, 2), (2, 2), (1, 3)):
+        drafter = EagleDrafter(random_head(1, seed=seed), target, depth=depth, top_k=1, total_tokens=4)
+        propose = drafter.propose
+        drafter.propose = lambda *a, propose=propose: (d := propose(*a), sizes.append(d.size))[0]
         measure(drafter)
-    assert sum("drafter" in m for m in measured) == 3  # the same head again: cached
+    assert sum("drafter" in m for m in measured) == 3 and min(sizes) > 0  # the same head again: cached; every
+    # timed round drafts (a head reads the feature of the token the round before committed)
     block = DFlashDrafter(random_dflash(layer_ids=(0, 1)), target)
     costs = measure(block)
     assert costs.draft_s == 0.0 and costs.draft_round_s > 0 and "cost per round" in measured[-1]
@@ -262,8 +263,7 @@ def test_auto_in_the_loop_is_lossless_and_reports_fallback():
                                   num_draft_tokens=Auto(MEMORY_BOUND)))
     assert [e.token for e in events if isinstance(e, TokenEvent)] == plain
     stats, rounds_ = events[-1], [e for e in events if isinstance(e, CycleStats)]
-    assert stats.drafted > 0 and sum(stats.gamma_rounds) == stats.cycles and stats.num_draft_tokens == 15
-    assert all(r.depth <= r.gamma for r in rounds_) and any(r.gamma > 0 for r in rounds_)
+    assert stats.drafted > 0 and sum(stats.gamma_rounds) == stats.cycles == len(rounds_) and stats.num_draft_tokens == 15
     stats = GenerationStats(drafter="draft", num_draft_tokens=15, gamma_rounds=[3, 0, 2])
     assert "γ = auto (mean 0.8, at most 15); fell back to plain decoding in 3 of 5 rounds;" in format_stats(stats)
 
@@ -278,27 +278,3 @@ def test_cli_generate_defaults_to_auto_and_recalibrates(capsys, tiny_model_dir, 
     assert main([*argv, "--recalibrate"]) == 0
     err = capsys.readouterr().err
     assert "measuring the target's verify cost" in err and "measuring the ngram drafter's cost" in err
-    assert blas_in_use()["name"] in ("OpenBLAS", "reference BLAS", "Accelerate", "Intel MKL", "BLIS", "unknown")
-
-
-def test_a_recurrent_target_under_default_settings_decodes_plainly_in_one_line(tmp_path, capsys, monkeypatch):
-    """Its state cannot be rewound: said in one line before any cost measurement, then plain decoding (it used to end
-    in a traceback from the verify-cost measurement); asked for by name, the drafter is refused in one line."""
-    from test_reliability import tiny_mamba
-
-    monkeypatch.setenv("MLXSPEC_CACHE", str(tmp_path / "cache"))
-    folder = save_tiny_model(tmp_path / "mamba", tiny_mamba(), byte_tokenizer())
-    assert main(["generate", "--model", str(folder), "--prompt", "abcabc", "--max-tokens", "6"]) == 0
-    err = capsys.readouterr().err
-    assert "Traceback" not in err and "cannot be rewound" in err and "Drafter: none" in err and "measuring" not in err
-    assert main(["generate", "--model", str(folder), "--prompt", "abc", "--drafter", "ngram"]) == 2
-    assert "cannot be rewound" in capsys.readouterr().err
-
-
-def test_a_prompt_longer_than_the_context_is_refused_before_any_cost_measurement(tmp_path, capsys, monkeypatch,
-                                                                                   tiny_model_dir):
-    monkeypatch.setenv("MLXSPEC_CACHE", str(tmp_path / "cache"))
-    argv = ["generate", "--model", str(tiny_model_dir), "--prompt", "ab" * 2100, "--no-chat-template"]
-    assert main(argv) == 2
-    err = capsys.readouterr().err
-    assert "context is 4096" in err and "measuring" not in err, err

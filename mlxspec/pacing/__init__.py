@@ -1,9 +1,7 @@
 """How far to draft: measured costs, the acceptance estimate, node budgets and the pacers (fixed, auto, scheduled).
-
-The round asks its pacer for a ``Plan`` before each round and hands it the outcome after (``plan``/``observe``);
-``make_pacer`` makes the pacer of one generation, the same for the CLI, the chat and the Python API. A drafter
-says what the pacer needs in its ``DraftProfile`` and never prices itself.
-"""
+The round asks its pacer for a ``Plan`` and hands it the outcome (``plan``/``observe``); ``make_pacer`` makes it once
+per generation, the same for the CLI, the chat, the server and the Python API. A drafter only declares a
+``DraftProfile`` and never prices itself (docs/design.md, automatic γ)."""
 
 from __future__ import annotations
 
@@ -34,11 +32,7 @@ __all__ = ["AUTO", "DEFAULT_CONTEXT_TOKENS", "MAX_NUM_DRAFT_TOKENS", "MAX_VERIFY
 
 
 def check_num_draft_tokens(gamma: int, name: str = "num_draft_tokens") -> None:
-    """Refuse a fixed γ outside ``0..MAX_NUM_DRAFT_TOKENS``.
-
-    Raises:
-        ValueError: naming ``name`` (a flag or field) and the allowed range.
-    """
+    """Refuse a fixed γ outside ``0..MAX_NUM_DRAFT_TOKENS``: ``ValueError`` naming ``name`` (a flag or field)."""
     if not 0 <= gamma <= MAX_NUM_DRAFT_TOKENS:
         raise ValueError(f"{name} must be from 0 to {MAX_NUM_DRAFT_TOKENS} (0 = plain decoding), got {gamma}")
 

@@ -26,8 +26,8 @@ from ..cache import prefill, speculative_cache, trim
 from ..distributed import check_measured
 from ..loading import default_cache_dir
 from ..progress import progress_bar
-from ..sampling import SamplingParams
 from ..machine import blas_in_use, cpu_name
+from ..sampling import SamplingParams
 
 #: Largest verify width measured (γ + 1 ≤ this, so γ auto drafts at most 15).
 MAX_VERIFY_TOKENS = 16
@@ -37,8 +37,7 @@ DEFAULT_CONTEXT_TOKENS = 256
 VERIFY_GRID = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
 #: γ of the timed draft round of a drafter that does not size its own rounds.
 DRAFT_GAMMA = 4
-#: A cached curve is stale when one token now takes more than this factor more or less than its first point,
-#: and by more than ``STALE_MIN_DIFF_S`` seconds (timer noise on tiny models is not staleness).
+#: A cached curve is stale when one token now takes over this factor more or less, and STALE_MIN_DIFF_S seconds.
 STALE_FACTOR, STALE_MIN_DIFF_S = 1.6, 0.01
 
 
@@ -51,15 +50,9 @@ def expected_tau(alpha: float, gamma: int) -> float:
 
 @dataclasses.dataclass
 class Costs:
-    """Measured costs of one target (+ one drafter) on one machine.
-
-    Attributes:
-        verify_s: ``[k - 1]`` = seconds of one target forward over k tokens and the host read that ends a
-            round, k = 1..16, non-decreasing; ``verify_s[0]`` is a plain step.
-        draft_s: Seconds per drafted token (0 for a drafter that costs nothing measurable).
-        context_tokens: Cache length the costs were measured at.
-        draft_round_s: Seconds of drafting per round that drafts at all (a block drafter's one forward).
-    """
+    """Measured costs of one target (+ one drafter) on one machine: ``verify_s[k - 1]`` = seconds of a forward
+    over k = 1..16 tokens and the host read that ends a round (``[0]``: a plain step); ``draft_s`` per drafted
+    token, ``draft_round_s`` per round that drafts (a block drafter's one forward); at ``context_tokens``."""
 
     verify_s: list[float]
     draft_s: float = 0.0
@@ -168,15 +161,10 @@ def load_or_calibrate(model: nn.Module, drafter=None, *, cache_dir: Path | None 
     curve a one-token timing now contradicts (``is_stale``, checked once per process) is measured again with the
     draft cost. A cache folder that cannot be written is said once on stderr; the costs then live in the process.
 
-    Args:
-        model, drafter: The target and a ``Drafter`` (or ``None``: draft cost 0).
-        cache_dir: Default: ``$MLXSPEC_CACHE/costs`` (``~/.cache/mlxspec/costs``).
-        context_tokens: Prefix length of the measurements. Default: ``256``.
-        refresh: Measure again even if cached. Default: ``False``.
-        on_measure: Told a short description before each measurement that was not cached. Default: none.
-
-    Raises:
-        ValueError: a sharded target (``distributed.check_measured``: each rank would measure its own costs).
+    Args: ``model``, ``drafter`` (or ``None``: draft cost 0), ``cache_dir`` (default ``$MLXSPEC_CACHE/costs``),
+    ``context_tokens`` (256, the measurements' prefix), ``refresh`` (measure again), ``on_measure`` (told before
+    each measurement that was not cached).
+    Raises ``ValueError`` for a sharded target (``distributed.check_measured``: each rank would measure its own).
     """
     check_measured(model)
     cache_dir = Path(cache_dir) if cache_dir else default_cache_dir() / "costs"
@@ -275,7 +263,7 @@ def machine_fingerprint() -> dict:
 
 
 def model_fingerprint(model: nn.Module) -> dict:
-    """What a model's speed depends on: class, config, parameter count, dtypes, quantization."""
+    """What a model's speed depends on: class, config, parameters, dtypes, quantization."""
     args = getattr(model, "args", None)
     params = tree_flatten(model.parameters())
     bits = sorted({m.bits for _, m in model.named_modules() if hasattr(m, "bits") and hasattr(m, "group_size")})

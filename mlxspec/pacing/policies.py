@@ -1,8 +1,5 @@
-"""How far each round drafts: a fixed γ, or γ auto from measured costs and the running acceptance.
-
-A pacer hands the round a ``Plan`` (``plan()``) and learns from the round's outcome (``observe``); it is made
-once per generation (``pacing.make_pacer``), as ``mlx_lm.sample_utils.make_sampler`` makes a sampler.
-"""
+"""How far each round drafts: a fixed γ, or γ auto from measured costs and the running acceptance. A pacer hands
+the round a ``Plan`` and learns from its outcome; ``make_pacer`` makes it once, as ``make_sampler`` makes a sampler."""
 
 from __future__ import annotations
 
@@ -25,16 +22,12 @@ class AcceptanceEstimate:
 
     A round that drafted K and kept n counts, at each depth i <= min(n + 1, K), one *reach* (the draft there was
     judged, its parent being kept) and, for i <= n, one keep. ``reach(m)[i]`` = h_1 · … · h_{i+1}, h_i = keeps /
-    reaches at depth i shrunk toward α (depth 1) or toward the pooled h of all deeper depths (the product-limit, Kaplan–Meier, estimate: drafts behind a rejection count
-    at no depth, so one rejection behind a long draft does not make every deeper depth look rejected; the per-depth
-    ratio it replaced left a lookup 15% short of the best fixed γ on a replayed answer, docs/design.md, automatic γ).
-    Counts decay by ``1 − 1/window`` per drafting round.
+    reaches at depth i shrunk toward α (depth 1) or the pooled h of all deeper depths: the product-limit
+    (Kaplan–Meier) estimate, in which drafts behind a rejection count nowhere (the per-depth ratio it replaced left
+    a lookup 15% short of the best fixed γ, docs/design.md). Counts decay by ``1 − 1/window`` a drafting round.
 
-    Attributes:
-        prior_alpha: α before any round. Default: ``0.5``.
-        prior_weight: Pseudo-rounds behind the prior and behind each depth's shrinkage. Default: ``2``.
-        window: Rounds the memory spans. Default: ``16``.
-        kept, reached: Decayed counts per depth.
+    ``prior_alpha`` (0.5) is α before any round, with ``prior_weight`` (2) pseudo-rounds behind it and behind each
+    depth's shrinkage; ``window`` (16) the rounds the memory spans; ``kept``, ``reached`` the counts per depth.
     """
 
     prior_alpha: float = 0.5
@@ -73,14 +66,9 @@ class AcceptanceEstimate:
 
 
 class Fixed:
-    """The same γ every round (0 = plain decoding).
-
-    Args:
-        gamma: Depth drafted per round.
-        budget: A priced tree's ``TreeBudget``: it sizes each round's tree and may price a round plain; after 2
-            such rounds in a row the drafter rests 16, 32, … 256 rounds, reset by a kept node. Default: none.
-        priced_plain: The costs ruled the drafter out: plain decoding, the drafter never runs. Default: ``False``.
-    """
+    """The same depth ``gamma`` every round (0 = plain decoding). ``budget``: a priced tree's ``TreeBudget``, which
+    sizes each tree and may price a round plain; after 2 such rounds in a row the drafter rests 16, 32, … 256
+    rounds, reset by a kept node. ``priced_plain``: the costs ruled the drafter out, so it never runs."""
 
     adaptive = False
 
@@ -91,7 +79,6 @@ class Fixed:
         self._wait, self._next_wait, self._plain_run = 0, FIRST_WAIT, 0
 
     def plan(self) -> Plan:
-        """The next round's plan."""
         if self._wait > 0:
             self._wait -= 1
             return PLAIN
@@ -129,11 +116,8 @@ class Auto:
     drafter's calibration c (kept tokens per unit of survival it claimed, capped at 1), pays for itself,
     s · c · T_verify(1) > T_draft(1) + T_verify(k + 2) − T_verify(k + 1).
 
-    Args:
-        costs, profile: This machine's ``Costs``, and the drafter's ``DraftProfile`` (default: a chain).
-        margin: Predicted gain a γ > 0 needs over plain decoding. Default: ``0.03``.
-        probe_gamma: γ of a probe. Default: ``2``.
-        estimate: An ``AcceptanceEstimate`` to continue. Default: a fresh one.
+    Args: ``costs`` (this machine's), ``profile`` (the drafter's; default: a chain), ``margin`` (0.03: the predicted
+    gain a γ > 0 needs), ``probe_gamma`` (2), ``estimate`` (an ``AcceptanceEstimate`` to continue; default: fresh).
     """
 
     adaptive = True
@@ -150,7 +134,6 @@ class Auto:
         self._wait, self._next_wait, self._probe, self.probing = 0, FIRST_WAIT, True, False
 
     def plan(self) -> Plan:
-        """The next round's plan (``PLAIN`` while waiting)."""
         self.probing = False
         if self._wait > 0:
             self._wait -= 1
@@ -183,6 +166,3 @@ class Auto:
             decay = 1.0 - 1.0 / self.estimate.window
             self._kept_claimed = [self._kept_claimed[0] * decay + min(outcome.num_accepted, len(claimed)),
                                   self._kept_claimed[1] * decay + float(claimed.sum())]
-
-    def __repr__(self) -> str:
-        return f"Auto(max_gamma={self.max_gamma})"

@@ -1,19 +1,8 @@
-"""Confidence-scheduled verification: verify the part of each draft with the best predicted tokens/s.
-
-DSpark (DeepSeek's DeepSpec, arXiv 2607.05147) sends the target, each round, only as many drafted
-tokens as pay for their verification; docs/acceptance.md 3.1. A drafter that reports per-node
-survival estimates (``Draft.survival``: its own prediction of P(node on the accepted path)) drafts
-its full length; ``Scheduled.schedule`` then keeps the node set S (a prefix of a chain, a
-subtree of a tree) that maximises
-
-    τ(S) / (T_draft + T_verify(|S| + 1)),   τ(S) = 1 + Σ_{n ∈ S} ŝ(n),
-
-where ŝ is the survival recalibrated on this generation's observed acceptance (histogram binning,
-Zadrozny & Elkan 2001) and both times come from this machine's measured ``Costs``. By
-linearity of expectation τ(S) is the expected number of tokens the round commits. Scheduling only
-decides which drafted nodes are verified; every kept node is verified by the unchanged exact rule,
-so the output distribution is untouched (docs/acceptance.md 3.2).
-"""
+"""Confidence-scheduled verification (DSpark, arXiv 2607.05147; docs/acceptance.md 3.1): a drafter with survival
+estimates (``Draft.survival``) drafts its full length and the target verifies the node set S maximising
+τ(S) / (T_draft + T_verify(|S| + 1)), τ(S) = 1 + Σ_{n ∈ S} ŝ(n), ŝ the survival recalibrated on this generation's
+acceptance (histogram binning, Zadrozny & Elkan 2001). Every kept node is verified by the unchanged exact rule, so
+the output distribution is untouched (docs/acceptance.md 3.2)."""
 
 from __future__ import annotations
 
@@ -34,20 +23,12 @@ NUM_BINS = 10
 
 @dataclass
 class SurvivalCalibration:
-    """Predicted vs observed survival: the recalibration the scheduler uses and the reliability diagram.
+    """Predicted vs observed survival: the scheduler's recalibration and the reliability diagram.
 
-    Every verified node adds one observation (its predicted survival s, its depth, whether it was
-    on the accepted path). ``calibrate`` maps s to (kept + w·s) / (seen + w) of its bin, counts
-    decaying by ``1 − 1/window`` per round; a node without a prediction (NaN, e.g. an n-gram branch
-    merged into an EAGLE tree) gets its depth's observed rate, prior 0.5 per level.
-
-    Attributes:
-        window: Rounds the recalibration remembers. Default: ``64``.
-        prior_weight: Pseudo-observations behind the drafter's own estimate. Default: ``2``.
-        bin_seen, bin_kept: Decayed counts per bin [NUM_BINS].
-        depth_seen, depth_kept: Decayed counts of unpredicted nodes per depth.
-        totals: Undecayed tallies for display: ``"bins"`` and ``"depths"`` (predicted nodes per
-            depth, from 1), each a list of ``[nodes, sum of predicted survival, kept]``.
+    ``calibrate`` maps a node's predicted survival s to (kept + w·s) / (seen + w) of its bin (counts decaying by
+    ``1 − 1/window`` a round); a node without one (NaN: an n-gram branch in an EAGLE tree) gets its depth's
+    observed rate, prior 0.5 a level. ``totals``: undecayed ``"bins"`` and ``"depths"`` tallies for display, each
+    ``[nodes, sum of predicted survival, kept]``.
     """
 
     window: float = 64.0
@@ -123,21 +104,9 @@ def best_count(values: np.ndarray, costs: Costs, spent_s: float) -> int:
 
 
 def stopping_length(values: np.ndarray, costs: Costs, spent_s: float) -> int:
-    """How many positions of a chain to verify, decided position by position (a stopping rule).
-
-    Position i is verified when the best predicted tokens/s of verifying through some m >= i
-    beats stopping before i; the prediction reads ``values[:i + 1]`` only, continuing the chain
-    geometrically by its last ratio. For a sampled chain whose ``values[i]`` depends on the tokens
-    before position i alone, the decision is therefore independent of token i (docs/acceptance.md 3.2).
-
-    Args:
-        values: Calibrated survival per position [K], non-increasing.
-        costs: Measured costs (``verify``).
-        spent_s: Drafting time already spent this round, seconds.
-
-    Returns:
-        int: positions verified, 0..K.
-    """
+    """Positions of a chain to verify (0..K), decided position by position: i is verified when some m >= i
+    predicts more tokens/s than stopping before i, reading ``values[:i + 1]`` [K] only (continued geometrically),
+    so a sampled chain's decision never depends on the token it decides about (docs/acceptance.md 3.2)."""
     K, tau = len(values), 1.0
     for i in range(K):
         ratio = values[i] / values[i - 1] if i and values[i - 1] > 0 else values[i]
@@ -152,20 +121,9 @@ def stopping_length(values: np.ndarray, costs: Costs, spent_s: float) -> int:
 class Scheduled:
     """``--num-draft-tokens scheduled``: draft the full length, verify the best predicted part (``Plan.select``).
 
-    ``schedule`` keeps the best m nodes, m = argmax_m (1 + Σ_{i<m} ŝ_i) / (T_draft + T_verify(m + 1)) over the
-    recalibrated survivals ŝ sorted best first (a sampled chain is cut by ``stopping_length`` instead); T_draft,
-    the round's drafting, is already spent. When even the best m is predicted slower than plain decoding, the
-    next ``probe_every`` rounds are plain; the first drafting round, and the first after such a pause, verifies
-    the whole draft, so the recalibration sees every position even when the drafter is under-confident.
-
-    Args:
-        costs: This machine's measured ``Costs`` for the target and drafter.
-        max_gamma: Depth the drafter drafts each round. Default: ``DEFAULT_SCHEDULED_MAX``.
-        probe_every: Plain rounds after a losing one. Default: ``16``.
-        calibration: A ``SurvivalCalibration`` to continue. Default: a fresh one.
-
-    Raises:
-        ValueError: ``max_gamma < 1``.
+    When even the best m is predicted slower than plain decoding, the next ``probe_every`` (16) rounds are plain;
+    the first drafting round, and the first after a pause, verifies the whole draft, so the recalibration sees
+    every position. ``max_gamma``: the depth drafted (default 8). Raises ``ValueError`` for ``max_gamma < 1``.
     """
 
     adaptive = True
@@ -190,13 +148,8 @@ class Scheduled:
         return Plan(self.max_gamma, select=self.schedule)
 
     def schedule(self, draft: Draft) -> Draft:
-        """The part of ``draft`` to verify (a draft without survival estimates is verified whole).
-
-        A deterministic draft keeps the best m nodes overall; a sampled chain is cut by a stopping rule
-        (``stopping_length``): whether position i is verified may depend on the tokens before it but never on its
-        own, or the verified token would no longer be distributed as q (docs/acceptance.md 3.2). A sampled tree is
-        verified whole. Reads ``draft.survival`` [N] on the host.
-        """
+        """The part of ``draft`` to verify: the best m nodes of a deterministic draft, a sampled chain cut by
+        ``stopping_length``, a sampled tree or a draft without survival whole. Reads ``draft.survival`` on the host."""
         sampled = draft.logprobs is not None
         if draft.size == 0 or draft.survival is None or (sampled and not draft.tree.is_chain):
             self.kept_nodes = draft.size
@@ -231,6 +184,3 @@ class Scheduled:
         kept[list(outcome.path)] = True
         self.calibration.observe(raw, depths, kept)
         self._pending = None
-
-    def __repr__(self) -> str:
-        return f"Scheduled(max_gamma={self.max_gamma})"

@@ -1,11 +1,6 @@
-"""Node budgets of priced trees: how many draft nodes a round verifies, from measured costs.
-
-EAGLE-2 (arXiv 2406.16858, section 3): a node's cumulative draft probability (the product of the draft's
-confidences along its path) approximates the chance that the target accepts it, so keeping the m most probable
-candidates yields τ(m) ≈ 1 + c · Σ_{i<m} exp(s_i) tokens, s_i the sorted log path probabilities and c the
-running ratio of accepted nodes to the Σ exp(s_i) predicted for the nodes kept. A round costs
-T_draft + T_verify(m + 1), so the budget is the m with the most tokens per second.
-"""
+"""Node budgets of priced trees. EAGLE-2 (arXiv 2406.16858, section 3): a node's path probability approximates the
+chance the target accepts it, so the m most probable candidates yield τ(m) ≈ 1 + c · Σ_{i<m} exp(s_i) tokens (s_i the
+sorted log path probabilities, c the running ratio of accepted nodes to predicted) in T_draft + T_verify(m + 1)."""
 
 from __future__ import annotations
 
@@ -17,12 +12,8 @@ from .costs import Costs
 class TreeBudget:
     """The nodes to verify each round (``Plan.budget`` is ``choose``), 0 (a plain step) when no m beats plain.
 
-    Args:
-        costs: The target's measured ``Costs`` (its verify curve; extrapolated past 16 tokens).
-        max_nodes: Most draft nodes kept (root excluded). Default: ``63``.
-        window: Rounds the calibration c remembers. Default: ``32``.
-        prior_weight: Pseudo-nodes behind the prior c = 1. Default: ``2``.
-        allow_plain: Whether ``choose`` may return 0. Default: ``True``.
+    Args: ``costs`` (the verify curve), ``max_nodes`` (63, root excluded), ``window`` (32 rounds the calibration c
+    remembers), ``prior_weight`` (2 pseudo-nodes behind c = 1), ``allow_plain`` (``True``: ``choose`` may return 0).
     """
 
     def __init__(self, costs: Costs, *, max_nodes: int = 63, window: float = 32.0, prior_weight: float = 2.0,
