@@ -42,11 +42,14 @@ def greedy(args) -> dict:
     for spec in args.drafters:
         given = {"draft_model": draft.model, "draft_tokenizer": draft.tokenizer} if spec == "draft" else {}
         drafter = make_drafter(spec, target.model, target.tokenizer, **given)
+        trees, propose = [], drafter.propose
+        drafter.propose = lambda *a, **k: trees.append(not (d := propose(*a, **k)).tree.is_chain) or d
         result = generate(target.model, target.tokenizer, args.prompt, drafter=drafter, max_tokens=args.max_tokens,
                           num_draft_tokens=args.gamma, stop_tokens=set())
         tokens = mx.array(result.tokens, dtype=mx.int32)
         record["runs"][spec] = {"tokens": result.tokens, "agree": same_on_every_rank(group, tokens),
-                                "drafted": result.stats.drafted, "accepted": result.stats.accepted}
+                                "drafted": result.stats.drafted, "accepted": result.stats.accepted,
+                                "trees": sum(trees)}
     return record
 
 

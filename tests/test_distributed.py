@@ -8,6 +8,7 @@ Every launch has a hard timeout, so a hang fails the test instead of wedging the
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -23,6 +24,7 @@ import numpy as np
 import pytest
 
 from conftest import byte_tokenizer, save_tiny_model, tiny_llama, tiny_qwen2
+from mlxspec.distributed import Sharding, _ErrorsOnly
 from mlxspec.drafters import make_drafter
 from mlxspec.generate import generate
 from mlxspec.heads.eagle import save_eagle
@@ -119,6 +121,7 @@ def check_greedy(folders, tmp_path, arch: str, kind: str) -> None:
         assert run["agree"], f"{spec}: the ranks committed different tokens"
         assert run["drafted"] > 0, f"{spec}: nothing was drafted, so nothing was verified"
         assert run["tokens"] == whole["runs"][spec], f"{spec}: the sharded output differs from one process's"
+    assert sharded["runs"][specs[-1]]["trees"] > 0, "EAGLE verified no tree: the tree mask and RoPE went untested"
 
 
 @pytest.mark.slow  # a sweep over drafters, one 2-rank launch per case
@@ -217,3 +220,37 @@ def test_sampled_sharded_follows_the_target(tmp_path, arch, kind):
 def test_the_same_test_rejects_a_sharded_verifier_without_residual(tmp_path):
     stat, critical = check_sampled(tmp_path, "llama", "tensor", broken=True)
     assert stat > critical
+
+
+# --- in one process: what a sharded target refuses (a one-rank group stands in; only the kind is read) ---
+
+
+def _marked(model, kind: str):
+    object.__setattr__(model, "sharding", Sharding(kind, mx.distributed.init()))
+    return model
+
+
+def test_pipeline_refuses_a_drafter_that_reads_layers_and_tensor_serves_it(tmp_path):
+    save_eagle(random_head(3), tmp_path / "eagle3")
+    spec = f"eagle:heads={tmp_path / 'eagle3'},total_tokens=8"
+    with pytest.raises(ValueError, match=r"reads the target's layers \[0, 1, 1\], which --shard pipeline splits"):
+        make_drafter(spec, _marked(tiny_llama(), "pipeline"), byte_tokenizer())
+    assert make_drafter(spec, _marked(tiny_llama(), "tensor"), byte_tokenizer()).name == "eagle"
+    assert make_drafter("ngram", _marked(tiny_llama(), "pipeline"), byte_tokenizer()).name == "ngram"
+
+
+def test_a_sharded_target_measures_no_costs():
+    """γ auto, or a tree the measured cost prunes, would let each rank choose its own: refused in one line."""
+    target = _marked(tiny_llama(), "tensor")
+    with pytest.raises(ValueError, match="does not measure costs per machine"):
+        generate(target, byte_tokenizer(), PROMPT, drafter="ngram", num_draft_tokens="auto", max_tokens=4)
+    assert generate(target, byte_tokenizer(), PROMPT, drafter="ngram", num_draft_tokens=3, max_tokens=4).tokens
+
+
+def test_other_ranks_print_only_errors():
+    seen = io.StringIO()
+    out = _ErrorsOnly(seen)
+    print("mlxspec: note: measuring", file=out)
+    out.write("mlxspec: error: the model")
+    out.write(" is missing\nanswer text\n")
+    assert seen.getvalue() == "mlxspec: error: the model is missing\n"
