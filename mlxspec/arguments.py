@@ -16,12 +16,14 @@ from .drafters import Drafter, DrafterSpec
 from .sampling import SamplingParams
 
 
-def check_types(prompt, drafter, num_draft_tokens, max_tokens, sampling) -> None:
+def check_types(prompt, drafter, num_draft_tokens, max_tokens, sampling, stop_tokens=None,
+                prefill_step_size: int = 1) -> None:
     """Refuse arguments of the wrong kind with a message naming the argument and what it takes (a bytes
     prompt would otherwise read as token ids, ``num_draft_tokens=3.5`` as γ 3.5).
 
     Raises:
         TypeError: naming the argument.
+        ValueError: ``prefill_step_size < 1``.
     """
     def is_int(value) -> bool:
         return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
@@ -41,6 +43,13 @@ def check_types(prompt, drafter, num_draft_tokens, max_tokens, sampling) -> None
         raise TypeError(f"max_tokens must be an integer, got {max_tokens!r}")
     if sampling is not None and not isinstance(sampling, SamplingParams):
         raise TypeError(f"sampling must be a SamplingParams (e.g. SamplingParams(temp=0.7)), got {type(sampling).__name__}")
+    if stop_tokens is not None and not (isinstance(stop_tokens, (set, frozenset, list, tuple))
+                                        and all(is_int(t) for t in stop_tokens)):
+        raise TypeError(f"stop_tokens must be a set of token ids (int), got {stop_tokens!r}")
+    if not is_int(prefill_step_size):
+        raise TypeError(f"prefill_step_size must be an integer, got {prefill_step_size!r}")
+    if prefill_step_size < 1:  # a step of 0 or less would prefill nothing and answer from an empty cache
+        raise ValueError(f"prefill_step_size must be >= 1, got {prefill_step_size}")
 
 
 def check_ids(model: nn.Module, ids: list[int]) -> None:

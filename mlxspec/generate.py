@@ -371,7 +371,7 @@ def stream_generate(
             cache that cannot be rewound while drafting, a cache list that already holds tokens, a cache made
             for another model, or an empty stop string.
     """
-    check_types(prompt, drafter, num_draft_tokens, max_tokens, sampling)
+    check_types(prompt, drafter, num_draft_tokens, max_tokens, sampling, stop_tokens, prefill_step_size)
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
     if seed is not None and not (isinstance(seed, int) and 0 <= seed < 2**64):

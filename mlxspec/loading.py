@@ -18,6 +18,7 @@ the problem and the fix.
 
 from __future__ import annotations
 
+import os
 import re
 from collections import Counter
 from pathlib import Path
@@ -84,7 +85,12 @@ def load(
             unsupported GGUF; an unreachable or uncached Hugging Face repo; a failed or
             corrupt named-model fetch.
         FileNotFoundError: a path that does not exist; an offline wheel folder without the wheels.
+        TypeError: ``spec`` is neither text nor a path.
     """
+    if not isinstance(spec, (str, os.PathLike)):
+        raise TypeError(f"the model spec must be text or a path (a folder, a .gguf file, a repo id or a named model "
+                        f"such as 'default'), got {type(spec).__name__}")
+    spec = os.fspath(spec)
     check_dtype(dtype)
     if spec in NAMED_MODELS:
         return load_gguf(assets.named_model_path(spec), dtype=dtype, requantize=requantize)

@@ -11,10 +11,12 @@ so "lossless" means "distributed as ``mlx_lm.generate`` with the same settings".
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 from collections.abc import Callable, Sequence
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.sample_utils import (
     apply_min_p,
     apply_top_k,
@@ -46,6 +48,7 @@ class SamplingParams:
             each seeing the exact prefix of the position it scores.
 
     Raises:
+        TypeError: a value of the wrong kind (text for a number, ``True`` for ``top_k``), naming the field.
         ValueError: on a value outside the ranges above.
     """
 
@@ -58,6 +61,23 @@ class SamplingParams:
     logits_processors: Sequence[LogitsProcessor] = field(default=(), compare=False)
 
     def __post_init__(self):
+        def real(value) -> bool:  # numpy scalars count; True does not
+            return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+
+        def integer(value) -> bool:
+            return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+
+        kinds = [("temp", real(self.temp)), ("top_p", real(self.top_p)), ("top_k", integer(self.top_k)),
+                 ("min_p", real(self.min_p)),
+                 ("repetition_penalty", self.repetition_penalty is None or real(self.repetition_penalty)),
+                 ("repetition_context_size", integer(self.repetition_context_size)),
+                 ("logits_processors", isinstance(self.logits_processors, (list, tuple))
+                  and all(callable(p) for p in self.logits_processors))]
+        for name, ok in kinds:
+            if not ok:
+                what = ("a list of callables (tokens, logits) -> logits" if name == "logits_processors"
+                        else "an integer" if name in ("top_k", "repetition_context_size") else "a number")
+                raise TypeError(f"{name} must be {what}, got {getattr(self, name)!r}")
         checks = [
             (math.isfinite(self.temp) and self.temp >= 0,
              f"temp must be >= 0 and finite (--temp; 0 = greedy), got {self.temp}"),
@@ -65,7 +85,7 @@ class SamplingParams:
              f"temp must be 0 (greedy) or at least {MIN_TEMP:g} (--temp; below it 1/temp overflows the float32 "
              f"logits), got {self.temp}"),
             (0 < self.top_p <= 1, f"top_p must be in (0, 1] (--top-p; 1 = off), got {self.top_p}"),
-            (isinstance(self.top_k, int) and self.top_k >= 0,
+            (self.top_k >= 0,
              f"top_k must be an integer >= 0 (--top-k; 0 = off), got {self.top_k}"),
             (0 <= self.min_p < 1, f"min_p must be in [0, 1) (--min-p; 0 = off), got {self.min_p}"),
             (self.repetition_penalty is None or (self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty)),
