@@ -72,3 +72,12 @@ def test_verify_tokens_past_the_bound_are_refused_before_loading(capsys, tiny_mo
     with pytest.raises(ValueError, match=f"--tokens must be at most {MAX_TOKENS}"):
         run_check(target, [("x", [5, 6])], None, SamplingParams(temp=0.7), num_tokens=MAX_TOKENS + 1)
     assert MAX_TOKENS >= 3 and math.isfinite(MAX_TOKENS)
+
+
+def test_bench_refuses_a_drafters_spec_and_a_flag_that_disagree(capsys, monkeypatch):
+    import mlxspec.commands.bench as bench
+
+    monkeypatch.setattr(bench, "load_model", lambda *a, **k: (_ for _ in ()).throw(AssertionError("loaded")))
+    one_line_error(capsys, ["bench", "--drafters", "eagle:depth=4,none", "--eagle-depth", "5", "--blas", "keep",
+                            "--prompt", "hi"],
+                   "--drafters eagle:depth=4 and --eagle-depth 5 both set the eagle drafter's depth; keep one")

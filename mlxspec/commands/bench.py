@@ -185,7 +185,16 @@ def _specs(args, discover: bool) -> list[DrafterSpec]:
             raise ValueError("--drafters is empty; name the drafters to time, e.g. --drafters ngram,none, or leave "
                              "--drafters out")
         text = args.drafters or ("draft,ngram,none" if args.draft_model else "ngram,none")
-        return [with_drafter_flags(spec, args) for spec in parse_specs(text)]
+        specs = parse_specs(text)
+        for spec in specs:  # a spec's own setting and its flag must agree (as --drafter and its flags in generate)
+            default = DrafterSpec(spec.name).options
+            for key, value in drafter_flags_given(args, spec.name).items():
+                mine = getattr(spec.options, key)
+                if mine != getattr(default, key) and mine != value:
+                    flag = f"--{spec.name}-{key.replace('_', '-')}"
+                    raise ValueError(f"--drafters {spec} and {flag} {value} both set the {spec.name} drafter's {key}; "
+                                     "keep one")
+        return [with_drafter_flags(spec, args) for spec in specs]
     specs = [DrafterSpec(name) for name in drafter_types()]
     specs = [spec.replace(shared=False) if spec.name == "suffix" else spec for spec in specs]
     return [with_drafter_flags(spec, args) for spec in specs]

@@ -23,6 +23,7 @@ from ..generate import stream_generate
 from ..metrics import CycleStats, GenerationStats, TokenEvent
 from ..sampling import SamplingParams
 from ..session import USER_ERRORS
+from ..threads import MLXThread
 from .prefix_cache import PrefixCache
 
 
@@ -140,7 +141,7 @@ class Worker:
         self._load, self._cache_bounds, self._on_done = load, prefix_cache, on_done
         self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
         self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="mlxspec-serve-worker", daemon=True)
+        self._thread = MLXThread(self._serve, name="mlxspec-serve-worker")  # exits cleanly (mlxspec.threads)
         self._running: Job | None = None
         self.served: Served | None = None
         self.error: BaseException | None = None
@@ -200,6 +201,12 @@ class Worker:
         return not self._thread.is_alive()
 
     # Everything below runs on the worker thread.
+
+    def _serve(self) -> None:
+        try:
+            self._run()
+        finally:  # the model and caches are released here, on the thread that made them
+            self._model = self._tokenizer = self._drafter = self._policy = self.prefix_cache = None
 
     def _run(self) -> None:
         with mx.stream(mx.new_thread_local_stream(mx.default_device())):
