@@ -175,10 +175,10 @@ def check_measured(model: nn.Module) -> None:
                          "has one (e.g. eagle:total_tokens=32, suffix:nodes=16)")
 
 
-def check_sharded_args(args) -> int:
+def check_sharded_args(args, fixed_gamma: int) -> int:
     """Make a ``--shard`` command's flags the same on every rank, in place (all ranks must call it).
 
-    γ ``auto`` becomes the fixed default (``check_measured`` says why); without ``--seed``, rank 0 draws
+    γ ``auto`` becomes ``fixed_gamma`` (``check_measured`` says why); without ``--seed``, rank 0 draws
     one and every rank uses it, so the drafts and the acceptance draws agree.
 
     Returns:
@@ -187,14 +187,11 @@ def check_sharded_args(args) -> int:
     Raises:
         ValueError: ``--num-draft-tokens scheduled``; not started by ``mlx.launch`` (``init_group``).
     """
-    from .pacing import AUTO, SCHEDULED
-    from .generate import DEFAULT_NUM_DRAFT_TOKENS
-
-    if args.num_draft_tokens == SCHEDULED:
+    if args.num_draft_tokens == "scheduled":  # the words of pacing.AUTO and SCHEDULED (pacing imports this module)
         raise ValueError("--num-draft-tokens scheduled measures costs on each machine, which a --shard job cannot "
                          "(each rank could verify another number of tokens); pass an integer")
-    if args.num_draft_tokens == AUTO:
-        args.num_draft_tokens = DEFAULT_NUM_DRAFT_TOKENS
+    if args.num_draft_tokens == "auto":
+        args.num_draft_tokens = fixed_gamma
     group = init_group()
     if args.seed is None:
         mine = int.from_bytes(os.urandom(4), "little") % 2**31 if group.rank() == 0 else 0

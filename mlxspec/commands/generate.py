@@ -217,7 +217,7 @@ def _prepare(args: argparse.Namespace, stage: list[str]):
 def run(args: argparse.Namespace) -> int:
     check_args(args)
     if args.shard:
-        with rank_output(check_sharded_args(args)):  # only rank 0 prints
+        with rank_output(check_sharded_args(args, DEFAULT_NUM_DRAFT_TOKENS)):  # only rank 0 prints
             return _run(args)
     return _run(args)
 
