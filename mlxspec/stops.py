@@ -12,7 +12,7 @@ from __future__ import annotations
 
 def check_stops(stops) -> tuple[str, ...]:
     """Stop strings as a tuple: one ``str`` is one stop string (as OpenAI-style APIs take it), never its
-    characters; a list or tuple gives several; ``None`` gives none.
+    characters; a list, tuple or set gives several; ``None`` gives none.
 
     Raises:
         TypeError: ``stop`` is neither text nor a list or tuple of text (bytes, a number, a dict...).
@@ -24,6 +24,8 @@ def check_stops(stops) -> tuple[str, ...]:
         stops = (stops,)
     elif isinstance(stops, (list, tuple)):
         stops = tuple(stops)
+    elif isinstance(stops, (set, frozenset)):
+        stops = tuple(sorted(stops, key=repr))
     else:
         raise TypeError(f"stop must be text (str) or a list of texts, got {type(stops).__name__}")
     for stop in stops:

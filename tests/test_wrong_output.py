@@ -51,6 +51,7 @@ def test_a_stop_string_given_as_one_str_is_one_stop_string(target, tokenizer):
     assert check_stops("colors") == ("colors",)
     assert check_stops(["a", "bc"]) == ("a", "bc")
     assert check_stops(None) == ()
+    assert check_stops({"b", "a"}) == ("a", "b")  # a set too, in a fixed order
     plain = generate(target, tokenizer, "Hello", max_tokens=24)
     char = next(c for c in plain.text[2:] if c.isprintable() and c not in plain.text[:2])
     word = plain.text[plain.text.index(char): plain.text.index(char) + 2]  # two characters from the output
