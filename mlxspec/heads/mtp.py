@@ -76,9 +76,10 @@ class MTPModule(nn.Module):
         hidden_size: H.
         eps: RMSNorm epsilon.
         vocab_size: V, to give the module its own output head; ``None`` = the target's.
-        published: A published module (DeepSeek/GLM/Qwen, not one ``mlxspec train mtp`` wrote): run it as
-            vLLM and SGLang do, the token embedding at position 0 zeroed and a chain fed the block's output
-            before the final norm; mlxspec's own modules run as they were trained (neither).
+        published: A published module in the DeepSeek-V3 layout (DeepSeek, GLM; not one ``mlxspec train
+            mtp`` wrote): run it as vLLM's and SGLang's ``deepseek_mtp`` do, the token embedding at position 0
+            zeroed and a chain fed the block's output before the final norm. Qwen3.5/Qwen3-Next modules
+            (vLLM's ``qwen3_next_mtp``: neither) and mlxspec's own (trained so) run with neither.
     """
 
     def __init__(self, blocks: list[nn.Module], hidden_size: int, eps: float, vocab_size: int | None = None,
@@ -97,8 +98,8 @@ class MTPModule(nn.Module):
         """Normed output [B, T, H] (``raw``: before the final norm) for features ``hidden`` [B, T, H] and the
         next tokens [B, T] int32.
 
-        A published module zeroes the token embedding at absolute position 0, as vLLM's and SGLang's
-        DeepSeek/GLM/Qwen MTP forwards do ("not needed by MTP"); every later position attends to it.
+        A published DeepSeek-layout module zeroes the token embedding at absolute position 0, as vLLM's
+        and SGLang's DeepSeek/GLM MTP forwards do ("not needed by MTP"); every later position attends to it.
 
         ``cache``: one mlx-lm cache per block, or ``None``; ``mask``: the attention mask (``None`` =
         mlx-lm's causal mask for the cache, as an array).
@@ -341,7 +342,7 @@ def load_mtp(path: str | Path, target: nn.Module, dtype=None) -> MTPStack:
         weights = _canonical({k: v for k, v in raw.items() if k.startswith(prefix)}, layout, prefix, num_blocks)
         weights.pop("embed_tokens.weight", None)  # DeepSeek/GLM duplicate the target's embedding
         weights = _sanitize_blocks(target, weights, num_blocks)
-        published = not config.get("mlxspec_mtp", False)  # save_mtp marks mlxspec's own modules
+        published = layout == "deepseek" and not config.get("mlxspec_mtp", False)  # save_mtp marks ours
         modules.append(_fill(_module(target, num_blocks, own_head, published), weights, prefix, folder))
     stack = MTPStack(modules, stack_config, read_draft_vocab(folder, logits_width(target)))
     cast = dtype or model_body(target).embed_tokens.weight.dtype
