@@ -41,3 +41,21 @@ def test_parity_mtp_deepseek():
     draft = drafter.propose(history, 2, GREEDY)
     assert np.array(draft.tokens).tolist() == ref["drafts"].tolist(), "the MTP chain differs from the reference"
     assert_close(np.array(calls[1])[0], ref["depth2_logits"], "MTP logits at chain depth 2")
+
+
+def test_parity_mtp_qwen():
+    """The Qwen3.5 / Qwen3-Next layout (``mtp.*``) on a tiny transformers ``Qwen3NextForCausalLM`` (Gated
+    DeltaNet and gated attention layers, zero-centred norms). Qwen ships no MTP forward; the reference is
+    vLLM's ``Qwen3NextMultiTokenPredictor.forward`` with transformers' own decoder layer and norms. Such
+    targets cannot be drafted for (their recurrent state does not rewind), so this checks the target and
+    the module's logits only."""
+    ref = reference("mtp_qwen")
+    model = target("mtp_qwen")
+    prompt = ref["target_ids"].tolist()
+    assert_close(np.array(model(mx.array([prompt]))[0]), ref["target_logits"], "Qwen3-Next target logits")
+    stack = load_mtp(FIXTURES / "mtp_qwen", model)
+    assert stack.config.layout == "qwen"
+    hidden = features(model, prompt)
+    module = stack.first
+    out = module(hidden[None], mx.array([prompt[1:] + [int(ref["root"])]]), model.model.embed_tokens)
+    assert_close(np.array(module.logits(out, output_head(model))[0]), ref["depth1_logits"], "Qwen MTP logits")

@@ -508,6 +508,66 @@ def make_speculators_eagle3(out: Path, n: int) -> dict:
     return {"root": np.array(root), "seq_logits": calls[0].numpy(), "aux_layer_outputs": np.array(aux)}
 
 
+# --- MTP, Qwen3.5 / Qwen3-Next layout (vLLM's qwen3_next_mtp.py forward) ---------------------------------
+
+def make_mtp_qwen(folder: Path, n: int) -> dict:
+    """A tiny Qwen3-Next target (transformers' ``Qwen3NextForCausalLM``: Gated DeltaNet and gated full
+    attention layers, routed + shared experts, zero-centred RMSNorms) with its MTP module as Qwen publishes
+    it (``mtp.fc``, ``mtp.pre_fc_norm_embedding``, ``mtp.pre_fc_norm_hidden``, ``mtp.layers.0.*``, ``mtp.norm``).
+    Qwen ships no MTP forward; the numbers follow vLLM's ``Qwen3NextMultiTokenPredictor.forward`` with
+    transformers' own ``Qwen3NextDecoderLayer`` (full attention) and ``Qwen3NextRMSNorm``:
+    x = fc([pre_fc_norm_embedding(e); pre_fc_norm_hidden(h)]), the layer, norm, the target's LM head."""
+    import transformers as tf
+    from safetensors.torch import save_file
+    from transformers.models.qwen3_next import modeling_qwen3_next as qn
+
+    cfg = tf.Qwen3NextConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=8,
+        linear_value_head_dim=8, linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=16, shared_expert_intermediate_size=16, decoder_sparse_step=1, rope_theta=10000.0,
+        max_position_embeddings=256, tie_word_embeddings=False, rms_norm_eps=1e-6, full_attention_interval=2,
+        mtp_num_hidden_layers=1, bos_token_id=2, eos_token_id=1, torch_dtype="float32", attn_implementation="eager")
+    seed(n)
+    target = tf.Qwen3NextForCausalLM(cfg)
+    randomize(target, 0.15, n)
+    target.eval()
+    H = cfg.hidden_size
+    mtp = torch.nn.Module()
+    mtp.fc = torch.nn.Linear(2 * H, H, bias=False)
+    mtp.pre_fc_norm_embedding = qn.Qwen3NextRMSNorm(H, 1e-6)
+    mtp.pre_fc_norm_hidden = qn.Qwen3NextRMSNorm(H, 1e-6)
+    mtp.layers = torch.nn.ModuleList([qn.Qwen3NextDecoderLayer(cfg, layer_idx=cfg.layer_types.index("full_attention"))])
+    mtp.norm = qn.Qwen3NextRMSNorm(H, 1e-6)
+    g = torch.Generator().manual_seed(n + 1)
+    with torch.no_grad():  # zero-centred norms store w - 1: small offsets, as trained checkpoints hold
+        for name, p in sorted(mtp.named_parameters()):
+            p.copy_(torch.randn(p.shape, generator=g) * 0.15)
+    mtp.eval()
+    state = {k: v.contiguous() for k, v in target.state_dict().items()}
+    state.update({f"mtp.{k}": v.contiguous() for k, v in mtp.state_dict().items()})
+    folder.mkdir(parents=True, exist_ok=True)
+    target.config.save_pretrained(folder)
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    save_tokenizer(folder)
+
+    t_out = target_outputs(target, PROMPT)
+    root = int(np.argmax(t_out["logits"][-1]))
+    tokens = PROMPT[1:] + [root]
+    with torch.no_grad():
+        T = len(tokens)
+        positions = torch.arange(T)[None]
+        e = target.model.embed_tokens(torch.tensor([tokens]))
+        h = torch.from_numpy(t_out["final"])[None]
+        x = mtp.fc(torch.cat([mtp.pre_fc_norm_embedding(e), mtp.pre_fc_norm_hidden(h)], dim=-1))
+        mask = torch.full((T, T), torch.finfo(torch.float32).min).triu(1)[None, None]
+        x = mtp.layers[0](x, attention_mask=mask, position_ids=positions,
+                          position_embeddings=target.model.rotary_emb(x, positions))
+        x = x[0] if isinstance(x, tuple) else x
+        logits = target.lm_head(mtp.norm(x))[0]
+    return {**{f"target_{k}": v for k, v in t_out.items()}, "root": np.array(root), "depth1_logits": logits.numpy()}
+
+
 # --- tree verification (item 5): transformers on every root-to-node path ---------------------------------
 
 def make_tree_verify(target, prompt: list[int], n: int) -> dict:
@@ -588,6 +648,7 @@ def generate(out: Path, refs: dict[str, Path | None]) -> None:
         write_npz(out / "dspark" / "reference.npz", make_dspark(ref, qwen3, out / "dspark", 40))
         sources["deepseek-ai/DeepSpec"] = git_commit(ref)
     write_npz(out / "mtp_deepseek" / "reference.npz", make_mtp_deepseek(out / "mtp_deepseek", 50))
+    write_npz(out / "mtp_qwen" / "reference.npz", make_mtp_qwen(out / "mtp_qwen", 55))
     old = out / "SOURCES.json"
     merged = {**(json.loads(old.read_text()) if old.is_file() else {}), **{k: v for k, v in sources.items() if v}}
     old.write_text(json.dumps(merged, indent=1, sort_keys=True) + "\n")
