@@ -157,19 +157,22 @@ class MTPStack(nn.Module):
 
 
 def new_block(target: nn.Module) -> nn.Module:
-    """A fresh decoder layer of the target's last layer's class (mlx-lm), float32, at index N.
+    """A fresh decoder layer of the target's last layer's class (mlx-lm), float32, at index N (in a hybrid
+    linear-attention model, at the index of its last full-attention layer: MTP blocks are full attention).
 
     Raises:
         ValueError: the target is not an mlx-lm decoder model with ``args``.
     """
     body = model_body(target)
-    last = body.layers[-1]
-    last = last.inner if isinstance(last, _Recorder) else last
-    cls, args = type(last), getattr(target, "args", None)
+    layers = [layer.inner if isinstance(layer, _Recorder) else layer for layer in body.layers]
+    cls, args = type(layers[-1]), getattr(target, "args", None)
     if args is None:
         raise ValueError(f"{type(target).__name__} has no mlx-lm args; MTP drafting needs an mlx-lm decoder model")
+    index = len(layers)
+    if not all(hasattr(layer, "self_attn") for layer in layers):  # hybrid (Qwen3-Next/3.5): the MTP block is
+        index = max(i for i, layer in enumerate(layers) if hasattr(layer, "self_attn"))  # full attention
     takes_index = len(inspect.signature(cls.__init__).parameters) > 2
-    return cls(args, len(body.layers)) if takes_index else cls(args)
+    return cls(args, index) if takes_index else cls(args)
 
 
 def _module(target: nn.Module, num_blocks: int, own_head: bool, published: bool = False) -> MTPModule:
@@ -292,6 +295,12 @@ def _sanitize_blocks(target: nn.Module, weights: dict[str, mx.array], num_blocks
         for k, v in target.sanitize(block).items():
             if k.startswith("model.layers.0."):
                 out[head + k[len("model.layers.0."):]] = v
+    # the module's own norms as the target's final norm: a family whose checkpoints store zero-centred norms
+    # (Qwen3-Next: w - 1) has its sanitize add the 1 back, to these as to the block's (found by test_parity_mtp)
+    first = {"model.layers.0." + k[len("blocks.0."):]: v for k, v in weights.items() if k.startswith("blocks.0.")}
+    for name in ("enorm.weight", "hnorm.weight", "norm.weight"):
+        if name in out:
+            out[name] = target.sanitize({**first, "model.norm.weight": out[name]})["model.norm.weight"]
     return out
 
 
