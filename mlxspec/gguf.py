@@ -94,8 +94,6 @@ ARCHITECTURES = {
 }
 """Values of ``general.architecture`` ``load_gguf`` accepts."""
 
-SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
-
 _TOP_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",

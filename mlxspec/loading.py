@@ -43,8 +43,6 @@ __all__ = [
 DEFAULT_MODEL = "default"
 """The spec that names the default target model."""
 
-DEFAULT_GGUF_SIZE = NAMED_MODELS[DEFAULT_MODEL].size
-"""Size of the default GGUF in bytes: the cheap check made on every later load."""
 
 HUB_ALLOW_PATTERNS = [
     "*.json",
@@ -215,11 +213,6 @@ def named_gguf_path(spec: str) -> Path | None:
 def default_cache_dir() -> Path:
     """``$MLXSPEC_CACHE`` if set, else ``~/.cache/mlxspec`` (``mlxspec.assets.cache_dir``)."""
     return assets.cache_dir()
-
-
-def default_gguf_cache_path() -> Path:
-    """Where the default model's GGUF is kept (it may not exist yet)."""
-    return assets.named_model_cache_path(DEFAULT_MODEL)
 
 
 def default_model_path(*, wheel: str | Path | None = None) -> Path:

@@ -10,9 +10,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-#: Where a committed token came from.
-TOKEN_KINDS = ("accepted", "resampled", "bonus", "target")
-
 
 @dataclass(frozen=True)
 class TokenEvent:

@@ -158,7 +158,6 @@ SMALL_15 = MC_SIM_7B_63[:15]
 # A chain of depth 4: the top-1 guess of each head.
 CHAIN_4 = [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]]
 TREE_PRESETS = {"mc_sim_7b_63": MC_SIM_7B_63, "small_15": SMALL_15, "chain_4": CHAIN_4}
-DEFAULT_TREE = "mc_sim_7b_63"
 
 
 def tree_from_choices(choices: list[list[int]], max_depth: int) -> tuple[Tree, np.ndarray, np.ndarray]:
