@@ -151,3 +151,19 @@ def test_the_worker_ends_an_answer_at_its_deadline_and_refuses_a_full_queue(targ
         asyncio.run(flood())
     finally:
         assert worker.close()
+
+
+def test_serve_flags(capsys):
+    from mlxspec.commands.serve import check_serve_args, main, setup_arg_parser
+
+    check_serve_args(setup_arg_parser().parse_args(["--host", "0.0.0.0"]))
+    assert "without --api-key" in capsys.readouterr().err
+    check_serve_args(setup_arg_parser().parse_args(["--host", "localhost"]))
+    check_serve_args(setup_arg_parser().parse_args(["--host", "::1", "--api-key", "k"]))
+    assert capsys.readouterr().err == ""
+    for flags, named in ((["--queue-size", "0"], "--queue-size"), (["--port", "70000"], "--port"),
+                         (["--request-timeout", "0"], "--request-timeout"), (["--api-key", ""], "--api-key"),
+                         (["--prefix-cache-gb", "-1"], "--prefix-cache-gb")):
+        assert main(flags) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("mlxspec: error: ") and named in err and err.count("\n") == 1
