@@ -135,6 +135,7 @@ def test_the_worker_ends_an_answer_at_its_deadline_and_refuses_a_full_queue(targ
     try:
         tokens, done = asyncio.run(answer(0.3, 100_000))
         assert done.timed_out and done.finish_reason == "length" and 0 < tokens == done.stats.generation_tokens < 4000
+        assert done.stats.generation_tps > 0
         tokens, done = asyncio.run(answer(60, 8))
         assert (tokens, done.finish_reason, done.timed_out) == (8, "length", False)
 

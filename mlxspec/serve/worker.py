@@ -271,7 +271,8 @@ class Worker:
         if stopped is None:
             reason = totals.finish_reason or "length"
             done = Done(totals, reason, stop_string=reason == "stop" and last not in self.served.eos)
-        else:
+        else:  # the rounds' own time stands for the decode time stream_generate would have measured
+            totals.generation_s = totals.draft_s + totals.verify_s
             done = Done(totals, "cancelled" if stopped == "cancelled" else "length", timed_out=stopped == "timeout")
         job.post(done)
         return done
