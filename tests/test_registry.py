@@ -14,7 +14,7 @@ from mlxspec import generate, make_drafter
 from mlxspec.cli import main
 from mlxspec.pacing import Auto, Costs
 from mlxspec.drafters import DRAFTERS, Draft, Drafter, DrafterSpec, DrafterType, drafter_types, parse_specs, registry
-from mlxspec.pacing import Fixed
+from mlxspec.pacing import Fixed, make_pacer
 from mlxspec.heads.dflash import save_dflash
 from mlxspec.heads.dspark import save_dspark
 from mlxspec.heads.eagle import save_eagle
@@ -27,6 +27,7 @@ from test_eagle import random_head
 from test_generate import plain_greedy
 from test_lossless import V, exact_joint, sample_joint
 from test_medusa import random_heads
+from test_pacing import MEMORY_BOUND
 from stats import chi_square
 
 PROMPT = [10, 20, 30, 40, 10, 20, 30, 41, 50, 60]
@@ -69,7 +70,9 @@ def build(name: str, target, tokenizer, draft_model, target_name: str) -> Drafte
 def test_every_registered_drafter_is_greedy_identical(name):
     target, tokenizer = tiny_llama(seed=0, sharpen=4.0), byte_tokenizer()
     drafter = build(name, target, tokenizer, tiny_llama(seed=3), "tiny")
-    result = generate(target, tokenizer, PROMPT, drafter=drafter, num_draft_tokens=4, max_tokens=80, stop_tokens=set())
+    # γ 4 on a fixed memory-bound cost curve: a priced tree (Medusa's default) drafts on any machine, however loaded
+    pacer = make_pacer(4, target, drafter, costs=MEMORY_BOUND)
+    result = generate(target, tokenizer, PROMPT, drafter=drafter, num_draft_tokens=pacer, max_tokens=80, stop_tokens=set())
     assert result.tokens == plain_greedy(target, PROMPT, 80)
     assert result.stats.drafter == name
     if name != "none":
