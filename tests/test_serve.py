@@ -225,6 +225,7 @@ BAD_CHAT = [  # (what, body, status, param or None)
     ("content of the wrong type", {"model": "M", "messages": [{"role": "user", "content": 5}]}, 400, None),
     ("logprobs asked for", {"model": "M", "messages": "USER", "logprobs": True}, 400, "logprobs"),
     ("n > 1", {"model": "M", "messages": "USER", "n": 2}, 400, "n"),
+    ("top_logprobs asked for", {"model": "M", "messages": "USER", "top_logprobs": 3}, 400, "top_logprobs"),
     ("an unknown model", {"model": "gpt-17", "messages": "USER"}, 404, "model"),
     ("a prompt longer than the context", {"model": "M", "messages": [{"role": "user", "content": "x" * 5000}]}, 400,
      "messages"),
@@ -246,6 +247,10 @@ def test_bad_input_gets_the_api_error_shape_and_the_server_goes_on(server):
             assert error["param"] == param, (what, error)
     assert post(server, "/v1/completions", {"model": name, "prompt": [10**7]})[0] == 400  # a token id past the vocabulary
     assert post(server, "/v1/completions", {"model": name, "prompt": ""})[0] == 400  # an empty prompt
+    got, answer = post(server, "/v1/completions", {"model": name, "prompt": [5, -1]})  # a negative token id
+    assert got == 400 and "token id -1" in answer["error"]["message"], answer
+    got, answer = post(server, "/v1/completions", {"model": name, "prompt": "hi", "best_of": 3})
+    assert got == 400 and answer["error"]["param"] == "best_of", answer
     assert post(server, "/v1/nowhere", {})[0] == 404
     assert post(server, "/v1/chat/completions", b"", method="GET")[0] == 405
     # Anthropic's shape on /v1/messages
@@ -277,6 +282,7 @@ def test_disconnect_cancels_and_metrics(server):
     for _ in zip(range(3), stream):
         pass
     stream.close()  # the client goes away mid-answer
+    assert anthropic_client(server).messages.count_tokens(model=name, messages=[{"role": "user", "content": "hi"}])
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         metrics = urllib.request.urlopen(server.url + "/metrics", timeout=10).read().decode()
@@ -285,7 +291,8 @@ def test_disconnect_cancels_and_metrics(server):
         time.sleep(0.2)
     assert 'mlxspec_cancelled_total{why="client"} 1.0' in metrics
     for name_ in ("mlxspec_requests_total", "mlxspec_time_to_first_token_seconds_bucket", "mlxspec_queue_length",
-                  "mlxspec_accepted_tokens_total", "mlxspec_drafted_tokens_total"):
+                  "mlxspec_accepted_tokens_total", "mlxspec_drafted_tokens_total",
+                  'path="/v1/messages/count_tokens",status="200"'):  # a documented endpoint, not "other"
         assert name_ in metrics
     health = json.loads(urllib.request.urlopen(server.url + "/health", timeout=10).read())
     assert health["status"] == "ok" and health["busy"] is False

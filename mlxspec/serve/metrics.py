@@ -64,7 +64,8 @@ class CountRequests:
         async def counted(message):
             if message["type"] == "http.response.start":
                 path = scope.get("path", "")
-                known = path if path in ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/models",
+                known = path if path in ("/v1/chat/completions", "/v1/completions", "/v1/messages",
+                                         "/v1/messages/count_tokens", "/v1/models",
                                          "/health", "/metrics") else "other"
                 self.metrics.requests.labels(known, str(message["status"])).inc()
             await send(message)

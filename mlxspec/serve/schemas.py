@@ -96,20 +96,24 @@ class ChatRequest(Sampling):
     tools: list[Tool] | None = None
     tool_choice: str | dict | None = None
     logprobs: bool | None = None
+    top_logprobs: int | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
         if self.logprobs:
             return "logprobs", "logprobs is not supported; leave it out or false"
+        if self.top_logprobs is not None:
+            return "top_logprobs", "top_logprobs is not supported (no logprobs are returned); leave it out"
         if isinstance(self.tool_choice, dict) or self.tool_choice not in (None, "auto", "none"):
             return "tool_choice", "tool_choice must be 'auto' or 'none' (a forced tool call is not supported)"
         return super().unsupported()
 
 
 class CompletionRequest(Sampling):
-    prompt: str | list[Annotated[int, Field(ge=0)]] | list[str]
+    prompt: str | list[int] | list[str]  # token ids outside the vocabulary are refused naming the id
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
+    best_of: int = Field(1, ge=1)
 
     def unsupported(self) -> tuple[str, str] | None:
         if self.logprobs is not None:
@@ -118,6 +122,8 @@ class CompletionRequest(Sampling):
             return "echo", "echo is not supported; leave it out or false"
         if self.suffix:
             return "suffix", "suffix (fill-in-the-middle) is not supported; leave it out"
+        if self.best_of != 1:
+            return "best_of", "best_of must be 1: one choice is generated per request"
         if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str) and len(self.prompt) != 1:
             return "prompt", "one prompt per request: give a string (or a list of one)"
         return super().unsupported()
