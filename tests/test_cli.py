@@ -26,6 +26,7 @@ def test_streams_text_then_stats(capsys, tiny_model_dir, tiny_draft_dir):
     for label in ("Prompt:", "Generation: 24 tokens", "Drafter: draft, γ = 3", "α =", "τ =",
                   "Acceptance per draft position:", "Time: draft"):
         assert label in err
+    assert "; rounds: " in err and "tokens/round" in err and "cycle" not in err  # the field's word is "round"
 
 
 def test_json_record_has_every_stat(capsys, tiny_model_dir):
@@ -203,7 +204,7 @@ def test_a_medusa_tree_priced_as_plain_says_so(capsys, tiny_model_dir, tmp_path,
     code, _, err = run(capsys, "--model", str(tiny_model_dir), "--prompt", "hi", "--max-tokens", "4",
                        "--drafter", "medusa", "--medusa-heads", str(tmp_path / "medusa"))
     assert code == 0, err
-    assert f"Drafter: medusa, {pacing.PRICED_PLAIN}; cycles: " in err
+    assert f"Drafter: medusa, {pacing.PRICED_PLAIN}; rounds: " in err
     assert "(a tree" not in err and err.count("γ auto → plain") == 1
 
 

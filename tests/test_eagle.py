@@ -691,7 +691,7 @@ def test_auto_runs_eagle_plainly_where_no_round_of_its_depth_could_win(capsys, m
                           stop_tokens=set())
     assert result.tokens == plain.tokens and result.stats.drafted == 0 and calls == []
     assert result.stats.priced_plain and result.stats.to_dict()["priced_plain"]
-    assert f"Drafter: eagle, {PRICED_PLAIN}; cycles: " in format_stats(result.stats, drafter)
+    assert f"Drafter: eagle, {PRICED_PLAIN}; rounds: " in format_stats(result.stats, drafter)
     # where a round can win, γ auto chooses each round's depth up to the tree's own, priced on its nodes
     policy = make_pacer("auto", target, drafter, costs=flat)
     assert isinstance(policy, Auto) and policy.max_gamma == 6 and policy.profile.nodes == drafter.profile.nodes

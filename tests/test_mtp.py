@@ -248,7 +248,7 @@ def test_auto_runs_mtp_plainly_where_no_chain_of_its_depth_could_win(tmp_path, t
                       stop_tokens=set())
     assert result.tokens == plain_greedy(target, PROMPT, 30) and result.stats.drafted == 0
     assert result.stats.priced_plain and result.stats.num_draft_tokens == 0
-    assert f"Drafter: mtp, {PRICED_PLAIN}; cycles: " in format_stats(result.stats, drafter)
+    assert f"Drafter: mtp, {PRICED_PLAIN}; rounds: " in format_stats(result.stats, drafter)
 
 
 def test_auto_falls_back_to_plain_decoding_when_the_chain_keeps_missing(target):

@@ -80,8 +80,8 @@ def format_stats(stats: GenerationStats, drafter=None, policy: str = AUTO) -> st
         tree += f", cut to depth {stats.num_draft_tokens} by γ"  # a fixed γ below the tree's own depth
     vocabulary = getattr(drafter, "vocab_summary", lambda: None)()
     name = stats.drafter + (f" ({vocabulary})" if vocabulary else "")
-    drafter_line = (f"Drafter: {name}, {tree}; cycles: {stats.cycles}" if tree else
-                    f"Drafter: {name}, γ = {_gamma_summary(stats, policy)}; cycles: {stats.cycles}")
+    drafter_line = (f"Drafter: {name}, {tree}; rounds: {stats.cycles}" if tree else
+                    f"Drafter: {name}, γ = {_gamma_summary(stats, policy)}; rounds: {stats.cycles}")
     lines = [
         "=" * 10,
         f"Prompt: {stats.prompt_tokens} tokens" + (f", {stats.cached_tokens} reused from the cache" if stats.cached_tokens
@@ -89,7 +89,7 @@ def format_stats(stats: GenerationStats, drafter=None, policy: str = AUTO) -> st
         f"Generation: {stats.generation_tokens} tokens, {stats.generation_tps:.1f} tokens/s "
         f"(finish: {stats.finish_reason})",
         drafter_line,
-        f"Acceptance: α = {stats.alpha:.3f}, τ = {stats.tau:.2f} tokens/cycle",
+        f"Acceptance: α = {stats.alpha:.3f}, τ = {stats.tau:.2f} tokens/round",
         f"Acceptance per {'depth' if tree else 'draft position'}: {per_position}",
         f"Time: draft {stats.draft_s:.2f} s, verify {stats.verify_s:.2f} s",
         f"Peak memory: {stats.peak_memory_gb:.3f} GB",
