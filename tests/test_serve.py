@@ -310,3 +310,16 @@ def test_stops_cleanly_on_a_signal(chat_model, sig):
     assert status == 0 and "Traceback" not in out, out
     assert chunks[-1].choices[0].finish_reason == "length"
     assert sum(bool(c.choices[0].delta.content) for c in chunks) < 3000
+
+
+def test_a_port_in_use_is_one_line_and_exit_2(server, chat_model):
+    """A second server on a taken port says so in one line (no 'listening' line, no uvicorn log), exit 2."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "mlxspec", "serve", "--model", str(chat_model), *GAMMA,
+                           "--blas", "keep", "--port", str(server.port)], capture_output=True, text=True, timeout=120)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1, done.stderr
+    assert lines[0].startswith("mlxspec: error:") and f"127.0.0.1:{server.port}" in lines[0] and "--port" in lines[0]
+    assert post(server, "/v1/completions", {"model": "default", "prompt": "hi", "max_tokens": 2})[0] == 200

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import signal
+import socket
 import sys
 
 import uvicorn
@@ -41,6 +42,30 @@ def loader(args: argparse.Namespace):
     return load
 
 
+def bind(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` for uvicorn to serve on, bound before the model loads.
+
+    Raises:
+        ValueError: the address is taken or cannot be bound, naming it and the fix (uvicorn would log
+            its own error after the "listening" line and exit 3).
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"could not listen on {_shown(host)}:{port} ({e.strerror or e}); stop what holds it or "
+                         "choose another --port or --host") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def _shown(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
 class _Server(uvicorn.Server):
     """uvicorn's server that cancels every generation as soon as it is told to stop."""
 
@@ -55,8 +80,10 @@ def serve(args: argparse.Namespace, defaults: Defaults) -> int:
     """Load, then serve until SIGINT/SIGTERM; returns 0.
 
     Raises:
-        ValueError, FileNotFoundError: the model or drafter cannot be loaded (one line, exit 2).
+        ValueError, FileNotFoundError: the address cannot be bound, or the model or drafter cannot be
+            loaded (one line, exit 2).
     """
+    sock = bind(args.host, args.port)
     metrics = None
     worker = Worker(loader(args), args.queue_size, (args.prefix_cache_slots, int(args.prefix_cache_gb * 2**30)),
                     on_done=lambda job, done: metrics.finished(job, done))
@@ -70,11 +97,11 @@ def serve(args: argparse.Namespace, defaults: Defaults) -> int:
     server.worker = worker
     for sig in (signal.SIGINT, signal.SIGTERM):  # uvicorn re-raises the signal it caught after shutting down:
         signal.signal(sig, lambda *_: None)     # land it here, so a requested stop exits 0
-    host = f"[{args.host}]" if ":" in args.host else args.host
-    print(f"mlxspec serve: {served.model_id} with the {served.drafter} drafter on http://{host}:{args.port}/v1 "
+    port = sock.getsockname()[1]  # --port 0: the one the system chose
+    print(f"mlxspec serve: {served.model_id} with the {served.drafter} drafter on http://{_shown(args.host)}:{port}/v1 "
           "(OpenAI: /v1/chat/completions, /v1/completions; Anthropic: /v1/messages); Ctrl+C stops", file=sys.stderr,
           flush=True)
-    server.run()
+    server.run(sockets=[sock])
     worker.close()
     if not server.started:  # the port could not be bound (uvicorn said why)
         raise ValueError(f"could not listen on {args.host}:{args.port}; choose another --port or --host")
