@@ -15,7 +15,7 @@ def check_stops(stops) -> tuple[str, ...]:
     characters; a list, tuple or set gives several; ``None`` gives none.
 
     Raises:
-        TypeError: ``stop`` is neither text nor a list or tuple of text (bytes, a number, a dict...).
+        TypeError: ``stop`` is neither text nor a list, tuple or set of text (bytes, a number, a dict...).
         ValueError: an empty stop string.
     """
     if stops is None:
