@@ -223,6 +223,8 @@ BAD_CHAT = [  # (what, body, status, param or None)
     ("an empty stop string", {"model": "M", "messages": "USER", "stop": ""}, 400, "stop"),
     ("an unknown role", {"model": "M", "messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages.0.role"),
     ("content of the wrong type", {"model": "M", "messages": [{"role": "user", "content": 5}]}, 400, None),
+    ("an image part", {"model": "M", "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, 400, "messages.0.content.0.type"),
     ("logprobs asked for", {"model": "M", "messages": "USER", "logprobs": True}, 400, "logprobs"),
     ("n > 1", {"model": "M", "messages": "USER", "n": 2}, 400, "n"),
     ("top_logprobs asked for", {"model": "M", "messages": "USER", "top_logprobs": 3}, 400, "top_logprobs"),
@@ -258,6 +260,7 @@ def test_bad_input_gets_the_api_error_shape_and_the_server_goes_on(server):
             {"role": "user", "content": [{"type": "image", "source": {}}]}]}):
         got, answer = post(server, "/v1/messages", body)
         assert got == 400 and answer["type"] == "error" and answer["error"]["type"] == "invalid_request_error"
+    assert "'image'" in answer["error"]["message"], answer  # names the block refused, not "should be a string"
     assert post(server, "/v1/messages", {"model": name, "max_tokens": 5, "messages": user, "temperature": 1.5})[0] == 400
     # an oversized body (refused on its Content-Length before it is read)
     assert raw(server, b"Content-Length: %d\r\n\r\n{" % (16 * 2**20 + 1)).startswith("HTTP/1.1 413")

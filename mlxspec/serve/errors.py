@@ -60,8 +60,13 @@ def error_response(path: str, error: ApiError) -> JSONResponse:
 
 
 def from_validation(error: ValidationError) -> ApiError:
-    """The first problem pydantic found, as one line naming the field."""
-    first = error.errors(include_url=False)[0]
+    """The first problem pydantic found, as one line naming the field.
+
+    Of a union's alternatives, the error that reached deepest names the problem (an image part among
+    text parts: ``messages.0.content.0.type``, not "content should be a string").
+    """
+    errors = error.errors(include_url=False)
+    first = max(errors, key=lambda e: sum(map(_field, e["loc"])))  # the first of the deepest
     if first["type"] == "json_invalid":
         return ApiError(400, f"the body is not valid JSON ({first['ctx'].get('error', 'parse error')}); "
                              "send a JSON object", code="invalid_json")

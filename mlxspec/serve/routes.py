@@ -109,7 +109,7 @@ def submit(request: Request, prompt: list[int], params: SamplingParams, max_toke
         server.worker.submit(job)
     except QueueFull:
         server.metrics.rejected.inc()
-        raise ApiError(503, f"the server is busy ({server.worker.queued} requests queued); retry in "
+        raise ApiError(503, f"the server is busy ({server.worker.queued} queued); retry in "
                             f"{RETRY_AFTER_S} s", code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
     return job
 
