@@ -53,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``mlxspec`` console script and ``python -m mlxspec``.
 
     Returns:
-        int: The process exit status: 2 for no command or an unknown one (one line on stderr).
+        int: The process exit status: 2 for no command or an unknown one (one line on stderr), 130
+        for Ctrl+C while the command's modules import.
     """
     entry = argv is None  # the process's own command line: a subcommand may re-run itself (OpenBLAS)
     argv = sys.argv[1:] if argv is None else argv
@@ -67,5 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     if name not in SUBCOMMANDS:
         print(_unknown(name), file=sys.stderr)
         return 2
-    module = importlib.import_module(SUBCOMMANDS[name][0])
+    try:
+        module = importlib.import_module(SUBCOMMANDS[name][0])
+    except KeyboardInterrupt:  # Ctrl+C in the seconds its modules import (mlx-lm, transformers)
+        print("mlxspec: interrupted (Ctrl+C) while starting", file=sys.stderr)
+        return 130
     return module.main(rest, entry=entry)

@@ -116,6 +116,19 @@ def test_an_unknown_command_is_one_line_with_the_fix(capsys, command, fix):
     assert fix in err and "run 'mlxspec --help'" in err
 
 
+def test_ctrl_c_while_a_command_starts_is_one_line(capsys, monkeypatch):
+    """Ctrl+C while the command's modules import (seconds: mlx-lm, transformers) exits 130, no traceback."""
+    import importlib
+
+    def interrupted(name):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(importlib, "import_module", interrupted)
+    assert main(["serve", "--port", "1"]) == 130
+    out, err = capsys.readouterr()
+    assert out == "" and err == "mlxspec: interrupted (Ctrl+C) while starting\n"
+
+
 def test_version(capsys):
     from importlib.metadata import version
 
