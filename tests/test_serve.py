@@ -326,3 +326,38 @@ def test_a_port_in_use_is_one_line_and_exit_2(server, chat_model):
     assert done.returncode == 2 and len(lines) == 1, done.stderr
     assert lines[0].startswith("mlxspec: error:") and f"127.0.0.1:{server.port}" in lines[0] and "--port" in lines[0]
     assert post(server, "/v1/completions", {"model": "default", "prompt": "hi", "max_tokens": 2})[0] == 200
+
+
+SLOW_LOAD = """
+import sys
+import mlx.core as mx
+import mlxspec.serve.server as server
+from mlxspec.cli import main
+
+def loader(args):
+    def load():
+        print("loading", flush=True)
+        x = mx.random.normal((256, 256))
+        while True:  # MLX work on the worker thread, as a model load is
+            x = mx.tanh(x @ x)
+            mx.eval(x)
+    return load
+
+server.loader = loader
+sys.exit(main(["serve", "--port", "0", "--blas", "keep"]))
+"""
+
+
+def test_ctrl_c_while_the_model_loads_is_one_line_and_exit_130():
+    """Ctrl+C while the worker thread loads: one line, exit 130 (not an abort tearing MLX down under it)."""
+    import subprocess
+    import sys
+
+    process = subprocess.Popen([sys.executable, "-c", SLOW_LOAD], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+    assert process.stdout.readline() == "loading\n"
+    time.sleep(0.5)
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=60)
+    assert process.returncode == 130 and "Traceback" not in err and "terminate" not in err, (process.returncode, err)
+    assert err.strip().splitlines() == ["mlxspec: interrupted (Ctrl+C) while loading the model; nothing was served"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import socket
 import sys
@@ -88,7 +89,11 @@ def serve(args: argparse.Namespace, defaults: Defaults) -> int:
     worker = Worker(loader(args), args.queue_size, (args.prefix_cache_slots, int(args.prefix_cache_gb * 2**30)),
                     on_done=lambda job, done: metrics.finished(job, done))
     metrics = Metrics(lambda: worker.queued, lambda: worker.busy)
-    served = worker.start()
+    try:
+        served = worker.start()
+    except KeyboardInterrupt:  # the worker thread is mid-load in MLX: a normal exit would tear MLX down under it
+        print("\nmlxspec: interrupted (Ctrl+C) while loading the model; nothing was served", file=sys.stderr, flush=True)
+        os._exit(130)  # (std::terminate, exit -6); nothing is open yet that needs closing
     state = ServerState(worker, served, defaults, args.request_timeout, metrics, args.api_key)
     config = uvicorn.Config(create_app(state, body_timeout_s=args.body_timeout), host=args.host, port=args.port, log_level="warning",
                             access_log=False, h11_max_incomplete_event_size=MAX_HEADER_BYTES,
