@@ -221,6 +221,22 @@ def test_a_medusa_tree_priced_as_plain_says_so(capsys, tiny_model_dir, tmp_path,
     assert "(a tree" not in err and err.count("γ auto → plain") == 1
 
 
+def test_a_tree_that_drafted_nothing_says_so():
+    """A tree pruned to nothing every round (Medusa's ``auto`` tree on a machine where no node pays) says so."""
+    from types import SimpleNamespace
+
+    from mlxspec.commands.generate import format_stats
+    from mlxspec.metrics import GenerationStats
+
+    tree = SimpleNamespace(makes_trees=True, profile=SimpleNamespace(max_depth=4),
+                           describe=lambda: "tree mc_sim_7b_63 (63 nodes, depth 4)")
+    stats = GenerationStats(drafter="medusa", num_draft_tokens=4, cycles=64, generation_tokens=64)
+    assert "Drafter: medusa, tree mc_sim_7b_63 (63 nodes, depth 4); nothing drafted in any round; rounds: 64" in \
+        format_stats(stats, tree)
+    stats.drafted = 3
+    assert "nothing drafted" not in format_stats(stats, tree)
+
+
 def test_every_help_is_plain_text_from_a_capital():
     """What --help prints is read by people: a description that starts a sentence, no RST ``markup``."""
     import argparse
