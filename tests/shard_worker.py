@@ -60,8 +60,7 @@ def sample(args) -> dict:
     shard(target, args.shard, group)
     drafter = make_drafter(args.drafters[0], target, list(range(8)), draft_model=draft)
     if args.broken:  # the classic mistake: after a rejection, draw from p instead of the residual
-        from mlxspec import generate as engine
-
+        engine = sys.modules["mlxspec.generate"]  # the module (mlxspec.generate is also the function)
         rule = engine.verify_sampled
 
         def without_residual(*a):
