@@ -12,6 +12,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from mlxspec.cache import trim
 from mlxspec.loading import load
 from mlxspec.sampling import SamplingParams
 from mlxspec.taps import HiddenTap
@@ -74,3 +75,16 @@ def match_rows(actual: np.ndarray, expected: np.ndarray, what: str) -> None:
         best = int(np.argmin(errs))
         assert errs[best] <= RTOL * scale, f"{what}: reference row {r} has no mlxspec row within {RTOL} ({errs[best]:.3g})"
         free.pop(best)
+
+
+def greedy_round(model, cache, drafter, tap: HiddenTap, history: list[int], drafts: list[int]) -> list[int]:
+    """One greedy round as the block drafters' reference loops run it: the target scores ``[last, *drafts]``,
+    the longest prefix equal to its argmax is kept plus the target's next token, the cache is trimmed to it and
+    the drafter told. Returns the new history."""
+    out = model(mx.array([[history[-1]] + drafts]), cache=cache)[0]
+    posterior = np.argmax(np.array(out), axis=-1).tolist()
+    accepted = next((i for i, (d, p) in enumerate(zip(drafts, posterior)) if d != p), len(drafts))
+    history = history + drafts[:accepted] + [posterior[accepted]]
+    trim(cache, len(drafts) - accepted)
+    drafter.commit(len(history), list(range(accepted)), tap.features()[0])
+    return history

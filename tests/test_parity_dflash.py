@@ -16,11 +16,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxspec.cache import speculative_cache, trim
+from mlxspec.cache import speculative_cache
 from mlxspec.drafters.dflash import DFlashDrafter
 from mlxspec.heads.dflash import load_dflash
 from mlxspec.taps import HiddenTap
-from parity import FIXTURES, GREEDY, assert_close, reference, target
+from parity import FIXTURES, GREEDY, assert_close, greedy_round, reference, target
 
 
 def replay_blocks(drafter, model, ref, name: str) -> None:
@@ -44,12 +44,7 @@ def replay_blocks(drafter, model, ref, name: str) -> None:
         assert_close(np.array(calls[r]), ref[key], f"{name}: block logits of round {r}")
         drafts = np.array(draft.tokens).tolist()
         assert drafts == np.argmax(ref[key][1:], axis=-1).tolist(), f"{name}: round {r} drafts differ"
-        out = model(mx.array([[history[-1]] + drafts]), cache=cache)[0]
-        posterior = np.argmax(np.array(out), axis=-1).tolist()
-        accepted = next((i for i, (d, p) in enumerate(zip(drafts, posterior)) if d != p), len(drafts))
-        history = history + drafts[:accepted] + [posterior[accepted]]
-        trim(cache, len(drafts) - accepted)
-        drafter.commit(len(history), list(range(accepted)), tap.features()[0])
+        history = greedy_round(model, cache, drafter, tap, history, drafts)
     ref_out = ref["output_ids"].tolist()
     assert history[: len(ref_out)] == ref_out, f"{name}: greedy output differs from dflash_generate's"
 

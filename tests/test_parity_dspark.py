@@ -14,11 +14,11 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from mlxspec.cache import speculative_cache, trim
+from mlxspec.cache import speculative_cache
 from mlxspec.drafters.dspark import DSparkDrafter
 from mlxspec.heads.dspark import load_dspark
 from mlxspec.taps import HiddenTap
-from parity import FIXTURES, GREEDY, assert_close, reference, target
+from parity import FIXTURES, GREEDY, assert_close, greedy_round, reference, target
 
 
 def test_parity_dspark():
@@ -40,10 +40,5 @@ def test_parity_dspark():
         # survival is the running product of the confidence head's sigmoid(logit)
         expected = np.cumprod(1 / (1 + np.exp(-ref[f"confidence_logits_{r}"].astype(np.float64))))
         assert_close(np.array(draft.survival), expected, f"round {r}: confidence")
-        out = model(mx.array([[history[-1]] + drafts]), cache=cache)[0]
-        posterior = np.argmax(np.array(out), axis=-1).tolist()
-        accepted = next((i for i, (d, p) in enumerate(zip(drafts, posterior)) if d != p), len(drafts))
-        history = history + drafts[:accepted] + [posterior[accepted]]
-        trim(cache, len(drafts) - accepted)
-        drafter.commit(len(history), list(range(accepted)), tap.features()[0])
+        history = greedy_round(model, cache, drafter, tap, history, drafts)
     assert history[: len(ref["output_ids"])] == ref["output_ids"].tolist(), "greedy output differs from DeepSpec's"
