@@ -329,8 +329,12 @@ def test_a_port_in_use_is_one_line_and_exit_2(server, chat_model):
 
 
 SLOW_LOAD = """
+import signal
 import sys
 import mlx.core as mx
+# Ctrl+C as at a terminal: a suite started in the background by a non-interactive shell hands its children
+# SIGINT ignored, and then Python installs no KeyboardInterrupt handler (this test hung in such a run)
+signal.signal(signal.SIGINT, signal.default_int_handler)
 import mlxspec.serve.server as server
 from mlxspec.cli import main
 
