@@ -359,9 +359,12 @@ def test_ctrl_c_while_the_model_loads_is_one_line_and_exit_130():
 
     process = subprocess.Popen([sys.executable, "-c", SLOW_LOAD], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                text=True)
-    assert process.stdout.readline() == "loading\n"
-    time.sleep(0.5)
-    process.send_signal(signal.SIGINT)
-    out, err = process.communicate(timeout=60)
+    try:
+        assert process.stdout.readline() == "loading\n"
+        time.sleep(0.5)
+        process.send_signal(signal.SIGINT)
+        out, err = process.communicate(timeout=60)
+    finally:
+        process.kill()  # a child that ignored the signal would otherwise spin on after the test
     assert process.returncode == 130 and "Traceback" not in err and "terminate" not in err, (process.returncode, err)
     assert err.strip().splitlines() == ["mlxspec: interrupted (Ctrl+C) while loading the model; nothing was served"]
