@@ -315,6 +315,19 @@ def test_stops_cleanly_on_a_signal(chat_model, sig):
     assert sum(bool(c.choices[0].delta.content) for c in chunks) < 3000
 
 
+def test_a_model_that_does_not_load_is_one_line_and_exit_2_every_time(tmp_path):
+    """The worker thread fails to load: one line, exit 2, never MLX's abort at exit ('terminate called ...'),
+    which raced the main thread's exit in about half the runs before the worker's failure was awaited."""
+    import subprocess
+    import sys
+
+    for _ in range(4):
+        done = subprocess.run([sys.executable, "-m", "mlxspec", "serve", "--model", str(tmp_path / "missing"),
+                               "--blas", "keep"], capture_output=True, text=True, timeout=120)
+        lines = done.stderr.strip().splitlines()
+        assert done.returncode == 2 and len(lines) == 1 and lines[0].startswith("mlxspec: error:"), done.stderr
+
+
 def test_a_port_in_use_is_one_line_and_exit_2(server, chat_model):
     """A second server on a taken port says so in one line (no 'listening' line, no uvicorn log), exit 2."""
     import subprocess

@@ -156,6 +156,7 @@ class Worker:
         self._thread.start()
         self._ready.wait()
         if self.error is not None:
+            self._thread.join()  # its MLX state released on it first: exiting sooner raced MLX's abort at exit
             raise self.error
         return self.served
 
