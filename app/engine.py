@@ -19,16 +19,16 @@ from collections.abc import Callable, Iterator
 
 import mlx.core as mx
 
-from mlxspec.cache import PromptCache
+from mlxspec.core.cache import PromptCache
 from mlxspec.drafters import DRAFTERS, DrafterSpec
 from mlxspec.drafters.draft_model import PYTHON_DRAFT_ADVICE
 from mlxspec.pacing import AUTO, load_or_calibrate, make_pacer, tree_summary
-from mlxspec.generate import stream_generate
-from mlxspec.metrics import CycleStats, GenerationStats, TokenEvent
-from mlxspec.sampling import SamplingParams
-from mlxspec.session import USER_ERRORS, LoadedModel, ModelSpec, build_drafter, check_fits, load_model
-from mlxspec.stops import check_stops
-from mlxspec.threads import MLXThread
+from mlxspec.engine.generate import stream_generate
+from mlxspec.core.metrics import CycleStats, GenerationStats, TokenEvent
+from mlxspec.core.sampling import SamplingParams
+from mlxspec.engine.session import USER_ERRORS, LoadedModel, ModelSpec, build_drafter, check_fits, load_model
+from mlxspec.core.stops import check_stops
+from mlxspec.runtime.threads import MLXThread
 
 from .messages import (
     EngineInfo,
@@ -268,7 +268,7 @@ class Engine:
         """Start the engine thread; it loads the configured models first."""
         self._requests.put(_Configure(self.config.drafter, self.config.num_draft_tokens,
                                       self.config.model, self.config.draft_model))
-        self._thread = MLXThread(self._run, (post,), name="mlxspec-engine")  # exits cleanly (mlxspec.threads)
+        self._thread = MLXThread(self._run, (post,), name="mlxspec-engine")  # exits cleanly (mlxspec.runtime.threads)
         self._thread.start()
 
     def generate(self, request_id: int, messages: list[dict]) -> None:
@@ -294,7 +294,7 @@ class Engine:
     def close(self, timeout_s: float = 30.0) -> bool:
         """Cancel everything, stop the thread and wait up to ``timeout_s`` for it (an answer stops
         after its current round; a long prefill cannot be interrupted) to release the models and the device.
-        Returns whether it stopped; the process can then exit normally, with status 0 (``mlxspec.threads``)."""
+        Returns whether it stopped; the process can then exit normally, with status 0 (``mlxspec.runtime.threads``)."""
         for event in list(self._cancels.values()):
             event.set()
         self._requests.put(None)

@@ -7,12 +7,12 @@
 
 from __future__ import annotations
 
-from .cache import PromptCache
+from .core.cache import PromptCache
 from .drafters import Draft, Drafter, make_drafter
-from .generate import GenerationResult, generate, stream_generate
-from .loading import load
-from .metrics import CycleStats, GenerationStats, TokenEvent
-from .sampling import SamplingParams
+from .engine.generate import GenerationResult, generate, stream_generate
+from .loading.models import load
+from .core.metrics import CycleStats, GenerationStats, TokenEvent
+from .core.sampling import SamplingParams
 
 __all__ = [
     "CycleStats",

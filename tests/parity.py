@@ -1,7 +1,7 @@
 """Shared steps of the parity tests: committed fixtures made by the authors' code (tests/reference/).
 
 The targets are Hugging Face checkpoint folders (``model.safetensors`` + ``config.json`` + tokenizer),
-loaded with ``mlxspec.loading.load`` exactly as a user passes ``--model FOLDER`` (mlx-lm reads the
+loaded with ``mlxspec.loading.models.load`` exactly as a user passes ``--model FOLDER`` (mlx-lm reads the
 Hugging Face safetensors directly; no conversion step). Heads go through mlxspec's ordinary loaders.
 """
 
@@ -12,10 +12,10 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from mlxspec.cache import trim
-from mlxspec.loading import load
-from mlxspec.sampling import SamplingParams
-from mlxspec.taps import HiddenTap
+from mlxspec.core.cache import trim
+from mlxspec.loading.models import load
+from mlxspec.core.sampling import SamplingParams
+from mlxspec.core.taps import HiddenTap
 
 FIXTURES = Path(__file__).parent / "fixtures" / "parity"
 #: Float32 parity: |mlxspec − reference| <= RTOL · max(1, max |reference|), per array.

@@ -20,11 +20,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 
 from conftest import tiny_llama, tiny_qwen2  # noqa: E402
-from mlxspec.distributed import init_group, shard  # noqa: E402
+from mlxspec.runtime.distributed import init_group, shard  # noqa: E402
 from mlxspec.drafters import make_drafter  # noqa: E402
-from mlxspec.generate import generate, speculative_rounds  # noqa: E402
-from mlxspec.sampling import SamplingParams  # noqa: E402
-from mlxspec.session import ModelSpec, load_model  # noqa: E402
+from mlxspec.engine.generate import generate, speculative_rounds  # noqa: E402
+from mlxspec.core.sampling import SamplingParams  # noqa: E402
+from mlxspec.engine.session import ModelSpec, load_model  # noqa: E402
 
 
 def same_on_every_rank(group, values: mx.array) -> bool:
@@ -60,7 +60,7 @@ def sample(args) -> dict:
     shard(target, args.shard, group)
     drafter = make_drafter(args.drafters[0], target, list(range(8)), draft_model=draft)
     if args.broken:  # the classic mistake: after a rejection, draw from p instead of the residual
-        engine = sys.modules["mlxspec.generate"]  # the module (mlxspec.generate is also the function)
+        engine = sys.modules["mlxspec.engine.generate"]  # the round loop's module (mlxspec.generate is the function)
         rule = engine.verify_sampled
 
         def without_residual(*a):

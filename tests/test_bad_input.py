@@ -13,7 +13,7 @@ import pytest
 
 from conftest import byte_tokenizer, save_tiny_model, tiny_llama
 from mlxspec import SamplingParams, generate
-from mlxspec.cli import main
+from mlxspec.commands.cli import main
 
 
 def one_line_error(capsys, argv, expect: str | None = None) -> str:
@@ -231,7 +231,7 @@ def test_fuzz_random_files_headers_and_flags(capsys, tmp_path, tiny_model_dir):
 def test_messages_name_what_is_missing_and_the_fix(tmp_path):
     import mlx.core as mx
 
-    from mlxspec.loading import load
+    from mlxspec.loading.models import load
 
     folder = save_tiny_model(tmp_path / "m", tiny_llama(), byte_tokenizer())
     weights = next(folder.glob("*.safetensors"))
@@ -257,7 +257,7 @@ def test_messages_name_what_is_missing_and_the_fix(tmp_path):
 
 def test_no_shipped_asset_points_at_the_command_that_makes_one():
     """What ``require_shipped_for`` says when nothing ships: the flag, and a command that exists."""
-    from mlxspec.assets import PUBLISHED, SHIPPED_MARKERS, WHAT
+    from mlxspec.loading.assets import PUBLISHED, SHIPPED_MARKERS, WHAT
     from mlxspec.commands.train import METHODS
 
     assert set(WHAT) == set(SHIPPED_MARKERS) == set(PUBLISHED)
@@ -270,7 +270,7 @@ def test_no_shipped_asset_points_at_the_command_that_makes_one():
 def test_a_drafter_without_weights_says_how_to_train_one_or_where_published_ones_are(capsys, tiny_model_dir, tmp_path,
                                                                                      monkeypatch, kind):
     """Trained drafters ship only when they pay (docs/drafters.md): without one, one line says what to do."""
-    from mlxspec.assets import PUBLISHED
+    from mlxspec.loading.assets import PUBLISHED
 
     monkeypatch.setenv("MLXSPEC_MODELS", str(tmp_path))  # nothing ships
     err = one_line_error(capsys, ["generate", "--model", str(tiny_model_dir), "--drafter", kind, "--prompt", "hi"])

@@ -9,9 +9,9 @@ import json
 
 import pytest
 
-from mlxspec.bench import BASELINE, CONTROL, RunRecord, make_systems, rounds_from_flags
-from mlxspec.bench_summary import summarize
-from mlxspec.cli import main
+from mlxspec.bench.runs import BASELINE, CONTROL, RunRecord, make_systems, rounds_from_flags
+from mlxspec.bench.summary import summarize
+from mlxspec.commands.cli import main
 from mlxspec.commands import bench as bench_command
 from mlxspec.pacing import Costs
 from mlxspec.pacing import PRICED_PLAIN
@@ -218,7 +218,7 @@ def test_bench_times_head_drafters_from_specs(tmp_path, tiny_model_dir, capsys, 
     from test_medusa import random_heads
 
     from conftest import tiny_llama
-    from mlxspec.identity import write_card
+    from mlxspec.loading.identity import write_card
 
     save_medusa(tmp_path / "models" / "medusa" / tiny_model_dir.name, random_heads(shared=True))
     save_eagle(random_head(1), tmp_path / "models" / "eagle" / tiny_model_dir.name)
@@ -284,7 +284,7 @@ def _ship_heads(root, tiny_model_dir):
     from test_medusa import random_heads
 
     from conftest import tiny_llama
-    from mlxspec.identity import write_card
+    from mlxspec.loading.identity import write_card
 
     save_medusa(root / "models" / "medusa" / tiny_model_dir.name, random_heads(shared=True))
     save_eagle(random_head(1), root / "models" / "eagle" / tiny_model_dir.name)
@@ -342,7 +342,7 @@ def test_bench_prompt_defaults_to_auto_and_says_how_many_runs_and_how_long_first
 
 
 def test_the_duration_estimate_counts_prefill_steps_and_warm_ups():
-    from mlxspec.bench import WARMUP_TOKENS, estimate_s
+    from mlxspec.bench.runs import WARMUP_TOKENS, estimate_s
 
     costs = Costs([0.1] * 16)  # every forward of up to 16 tokens: 0.1 s
     # 2 systems × 1 temperature × (a 20-token prompt in 2 forwards + 10 steps) + 2 warm-ups (1 forward + 4 steps)
@@ -381,7 +381,7 @@ def _runs(ratios: dict[str, list[float]]) -> list[RunRecord]:
 
 @pytest.mark.parametrize("ngram, wins", [([1.5, 1.4, 1.6], True), ([1.03, 1.05, 1.02], False)])
 def test_verdict_weighs_the_fastest_setting_against_the_noise_floor(ngram, wins):
-    from mlxspec.bench_summary import verdicts
+    from mlxspec.bench.summary import verdicts
 
     systems = make_systems(["ngram", "none"], [2, 4], has_draft_model=False)
     rows = summarize(_runs({CONTROL: [1.06, 0.96, 1.0], "mlxspec ngram γ=2": ngram,
@@ -407,7 +407,7 @@ def test_the_verdict_never_picks_a_system_priced_as_plain():
     looked, the verdict picks another drafting system, or plain decoding (``--drafter none``) when none is left."""
     from dataclasses import replace
 
-    from mlxspec.bench_summary import verdicts
+    from mlxspec.bench.summary import verdicts
 
     systems = make_systems(["medusa", "ngram", "none"], ["auto", 2], has_draft_model=False)
     systems = [replace(s, priced_plain=True) if s.drafter == "medusa" else s for s in systems]
@@ -428,7 +428,7 @@ def test_the_verdicts_generate_line_runs_as_printed():
     file the line says to write (a bare ``< prompt.txt`` failed for a user who gave the prompt inline)."""
     import shlex
 
-    from mlxspec.bench_summary import Verdict
+    from mlxspec.bench.summary import Verdict
     from mlxspec.commands.bench import verdict_commands
 
     verdict = Verdict("your prompt", 0.0, "mlxspec ngram γ=auto", "ngram", "auto", 1.5, 0.05, True)

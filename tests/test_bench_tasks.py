@@ -1,6 +1,6 @@
-"""``python -m mlxspec.bench_tasks``: both tasks run for every contender and greedy outputs agree."""
+"""``python -m mlxspec.bench.tasks``: both tasks run for every contender and greedy outputs agree."""
 
-from mlxspec import bench_tasks
+from mlxspec.bench import tasks as bench_tasks
 
 
 def test_every_contender_runs_both_tasks_with_the_same_greedy_output(tiny_model_dir, capsys):

@@ -14,8 +14,8 @@ from mlxspec_app.messages import GenerationDone, StatsUpdated, TokensCommitted
 from conftest import byte_tokenizer, tiny_llama
 from mlxspec import generate
 from mlxspec.commands import chat
-from mlxspec.loading import load
-from mlxspec.metrics import CycleStats, GenerationStats, TokenEvent
+from mlxspec.loading.models import load
+from mlxspec.core.metrics import CycleStats, GenerationStats, TokenEvent
 from test_app import messages, wait_for
 
 

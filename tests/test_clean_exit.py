@@ -1,7 +1,7 @@
 """Quitting after threaded generation exits 0 (issue 46, item 6).
 
 MLX aborts a process at exit now and then (``terminate called without an active exception``, status 134) when a
-thread that ran MLX is still tearing down while the interpreter finalizes (``mlxspec.threads``). The chat's
+thread that ran MLX is still tearing down while the interpreter finalizes (``mlxspec.runtime.threads``). The chat's
 engine thread and the server's worker use ``MLXThread``, which releases its MLX state and parks instead of
 ending. Each test runs the pattern in fresh processes, several times: before the fix about one run in ten
 aborted (one in three with the main thread touching MLX first), so 12 clean runs in a row fail on a broken
@@ -19,7 +19,7 @@ RUNS = 12
 
 PLAIN = textwrap.dedent("""
     import mlx.core as mx
-    from mlxspec.threads import MLXThread
+    from mlxspec.runtime.threads import MLXThread
 
     mx.eval(mx.random.normal((4, 4)))  # the main thread touches MLX first (aborts most often)
 

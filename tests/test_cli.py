@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from conftest import save_tiny_model, tiny_llama
-from mlxspec.cli import main
+from mlxspec.commands.cli import main
 
 
 def run(capsys, *argv):
@@ -226,7 +226,7 @@ def test_a_tree_that_drafted_nothing_says_so():
     from types import SimpleNamespace
 
     from mlxspec.commands.generate import format_stats
-    from mlxspec.metrics import GenerationStats
+    from mlxspec.core.metrics import GenerationStats
 
     tree = SimpleNamespace(makes_trees=True, profile=SimpleNamespace(max_depth=4),
                            describe=lambda: "tree mc_sim_7b_63 (63 nodes, depth 4)")
@@ -242,7 +242,7 @@ def test_every_help_is_plain_text_from_a_capital():
     import argparse
     import importlib
 
-    from mlxspec.cli import SUBCOMMANDS
+    from mlxspec.commands.cli import SUBCOMMANDS
 
     def parsers(parser, name):
         yield name, parser
@@ -287,7 +287,7 @@ def test_ctrl_c_while_loading_or_measuring_says_so_in_one_line(capsys, tiny_mode
 @pytest.mark.parametrize("as_json", [False, True])
 def test_ctrl_c_mid_answer_ends_the_line_and_says_how_far_it_got(capsys, tiny_model_dir, monkeypatch, as_json):
     from mlxspec.commands import generate as command
-    from mlxspec.metrics import TokenEvent
+    from mlxspec.core.metrics import TokenEvent
 
     real = command.stream_generate
 
@@ -333,7 +333,7 @@ def test_a_quantized_target_on_the_cpu_gets_a_note_to_dequantize(capsys, tmp_pat
 def test_progress_bars_go_to_a_terminal_stderr_only(monkeypatch, capsys):
     import io
 
-    from mlxspec import progress
+    from mlxspec.runtime import progress
 
     assert not progress.shows_progress()  # stderr captured (a pipe, a log, pytest, the chat app): no bar
 
@@ -352,7 +352,7 @@ def test_progress_bars_go_to_a_terminal_stderr_only(monkeypatch, capsys):
 
 
 def test_blas_is_named():
-    from mlxspec.machine import blas_in_use
+    from mlxspec.runtime.machine import blas_in_use
 
     assert blas_in_use()["name"] in ("OpenBLAS", "reference BLAS", "Accelerate", "Intel MKL", "BLIS", "unknown")
 

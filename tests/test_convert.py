@@ -13,7 +13,7 @@ from mlx_lm import load as mlx_lm_load
 
 import gguf_fixtures as gf
 from mlxspec.commands.convert import main
-from mlxspec.loading import is_quantized, load
+from mlxspec.loading.models import is_quantized, load
 
 TOKENS = mx.array([[1, 87, 85, 71, 84, 201, 74, 75, 223, 19, 20, 2, 300, 17]])  # [B=1, T=14]
 TYPES = {"model.embed_tokens": T.Q8_0, "model.layers.0.self_attn.q_proj": T.Q4_K,

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from conftest import byte_tokenizer, tiny_llama
 
-from mlxspec.generate import generate
-from mlxspec.taps import HiddenTap, output_head
+from mlxspec.engine.generate import generate
+from mlxspec.core.taps import HiddenTap, output_head
 from mlxspec.train.corpus import build_corpus, default_aux_layers
 from mlxspec.train.features import FeatureCache
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from mlxspec.data import (
+from mlxspec.loading.data import (
     ParseReport,
     classify_prompt,
     iter_conversations,

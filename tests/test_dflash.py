@@ -14,10 +14,10 @@ from mlxspec import generate
 from mlxspec.drafters import make_drafter
 from mlxspec.drafters import dflash as dflash_drafter
 from mlxspec.drafters.dflash import DFlashDrafter
-from mlxspec.generate import speculative_rounds
+from mlxspec.engine.generate import speculative_rounds
 from mlxspec.heads.dflash import DFlashConfig, DFlashNet, load_dflash, save_dflash
-from mlxspec.sampling import SamplingParams, warp
-from mlxspec.taps import HiddenTap
+from mlxspec.core.sampling import SamplingParams, warp
+from mlxspec.core.taps import HiddenTap
 from stats import chi_square
 from test_lossless import V, exact_joint, sample_joint
 

@@ -24,12 +24,12 @@ import numpy as np
 import pytest
 
 from conftest import byte_tokenizer, save_tiny_model, tiny_llama, tiny_qwen2
-from mlxspec.distributed import Sharding, _ErrorsOnly
+from mlxspec.runtime.distributed import Sharding, _ErrorsOnly
 from mlxspec.drafters import make_drafter
-from mlxspec.generate import generate
+from mlxspec.engine.generate import generate
 from mlxspec.heads.eagle import save_eagle
-from mlxspec.sampling import SamplingParams
-from mlxspec.session import ModelSpec, load_model
+from mlxspec.core.sampling import SamplingParams
+from mlxspec.engine.session import ModelSpec, load_model
 from stats import chi_square
 from test_eagle import random_head
 from test_lossless import PROMPT as SAMPLE_PROMPT, exact_joint

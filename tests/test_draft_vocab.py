@@ -1,4 +1,4 @@
-"""A draft model drafting from a draft vocabulary (FR-Spec; mlxspec.vocab, docs/drafters.md "A draft vocabulary")."""
+"""A draft model drafting from a draft vocabulary (FR-Spec; mlxspec.drafters.vocab, docs/drafters.md "A draft vocabulary")."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ import pytest
 from mlx_lm.models import llama
 
 from conftest import byte_tokenizer, tiny_llama
-from mlxspec import vocab
+from mlxspec.drafters import vocab
 from mlxspec.pacing import drafter_fingerprint
 from mlxspec.drafters import make_drafter
 from mlxspec.drafters.draft_model import DraftModelDrafter, check_sliceable
-from mlxspec.generate import generate
-from mlxspec.sampling import SamplingParams, warp
-from mlxspec.taps import head_slice, model_body
+from mlxspec.engine.generate import generate
+from mlxspec.core.sampling import SamplingParams, warp
+from mlxspec.core.taps import head_slice, model_body
 from stats import chi_square
 from test_lossless import PROMPT, V, exact_joint, sample_joint
 
@@ -156,8 +156,8 @@ def test_ranking_counts_and_draft_ids_keep_real_ids_sorted():
 
 
 def test_the_ranking_is_counted_once_then_read_from_the_cache(tmp_path, monkeypatch):
-    from mlxspec import data
-    from mlxspec.data import Conversation, Turn
+    from mlxspec.loading import data
+    from mlxspec.loading.data import Conversation, Turn
 
     monkeypatch.setenv("MLXSPEC_CACHE", str(tmp_path))
     calls = []

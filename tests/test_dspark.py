@@ -15,10 +15,10 @@ from mlxspec import generate
 from mlxspec.drafters import dspark as dspark_drafter
 from mlxspec.drafters import make_drafter
 from mlxspec.drafters.dspark import DSparkDrafter
-from mlxspec.generate import speculative_rounds
+from mlxspec.engine.generate import speculative_rounds
 from mlxspec.heads.dflash import DFlashConfig
 from mlxspec.heads.dspark import DSparkConfig, DSparkNet, load_dspark, save_dspark
-from mlxspec.sampling import SamplingParams, warp
+from mlxspec.core.sampling import SamplingParams, warp
 from mlxspec.pacing import Scheduled
 from stats import chi_square
 from test_dflash import write_published
@@ -74,7 +74,7 @@ def test_the_serial_head_conditions_each_position_on_the_previous_token():
 
 
 def _features(target, net, tokens):
-    from mlxspec.taps import HiddenTap
+    from mlxspec.core.taps import HiddenTap
 
     tap = HiddenTap(target, layers=net.config.feature_layers)
     target(mx.array(tokens)[None])

@@ -18,9 +18,9 @@ from conftest import byte_tokenizer, tiny_llama
 from mlxspec import SamplingParams, generate
 from mlxspec.drafters import make_drafter
 from mlxspec.drafters.eagle import EagleDrafter
-from mlxspec.generate import speculative_rounds
+from mlxspec.engine.generate import speculative_rounds
 from mlxspec.heads.eagle import EagleConfig, EagleHead, load_eagle, save_eagle
-from mlxspec.taps import HiddenTap
+from mlxspec.core.taps import HiddenTap
 from stats import chi_square
 
 PROMPT = [10, 20, 30, 40, 10, 20, 30, 41, 50, 60]
@@ -133,7 +133,7 @@ def test_dynamic_tree_equals_sequential_expansion(version):
 def test_static_tree_equals_sequential_ranks(version):
     """EAGLE-1's static tree: node [r0, ..., rd] is the rd-th best child of node [r0, ..., rd-1]
     under a from-scratch forward of its path (ranks at the parent, docs/heads.md 4.4)."""
-    from mlxspec.tree import EAGLE1_TREE, tree_from_choices
+    from mlxspec.core.tree import EAGLE1_TREE, tree_from_choices
 
     target = tiny_llama(seed=0, sharpen=4.0)
     head = random_head(version, scale=4.0)
@@ -207,7 +207,7 @@ def test_sampling_through_the_dynamic_tree_follows_the_target(small_vocab):
 def test_the_same_test_rejects_a_wrong_tree_rule(small_vocab, monkeypatch):
     from test_lossless import exact_joint, without_residual
 
-    engine = sys.modules["mlxspec.generate"]
+    engine = sys.modules["mlxspec.engine.generate"]
     monkeypatch.setattr(engine, "verify_deterministic", without_residual(engine.verify_deterministic))
     target, drafter = small_vocab
     params = SamplingParams(temp=1.0)
@@ -462,7 +462,7 @@ def test_heads_that_do_not_fit_are_refused(tmp_path):
 
 def test_eagle_from_the_command_line(capsys, tmp_path, tiny_model_dir, monkeypatch):
     import mlxspec.pacing as gamma
-    from mlxspec.cli import main
+    from mlxspec.commands.cli import main
     from mlxspec.pacing import Costs
 
     # γ auto prices the tree (pacing.make_pacer): on costs where drafting pays it keeps the tree's depth
@@ -498,7 +498,7 @@ def test_eagle_from_the_command_line(capsys, tmp_path, tiny_model_dir, monkeypat
 def test_chat_takes_the_eagle_flags(tmp_path, tiny_model_dir):
     from mlxspec_app.engine import Engine, _Loaded
     from mlxspec.commands import chat
-    from mlxspec.session import LoadedModel, ModelSpec
+    from mlxspec.engine.session import LoadedModel, ModelSpec
 
     save_eagle(random_head(1), tmp_path / "head")
     args = chat.setup_arg_parser().parse_args(["--model", str(tiny_model_dir), "--drafter", "eagle", "--eagle-heads",
@@ -602,7 +602,7 @@ def test_auto_tree_size_is_lossless_and_follows_the_costs():
 
 
 def test_auto_total_tokens_on_the_command_line(capsys, tmp_path, tiny_model_dir, monkeypatch):
-    from mlxspec.cli import main
+    from mlxspec.commands.cli import main
 
     monkeypatch.setenv("MLXSPEC_CACHE", str(tmp_path / "cache"))
     head_dir = tmp_path / "head"
@@ -621,7 +621,7 @@ def test_auto_total_tokens_on_the_command_line(capsys, tmp_path, tiny_model_dir,
 
 def test_a_branch_merges_along_matching_nodes():
     from mlxspec.drafters.base import Draft
-    from mlxspec.tree import Tree
+    from mlxspec.core.tree import Tree
 
     draft = Draft(mx.array([5, 6, 7, 8], dtype=mx.int32), Tree((-1, -1, 0, 2)))  # 5 -> 7 -> 8 and 6
     merged = draft.with_branch([5, 7, 9, 10])
@@ -686,7 +686,7 @@ def test_auto_runs_eagle_plainly_where_no_round_of_its_depth_could_win(capsys, m
     drafter.propose = lambda history, gamma, sampling, plan=None: calls.append(gamma) or propose(history, gamma, sampling, plan)
     plain = generate(target, tokenizer, prompt, drafter="none", max_tokens=20, stop_tokens=set())
     with monkeypatch.context() as patched:  # plain steps as for --drafter none: pipelined, no features tapped
-        patched.setattr(sys.modules["mlxspec.generate"], "HiddenTap", None)
+        patched.setattr(sys.modules["mlxspec.engine.generate"], "HiddenTap", None)
         result = generate(target, tokenizer, prompt, drafter=drafter, num_draft_tokens=policy, max_tokens=20,
                           stop_tokens=set())
     assert result.tokens == plain.tokens and result.stats.drafted == 0 and calls == []

@@ -21,8 +21,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxspec.tree import Tree, chain
-from mlxspec.verify import verify_deterministic, verify_sampled
+from mlxspec.core.tree import Tree, chain
+from mlxspec.core.verify import verify_deterministic, verify_sampled
 
 V = 4
 ONE = float(np.nextafter(np.float32(1), np.float32(0)))  # the largest u below 1: rejects unless p >= q

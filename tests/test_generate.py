@@ -17,7 +17,7 @@ from mlxspec import PromptCache, SamplingParams, TokenEvent, generate, make_draf
 from mlxspec.drafters import check_same_tokenizer
 from mlxspec.drafters import Plan
 from mlxspec.pacing import Auto, Costs, make_pacer
-from mlxspec.generate import speculative_rounds
+from mlxspec.engine.generate import speculative_rounds
 
 PROMPT = [10, 20, 30, 40, 10, 20, 30, 41, 50, 60]
 

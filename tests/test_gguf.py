@@ -15,8 +15,8 @@ from mlx_lm.models import llama
 from mlx_lm.utils import load_model
 
 import gguf_fixtures as gf
-from mlxspec.gguf import gguf_type_label, load_gguf, read_header, unpermute_rows
-from mlxspec.loading import is_quantized, load
+from mlxspec.loading.gguf import gguf_type_label, load_gguf, read_header, unpermute_rows
+from mlxspec.loading.models import is_quantized, load
 
 PROMPT = mx.array(
     [[1, 87, 85, 71, 84, 201, 74, 75, 223, 19, 20, 2, 300, 17]]

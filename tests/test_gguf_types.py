@@ -16,9 +16,9 @@ from mlx.utils import tree_flatten
 from mlx_lm.models import llama, qwen2, qwen3
 
 import gguf_fixtures as gf
-from mlxspec.ggml_quants import AFFINE_BITS, SUB_BLOCK_TYPES
-from mlxspec.gguf import load_gguf, read_header
-from mlxspec.loading import is_quantized, load
+from mlxspec.loading.ggml_quants import AFFINE_BITS, SUB_BLOCK_TYPES
+from mlxspec.loading.gguf import load_gguf, read_header
+from mlxspec.loading.models import is_quantized, load
 
 DIMS = gf.Dims()
 # One layer per type: the 13 supported types spread over a 2-layer llama (untied output).
@@ -133,9 +133,9 @@ def test_float32_load_holds_exactly_the_reference_values(typed):
 
 @pytest.mark.parametrize("which", ["kept", "float32", "requantized"])
 def test_decoding_in_row_chunks_changes_nothing(typed, monkeypatch, which):
-    import mlxspec.gguf
+    import mlxspec.loading.gguf
 
-    monkeypatch.setattr(mlxspec.gguf, "_CHUNK_VALUES", 3 * 256)  # 3-row chunks of 256-value rows, or 1 row
+    monkeypatch.setattr(mlxspec.loading.gguf, "_CHUNK_VALUES", 3 * 256)  # 3-row chunks of 256-value rows, or 1 row
     options = {"kept": {}, "float32": {"dtype": "float32"}, "requantized": {"requantize": True}}[which]
     model, _ = load_gguf(typed["path"], **options)
     expected = dict(tree_flatten(typed[which].parameters()))

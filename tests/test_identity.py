@@ -8,9 +8,9 @@ import mlx.nn as nn
 import pytest
 
 from conftest import byte_tokenizer, save_tiny_model, tiny_llama
-from mlxspec.cli import main
+from mlxspec.commands.cli import main
 from mlxspec.heads.eagle import save_eagle
-from mlxspec.identity import model_card, require_shipped_for, same_model, shipped_for, write_card
+from mlxspec.loading.identity import model_card, require_shipped_for, same_model, shipped_for, write_card
 from test_eagle import random_head
 
 

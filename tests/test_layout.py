@@ -13,7 +13,7 @@ PACKAGES = {"mlxspec": "mlxspec", "app": "mlxspec_app"}
 #: Data folders installed as packages (no code): the shipped heads and drafts in models/.
 DATA_PACKAGES = {"mlxspec_models"}
 #: Files allowed past the size limit, and why.
-LONG_FILES = {"mlxspec/gguf.py": "one reader for a binary format with many block types"}
+LONG_FILES = {"mlxspec/loading/gguf.py": "one reader for a binary format with many block types"}
 MAX_LINES = 500
 #: What a clone's tracked files may weigh: code, docs, bench records and the shipped heads that pay.
 MAX_TRACKED_BYTES = 40 * 2**20
@@ -88,7 +88,7 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_graph_reader_finds_a_cycle_it_is_shown():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
-    assert graph()["mlxspec.generate"] >= {"mlxspec.pacing", "mlxspec.drafters", "mlxspec.verify"}
+    assert graph()["mlxspec.engine.generate"] >= {"mlxspec.pacing", "mlxspec.drafters", "mlxspec.core.verify"}
 
 
 def test_no_module_imports_one_that_imports_it_back():
@@ -118,7 +118,7 @@ def test_every_package_is_installed():
 
 def test_every_kind_of_shipped_asset_is_in_the_wheel():
     """A head or drafter kind that can ship in models/<kind>/ must be package data, or a wheel lacks it."""
-    from mlxspec.assets import SHIPPED_MARKERS
+    from mlxspec.loading.assets import SHIPPED_MARKERS
 
     data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
     assert {f"{kind}/*/*" for kind in SHIPPED_MARKERS} <= set(data["mlxspec_models"])

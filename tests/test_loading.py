@@ -17,8 +17,8 @@ import pytest
 from mlx.utils import tree_flatten
 
 import gguf_fixtures as gf
-from mlxspec import assets
-from mlxspec.loading import (
+from mlxspec.loading import assets
+from mlxspec.loading.models import (
     DEFAULT_MODEL,
     default_model_path,
     describe,

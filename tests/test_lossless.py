@@ -20,8 +20,8 @@ from conftest import tiny_llama
 from mlxspec.drafters import DraftProfile
 from mlxspec.pacing import AcceptanceEstimate, Auto, Costs
 from mlxspec.drafters import Draft, Drafter, make_drafter
-from mlxspec.generate import speculative_rounds
-from mlxspec.sampling import SamplingParams, warp
+from mlxspec.engine.generate import speculative_rounds
+from mlxspec.core.sampling import SamplingParams, warp
 from stats import chi_square
 
 V = 8
@@ -121,7 +121,7 @@ def without_residual(rule):
 @pytest.mark.slow  # statistical
 @pytest.mark.parametrize("kind,rule", [("draft", "verify_sampled"), ("ngram", "verify_deterministic")])
 def test_the_same_test_rejects_a_verifier_without_residual(models, kind, rule, monkeypatch):
-    engine = sys.modules["mlxspec.generate"]
+    engine = sys.modules["mlxspec.engine.generate"]
     monkeypatch.setattr(engine, rule, without_residual(getattr(engine, rule)))
     params = SETTINGS["temp1"]
     stat, critical = chi_square(sample_joint(models[0], _drafter(kind, models), params), exact_joint(models[0], params))
@@ -184,7 +184,7 @@ def test_plain_steps_and_fallback_follow_the_target(models, case):
 
 @pytest.mark.slow  # statistical
 def test_the_same_test_rejects_plain_steps_that_drop_the_filters(models, monkeypatch):
-    engine = sys.modules["mlxspec.plain_steps"]
+    engine = sys.modules["mlxspec.engine.plain_steps"]
     original = engine.sample  # the plain step's sampler, here without its top-k filter
     monkeypatch.setattr(engine, "sample", lambda logits, params: original(logits, SamplingParams(temp=params.temp)))
     params = SETTINGS["temp0.7-top_k3"]

@@ -14,7 +14,7 @@ import os
 import pytest
 
 import gguf_fixtures as gf
-from mlxspec.cli import main
+from mlxspec.commands.cli import main
 
 BENCH = ["--drafters", "none", "--no-control", "--repeats", "1", "--max-tokens", "2", "--prompt", "Say hi.",
          "--blas", "keep"]

@@ -13,8 +13,8 @@ from mlxspec import SamplingParams, generate
 from mlxspec.pacing import Costs, Fixed, make_pacer
 from mlxspec.drafters.medusa import MedusaDrafter
 from mlxspec.heads.medusa import MedusaConfig, MedusaHeads, load_medusa, save_medusa
-from mlxspec.taps import output_head
-from mlxspec.tree import MC_SIM_7B_63, read_tree, tree_from_choices
+from mlxspec.core.taps import output_head
+from mlxspec.core.tree import MC_SIM_7B_63, read_tree, tree_from_choices
 from stats import chi_square
 
 PROMPT = [10, 20, 30, 40, 10, 20, 30, 41, 50, 60]
@@ -140,8 +140,8 @@ def test_missing_checkpoint_is_a_clear_error(tmp_path):
 
 
 def test_typical_acceptance_picks_the_deepest_typical_path():
-    from mlxspec.tree import Tree
-    from mlxspec.verify import verify_typical
+    from mlxspec.core.tree import Tree
+    from mlxspec.core.verify import verify_typical
 
     tree = Tree((-1, -1, 0, 0, 1))  # root -> {1, 2}; 1 -> {3, 4}; 2 -> {5}
     probs = [[.1, .6, .3, 1e-4], [.05, .05, .1, .8], [.4, .4, .1, .1], [.25] * 4, [.9, .05, .03, .02], [.25] * 4]

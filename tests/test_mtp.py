@@ -14,12 +14,12 @@ from mlx.utils import tree_flatten, tree_map
 
 from conftest import byte_tokenizer, tiny_llama
 from mlxspec import generate, make_drafter
-from mlxspec.cli import main
+from mlxspec.commands.cli import main
 from mlxspec.drafters import Draft, Plan
 from mlxspec.drafters.mtp import MTPDrafter
 from mlxspec.heads.mtp import MTPStack, has_mtp, init_mtp, load_mtp, save_mtp
 from mlxspec.pacing import Fixed, make_pacer
-from mlxspec.sampling import SamplingParams, warp
+from mlxspec.core.sampling import SamplingParams, warp
 from stats import chi_square
 from test_generate import plain_greedy
 from test_lossless import PROMPT as PROMPT_V
@@ -288,13 +288,13 @@ def test_plain_rounds_between_chains_are_pipelined_and_still_feed_the_drafter(ta
     """γ auto's fall-back rounds for a feature-reading drafter are pipelined plain steps (as ``--drafter none``'s)
     that keep each step's features: every chain drafted after a run of them is the chain a fresh drafter drafts
     from the whole history's features, and the output stays the target's greedy one."""
-    from mlxspec.taps import HiddenTap
+    from mlxspec.core.taps import HiddenTap
 
     stack = init_mtp(target)
     mx.random.seed(3)
     stack.first.update(tree_map(lambda v: v + 0.3 * mx.random.normal(v.shape), stack.first.parameters()))
     queued = []
-    engine = sys.modules["mlxspec.plain_steps"]
+    engine = sys.modules["mlxspec.engine.plain_steps"]
     original_queue = engine.PlainSteps.queue
     monkeypatch.setattr(engine.PlainSteps, "queue", lambda self, *a: queued.append(1) or original_queue(self, *a))
     drafter, seen = MTPDrafter(stack, target, depth=3), []

@@ -12,10 +12,10 @@ import pytest
 
 from conftest import byte_tokenizer, tiny_llama
 from mlxspec import generate, make_drafter, stream_generate
-from mlxspec.cli import main
+from mlxspec.commands.cli import main
 from mlxspec.commands.generate import format_stats
 from mlxspec.drafters import DraftProfile, Plan
-from mlxspec.metrics import CycleStats, GenerationStats, TokenEvent
+from mlxspec.core.metrics import CycleStats, GenerationStats, TokenEvent
 from mlxspec.pacing import AcceptanceEstimate, Auto, Costs, Fixed, expected_tau, load_or_calibrate, make_pacer
 from mlxspec.pacing import costs as pacing_costs
 

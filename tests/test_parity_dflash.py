@@ -16,10 +16,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxspec.cache import speculative_cache
+from mlxspec.core.cache import speculative_cache
 from mlxspec.drafters.dflash import DFlashDrafter
 from mlxspec.heads.dflash import load_dflash
-from mlxspec.taps import HiddenTap
+from mlxspec.core.taps import HiddenTap
 from parity import FIXTURES, GREEDY, assert_close, greedy_round, reference, target
 
 

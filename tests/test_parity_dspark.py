@@ -14,10 +14,10 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from mlxspec.cache import speculative_cache
+from mlxspec.core.cache import speculative_cache
 from mlxspec.drafters.dspark import DSparkDrafter
 from mlxspec.heads.dspark import load_dspark
-from mlxspec.taps import HiddenTap
+from mlxspec.core.taps import HiddenTap
 from parity import FIXTURES, GREEDY, assert_close, greedy_round, reference, target
 
 

@@ -16,7 +16,7 @@ import pytest
 
 from mlxspec.drafters.eagle import EagleDrafter
 from mlxspec.heads.eagle import load_eagle
-from mlxspec.taps import output_head
+from mlxspec.core.taps import output_head
 from parity import FIXTURES, GREEDY, ancestor_mask, assert_close, features, match_rows, reference, target
 
 

@@ -16,7 +16,7 @@ import pytest
 
 from mlxspec.drafters.medusa import MedusaDrafter
 from mlxspec.heads.medusa import load_medusa
-from mlxspec.taps import output_head
+from mlxspec.core.taps import output_head
 from parity import FIXTURES, GREEDY, ancestor_mask, assert_close, features, reference, target
 
 

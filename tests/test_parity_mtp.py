@@ -16,7 +16,7 @@ import numpy as np
 
 from mlxspec.drafters.mtp import MTPDrafter
 from mlxspec.heads.mtp import load_mtp
-from mlxspec.taps import output_head
+from mlxspec.core.taps import output_head
 from parity import FIXTURES, GREEDY, assert_close, features, reference, target
 
 

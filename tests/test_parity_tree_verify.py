@@ -13,8 +13,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxspec.cache import prefill, speculative_cache, tree_attention
-from mlxspec.tree import Tree
+from mlxspec.core.cache import prefill, speculative_cache, tree_attention
+from mlxspec.core.tree import Tree
 from parity import assert_close, reference, target
 
 

@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 import mlxspec
-from mlxspec import pickle_reader
-from mlxspec.pickle_reader import ALLOWED_GLOBALS, load_torch_weights
+from mlxspec.loading import pickle_reader
+from mlxspec.loading.pickle_reader import ALLOWED_GLOBALS, load_torch_weights
 
 FIXTURES = Path(__file__).parent / "fixtures"
 EVIL_MARKER = Path("/tmp/mlxspec_evil_pt_ran")  # what evil.pt's payload would create

@@ -9,9 +9,9 @@ import math
 import pytest
 
 from mlxspec import SamplingParams, generate
-from mlxspec.arguments import check_typical
-from mlxspec.cli import main
-from mlxspec.verify_check import MAX_TOKENS, run_check
+from mlxspec.engine.arguments import check_typical
+from mlxspec.commands.cli import main
+from mlxspec.bench.verify_check import MAX_TOKENS, run_check
 from test_bad_input import one_line_error
 
 

@@ -68,7 +68,7 @@ def test_quantized_draft_for_float32_target_is_greedy_exact(float32, quantized):
 
 
 def test_the_shipped_eagle_head_is_greedy_exact_and_accepts(float32):
-    from mlxspec.assets import shipped
+    from mlxspec.loading.assets import shipped
     from mlxspec.drafters.eagle import EagleDrafter
     from mlxspec.heads.eagle import load_eagle
 

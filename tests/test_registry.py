@@ -11,7 +11,7 @@ import pytest
 
 from conftest import byte_tokenizer, tiny_llama
 from mlxspec import generate, make_drafter
-from mlxspec.cli import main
+from mlxspec.commands.cli import main
 from mlxspec.pacing import Auto, Costs
 from mlxspec.drafters import DRAFTERS, Draft, Drafter, DrafterSpec, DrafterType, drafter_types, parse_specs, registry
 from mlxspec.pacing import Fixed, make_pacer
@@ -19,7 +19,7 @@ from mlxspec.heads.dflash import save_dflash
 from mlxspec.heads.dspark import save_dspark
 from mlxspec.heads.eagle import save_eagle
 from mlxspec.heads.medusa import save_medusa
-from mlxspec.identity import write_card
+from mlxspec.loading.identity import write_card
 from mlxspec.heads.mtp import init_mtp, save_mtp
 from test_dflash import random_dflash
 from test_dspark import random_dspark
@@ -83,7 +83,7 @@ def test_every_registered_drafter_is_greedy_identical(name):
 @pytest.mark.parametrize("name", DRAFTERS)
 def test_every_registered_drafter_is_lossless_at_temperature_1(name):
     """Chi-square of the first two sampled tokens against the exact joint (see test_lossless)."""
-    from mlxspec.sampling import SamplingParams
+    from mlxspec.core.sampling import SamplingParams
 
     target = tiny_llama(seed=0, vocab_size=V, sharpen=3.0)
     drafter = build(name, target, list(range(V)), tiny_llama(seed=7, vocab_size=V, sharpen=3.0), "tiny8")
@@ -153,7 +153,7 @@ def test_auto_is_the_same_policy_in_the_api_and_the_cli(name, tmp_path, tiny_mod
     import mlxspec.commands.generate as command
     import mlxspec.pacing as gamma
 
-    engine = sys.modules["mlxspec.generate"]  # the package's ``generate`` is the function
+    engine = sys.modules["mlxspec.engine.generate"]  # the package's ``generate`` is the function
 
     ship_heads(tmp_path, tiny_model_dir.name, 264)
     monkeypatch.setenv("MLXSPEC_MODELS", str(tmp_path))
@@ -171,7 +171,7 @@ def test_auto_is_the_same_policy_in_the_api_and_the_cli(name, tmp_path, tiny_mod
     draft_flags = ["--draft-model", str(tiny_draft_dir)] if name == "draft" else []  # refused for the others
     assert main(["generate", "--model", str(tiny_model_dir), *draft_flags, "--drafter", name,
                  "--prompt", "hi", "--max-tokens", "8", "--json"]) == 0, capsys.readouterr().err
-    from mlxspec.session import build_drafter, load_model
+    from mlxspec.engine.session import build_drafter, load_model
 
     target, draft = load_model(str(tiny_model_dir)), load_model(str(tiny_draft_dir))
     drafter = build_drafter(DrafterSpec(name), target, draft)

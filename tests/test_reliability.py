@@ -11,7 +11,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from conftest import byte_tokenizer, tiny_llama
 from mlxspec import generate
-from mlxspec.cache import PromptCache, rewindable, speculative_cache, trim
+from mlxspec.core.cache import PromptCache, rewindable, speculative_cache, trim
 from mlxspec.drafters import DRAFTERS, Draft, Drafter
 from test_generate import plain_greedy
 from test_registry import build, models_dir, shipped_assets  # noqa: F401 (fixtures: heads shipped for "tiny")
@@ -144,7 +144,7 @@ def test_each_chat_turn_prefills_only_its_new_tokens(name, monkeypatch):
     rows (and MTP's, DFlash's, DSpark's) each run only the tokens a turn adds to the conversation."""
     import sys
 
-    engine, draft_module = sys.modules["mlxspec.generate"], sys.modules["mlxspec.drafters.draft_model"]
+    engine, draft_module = sys.modules["mlxspec.engine.generate"], sys.modules["mlxspec.drafters.draft_model"]
 
     target, tokenizer = tiny_llama(seed=0, sharpen=4.0), byte_tokenizer()
     drafter = build(name, target, tokenizer, tiny_llama(seed=3), "tiny")
@@ -231,7 +231,7 @@ def test_stop_strings_end_the_output_exactly(gamma):
 
 
 def test_bad_stop_strings_are_refused(capsys, tiny_model_dir):
-    from mlxspec.cli import main
+    from mlxspec.commands.cli import main
 
     tokenizer, prompt, model, _ = scripted("abc")
     with pytest.raises(ValueError, match="stop strings must be non-empty"):

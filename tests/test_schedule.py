@@ -15,11 +15,11 @@ from mlxspec.drafters import Draft
 from mlxspec.drafters.eagle import EagleDrafter
 from mlxspec.drafters.medusa import MedusaDrafter
 from mlxspec.pacing import make_pacer
-from mlxspec.generate import speculative_rounds
-from mlxspec.sampling import SamplingParams
+from mlxspec.engine.generate import speculative_rounds
+from mlxspec.core.sampling import SamplingParams
 from mlxspec.pacing.scheduled import Scheduled, SurvivalCalibration, best_count, closed_survival, stopping_length
-from mlxspec.taps import output_head
-from mlxspec.tree import Tree
+from mlxspec.core.taps import output_head
+from mlxspec.core.tree import Tree
 from stats import chi_square
 from test_eagle import random_head
 from test_lossless import PROMPT as SHORT_PROMPT, V, exact_joint
@@ -185,8 +185,8 @@ def test_the_same_test_rejects_survival_that_reads_its_own_token(lossless_models
 
 
 def test_reliability_data_pools_the_scheduled_runs():
-    from mlxspec.bench import RunRecord
-    from mlxspec.bench_summary import reliability_data
+    from mlxspec.bench.runs import RunRecord
+    from mlxspec.bench.summary import reliability_data
 
     calibration = SurvivalCalibration()
     calibration.observe(np.array([0.95, 0.42, np.nan]), np.array([1, 2, 3]), np.array([True, False, False]))
@@ -199,9 +199,9 @@ def test_reliability_data_pools_the_scheduled_runs():
 
 
 def test_cli_refuses_scheduled_without_survival_and_names_the_policy(tiny_model_dir, capsys):
-    from mlxspec.cli import main
+    from mlxspec.commands.cli import main
     from mlxspec.commands.generate import format_stats
-    from mlxspec.metrics import GenerationStats
+    from mlxspec.core.metrics import GenerationStats
 
     assert main(["generate", "--model", str(tiny_model_dir), "--prompt", "hi", "--drafter", "ngram",
                  "--num-draft-tokens", "scheduled", "--max-tokens", "4"]) == 2

@@ -349,7 +349,7 @@ import mlx.core as mx
 # SIGINT ignored, and then Python installs no KeyboardInterrupt handler (this test hung in such a run)
 signal.signal(signal.SIGINT, signal.default_int_handler)
 import mlxspec.serve.server as server
-from mlxspec.cli import main
+from mlxspec.commands.cli import main
 
 def loader(args):
     def load():

@@ -13,7 +13,7 @@ from mlxspec.pacing import Costs, make_pacer
 from mlxspec.drafters import DrafterSpec, parse_specs
 from mlxspec.drafters.suffix import (StoreStats, SuffixDrafter, SuffixStore, continuation_tree, global_store_stats,
                                      longest_match)
-from mlxspec.sampling import SamplingParams
+from mlxspec.core.sampling import SamplingParams
 from test_generate import plain_greedy
 
 STORE = np.array([1, 2, 3, 4, -1, 1, 2, 3, 5, -1, 1, 2, 6], dtype=np.int32)

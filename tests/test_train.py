@@ -12,10 +12,10 @@ import pytest
 from conftest import CHAT_TEMPLATE, byte_tokenizer, tiny_llama
 
 from mlxspec.commands.train import main as train_main
-from mlxspec.data import Conversation, Turn, read_prompts_jsonl
+from mlxspec.loading.data import Conversation, Turn, read_prompts_jsonl
 from mlxspec.heads.medusa import load_medusa
-from mlxspec.sampling import SamplingParams
-from mlxspec.taps import output_head
+from mlxspec.core.sampling import SamplingParams
+from mlxspec.core.taps import output_head
 from mlxspec.train import (
     EvalRecord,
     FeatureCache,
@@ -300,8 +300,8 @@ def test_cli_trains_then_measures(tiny_model_dir, tmp_path, capsys):
 @pytest.mark.parametrize("kind", ["medusa", "ngram", "draft"])
 def test_replay_matches_the_engine_at_temperature_zero(kind):
     from mlxspec.drafters import DraftModelDrafter, MedusaDrafter, NgramDrafter
-    from mlxspec.tree import read_tree
-    from mlxspec.generate import generate
+    from mlxspec.core.tree import read_tree
+    from mlxspec.engine.generate import generate
     from mlxspec.train import init_heads
     from mlxspec.train.measure import replay, target_features
 
@@ -335,7 +335,7 @@ def test_replay_matches_the_engine_at_temperature_zero(kind):
 
 def test_a_sampled_draft_is_not_replayed():
     from mlxspec.drafters import DraftModelDrafter
-    from mlxspec.generate import generate
+    from mlxspec.engine.generate import generate
     from mlxspec.train.measure import NotReplayable, replay
 
     model, tok = tiny_llama(seed=2), byte_tokenizer()
@@ -359,7 +359,7 @@ def test_a_restricted_training_vocabulary_still_learns(tiny, caches, tmp_path):
 
 
 def test_medusa_trains_on_a_corpus(tiny_model_dir, tmp_path, capsys):
-    from mlxspec.loading import load
+    from mlxspec.loading.models import load
     from mlxspec.train.corpus import build_corpus
 
     model, tok = load(str(tiny_model_dir))

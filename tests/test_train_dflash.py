@@ -11,7 +11,7 @@ import pytest
 from conftest import byte_tokenizer, tiny_llama
 
 from mlxspec.drafters.dflash import DFlashDrafter
-from mlxspec.generate import generate
+from mlxspec.engine.generate import generate
 from mlxspec.heads.dflash import load_dflash
 from mlxspec.train.dflash import (
     DFlashEvalRecord,
@@ -124,7 +124,7 @@ def test_resuming_mid_run_gives_the_same_drafter(tiny, corpus, tmp_path):
 
 def test_cli_trains_writes_the_record_and_refuses_bad_input(tiny_model_dir, tmp_path, capsys):
     from mlxspec.commands.train import main as train_main
-    from mlxspec.loading import load
+    from mlxspec.loading.models import load
 
     model, tok = load(str(tiny_model_dir), dtype="float32")  # 2 layers: its corpus records the embedding
     _corpus(model, tok, tmp_path / "corpus", train_prompts=4, validation_prompts=2)

@@ -16,9 +16,9 @@ from test_cli import run as run_generate
 
 from mlxspec.commands.train import main as train_main
 from mlxspec.drafters import make_drafter
-from mlxspec.generate import generate
-from mlxspec.identity import write_card
-from mlxspec.sampling import SamplingParams
+from mlxspec.engine.generate import generate
+from mlxspec.loading.identity import write_card
+from mlxspec.core.sampling import SamplingParams
 from mlxspec.train.corpus import build_corpus
 from mlxspec.train.draft import draft_model_config, init_draft, project_embeddings, train_draft
 from mlxspec.train.draft_data import DraftTrainConfig, training_vocab

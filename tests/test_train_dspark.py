@@ -12,7 +12,7 @@ from conftest import byte_tokenizer, save_tiny_model, tiny_llama
 
 from mlxspec.drafters import make_drafter
 from mlxspec.pacing import make_pacer
-from mlxspec.generate import generate
+from mlxspec.engine.generate import generate
 from mlxspec.heads.dspark import ConfidenceHead, load_dspark
 from mlxspec.train.dflash import DFlashTrainConfig, make_batch, plan_epoch, train_dflash
 from mlxspec.train.dspark import DSparkEvalRecord, DSparkTrainConfig, evaluate, train_dspark

@@ -12,7 +12,7 @@ from conftest import byte_tokenizer, tiny_llama
 from mlx_lm.models.cache import KVCache
 
 from mlxspec.drafters.eagle import EagleDrafter
-from mlxspec.generate import generate
+from mlxspec.engine.generate import generate
 from mlxspec.heads.eagle import load_eagle
 from mlxspec.train.corpus import build_corpus
 from mlxspec.train.eagle import init_head, train_eagle, unroll
@@ -227,7 +227,7 @@ def test_the_checkpoint_loads_and_drafts_greedy_identical_text(tiny, trained):
 
 def test_cli_trains_writes_the_record_and_refuses_bad_input(tiny_model_dir, tmp_path, capsys):
     from mlxspec.commands.train import main as train_main
-    from mlxspec.loading import load
+    from mlxspec.loading.models import load
 
     model, tok = load(str(tiny_model_dir), dtype="float32")
     _corpus(model, tok, tmp_path / "corpus", train_prompts=16, validation_prompts=4)

@@ -86,7 +86,7 @@ def test_the_trained_module_drafts_greedy_identical_text_and_is_accepted(tiny, t
 
 def test_cli_trains_and_writes_the_record(tiny_model_dir, tmp_path, capsys):
     from mlxspec.commands.train import main as train_main
-    from mlxspec.loading import load
+    from mlxspec.loading.models import load
 
     model, tok = load(str(tiny_model_dir), dtype="float32")
     _corpus(model, tok, tmp_path / "corpus", train_prompts=8, validation_prompts=2)

@@ -12,10 +12,10 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from conftest import byte_tokenizer, tiny_llama
 from mlxspec import SamplingParams, generate
-from mlxspec.cache import cache_length, commit_path, tree_attention
+from mlxspec.core.cache import cache_length, commit_path, tree_attention
 from mlxspec.drafters import Draft, Drafter
-from mlxspec.tree import Tree
-from mlxspec.verify import verify_deterministic, verify_greedy, verify_sampled
+from mlxspec.core.tree import Tree
+from mlxspec.core.verify import verify_deterministic, verify_greedy, verify_sampled
 from stats import chi_square
 
 #        root

@@ -8,8 +8,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxspec.tree import chain
-from mlxspec.verify import verify_deterministic, verify_greedy, verify_sampled
+from mlxspec.core.tree import chain
+from mlxspec.core.verify import verify_deterministic, verify_greedy, verify_sampled
 from stats import chi_square
 
 V, K = 6, 2

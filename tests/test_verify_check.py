@@ -11,12 +11,12 @@ import pytest
 
 from conftest import tiny_llama
 from mlxspec import pacing as gamma
-from mlxspec.cli import main
+from mlxspec.commands.cli import main
 from mlxspec.drafters import DraftProfile
 from mlxspec.pacing import Auto, Costs
 from mlxspec.drafters import make_drafter
-from mlxspec.sampling import SamplingParams
-from mlxspec.verify_check import batchable, chi2_sf, g_statistic, holm, run_check
+from mlxspec.core.sampling import SamplingParams
+from mlxspec.bench.verify_check import batchable, chi2_sf, g_statistic, holm, run_check
 
 V = 8
 PROMPTS = [("repeats", [1, 2, 3, 1, 2]), ("other", [5, 4, 6, 5, 4])]

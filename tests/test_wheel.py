@@ -62,7 +62,7 @@ def installed(tmp_path_factory) -> Path:
 
 def test_an_installed_wheel_runs_the_shipped_eagle_head_from_another_folder(installed, tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("MLXSPEC_MODELS", "PYTHONPATH")}
-    where = _run([str(installed / "python"), "-c", "import mlxspec.assets as a; print(a.__file__, a.models_dir())"],
+    where = _run([str(installed / "python"), "-c", "import mlxspec.loading.assets as a; print(a.__file__, a.models_dir())"],
                  cwd=tmp_path, env=env).stdout.split()
     assert all(Path(p).is_relative_to(installed.parent) for p in where), where  # the wheel's, not the checkout's
     done = _run([str(installed / "mlxspec"), "generate", "--drafter", "eagle", "--dtype", "float32", "--prompt",

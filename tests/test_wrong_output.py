@@ -9,7 +9,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from conftest import tiny_llama
 from mlxspec import PromptCache, generate
-from mlxspec.stops import check_stops
+from mlxspec.core.stops import check_stops
 from test_generate import plain_greedy
 
 

@@ -21,7 +21,7 @@ from textual.widgets import Button, Input, Label, RadioButton, RadioSet, Select
 
 from mlxspec.drafters import DrafterSpec, drafter_types
 from mlxspec.pacing import AUTO, MAX_NUM_DRAFT_TOKENS, SCHEDULED, check_num_draft_tokens
-from mlxspec.loading import DTYPES
+from mlxspec.loading.models import DTYPES
 
 from ..messages import EngineInfo
 

@@ -13,14 +13,14 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from ..bench import BenchModels, RunRecord, System, estimate_s, iter_runs, make_systems, without_unscheduled
-from ..bench_summary import Verdict, format_table, summarize, verdicts, write_plots
-from ..data import load_sharegpt, read_prompts_jsonl, sample_prompts
+from ..bench.runs import BenchModels, RunRecord, System, estimate_s, iter_runs, make_systems, without_unscheduled
+from ..bench.summary import Verdict, format_table, summarize, verdicts, write_plots
+from ..loading.data import load_sharegpt, read_prompts_jsonl, sample_prompts
 from ..drafters import DrafterSpec, drafter_types, parse_specs
-from ..machine import machine_info
+from ..runtime.machine import machine_info
 from ..pacing import AUTO, PRICED_PLAIN, SCHEDULED, Costs, load_or_calibrate, make_pacer
-from ..loading import DTYPES
-from ..session import ModelSpec, build_drafter, draft_model_spec, load_model, runnable_drafters
+from ..loading.models import DTYPES
+from ..engine.session import ModelSpec, build_drafter, draft_model_spec, load_model, runnable_drafters
 from .common import ArgumentParser, add_drafter_option_args, drafter_flags_given, fail, run_main, with_drafter_flags
 from .files import check_output_file, save_or_keep
 from .generate import read_prompt

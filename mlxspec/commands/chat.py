@@ -7,9 +7,9 @@ import os
 import sys
 from dataclasses import replace
 
-from ..assets import NAMED_MODELS, named_model_path
+from ..loading.assets import NAMED_MODELS, named_model_path
 from ..pacing import AUTO
-from ..session import draft_model_spec
+from ..engine.session import draft_model_spec
 from .common import (
     ArgumentParser,
     add_model_args,

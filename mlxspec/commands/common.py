@@ -11,17 +11,17 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..arguments import check_typical
-from ..assets import NAMED_MODELS
+from ..engine.arguments import check_typical
+from ..loading.assets import NAMED_MODELS
 from ..drafters import Drafter, DrafterSpec, drafter_types
-from ..machine import blas_in_use, find_fast_blas
+from ..runtime.machine import blas_in_use, find_fast_blas
 from ..pacing import AUTO, MAX_NUM_DRAFT_TOKENS, SCHEDULED, check_num_draft_tokens
-from ..generate import DEFAULT_MAX_TOKENS, DEFAULT_NUM_DRAFT_TOKENS
-from ..loading import DTYPES
-from ..sampling import SamplingParams
-from ..stops import check_stops
-from ..session import USER_ERRORS, LoadedModel, ModelSpec, draft_model_spec, load_model
-from ..session import build_drafter as session_build_drafter
+from ..engine.generate import DEFAULT_MAX_TOKENS, DEFAULT_NUM_DRAFT_TOKENS
+from ..loading.models import DTYPES
+from ..core.sampling import SamplingParams
+from ..core.stops import check_stops
+from ..engine.session import USER_ERRORS, LoadedModel, ModelSpec, draft_model_spec, load_model
+from ..engine.session import build_drafter as session_build_drafter
 
 
 __all__ = ["USER_ERRORS", "ArgumentParser", "LoadedModels", "add_drafter_args", "add_drafter_option_args", "add_model_args", "add_sampling_args",

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import mlx.nn as nn
 
-from ..weights import DTYPES, QUANTIZED_TYPES
+from ..loading.weights import DTYPES, QUANTIZED_TYPES
 from .common import ArgumentParser, is_mlx_error, run_main
 
 
@@ -92,7 +92,7 @@ def convert(src: str, out: str | Path, *, dtype: str | None = None, requantize: 
     """
     from mlx_lm.utils import save_config, save_model
 
-    from ..loading import load
+    from ..loading.models import load
 
     out = Path(out).expanduser()
     staging = out.with_name(out.name + ".partial")

@@ -10,10 +10,10 @@ import mlx.core as mx
 
 from ..pacing import AUTO, PRICED_PLAIN, load_or_calibrate, make_pacer, tree_summary
 from ..drafters import make_drafter
-from ..distributed import SHARD_KINDS, check_sharded_args, job_sum, rank_output
-from ..generate import DEFAULT_NUM_DRAFT_TOKENS, check_context, context_length, encode_prompt, stream_generate
-from ..session import check_fits
-from ..metrics import GenerationStats, TokenEvent
+from ..runtime.distributed import SHARD_KINDS, check_sharded_args, job_sum, rank_output
+from ..engine.generate import DEFAULT_NUM_DRAFT_TOKENS, check_context, context_length, encode_prompt, stream_generate
+from ..engine.session import check_fits
+from ..core.metrics import GenerationStats, TokenEvent
 from .common import (
     ArgumentParser,
     add_model_args,

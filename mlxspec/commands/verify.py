@@ -10,8 +10,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from ..pacing import load_or_calibrate, make_pacer
-from ..generate import DEFAULT_NUM_DRAFT_TOKENS, encode_prompt
-from ..verify_check import (DEFAULT_ALPHA, DEFAULT_PROMPTS, DEFAULT_SAMPLES, DEFAULT_TOKENS, MAX_TOKENS, VerifyReport,
+from ..engine.generate import DEFAULT_NUM_DRAFT_TOKENS, encode_prompt
+from ..bench.verify_check import (DEFAULT_ALPHA, DEFAULT_PROMPTS, DEFAULT_SAMPLES, DEFAULT_TOKENS, MAX_TOKENS, VerifyReport,
                             check_num_tokens, run_check)
 from .common import ArgumentParser, add_blas_arg, add_model_args, add_recalibrate_arg, add_sampling_args, check_args
 from .common import load_models

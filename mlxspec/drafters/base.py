@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from ..sampling import SamplingParams
-from ..tree import Tree, chain
+from ..core.sampling import SamplingParams
+from ..core.tree import Tree, chain
 
 
 @dataclass

@@ -12,8 +12,8 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
 from ..heads.dflash import DFlashNet, load_dflash
-from ..sampling import SamplingParams, sample
-from ..taps import model_body, output_head
+from ..core.sampling import SamplingParams, sample
+from ..core.taps import model_body, output_head
 from .base import Draft, Drafter, DraftProfile, feature_prefill, pending_features
 from .registry import DrafterContext, DrafterType, option, register
 

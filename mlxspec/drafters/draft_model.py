@@ -3,7 +3,7 @@
 Leviathan et al. 2023 (arXiv 2211.17192), section 2.3: the draft model samples
 γ tokens autoregressively from q (the same warp as the target's p), keeping
 q for the rejection sampler. At temperature 0 it drafts greedily (q one-hot).
-With a draft vocabulary (FR-Spec, arXiv 2502.14856; ``mlxspec.vocab``) q lives on
+With a draft vocabulary (FR-Spec, arXiv 2502.14856; ``mlxspec.drafters.vocab``) q lives on
 the most frequent tokens plus those of the text so far, and the draft's LM head
 multiplies only their rows.
 """
@@ -19,10 +19,10 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..cache import check_rewindable, prefill, speculative_cache, trim
-from ..sampling import SamplingParams, process_logits, sample
-from ..taps import head_slice, logits_width, model_body
-from ..vocab import DEFAULT_DRAFT_VOCAB, MIN_AUTO_VOCAB, draft_ids, load_ranking, sharegpt_ranking, tokenizer_digest
+from ..core.cache import check_rewindable, prefill, speculative_cache, trim
+from ..core.sampling import SamplingParams, process_logits, sample
+from ..core.taps import head_slice, logits_width, model_body
+from .vocab import DEFAULT_DRAFT_VOCAB, MIN_AUTO_VOCAB, draft_ids, load_ranking, sharegpt_ranking, tokenizer_digest
 from .base import Draft, Drafter, DraftProfile, Plan
 from .registry import DrafterContext, DrafterType, at_least, int_or_auto, option, register
 
@@ -308,9 +308,9 @@ def _with_shipped_draft(context: DrafterContext) -> DrafterContext:
     Raises:
         ValueError: no target, or no draft model ships for it.
     """
-    from ..assets import PUBLISHED
-    from ..identity import shipped_for
-    from ..loading import load
+    from ..loading.assets import PUBLISHED
+    from ..loading.identity import shipped_for
+    from ..loading.models import load
 
     path = shipped_for("draft", context.target) if context.target is not None else None
     if path is None:

@@ -12,7 +12,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..heads.dspark import DSparkNet, load_dspark
-from ..sampling import SamplingParams, sample
+from ..core.sampling import SamplingParams, sample
 from .base import Draft, DraftProfile
 from .dflash import DFlashDrafter
 from .registry import DrafterContext, DrafterType, option, register

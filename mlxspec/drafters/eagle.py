@@ -1,7 +1,7 @@
 """EAGLE drafting: EAGLE-2 dynamic trees, EAGLE-1 static trees and chains from an EAGLE head.
 
 Li et al. 2024, EAGLE (arXiv 2401.15077) and EAGLE-2 (arXiv 2406.16858). The head itself (config,
-layers, checkpoint formats) is ``mlxspec.heads.eagle``; the static tree presets are in ``mlxspec.tree``.
+layers, checkpoint formats) is ``mlxspec.heads.eagle``; the static tree presets are in ``mlxspec.core.tree``.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
-from ..cache import TreeRoPE
+from ..core.cache import TreeRoPE
 from ..heads.eagle import EagleHead, load_eagle
-from ..taps import model_body, output_head
-from ..tree import Tree, read_eagle_tree, tree_from_choices
+from ..core.taps import model_body, output_head
+from ..core.tree import Tree, read_eagle_tree, tree_from_choices
 from .base import Draft, Drafter, DraftProfile, Plan, feature_prefill, pending_features
 from .registry import DrafterContext, DrafterType, at_least, int_or_auto, option, register
 from .ngram import lookup_continuation

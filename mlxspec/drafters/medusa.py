@@ -2,7 +2,7 @@
 
 Cai et al. 2024, "Medusa" (arXiv 2401.10774), sections 2.1 (heads) and 2.3 (tree
 attention). Each round the heads' (``mlxspec.heads.medusa``) top-k tokens fill a static
-tree of rank paths (``mlxspec.tree``); the drafts are deterministic, so verification is the exact
+tree of rank paths (``mlxspec.core.tree``); the drafts are deterministic, so verification is the exact
 tree rule for one-hot q (docs/acceptance.md 2.4) and the output is distributed as the target's.
 
 The default tree, ``auto``, is ``mc_sim_7b_63`` cut each round to the node budget of the round's plan
@@ -20,9 +20,9 @@ import mlx.core as mx
 import numpy as np
 
 from ..heads.medusa import MedusaHeads, load_medusa, medusa_folder
-from ..sampling import SamplingParams
-from ..taps import logits_width, output_head
-from ..tree import MC_SIM_7B_63, TREE_PRESETS, Tree, read_tree, tree_from_choices
+from ..core.sampling import SamplingParams
+from ..core.taps import logits_width, output_head
+from ..core.tree import MC_SIM_7B_63, TREE_PRESETS, Tree, read_tree, tree_from_choices
 from .base import Draft, Drafter, DraftProfile, Plan
 from .registry import DrafterContext, DrafterType, option, register
 

@@ -20,10 +20,10 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
-from ..assets import PUBLISHED, shipped
+from ..loading.assets import PUBLISHED, shipped
 from ..heads.mtp import TRAIN_COMMAND, MTPStack, has_mtp, load_mtp
-from ..sampling import SamplingParams, sample
-from ..taps import head_slice, logits_width, model_body, output_head
+from ..core.sampling import SamplingParams, sample
+from ..core.taps import head_slice, logits_width, model_body, output_head
 from .base import Draft, Drafter, DraftProfile, feature_prefill, pending_features
 from .registry import DrafterContext, DrafterType, at_least, option, register
 

@@ -15,8 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..identity import require_shipped_for
-from ..distributed import check_drafter
+from ..loading.identity import require_shipped_for
+from ..runtime.distributed import check_drafter
 from .base import Drafter
 
 

@@ -32,8 +32,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from ..taps import logits_width
-from ..tree import Tree
+from ..core.taps import logits_width
+from ..core.tree import Tree
 from .base import Draft, Drafter, DraftProfile
 from .registry import DrafterContext, DrafterType, at_least, int_or_auto, option, register
 from .suffix_store import (  # noqa: F401 (re-exported: the store's names as the suffix drafter's)

@@ -63,7 +63,7 @@ class SuffixStore:
 
     Attributes:
         tokens_joined: Tokens (separators included) of documents copied into the joined array so far: the
-            store's work for its searches, which tests and ``python -m mlxspec.suffix_bench`` read
+            store's work for its searches, which tests and ``python -m mlxspec.bench.suffix`` read
             (the buffer's doubling and compaction copy too, amortised O(1) a token).
 
     Raises:

@@ -16,8 +16,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from ..loading import hub_folder, looks_like_repo_id
-from ..taps import model_body
+from ..loading.models import hub_folder, looks_like_repo_id
+from ..core.taps import model_body
 
 
 def local_or_hub(spec: str, allow_patterns: list[str], missing: str) -> Path:

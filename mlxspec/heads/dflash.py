@@ -30,8 +30,8 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.qwen3 import MLP
 from mlx_lm.models.rope_utils import initialize_rope
 
-from ..taps import logits_width, model_body
-from ..weights import one_line
+from ..core.taps import logits_width, model_body
+from ..loading.weights import one_line
 from .checkpoints import check_tensors, embedding_dtype, load_safetensors, local_or_hub, read_config, write_checkpoint
 
 DEFAULT_BLOCK_SIZE = 16

@@ -29,9 +29,9 @@ import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models import llama
 
-from ..pickle_reader import load_torch_weights
-from ..taps import logits_width
-from ..weights import one_line
+from ..loading.pickle_reader import load_torch_weights
+from ..core.taps import logits_width
+from ..loading.weights import one_line
 from .checkpoints import check_tensors, embedding_dtype, load_safetensors, local_or_hub, write_checkpoint
 
 #: How every error about a file that holds no usable EAGLE head ends: what to pass instead.

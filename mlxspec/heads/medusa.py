@@ -16,8 +16,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from ..pickle_reader import load_torch_weights
-from ..weights import one_line
+from ..loading.pickle_reader import load_torch_weights
+from ..loading.weights import one_line
 from .checkpoints import load_safetensors, local_or_hub, write_checkpoint
 
 #: How every error about a file that holds no usable Medusa heads ends: what to pass instead.

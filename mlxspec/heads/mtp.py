@@ -33,8 +33,8 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.base import create_attention_mask
 
-from ..taps import _Recorder, logits_width, model_body
-from ..weights import one_line
+from ..core.taps import _Recorder, logits_width, model_body
+from ..loading.weights import one_line
 from .checkpoints import load_safetensors, read_config
 
 TRAIN_COMMAND = "mlxspec train mtp --model TARGET --corpus CORPUS -o DIR"

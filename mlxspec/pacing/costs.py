@@ -22,12 +22,12 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from ..cache import prefill, speculative_cache, trim
-from ..distributed import check_measured
-from ..loading import default_cache_dir
-from ..progress import progress_bar
-from ..machine import blas_in_use, cpu_name
-from ..sampling import SamplingParams
+from ..core.cache import prefill, speculative_cache, trim
+from ..runtime.distributed import check_measured
+from ..loading.models import default_cache_dir
+from ..runtime.progress import progress_bar
+from ..runtime.machine import blas_in_use, cpu_name
+from ..core.sampling import SamplingParams
 
 #: Largest verify width measured (γ + 1 ≤ this, so γ auto drafts at most 15).
 MAX_VERIFY_TOKENS = 16

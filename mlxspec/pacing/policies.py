@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..drafters.base import Draft, DraftProfile, Plan
-from ..metrics import CycleStats
+from ..core.metrics import CycleStats
 from .costs import MAX_VERIFY_TOKENS, Costs
 
 PLAIN = Plan(0)

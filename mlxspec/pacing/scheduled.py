@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..drafters.base import Draft, Plan
-from ..metrics import CycleStats
+from ..core.metrics import CycleStats
 from .costs import Costs
 from .policies import PLAIN
 

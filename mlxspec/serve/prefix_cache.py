@@ -20,7 +20,7 @@ import copy
 import mlx.nn as nn
 import numpy as np
 
-from ..cache import PromptCache, trim
+from ..core.cache import PromptCache, trim
 
 
 def common_prefix(held: list[int], prompt: list[int]) -> int:

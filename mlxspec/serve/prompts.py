@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 
-from ..generate import encode_prompt
+from ..engine.generate import encode_prompt
 from .errors import ApiError
 from .schemas import AnthropicTool, ChatMessage, MessagesRequest, Tool
 

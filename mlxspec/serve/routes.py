@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
-from ..metrics import GenerationStats
-from ..sampling import SamplingParams
+from ..core.metrics import GenerationStats
+from ..core.sampling import SamplingParams
 from .errors import ApiError, parse
 from .metrics import Metrics
 from .worker import Delta, Done, Failed, Job, QueueFull, Served, Worker

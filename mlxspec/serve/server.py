@@ -11,8 +11,8 @@ import sys
 import uvicorn
 
 from ..pacing import make_pacer
-from ..generate import context_length
-from ..session import check_fits
+from ..engine.generate import context_length
+from ..engine.session import check_fits
 from .app import create_app
 from .metrics import Metrics
 from .routes import Defaults, ServerState

@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from ..generate import stream_generate
-from ..metrics import CycleStats, GenerationStats, TokenEvent
-from ..sampling import SamplingParams
-from ..session import USER_ERRORS
-from ..threads import MLXThread
+from ..engine.generate import stream_generate
+from ..core.metrics import CycleStats, GenerationStats, TokenEvent
+from ..core.sampling import SamplingParams
+from ..engine.session import USER_ERRORS
+from ..runtime.threads import MLXThread
 from .prefix_cache import PrefixCache
 
 
@@ -141,7 +141,7 @@ class Worker:
         self._load, self._cache_bounds, self._on_done = load, prefix_cache, on_done
         self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
         self._ready = threading.Event()
-        self._thread = MLXThread(self._serve, name="mlxspec-serve-worker")  # exits cleanly (mlxspec.threads)
+        self._thread = MLXThread(self._serve, name="mlxspec-serve-worker")  # exits cleanly (mlxspec.runtime.threads)
         self._running: Job | None = None
         self.served: Served | None = None
         self.error: BaseException | None = None

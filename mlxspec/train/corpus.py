@@ -44,7 +44,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import BatchKVCache
 
-from ..taps import HiddenTap, output_head
+from ..core.taps import HiddenTap, output_head
 from .store import MANIFEST, StoreProgress, model_fingerprint, open_manifest, write_chunk, write_json
 
 CORPUS_VERSION = 1

@@ -1,6 +1,6 @@
 """Training conversations: sources, the assistant-token loss mask, the held-out split.
 
-Conversations come from ShareGPT (``mlxspec.data``) or a user JSONL file, are rendered with
+Conversations come from ShareGPT (``mlxspec.loading.data``) or a user JSONL file, are rendered with
 the target's chat template, and get a loss mask that is true only on assistant tokens. The
 assistant spans are found by rendering prefixes of the conversation and diffing token counts,
 so any template works as long as rendering a prefix gives a prefix of the tokens (templates
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..data import ROLES, Conversation, Prompt, Turn, conversation_from_record, load_sharegpt
+from ..loading.data import ROLES, Conversation, Prompt, Turn, conversation_from_record, load_sharegpt
 
 SHAREGPT = "sharegpt"
 HELDOUT_KIND = "heldout"
@@ -73,7 +73,7 @@ def read_conversations(source: str) -> tuple[list[Conversation], str]:
     """Conversations from ShareGPT or a JSONL file.
 
     Args:
-        source: ``"sharegpt"`` (ShareGPT V3, fetched once, see ``mlxspec.data``) or a JSONL
+        source: ``"sharegpt"`` (ShareGPT V3, fetched once, see ``mlxspec.loading.data``) or a JSONL
             file with one conversation per line: ``{"messages": [{"role", "content"}, ...]}``
             or ShareGPT's ``{"conversations": [{"from", "value"}, ...]}``; an optional ``"id"``.
 

@@ -38,7 +38,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ..heads.dflash import DFlashConfig, DFlashNet, load_dflash, save_dflash
-from ..taps import logits_width, model_body, output_head
+from ..core.taps import logits_width, model_body, output_head
 from .eagle import lm_head_matrix, soft_ce
 from .features import FeatureCache, check_corpus_arrays, chunk_batches, chunk_spans, feature_scale, fold_feature_scale, folded_copy
 from .loop import EpochPlans, EvalRecord, StepRecord, TrainConfig, fit

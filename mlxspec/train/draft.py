@@ -42,7 +42,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..taps import model_body, output_head
+from ..core.taps import model_body, output_head
 from .features import FeatureCache
 from .draft_data import (
     RESUME_KEYS,

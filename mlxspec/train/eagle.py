@@ -41,7 +41,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ..heads.eagle import EagleConfig, EagleHead, load_eagle, save_eagle
-from ..taps import logits_width, model_body, output_head
+from ..core.taps import logits_width, model_body, output_head
 from .features import FeatureCache, feature_scale, fold_feature_scale, folded_copy
 from .eagle_data import (
     RESUME_KEYS,

@@ -26,8 +26,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..loading import default_cache_dir
-from ..taps import HiddenTap, output_head
+from ..loading.models import default_cache_dir
+from ..core.taps import HiddenTap, output_head
 from .dataset import Example
 from .loop import cast_copy
 from .store import MANIFEST, StoreProgress, model_fingerprint, open_manifest, write_chunk, write_json

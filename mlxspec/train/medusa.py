@@ -23,7 +23,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ..heads.medusa import MedusaConfig, MedusaHeads, load_medusa, save_medusa
-from ..taps import logits_width, output_head
+from ..core.taps import logits_width, output_head
 from .features import LABELS, Batch, FeatureCache
 from .loop import EvalRecord, StepRecord, TrainConfig, cast_copy, fit
 

@@ -24,7 +24,7 @@ import numpy as np
 
 from ..heads.mtp import MTPStack, init_mtp, load_mtp, save_mtp
 from .eagle import EagleTask, soft_ce, unroll
-from ..taps import logits_width
+from ..core.taps import logits_width
 from .eagle_data import EagleTrainConfig, SequenceBatch, draft_vocabulary, token_counts
 from .features import FeatureCache
 from .loop import EvalRecord, StepRecord, cast_copy, fit

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from ...loading import load
+from ...loading.models import load
 from ...train import dataset
 from ...train.corpus import DEFAULT_TOPK, build_corpus
 from .shared import TRAIN, VALIDATION, add_data_flag, add_model_flag, heldout_split, say

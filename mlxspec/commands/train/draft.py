@@ -17,8 +17,8 @@ from pathlib import Path
 
 from mlx.utils import tree_flatten
 
-from ...loading import describe, load
-from ...taps import model_body
+from ...loading.models import describe, load
+from ...core.taps import model_body
 from ...train.draft import draft_step_ms, init_draft, train_draft
 from ...train.draft_data import DraftEvalRecord, DraftTrainConfig
 from .shared import add_run_flags, make_config, open_corpus, say, train_with_progress

@@ -11,8 +11,8 @@ import json
 import shlex
 from pathlib import Path
 
-from ...data import read_prompts_jsonl
-from ...session import ModelSpec, load_model
+from ...loading.data import read_prompts_jsonl
+from ...engine.session import ModelSpec, load_model
 from ...train.measure import Contender, markdown_table, measure, read_plain_runs
 from ..common import ArgumentParser, add_model_args, build_drafter, check_drafter_args
 from .shared import HELDOUT_PROMPTS, say

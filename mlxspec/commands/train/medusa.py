@@ -18,7 +18,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from ...loading import load
+from ...loading.models import load
 from ...train import dataset
 from ...train.features import DEFAULT_CHUNK_TOKENS, LABELS, FeatureCache, cache_dir_for, extract_features
 from ...train.medusa import MedusaEvalRecord, MedusaTrainConfig, train_medusa

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from ...loading import load
+from ...loading.models import load
 from ...train import dataset
 from ...train.features import FeatureCache
 from ...train.loop import SAVE_DTYPES, EvalRecord, StepRecord, TrainConfig

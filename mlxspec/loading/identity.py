@@ -19,7 +19,7 @@ import mlx.nn as nn
 import numpy as np
 
 from .assets import PUBLISHED, SHIPPED_MARKERS, WHAT, models_dir
-from .taps import model_body
+from ..core.taps import model_body
 
 #: The card's file in a shipped head folder.
 CARD_FILE = "target.json"

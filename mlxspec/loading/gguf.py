@@ -1,6 +1,6 @@
 """Load a GGUF file (llama.cpp's format) as an mlx-lm model and tokenizer.
 
-Tensors are read from the memory-mapped file, one at a time, by ``mlxspec.ggml_quants``:
+Tensors are read from the memory-mapped file, one at a time, by ``mlxspec.loading.ggml_quants``:
 
 - F32, F16 and BF16 stay as they are;
 - affine formats on 32-element groups (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K) become MLX
@@ -55,7 +55,7 @@ from tokenizers import (
 )
 from transformers import PreTrainedTokenizerFast
 
-from mlxspec.ggml_quants import (
+from mlxspec.loading.ggml_quants import (
     AFFINE_BITS,
     FLOAT_TYPES,
     GROUP_SIZE,
@@ -64,8 +64,8 @@ from mlxspec.ggml_quants import (
     dequantize_affine,
     dequantize_sub_blocks,
 )
-from mlxspec.progress import progress_bar
-from mlxspec.weights import check_dtype, finish, one_line
+from mlxspec.runtime.progress import progress_bar
+from mlxspec.loading.weights import check_dtype, finish, one_line
 
 SUPPORTED_TYPES = (*FLOAT_TYPES, *AFFINE_BITS, *SUB_BLOCK_TYPES)
 """Tensor types ``load_gguf`` accepts."""

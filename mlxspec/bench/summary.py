@@ -1,7 +1,7 @@
 """Summaries of ``mlxspec bench`` runs: per-row speedups, predictions, tables and plots.
 
 The runs are ``bench.RunRecord``s; speedup is the median over prompt × temperature pairs of
-``generation_tps(system) / generation_tps(baseline)`` on the same pair (see ``mlxspec.bench``).
+``generation_tps(system) / generation_tps(baseline)`` on the same pair (see ``mlxspec.bench.runs``).
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import statistics
 from collections import defaultdict
 from dataclasses import dataclass
 
-from .bench import BASELINE, CONTROL, RunRecord, System
-from .pacing import AUTO, NUM_BINS, SCHEDULED, Costs, expected_tau
+from .runs import BASELINE, CONTROL, RunRecord, System
+from ..pacing import AUTO, NUM_BINS, SCHEDULED, Costs, expected_tau
 
 
 def alpha_mle(rounds: list[tuple[int, int]]) -> float:

@@ -29,12 +29,12 @@ import numpy as np
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from .cache import prefill, tree_attention
-from .drafters import Draft, Drafter
-from .pacing import Fixed, Pacer
-from .generate import make_verifier, speculative_rounds
-from .sampling import SamplingParams, process_logits, warp
-from .tree import Tree
+from ..core.cache import prefill, tree_attention
+from ..drafters import Draft, Drafter
+from ..pacing import Fixed, Pacer
+from ..engine.generate import make_verifier, speculative_rounds
+from ..core.sampling import SamplingParams, process_logits, warp
+from ..core.tree import Tree
 
 DEFAULT_SAMPLES = 2000
 DEFAULT_TOKENS = 3

@@ -1,6 +1,6 @@
 """Two multi-request tasks where earlier answers predict later ones: the suffix drafter's benchmark.
 
-    python -m mlxspec.bench_tasks --model qwen2.5-coder-1.5b --dtype float32 --drafters none,ngram,suffix
+    python -m mlxspec.bench.tasks --model qwen2.5-coder-1.5b --dtype float32 --drafters none,ngram,suffix
 
 - **code editing**: one conversation: a function, then three successive edits of it; each answer
   goes back into the conversation (one ``PromptCache`` per conversation, as the chat keeps).
@@ -17,10 +17,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .cache import PromptCache
-from .drafters import DrafterSpec, make_drafter, parse_specs
-from .generate import generate
-from .session import ModelSpec, load_model
+from ..core.cache import PromptCache
+from ..drafters import DrafterSpec, make_drafter, parse_specs
+from ..engine.generate import generate
+from ..engine.session import ModelSpec, load_model
 
 CODE_EDITS = (
     "Write a Python function parse_line(line) that splits a comma-separated line into fields and strips spaces.",
@@ -79,7 +79,7 @@ def run_task(task: str, loaded, spec: DrafterSpec, key: str, max_tokens: int) ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mlxspec.bench_tasks", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m mlxspec.bench.tasks", description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="default")
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--drafters", default="none,ngram,suffix,suffix:shared=false")

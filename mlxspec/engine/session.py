@@ -11,11 +11,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .assets import PUBLISHED, shipped
-from .distributed import SHARD_KINDS, init_group, shard
-from .cache import check_compactable, check_rewindable, speculative_cache
-from .drafters import Drafter, DrafterSpec, make_drafter
-from .loading import DTYPES, describe, is_quantized, load, model_name
+from ..loading.assets import PUBLISHED, shipped
+from ..runtime.distributed import SHARD_KINDS, init_group, shard
+from ..core.cache import check_compactable, check_rewindable, speculative_cache
+from ..drafters import Drafter, DrafterSpec, make_drafter
+from ..loading.models import DTYPES, describe, is_quantized, load, model_name
 
 #: Errors a user can cause (bad files, bad flags): shown as one line, never a traceback.
 USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, PermissionError)

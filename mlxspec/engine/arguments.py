@@ -12,8 +12,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .drafters import Drafter, DrafterSpec
-from .sampling import SamplingParams
+from ..drafters import Drafter, DrafterSpec
+from ..core.sampling import SamplingParams
 
 
 def check_types(prompt, drafter, num_draft_tokens, max_tokens, sampling, stop_tokens=None,

@@ -26,7 +26,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from .assets import cache_dir, models_dir
+from ..loading.assets import cache_dir, models_dir
 
 #: The draft vocabulary ``vocab=auto`` takes (FR-Spec's choice for Llama-3's 128k vocabulary too).
 DEFAULT_DRAFT_VOCAB = 32768
@@ -147,7 +147,7 @@ def sharegpt_ranking(tokenizer, vocab_size: int, on_measure: Callable[[str], Non
     ids = load_ranking(digest)
     if ids is not None:
         return ids
-    from .data import load_sharegpt  # only on first use: it reads 126 MB
+    from ..loading.data import load_sharegpt  # only on first use: it reads 126 MB
 
     if on_measure is not None:
         on_measure("the draft vocabulary: counting tokens over ShareGPT's answers (first use for this tokenizer)")

@@ -27,11 +27,11 @@ from mlx_lm.generate import generate_step, generation_stream, speculative_genera
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
-from .cache import prefill
-from .pacing import AUTO, SCHEDULED, Costs, Scheduled, make_pacer
-from .generate import stream_generate
-from .metrics import CycleStats, GenerationStats
-from .sampling import SamplingParams
+from ..core.cache import prefill
+from ..pacing import AUTO, SCHEDULED, Costs, Scheduled, make_pacer
+from ..engine.generate import stream_generate
+from ..core.metrics import CycleStats, GenerationStats
+from ..core.sampling import SamplingParams
 
 BASELINE = "mlx-lm"
 CONTROL = "mlx-lm (again)"

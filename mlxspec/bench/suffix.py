@@ -1,6 +1,6 @@
 """The first round's cost against the number of documents in the suffix store (issue 46).
 
-    python -m mlxspec.suffix_bench [--docs 1000,20000] [--tokens 1000000] [--requests 30]
+    python -m mlxspec.bench.suffix [--docs 1000,20000] [--tokens 1000000] [--requests 30]
 
 A store is filled with ``--docs`` finished documents of random tokens, then ``--requests`` requests run one
 after another as in a chat or a server: each opens its document (closing the last one) and drafts its first
@@ -20,8 +20,8 @@ import time
 
 import numpy as np
 
-from .sampling import SamplingParams
-from .drafters.suffix import SuffixDrafter, SuffixStore, _join
+from ..core.sampling import SamplingParams
+from ..drafters.suffix import SuffixDrafter, SuffixStore, _join
 
 
 class RejoiningStore(SuffixStore):
@@ -60,7 +60,7 @@ def first_rounds(store_type, num_docs: int, doc_tokens: int, requests: int, seed
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m mlxspec.suffix_bench", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m mlxspec.bench.suffix", description=__doc__.split("\n")[0])
     parser.add_argument("--docs", default="1000,20000", help="document counts, comma-separated. Default: 1000,20000")
     parser.add_argument("--tokens", type=int, default=1_000_000, help="tokens of the full store. Default: 1000000")
     parser.add_argument("--requests", type=int, default=30, help="requests timed per setting. Default: 30")

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .cache import trim
-from .taps import HiddenTap
-from .sampling import SamplingParams, process_logits, sample
+from ..core.cache import trim
+from ..core.taps import HiddenTap
+from ..core.sampling import SamplingParams, process_logits, sample
 
 
 class PlainSteps:

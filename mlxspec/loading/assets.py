@@ -28,7 +28,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from mlxspec.weights import one_line
+from mlxspec.loading.weights import one_line
 
 #: The file whose presence marks a complete shipped asset of each kind.
 SHIPPED_MARKERS = {

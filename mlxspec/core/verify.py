@@ -1,7 +1,7 @@
 """Acceptance rules for a drafted tree: pure array functions, no host sync.
 
 Every rule returns lazy arrays ``(choice, next_tokens)`` over the root-first nodes
-(index 0 is the root, draft node i is i + 1; see ``mlxspec.tree``):
+(index 0 is the root, draft node i is i + 1; see ``mlxspec.core.tree``):
 
 - ``choice[n]``: the child of node n that the target accepts (root-first index), 0 for none;
 - ``next_tokens[n]``: the token emitted if the walk stops at node n — resampled from

@@ -24,7 +24,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .arguments import check_ids, check_types, check_typical
-from .cache import (
+from ..core.cache import (
     DEFAULT_PREFILL_STEP_SIZE,
     PromptCache,
     as_prompt_cache,
@@ -34,14 +34,14 @@ from .cache import (
     prefill,
     tree_attention,
 )
-from .drafters import Draft, Drafter, DrafterSpec, Plan, make_drafter
-from .metrics import CycleStats, GenerationStats, TokenEvent
-from .pacing import Fixed, Pacer, make_pacer
+from ..drafters import Draft, Drafter, DrafterSpec, Plan, make_drafter
+from ..core.metrics import CycleStats, GenerationStats, TokenEvent
+from ..pacing import Fixed, Pacer, make_pacer
 from .plain_steps import PlainSteps
-from .sampling import SamplingParams, process_logits, warp
-from .taps import HiddenTap
-from .stops import HeldText, StopStrings, check_stops
-from .verify import verify_deterministic, verify_greedy, verify_sampled, verify_typical
+from ..core.sampling import SamplingParams, process_logits, warp
+from ..core.taps import HiddenTap
+from ..core.stops import HeldText, StopStrings, check_stops
+from ..core.verify import verify_deterministic, verify_greedy, verify_sampled, verify_typical
 
 DEFAULT_NUM_DRAFT_TOKENS = 4
 DEFAULT_MAX_TOKENS = 256

@@ -1,0 +1,1 @@
+"""The process and the machine it runs on: what the machine is, progress bars, the MLX thread, ranks of a sharded job."""
