@@ -1,4 +1,8 @@
-"""The code's shape: no import cycles, the app on the public library only, small modules."""
+"""The code's shape: a module is one idea, and the packages are layers (docs/design.md, "Modules").
+
+No import cycles; every import goes down the layers or stays inside its package; only ``mlxspec.pacing``
+itself is imported from outside ``pacing/``.
+"""
 
 from __future__ import annotations
 
@@ -12,9 +16,23 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"mlxspec": "mlxspec", "app": "mlxspec_app"}
 #: Data folders installed as packages (no code): the shipped heads and drafts in models/.
 DATA_PACKAGES = {"mlxspec_models"}
-#: Files allowed past the size limit, and why.
-LONG_FILES = {"mlxspec/loading/gguf.py": "one reader for a binary format with many block types"}
-MAX_LINES = 500
+#: The layers, lowest first: a module may import from its own package or from a package of a lower layer.
+#: ``mlxspec`` is the package's public names (its __init__), for the layers above the engine.
+LAYERS = {
+    "mlxspec.runtime": 0,  # the process: machine, progress bars, MLXThread, ranks of a sharded job
+    "mlxspec.core": 1,  # the round's parts: tree, cache, sampling, taps, acceptance rules, metrics, stops
+    "mlxspec.loading": 2,  # specs → models, GGUF, pickles, assets, identity cards, ShareGPT
+    "mlxspec.heads": 3,
+    "mlxspec.drafters": 4,
+    "mlxspec.pacing": 5,
+    "mlxspec.engine": 6,  # the round loop, argument checks, session
+    "mlxspec": 7,
+    "mlxspec.bench": 8, "mlxspec.train": 8, "mlxspec.serve": 8, "mlxspec_app": 8,
+    "mlxspec.commands": 9,
+    "mlxspec.__main__": 10,
+}
+#: The one package whose insides nobody else reads: its __init__ is what the others use.
+CLOSED = "mlxspec.pacing"
 #: What a clone's tracked files may weigh: code, docs, bench records and the shipped heads that pay.
 MAX_TRACKED_BYTES = 40 * 2**20
 
@@ -95,18 +113,41 @@ def test_no_module_imports_one_that_imports_it_back():
     assert cycles(graph()) == []
 
 
-def test_the_app_uses_the_library_not_the_cli():
-    edges = graph()
-    for name, targets in edges.items():
-        if name.startswith("mlxspec_app"):
-            assert not {t for t in targets if t.startswith("mlxspec.commands")}, name
-        elif name != "mlxspec.commands.chat":
-            assert not {t for t in targets if t.startswith("mlxspec_app")}, name
+def package(name: str) -> str:
+    """The layer package a module belongs to (the longest ``LAYERS`` key it is inside)."""
+    return max((p for p in LAYERS if name == p or name.startswith(p + ".")), key=len)
 
 
-def test_no_source_file_is_long():
-    long = {str(path.relative_to(ROOT)): len(path.read_text().splitlines()) for path in modules().values()}
-    assert {path: n for path, n in long.items() if n > MAX_LINES and path not in LONG_FILES} == {}
+def wrong_imports(edges: dict[str, set[str]]) -> list[str]:
+    """Every import that goes up a layer, across to another package of the same layer, or into ``CLOSED``'s insides."""
+    out = []
+    for name, targets in sorted(edges.items()):
+        for target in sorted(targets):
+            here, there = package(name), package(target)
+            if here != there and LAYERS[there] >= LAYERS[here]:
+                out.append(f"{name} -> {target} ({'across' if LAYERS[there] == LAYERS[here] else 'up'})")
+            if there == CLOSED != here and target != CLOSED:
+                out.append(f"{name} -> {target} (inside {CLOSED})")
+    return out
+
+
+def test_the_layer_check_finds_what_it_should():
+    edges = {"mlxspec.core.cache": {"mlxspec.engine.generate"}, "mlxspec.serve.server": {"mlxspec.train.loop"},
+             "mlxspec.engine.generate": {"mlxspec.pacing.costs", "mlxspec.pacing", "mlxspec.core.cache"},
+             "mlxspec.pacing.costs": {"mlxspec.pacing.trees"}}
+    assert wrong_imports(edges) == ["mlxspec.core.cache -> mlxspec.engine.generate (up)",
+                                    "mlxspec.engine.generate -> mlxspec.pacing.costs (inside mlxspec.pacing)",
+                                    "mlxspec.serve.server -> mlxspec.train.loop (across)"]
+
+
+def test_every_module_is_in_a_layer_package():
+    """A new top-level module or package must be placed in ``LAYERS`` (and in docs/design.md's drawing)."""
+    top = {".".join(name.split(".")[:2]) for name in modules() if name.startswith("mlxspec.")}
+    assert top <= set(LAYERS), top - set(LAYERS)
+
+
+def test_imports_go_down_the_layers():
+    assert wrong_imports(graph()) == []
 
 
 def test_every_package_is_installed():

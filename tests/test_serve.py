@@ -348,7 +348,7 @@ import mlx.core as mx
 # Ctrl+C as at a terminal: a suite started in the background by a non-interactive shell hands its children
 # SIGINT ignored, and then Python installs no KeyboardInterrupt handler (this test hung in such a run)
 signal.signal(signal.SIGINT, signal.default_int_handler)
-import mlxspec.serve.server as server
+import mlxspec.commands.serve as command
 from mlxspec.commands.cli import main
 
 def loader(args):
@@ -360,7 +360,7 @@ def loader(args):
             mx.eval(x)
     return load
 
-server.loader = loader
+command.loader = loader
 sys.exit(main(["serve", "--port", "0", "--blas", "keep"]))
 """
 

@@ -14,6 +14,8 @@ from .common import (
     add_model_args,
     add_sampling_args,
     check_args,
+    load_models,
+    measuring_note,
     run_main,
     sampling_from_args,
 )
@@ -93,13 +95,33 @@ def _loopback(host: str) -> bool:
         return False
 
 
+def loader(args: argparse.Namespace):
+    """The worker's ``load``: target, drafter and γ policy from the flags (``mlxspec generate``'s)."""
+    from ..engine.generate import context_length
+    from ..engine.session import check_fits
+    from ..pacing import make_pacer
+    from ..serve.worker import Served
+
+    def load():
+        loaded = load_models(args, on_measure=measuring_note("the automatic tree size"))
+        check_fits(loaded.target, loaded.drafter)
+        policy = make_pacer(args.num_draft_tokens, loaded.model, loaded.drafter,
+                            on_measure=measuring_note(f"--num-draft-tokens {args.num_draft_tokens}"))
+        tokenizer = loaded.tokenizer
+        served = Served(loaded.target.name, tokenizer, context_length(loaded.model), loaded.drafter.name,
+                        frozenset(tokenizer.eos_token_ids))
+        return loaded.model, tokenizer, loaded.drafter, policy, served
+
+    return load
+
+
 def run(args: argparse.Namespace) -> int:
     check_serve_args(args)
     from ..serve.routes import Defaults
     from ..serve.server import serve
 
     defaults = Defaults(sampling_from_args(args), args.max_tokens, args.seed, tuple(args.stop or ()))
-    status = serve(args, defaults)
+    status = serve(args, defaults, loader(args))
     exit_now(status)  # MLX's stream threads may still be winding down: skip the C++ destructors (as chat does)
 
 

@@ -7,16 +7,14 @@ import os
 import signal
 import socket
 import sys
+from collections.abc import Callable
 
 import uvicorn
 
-from ..pacing import make_pacer
-from ..engine.generate import context_length
-from ..engine.session import check_fits
 from .app import create_app
 from .metrics import Metrics
 from .routes import Defaults, ServerState
-from .worker import Served, Worker
+from .worker import Worker
 
 #: uvicorn: most bytes of an incomplete HTTP event (headers) before the connection is refused.
 MAX_HEADER_BYTES = 64 * 1024
@@ -24,23 +22,6 @@ MAX_HEADER_BYTES = 64 * 1024
 KEEP_ALIVE_S = 5
 #: uvicorn: seconds open requests get to finish after SIGINT/SIGTERM (running ones are cancelled first).
 GRACEFUL_S = 5
-
-
-def loader(args: argparse.Namespace):
-    """The worker's ``load``: target, drafter and γ policy from the flags (``mlxspec generate``'s)."""
-    from ..commands.common import load_models, measuring_note
-
-    def load():
-        loaded = load_models(args, on_measure=measuring_note("the automatic tree size"))
-        check_fits(loaded.target, loaded.drafter)
-        policy = make_pacer(args.num_draft_tokens, loaded.model, loaded.drafter,
-                            on_measure=measuring_note(f"--num-draft-tokens {args.num_draft_tokens}"))
-        tokenizer = loaded.tokenizer
-        served = Served(loaded.target.name, tokenizer, context_length(loaded.model), loaded.drafter.name,
-                        frozenset(tokenizer.eos_token_ids))
-        return loaded.model, tokenizer, loaded.drafter, policy, served
-
-    return load
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -77,8 +58,8 @@ class _Server(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def serve(args: argparse.Namespace, defaults: Defaults) -> int:
-    """Load, then serve until SIGINT/SIGTERM; returns 0.
+def serve(args: argparse.Namespace, defaults: Defaults, load: Callable[[], tuple]) -> int:
+    """Load with ``load`` on the worker thread, then serve until SIGINT/SIGTERM; returns 0.
 
     Raises:
         ValueError, FileNotFoundError: the address cannot be bound, or the model or drafter cannot be
@@ -86,7 +67,7 @@ def serve(args: argparse.Namespace, defaults: Defaults) -> int:
     """
     sock = bind(args.host, args.port)
     metrics = None
-    worker = Worker(loader(args), args.queue_size, (args.prefix_cache_slots, int(args.prefix_cache_gb * 2**30)),
+    worker = Worker(load, args.queue_size, (args.prefix_cache_slots, int(args.prefix_cache_gb * 2**30)),
                     on_done=lambda job, done: metrics.finished(job, done))
     metrics = Metrics(lambda: worker.queued, lambda: worker.busy)
     try:
