@@ -2,7 +2,8 @@
 
 ``greedy``: loads a saved target with ``ModelSpec(shard=...)``, generates greedily with each drafter, and
 records the prompt's logits; ``sample``: builds the tiny V=8 target of test_lossless from its seed, shards
-it, and counts the first two tokens of many sampled generations. Every rank gathers what every rank
+it, and counts the first two tokens of many sampled generations; ``load``: loads a saved target with
+``ModelSpec(shard=...)`` and records each rank's peak memory beside the whole model's size. Every rank gathers what every rank
 produced, so rank 0's JSON (``--out``) says whether the ranks agreed bit for bit.
 """
 
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+from mlx.utils import tree_flatten
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -25,6 +27,7 @@ from mlxspec.drafters import make_drafter  # noqa: E402
 from mlxspec.engine.generate import generate, speculative_rounds  # noqa: E402
 from mlxspec.core.sampling import SamplingParams  # noqa: E402
 from mlxspec.engine.session import ModelSpec, load_model  # noqa: E402
+from mlxspec.loading.models import load  # noqa: E402
 
 
 def same_on_every_rank(group, values: mx.array) -> bool:
@@ -51,6 +54,16 @@ def greedy(args) -> dict:
                                 "drafted": result.stats.drafted, "accepted": result.stats.accepted,
                                 "trees": sum(trees)}
     return record
+
+
+def peak_memory(args) -> dict:
+    whole = sum(w.nbytes for _, w in tree_flatten(load(args.model, lazy=True)[0].parameters()))  # shapes: nothing read
+    mx.reset_peak_memory()
+    target = load_model(ModelSpec(args.model, shard=args.shard))
+    share = sum(w.nbytes for _, w in tree_flatten(target.model.parameters()))
+    peaks = mx.distributed.all_gather(mx.array([mx.get_peak_memory()], dtype=mx.int64),
+                                      group=target.model.sharding.group, stream=mx.cpu)
+    return {"whole_bytes": whole, "share_bytes": share, "peaks": peaks.tolist()}
 
 
 def sample(args) -> dict:
@@ -82,7 +95,7 @@ def sample(args) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=("greedy", "sample"))
+    parser.add_argument("mode", choices=("greedy", "sample", "load"))
     parser.add_argument("--model")
     parser.add_argument("--draft-model")
     parser.add_argument("--arch", default="llama")
@@ -96,7 +109,7 @@ def main() -> None:
     parser.add_argument("--broken", action="store_true")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    record = greedy(args) if args.mode == "greedy" else sample(args)
+    record = {"greedy": greedy, "sample": sample, "load": peak_memory}[args.mode](args)
     if mx.distributed.init().rank() == 0:
         Path(args.out).write_text(json.dumps(record))
 

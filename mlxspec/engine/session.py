@@ -81,15 +81,17 @@ def load_model(spec: ModelSpec | str, role: str | None = None) -> LoadedModel:
         spec: A ``ModelSpec`` or the text of one (stored dtypes).
         role: Prefixes errors, e.g. ``"draft model"`` → ``"draft model: No such file ..."``.
 
-    With ``spec.shard``, every rank of the ``mlx.launch`` job loads the whole model and keeps its share
-    (``distributed.shard``).
+    With ``spec.shard``, every rank of the ``mlx.launch`` job builds the whole model with unevaluated
+    weights, splits it (``distributed.shard``) and then evaluates only its share, as mlx-lm's
+    ``sharded_load`` does: a rank's memory holds its share, not the whole model (a GGUF's stored bytes
+    are read whole first; docs/distributed.md gives the numbers).
 
     Raises:
         ValueError, FileNotFoundError: as ``loading.load``; ``distributed.init_group`` and ``distributed.shard``.
     """
     spec = ModelSpec(spec) if isinstance(spec, str) else spec
     try:
-        model, tokenizer = load(spec.spec, dtype=spec.dtype)
+        model, tokenizer = load(spec.spec, dtype=spec.dtype, lazy=spec.shard is not None)
         if spec.shard is not None:
             shard(model, spec.shard, init_group())
     except USER_ERRORS as e:

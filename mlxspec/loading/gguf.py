@@ -197,7 +197,7 @@ class GGUFHeader:
 
 
 def load_gguf(
-    path: str | Path, *, dtype: str | None = None, requantize: bool = False
+    path: str | Path, *, dtype: str | None = None, requantize: bool = False, lazy: bool = False
 ) -> tuple[nn.Module, TokenizerWrapper]:
     """Load a GGUF file as an mlx-lm model (llama, qwen2 or qwen3 class) and its tokenizer.
 
@@ -211,10 +211,13 @@ def load_gguf(
             groups of 32 instead of float32 (4x less memory; lossy: each value moves by at most one
             step of its group's 8-bit grid, (max - min) / 255 of the 32 values, which is about 0.5%
             RMS relative error on weight-like data). Default: ``False``.
+        lazy (bool): Copy only the file's (quantized) bytes into memory and leave every weight's
+            decoding unevaluated, so a caller that keeps part of a tensor (``distributed.shard``)
+            decodes the whole tensor only for a moment and keeps its part. Default: ``False``.
 
     Returns:
-        tuple[nn.Module, TokenizerWrapper]: The model in eval mode with evaluated weights, and
-        a tokenizer with the file's chat template and a BPE streaming detokenizer.
+        tuple[nn.Module, TokenizerWrapper]: The model in eval mode with evaluated weights (lazy ones
+        with ``lazy``), and a tokenizer with the file's chat template and a BPE streaming detokenizer.
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
@@ -228,11 +231,11 @@ def load_gguf(
     arch = _architecture(header, path)
     _check_tensor_types(header, path)
     config = model_config(header, path)
-    weights = read_tensors(path, header, dequantize=dtype is not None, requantize=requantize)
+    weights = read_tensors(path, header, dequantize=dtype is not None, requantize=requantize, lazy=lazy)
     weights = mlx_lm_weights(weights, config, arch, path)
     model = build_model(config, weights, path)
     tokenizer = gguf_tokenizer(header.metadata, path)
-    return finish(model, dtype), tokenizer
+    return finish(model, dtype, lazy=lazy), tokenizer
 
 
 def read_header(path: str | Path, *, arrays: bool = False) -> GGUFHeader:
@@ -291,9 +294,10 @@ def gguf_type_label(path: str | Path) -> str | None:
 
 
 def read_tensors(
-    path: str | Path, header: GGUFHeader, *, dequantize: bool = False, requantize: bool = False
+    path: str | Path, header: GGUFHeader, *, dequantize: bool = False, requantize: bool = False, lazy: bool = False
 ) -> dict[str, mx.array]:
-    """Read every tensor from the memory-mapped file, one at a time (each evaluated before the next).
+    """Read every tensor from the memory-mapped file, one at a time (each evaluated before the next,
+    unless ``lazy``).
 
     Args:
         path (str | Path): The ``.gguf`` file.
@@ -302,6 +306,8 @@ def read_tensors(
             Default: ``False``.
         requantize (bool): Without ``dequantize``, Q2_K/Q3_K/Q6_K become MLX 8-bit triples instead
             of float32. Default: ``False``.
+        lazy (bool): Copy each tensor's stored bytes and leave its decoding unevaluated (a tensor
+            decodes when evaluated, whole, even if only a slice of it is kept). Default: ``False``.
 
     Returns:
         dict[str, mx.array]: By GGUF name; a quantized ``X.weight`` also gives ``X.scales`` and
@@ -313,11 +319,12 @@ def read_tensors(
     """
     data = np.memmap(path, dtype=np.uint8, mode="r")
     out = {}
-    what = "dequantizing" if dequantize else "loading"
+    what = "reading" if lazy else "dequantizing" if dequantize else "loading"
     with progress_bar(len(header.tensors), f"mlxspec: {what} {Path(path).name}", "tensor") as bar:
         for name, info in header.tensors.items():
-            arrays = _decode(data, info, name, dequantize=dequantize, requantize=requantize)
-            mx.eval(*arrays.values())
+            arrays = _decode(data, info, name, dequantize=dequantize, requantize=requantize, lazy=lazy)
+            if not lazy:
+                mx.eval(*arrays.values())
             stem = name.removesuffix(".weight")
             if len(arrays) > 1 and stem == name:
                 raise ValueError(f"quantized tensor '{name}' is not a weight; this file is not supported.")
@@ -331,8 +338,10 @@ _CHUNK_VALUES = 1 << 23
 """Values decoded at a time: bounds the transient arrays of a large tensor (tens of bytes a value)."""
 
 
-def _decode(data: np.memmap, info: GGUFTensorInfo, name: str, *, dequantize: bool, requantize: bool) -> dict:
-    """One tensor as {"weight"} (floats) or {"weight", "scales", "biases"} (MLX quantized)."""
+def _decode(data: np.memmap, info: GGUFTensorInfo, name: str, *, dequantize: bool, requantize: bool,
+            lazy: bool = False) -> dict:
+    """One tensor as {"weight"} (floats) or {"weight", "scales", "biases"} (MLX quantized); with ``lazy``
+    only the stored bytes are copied (``mx.array`` of the mapped file) and the decoding waits."""
     kind, shape = info.type, info.shape
     block, nbytes = GGML_QUANT_SIZES[kind]
     cols, rows = shape[-1], prod(shape[:-1])
@@ -353,7 +362,8 @@ def _decode(data: np.memmap, info: GGUFTensorInfo, name: str, *, dequantize: boo
         if name == "token_embd.weight" and "scales" in part:
             # an embedding dequantizes in its scales' dtype, and only float32 holds the values exactly
             part["scales"], part["biases"] = part["scales"].astype(mx.float32), part["biases"].astype(mx.float32)
-        mx.eval(*part.values())
+        if not lazy:
+            mx.eval(*part.values())
         parts.append(part)
     out = {k: mx.concatenate([p[k] for p in parts]) if len(parts) > 1 else parts[0][k] for k in parts[0]}
     if "scales" not in out:

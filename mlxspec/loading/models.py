@@ -60,7 +60,7 @@ _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 def load(
-    spec: str, *, dtype: str | None = None, requantize: bool = False
+    spec: str, *, dtype: str | None = None, requantize: bool = False, lazy: bool = False
 ) -> tuple[nn.Module, TokenizerWrapper]:
     """Load a target or draft model and its tokenizer, like ``mlx_lm.load``.
 
@@ -73,10 +73,14 @@ def load(
         requantize (bool): For a GGUF with ``dtype=None``: re-quantize Q2_K/Q3_K/Q6_K tensors to
             8-bit groups of 32 instead of dequantizing them to float32 (see
             ``mlxspec.loading.gguf.load_gguf``). Default: ``False``.
+        lazy (bool): Leave the weights unevaluated, for a caller that keeps only part of each
+            (``distributed.shard``): a folder's safetensors are read when evaluated (mlx-lm's
+            ``load_model(lazy=True)``); a GGUF's stored bytes are copied and decoded when evaluated
+            (``load_gguf``). Default: ``False``.
 
     Returns:
-        tuple[nn.Module, TokenizerWrapper]: The model in eval mode with evaluated weights, and
-        its tokenizer with a streaming detokenizer.
+        tuple[nn.Module, TokenizerWrapper]: The model in eval mode with evaluated weights (lazy ones
+        with ``lazy``), and its tokenizer with a streaming detokenizer.
 
     Raises:
         ValueError: bad ``dtype``; a folder that is not an mlx-lm model; a corrupt or
@@ -91,19 +95,19 @@ def load(
     spec = os.fspath(spec)
     check_dtype(dtype)
     if spec in NAMED_MODELS:
-        return load_gguf(assets.named_model_path(spec), dtype=dtype, requantize=requantize)
+        return load_gguf(assets.named_model_path(spec), dtype=dtype, requantize=requantize, lazy=lazy)
     path = Path(spec).expanduser()
     if path.is_dir():
-        return load_folder(path, dtype=dtype)
+        return load_folder(path, dtype=dtype, lazy=lazy)
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise ValueError(
                 f"{spec} is a file but not a .gguf file; pass a .gguf file, an mlx-lm model "
                 f"folder, a Hugging Face repo id or a named model ({_names()})."
             )
-        return load_gguf(path, dtype=dtype, requantize=requantize)
+        return load_gguf(path, dtype=dtype, requantize=requantize, lazy=lazy)
     if looks_like_repo_id(spec):
-        return load_folder(hub_folder(spec), dtype=dtype, name=spec)
+        return load_folder(hub_folder(spec), dtype=dtype, name=spec, lazy=lazy)
     raise FileNotFoundError(
         f"No such file or folder: {spec}; pass an mlx-lm model folder, a .gguf file, "
         f"a Hugging Face repo id (owner/name) or a named model ({_names()})."
@@ -115,7 +119,7 @@ def _names() -> str:
 
 
 def load_folder(
-    path: str | Path, *, dtype: str | None = None, name: str | None = None
+    path: str | Path, *, dtype: str | None = None, name: str | None = None, lazy: bool = False
 ) -> tuple[nn.Module, TokenizerWrapper]:
     """Load an mlx-lm model folder with ``mlx_lm.utils.load_model`` and ``load_tokenizer``.
 
@@ -124,6 +128,7 @@ def load_folder(
             files (as written by ``mlx_lm.convert`` or a Hugging Face snapshot).
         dtype (str | None): As in ``load``. Default: ``None``.
         name (str | None): How errors name the model (a repo id). Default: the path.
+        lazy (bool): As in ``load``. Default: ``False``.
 
     Returns:
         tuple[nn.Module, TokenizerWrapper]: As ``load``.
@@ -145,7 +150,7 @@ def load_folder(
             "made by mlx_lm.convert (or a Hugging Face snapshot), or a .gguf file."
         )
     try:
-        model, config = load_model(path, trust_remote_code=False)
+        model, config = load_model(path, lazy=lazy, trust_remote_code=False)
     except (FileNotFoundError, ValueError, KeyError, TypeError, RuntimeError) as e:
         raise ValueError(f"Cannot load the model in {name}: {_detail(e)}; {_WEIGHTS_FIX}") from e
     try:
@@ -153,7 +158,7 @@ def load_folder(
     except (OSError, ValueError, KeyError, TypeError, RuntimeError) as e:
         raise ValueError(f"Cannot load the tokenizer in {name}: {_detail(e)}; the folder needs the model's "
                          "tokenizer files (tokenizer.json, or tokenizer.model with tokenizer_config.json)") from e
-    return finish(model, dtype), tokenizer
+    return finish(model, dtype, lazy=lazy), tokenizer
 
 
 _WEIGHTS_FIX = ("the folder needs complete model*.safetensors weights matching its config.json (download it again, "

@@ -38,8 +38,8 @@ def check_dtype(dtype: str | None) -> mx.Dtype | None:
     return getattr(mx, dtype)
 
 
-def finish(model: nn.Module, dtype: str | None) -> nn.Module:
-    """Apply ``dtype``, evaluate the weights and put the model in eval mode.
+def finish(model: nn.Module, dtype: str | None, *, lazy: bool = False) -> nn.Module:
+    """Apply ``dtype``, evaluate the weights (unless ``lazy``) and put the model in eval mode.
 
     A float ``dtype`` dequantizes quantized layers in float32 first (so a float16 scale times a
     code adds no rounding), then casts every floating parameter to ``dtype``.
@@ -47,6 +47,8 @@ def finish(model: nn.Module, dtype: str | None) -> nn.Module:
     Args:
         model (nn.Module): A freshly built mlx-lm model.
         dtype (str | None): ``None`` (keep), ``"float32"``, ``"float16"`` or ``"bfloat16"``.
+        lazy (bool): Leave the weights unevaluated (the dtype applies when they are), for a caller that
+            keeps only part of the model (``distributed.shard``). Default: ``False``.
 
     Returns:
         nn.Module: The same model, updated in place.
@@ -60,7 +62,8 @@ def finish(model: nn.Module, dtype: str | None) -> nn.Module:
             model.set_dtype(mx.float32)
             model = dequantize_model(model)
         model.set_dtype(target)
-    mx.eval(model.parameters())
+    if not lazy:
+        mx.eval(model.parameters())
     model.eval()
     return model
 

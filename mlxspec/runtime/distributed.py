@@ -1,13 +1,13 @@
 """A target sharded over several processes with MLX's own distributed backend (docs/distributed.md).
 
-Started under ``mlx.launch`` (ring over TCP, JACCL over RDMA, MPI), every process loads the target,
-and ``shard`` splits it with mlx-lm's own methods: ``model.shard(group)`` (tensor-parallel: each
+Started under ``mlx.launch`` (ring over TCP, JACCL over RDMA, MPI), every process builds the target
+with unevaluated weights, and ``shard`` splits it with mlx-lm's own methods: ``model.shard(group)`` (tensor-parallel: each
 rank holds 1/N of every attention and MLP projection, and the ``sharded-to-all`` layers sum the
 partial outputs with one all-reduce) or ``model.model.pipeline(group)`` (pipeline-parallel: each
 rank holds a run of layers; the hidden state is passed on with send/recv and the last stage's
-output is all-gathered). mlx-lm's ``sharded_load`` does the same for a Hugging Face folder with a
-safetensors index; mlxspec loads its usual specs (folders, GGUF, named models) whole and shards
-them, so every format works the same way.
+output is all-gathered), and only then evaluates the weights, so each rank materializes its share:
+mlx-lm's ``sharded_load`` does the same for a Hugging Face folder with a safetensors index; mlxspec
+does it for its usual specs (folders, GGUF, named models; ``loading.load(lazy=True)``).
 
 Exactness. Every rank runs the whole speculative loop on the same tokens: the drafter on each rank
 (it is small and unsharded, so each rank computes the same draft), the sharded verify forward (every
@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 SHARD_KINDS = ("tensor", "pipeline")
 
@@ -86,8 +87,11 @@ def init_group():
 def shard(model: nn.Module, kind: str, group) -> Sharding:
     """Split ``model`` over ``group`` with mlx-lm's own sharding, in place, and evaluate its weights.
 
+    Given unevaluated weights (``loading.load(lazy=True)``), a rank reads and decodes only what its share
+    needs, one parameter at a time: its peak memory is its share plus one whole tensor for a moment.
+
     Args:
-        model: A whole mlx-lm model (every rank loaded the same weights).
+        model: A whole mlx-lm model, its weights evaluated or not (every rank loaded the same weights).
         kind: ``"tensor"`` (``model.shard``) or ``"pipeline"`` (``model.model.pipeline``).
         group: An ``mx.distributed.Group`` of at least two ranks.
 
@@ -115,7 +119,12 @@ def shard(model: nn.Module, kind: str, group) -> Sharding:
         if len(body.layers) < n:
             raise ValueError(f"a {len(body.layers)}-layer model cannot be split into {n} pipeline stages; use fewer ranks")
         body.pipeline(group)
-    mx.eval(model.parameters())
+    try:
+        for _, weight in tree_flatten(model.parameters()):  # one at a time: one whole tensor decoded at once
+            mx.eval(weight)
+    except RuntimeError as e:  # a lazily loaded file is read here
+        raise ValueError(f"reading this rank's share of the weights failed ({str(e).strip()}); check that the model's "
+                         "files are complete on every machine") from e
     mx.eval(mx.distributed.all_sum(mx.array(1.0), group=group, stream=mx.cpu))  # every rank is ready
     result = Sharding(kind, group)
     object.__setattr__(model, "sharding", result)  # a plain attribute, not a parameter
