@@ -100,7 +100,8 @@ def shard(model: nn.Module, kind: str, group) -> Sharding:
 
     Raises:
         ValueError: an unknown kind; a model mlx-lm cannot split that way (naming the other way); head
-            counts or widths that do not divide by the number of ranks; more ranks than layers.
+            counts or widths that do not divide by the number of ranks; more ranks than layers; weights
+            that cannot be read (a lazily loaded file).
     """
     if kind not in SHARD_KINDS:
         raise ValueError(f"unknown --shard {kind!r}; choose one of {', '.join(SHARD_KINDS)}")
