@@ -1,6 +1,6 @@
 """Each rank of a sharded job materializes its share of the target, not the whole model (issue 45).
 
-``loading.load(lazy=True)`` leaves every weight unevaluated (a folder's safetensors are read, a GGUF's
+``loading.models.load(lazy=True)`` leaves every weight unevaluated (a folder's safetensors are read, a GGUF's
 stored bytes decoded, when evaluated), and ``distributed.shard`` evaluates only what the rank keeps.
 In one process: a lazy load gives the very weights an eager one does, and holds no more than the
 stored bytes until evaluated. Under ``mlx.launch`` (slow): a rank's peak memory stays well under the

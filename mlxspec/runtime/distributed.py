@@ -7,7 +7,7 @@ partial outputs with one all-reduce) or ``model.model.pipeline(group)`` (pipelin
 rank holds a run of layers; the hidden state is passed on with send/recv and the last stage's
 output is all-gathered), and only then evaluates the weights, so each rank materializes its share:
 mlx-lm's ``sharded_load`` does the same for a Hugging Face folder with a safetensors index; mlxspec
-does it for its usual specs (folders, GGUF, named models; ``loading.load(lazy=True)``).
+does it for its usual specs (folders, GGUF, named models; ``loading.models.load(lazy=True)``).
 
 Exactness. Every rank runs the whole speculative loop on the same tokens: the drafter on each rank
 (it is small and unsharded, so each rank computes the same draft), the sharded verify forward (every
@@ -87,7 +87,7 @@ def init_group():
 def shard(model: nn.Module, kind: str, group) -> Sharding:
     """Split ``model`` over ``group`` with mlx-lm's own sharding, in place, and evaluate its weights.
 
-    Given unevaluated weights (``loading.load(lazy=True)``), a rank reads and decodes only what its share
+    Given unevaluated weights (``loading.models.load(lazy=True)``), a rank reads and decodes only what its share
     needs, one parameter at a time: its peak memory is its share plus one whole tensor for a moment.
 
     Args:
