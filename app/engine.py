@@ -24,7 +24,7 @@ from mlxspec.drafters import DRAFTERS, DrafterSpec
 from mlxspec.drafters.draft_model import PYTHON_DRAFT_ADVICE
 from mlxspec.pacing import AUTO, load_or_calibrate, make_pacer, tree_summary
 from mlxspec.engine.generate import stream_generate
-from mlxspec.core.metrics import CycleStats, GenerationStats, TokenEvent
+from mlxspec.core.metrics import RoundStats, GenerationStats, TokenEvent
 from mlxspec.core.sampling import SamplingParams
 from mlxspec.engine.session import USER_ERRORS, LoadedModel, ModelSpec, build_drafter, check_fits, load_model
 from mlxspec.core.stops import check_stops
@@ -109,13 +109,13 @@ def relay(events: Iterator, request_id: int, post: Post, cancelled: threading.Ev
     character, or a stop token) make no span: the completing token's span carries the text.
 
     Args:
-        events: A ``stream_generate`` iterator (``TokenEvent``, ``CycleStats``, ``GenerationStats``).
+        events: A ``stream_generate`` iterator (``TokenEvent``, ``RoundStats``, ``GenerationStats``).
         request_id: The answer these events belong to.
         post: Thread-safe sink for messages (``App.post_message``).
         cancelled: Set by the UI to stop; checked after each round.
         drafter, num_draft_tokens: Shown in the stats until the final totals arrive.
         policy: ``"auto"`` or ``"scheduled"`` when γ is picked each round (the stats then follow each
-            round's ``CycleStats.gamma``); ``None`` for a fixed γ. Default: ``None``.
+            round's ``RoundStats.gamma``); ``None`` for a fixed γ. Default: ``None``.
         shape: What a tree drafter proposes each round (``pacing.tree_summary``), or ``None``.
         flush_s: Shortest time between two batches, seconds. Default: ``1/30``.
 
@@ -141,8 +141,8 @@ def relay(events: Iterator, request_id: int, post: Post, cancelled: threading.Ev
             if isinstance(event, TokenEvent):
                 if event.text:
                     spans.append((event.text, event.kind))
-            elif isinstance(event, CycleStats):
-                totals.add_cycle(event)
+            elif isinstance(event, RoundStats):
+                totals.add_round(event)
                 taus.append(event.num_emitted)
                 if policy is not None:  # as stream_generate counts them in its final totals
                     totals.add_gamma(event.gamma)
@@ -173,10 +173,10 @@ def snapshot(stats: GenerationStats, taus: deque[int] | tuple[int, ...], *, poli
     return StatsSnapshot(
         drafter=stats.drafter,
         num_draft_tokens=stats.num_draft_tokens,
-        cycles=stats.cycles,
+        rounds=stats.rounds,
         tokens=stats.generation_tokens,
         tau=stats.tau,
-        tau_cycle=taus[-1] if taus else 0,
+        tau_round=taus[-1] if taus else 0,
         alpha=stats.alpha,
         tokens_per_s=stats.generation_tps or (stats.generation_tokens / busy_s if busy_s > 0 else 0.0),
         draft_s=stats.draft_s,

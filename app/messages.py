@@ -48,10 +48,10 @@ class StatsSnapshot:
     Attributes:
         drafter: Drafter in use.
         num_draft_tokens: γ in use (0 for plain decoding); with ``policy`` the largest it may pick.
-        cycles: Verify rounds so far.
+        rounds: Verify rounds so far.
         tokens: Tokens committed so far.
         tau: Mean acceptance length τ (accepted + 1 per round), tokens/round.
-        tau_cycle: τ of the latest round, tokens.
+        tau_round: τ of the latest round, tokens.
         alpha: Acceptance rate α = accepted / drafted.
         tokens_per_s: Generation speed, tokens/s (prefill excluded).
         draft_s: Time spent drafting, seconds.
@@ -59,17 +59,17 @@ class StatsSnapshot:
         taus: τ of the latest rounds, oldest first (for the sparkline).
         drafted: Draft tokens proposed so far (α means nothing while it is 0).
         policy: ``"auto"`` or ``"scheduled"`` when γ is picked each round, else ``None`` (γ is fixed).
-        gamma_now: γ picked for the latest round (``CycleStats.gamma``).
+        gamma_now: γ picked for the latest round (``RoundStats.gamma``).
         gamma_mean: Mean γ picked over the rounds so far.
         shape: What a tree drafter proposes each round (``EngineInfo.shape``), or ``None``.
     """
 
     drafter: str
     num_draft_tokens: int
-    cycles: int = 0
+    rounds: int = 0
     tokens: int = 0
     tau: float = 0.0
-    tau_cycle: int = 0
+    tau_round: int = 0
     alpha: float = 0.0
     tokens_per_s: float = 0.0
     draft_s: float = 0.0

@@ -11,11 +11,11 @@ from .core.cache import PromptCache
 from .drafters import Draft, Drafter, make_drafter
 from .engine.generate import GenerationResult, generate, stream_generate
 from .loading.models import load
-from .core.metrics import CycleStats, GenerationStats, TokenEvent
+from .core.metrics import RoundStats, GenerationStats, TokenEvent
 from .core.sampling import SamplingParams
 
 __all__ = [
-    "CycleStats",
+    "RoundStats",
     "Draft",
     "Drafter",
     "GenerationResult",

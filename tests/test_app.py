@@ -17,7 +17,7 @@ from mlxspec_app.engine import one_line, relay
 from mlxspec_app.messages import EngineInfo, EngineReady, GenerationFailed, LoadFailed, LoadProgress
 from mlxspec_app.screens import DrafterScreen, HelpScreen
 from mlxspec_app.widgets import ChatMessage, LoadBar, StatsPanel, TauSparkline
-from mlxspec.core.metrics import CycleStats, GenerationStats, TokenEvent
+from mlxspec.core.metrics import RoundStats, GenerationStats, TokenEvent
 
 INFO = EngineInfo("tiny[b] (MLX, float32)", False, None, "ngram", 4, ("draft", "ngram", "none"))
 WAIT = object()  # in a script: block until the answer is cancelled
@@ -26,14 +26,14 @@ WAIT = object()  # in a script: block until the answer is cancelled
 def script(rounds, *, finish="stop", gamma=4, end=True):
     """Events as ``stream_generate`` yields them; ``rounds`` lists ``[(text, kind), ...]`` per round."""
     events, totals = [], GenerationStats(drafter="ngram", num_draft_tokens=gamma)
-    for cycle, tokens in enumerate(rounds):
+    for index, tokens in enumerate(rounds):
         if tokens is WAIT or isinstance(tokens, Exception):
             events.append(tokens)
             continue
-        events += [TokenEvent(100 + i, text, kind, cycle) for i, (text, kind) in enumerate(tokens)]
+        events += [TokenEvent(100 + i, text, kind, index) for i, (text, kind) in enumerate(tokens)]
         accepted = sum(kind == "accepted" for _, kind in tokens)
-        stats = CycleStats(cycle, gamma, accepted, len(tokens), 0.01, 0.09)
-        totals.add_cycle(stats)
+        stats = RoundStats(index, gamma, accepted, len(tokens), 0.01, 0.09)
+        totals.add_round(stats)
         events.append(stats)
     totals.finish_reason, totals.generation_s = finish, 0.5
     return events + [totals] if end else events
@@ -189,12 +189,12 @@ def test_answer_shows_coloured_tokens_and_tau():
 def picked(gammas, drafter="ngram"):
     """Events of rounds whose policy picked γ = ``gammas[i]`` (0: a plain round), each keeping one draft."""
     events, totals = [], GenerationStats(drafter=drafter, num_draft_tokens=max(gammas))
-    for cycle, gamma in enumerate(gammas):
+    for index, gamma in enumerate(gammas):
         kept = min(1, gamma)
-        events += [TokenEvent(100, "a", "accepted", cycle)] * kept + [
-            TokenEvent(101, "b", "resampled" if gamma else "target", cycle)]
-        events.append(CycleStats(cycle, gamma, kept, kept + 1, 0.01, 0.09, depth=gamma, gamma=gamma))
-        totals.add_cycle(events[-1])
+        events += [TokenEvent(100, "a", "accepted", index)] * kept + [
+            TokenEvent(101, "b", "resampled" if gamma else "target", index)]
+        events.append(RoundStats(index, gamma, kept, kept + 1, 0.01, 0.09, depth=gamma, gamma=gamma))
+        totals.add_round(events[-1])
         totals.add_gamma(gamma)
     totals.finish_reason, totals.generation_s = "stop", 0.5
     return events + [totals]

@@ -21,7 +21,7 @@ RUN_FIELDS = {"system", "prompt_id", "kind", "temp", "seed", "prompt_tokens", "p
               "calibration", "peak_memory_gb", "finish_reason", "output_sha"}
 ROW_FIELDS = {"system", "family", "gamma", "kind", "temp", "pairs", "speedup", "speedup_min", "speedup_max",
               "predicted_speedup", "generation_tps", "prompt_tps", "alpha", "alpha_mle", "tau",
-              "acceptance_per_position", "tau_histogram", "cycle_draft_ms", "cycle_verify_ms", "cycle_other_ms",
+              "acceptance_per_position", "tau_histogram", "round_draft_ms", "round_verify_ms", "round_other_ms",
               "peak_memory_gb", "same_output", "mean_gamma", "plain_fallback", "best", "note"}
 
 
@@ -438,3 +438,17 @@ def test_the_verdicts_generate_line_runs_as_printed():
         words = shlex.split(generate, comments=True)
         assert (words[-1] == text) == inline and (words[-3:] == ["-", "<", "prompt.txt"]) == (not inline), generate
         assert inline or generate.endswith("# with your prompt saved in prompt.txt")
+
+
+def test_records_measured_before_rounds_were_named_rounds_still_read():
+    """The shipped records of models/bench/heldout/ say "cycles": they are read as rounds, τ as recorded."""
+    from pathlib import Path
+
+    from mlxspec.train.measure import read_records
+
+    path = Path(__file__).resolve().parents[1] / "models" / "bench" / "heldout" / "engine-temp0.jsonl"
+    raw = [json.loads(line)["stats"] for line in path.read_text().splitlines() if line.strip()]
+    records = read_records(path)
+    assert "cycles" in raw[0] and len(records) == len(raw)
+    assert [r.stats.rounds for r in records] == [s["cycles"] for s in raw]
+    assert [r.stats.tau for r in records] == pytest.approx([s["tau"] for s in raw])

@@ -15,18 +15,18 @@ from conftest import byte_tokenizer, tiny_llama
 from mlxspec import generate
 from mlxspec.commands import chat
 from mlxspec.loading.models import load
-from mlxspec.core.metrics import CycleStats, GenerationStats, TokenEvent
+from mlxspec.core.metrics import RoundStats, GenerationStats, TokenEvent
 from test_app import messages, wait_for
 
 
 def rounds(n, closed):
     """``n`` rounds of two tokens (one with empty text); sets ``closed`` when the generator closes."""
     try:
-        for cycle in range(n):
-            yield TokenEvent(1, "", "accepted", cycle)
-            yield TokenEvent(2, f"t{cycle}", "resampled", cycle)
-            yield CycleStats(cycle, 2, 1, 2, 0.0, 0.1)
-        yield GenerationStats(drafter="ngram", cycles=n, finish_reason="stop")
+        for index in range(n):
+            yield TokenEvent(1, "", "accepted", index)
+            yield TokenEvent(2, f"t{index}", "resampled", index)
+            yield RoundStats(index, 2, 1, 2, 0.0, 0.1)
+        yield GenerationStats(drafter="ngram", rounds=n, finish_reason="stop")
     finally:
         closed.set()
 
@@ -36,7 +36,7 @@ def collect(n, *, cancel_after=None, flush_s=0.0):
 
     def post(message):
         posted.append(message)
-        if cancel_after is not None and isinstance(message, StatsUpdated) and message.stats.cycles == cancel_after:
+        if cancel_after is not None and isinstance(message, StatsUpdated) and message.stats.rounds == cancel_after:
             cancelled.set()
 
     relay(rounds(n, closed), 7, post, cancelled, drafter="ngram", num_draft_tokens=2, flush_s=flush_s)
@@ -50,14 +50,14 @@ def test_relay_batches_tokens_and_drops_empty_texts():
     assert [len(m.spans) for m in tokens] == [1, 4]
     assert [s for m in tokens for s in m.spans] == [(f"t{i}", "resampled") for i in range(5)]
     assert isinstance(posted[-1], GenerationDone) and not posted[-1].cancelled
-    assert posted[-1].stats.cycles == 5 and closed.is_set()
+    assert posted[-1].stats.rounds == 5 and closed.is_set()
 
 
 def test_relay_stops_between_rounds_on_cancel_and_closes_the_generator():
     posted, closed = collect(10, cancel_after=3)
     done = posted[-1]
     assert isinstance(done, GenerationDone) and done.cancelled and done.finish_reason is None
-    assert done.stats.cycles == 3  # set while round 3 was being posted: no round after it
+    assert done.stats.rounds == 3  # set while round 3 was being posted: no round after it
     assert "".join(s for m in posted if isinstance(m, TokensCommitted) for s, _ in m.spans) == "t0t1t2"
     assert done.stats.tau == 2.0 and done.stats.taus == (2, 2, 2)
     assert closed.is_set()

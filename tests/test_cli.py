@@ -35,7 +35,7 @@ def test_json_record_has_every_stat(capsys, tiny_model_dir):
     assert code == 0 and err == ""
     record = json.loads(out)
     for key in ("text", "model", "alpha", "tau", "acceptance_per_position", "prompt_tps", "generation_tps",
-                "cycles", "draft_s", "verify_s", "finish_reason"):
+                "rounds", "draft_s", "verify_s", "finish_reason"):
         assert key in record
     assert record["generation_tokens"] == 16 and record["drafter"] == "ngram"
 
@@ -230,7 +230,7 @@ def test_a_tree_that_drafted_nothing_says_so():
 
     tree = SimpleNamespace(makes_trees=True, profile=SimpleNamespace(max_depth=4),
                            describe=lambda: "tree mc_sim_7b_63 (63 nodes, depth 4)")
-    stats = GenerationStats(drafter="medusa", num_draft_tokens=4, cycles=64, generation_tokens=64)
+    stats = GenerationStats(drafter="medusa", num_draft_tokens=4, rounds=64, generation_tokens=64)
     assert "Drafter: medusa, tree mc_sim_7b_63 (63 nodes, depth 4); nothing drafted in any round; rounds: 64" in \
         format_stats(stats, tree)
     stats.drafted = 3

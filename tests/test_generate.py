@@ -54,7 +54,7 @@ def test_greedy_equals_plain_greedy_over_300_tokens(target, tokenizer, reference
     result = generate(target, tokenizer, PROMPT, drafter=drafter, num_draft_tokens=5, max_tokens=300, stop_tokens=set())
     assert result.tokens == reference
     if kind == "ngram":
-        assert result.stats.accepted > 0 and result.stats.cycles < 300
+        assert result.stats.accepted > 0 and result.stats.rounds < 300
     if kind == "poor-draft":
         assert result.stats.drafted > 0
 
@@ -74,7 +74,7 @@ def test_target_as_its_own_draft_accepts_everything(target, tokenizer, reference
     events = list(stream_generate(target, tokenizer, PROMPT, drafter=_draft(target, tokenizer, target),
                                   num_draft_tokens=gamma, max_tokens=n, stop_tokens=set()))
     stats = events[-1]
-    assert stats.alpha == 1.0 and stats.tau == gamma + 1 and stats.cycles == 8
+    assert stats.alpha == 1.0 and stats.tau == gamma + 1 and stats.rounds == 8
     kinds = [e.kind for e in events if isinstance(e, TokenEvent)]
     assert kinds == (["accepted"] * gamma + ["bonus"]) * 8
     assert [e.token for e in events if isinstance(e, TokenEvent)] == reference[:n]

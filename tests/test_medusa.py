@@ -159,7 +159,7 @@ def test_typical_mode_runs_end_to_end_and_is_refused_with_bad_values():
     drafter = MedusaDrafter(random_heads(shared=True), output_head(target), read_tree("small_15"))
     result = generate(target, tokenizer, PROMPT, drafter=drafter, max_tokens=40, stop_tokens=set(),
                       sampling=SamplingParams(temp=0.7), seed=0, typical=(0.09, 0.3))
-    assert len(result.tokens) == 40 and result.stats.cycles <= 40
+    assert len(result.tokens) == 40 and result.stats.rounds <= 40
     with pytest.raises(ValueError, match="typical acceptance"):
         generate(target, tokenizer, PROMPT, drafter=drafter, typical=(0.0, 0.3))
 

@@ -15,7 +15,7 @@ from mlxspec import generate, make_drafter, stream_generate
 from mlxspec.commands.cli import main
 from mlxspec.commands.generate import format_stats
 from mlxspec.drafters import DraftProfile, Plan
-from mlxspec.core.metrics import CycleStats, GenerationStats, TokenEvent
+from mlxspec.core.metrics import RoundStats, GenerationStats, TokenEvent
 from mlxspec.pacing import AcceptanceEstimate, Auto, Costs, Fixed, expected_tau, load_or_calibrate, make_pacer
 from mlxspec.pacing import costs as pacing_costs
 
@@ -65,7 +65,7 @@ def rounds(pacer, n: int, kept=lambda gamma: 0) -> list[int]:
     for i in range(n):
         gamma = pacer.plan().gamma
         k = kept(gamma) if gamma else 0
-        pacer.observe(CycleStats(i, gamma, k, k + 1, 0.0, 0.0, gamma, tuple(range(k)), gamma))
+        pacer.observe(RoundStats(i, gamma, k, k + 1, 0.0, 0.0, gamma, tuple(range(k)), gamma))
         planned.append(gamma)
     return planned
 
@@ -79,7 +79,7 @@ def test_auto_probes_first_backs_off_doubling_and_a_kept_token_resets_the_wait()
     kept = [i for i, g in enumerate(rounds(bad, 150, kept=lambda g: 1), 140) if g]
     assert kept[:3] == [248, 266, 284]  # after 128 more, a probe keeps a token: the wait is 16 again
     lookup = Auto(COSTLY)
-    lookup.observe(CycleStats(0, 0, 0, 1, 0.0, 0.0, 0, (), 2))  # the probe's lookup found nothing to draft
+    lookup.observe(RoundStats(0, 0, 0, 1, 0.0, 0.0, 0, (), 2))  # the probe's lookup found nothing to draft
     assert lookup.plan().gamma == 2 and lookup.probing  # it probes again
 
 
@@ -94,8 +94,8 @@ def test_a_drafter_that_stops_on_its_confidence_is_told_where_the_next_token_pay
     boastful, modest = Auto(costly, DraftProfile(confidence=True)), Auto(costly, DraftProfile(confidence=True))
     for _ in range(20):
         boastful.plan(), modest.plan()
-        boastful.observe(CycleStats(0, 2, 0, 1, 0.0, 0.0, 2), SimpleNamespace(survival=np.array([0.9, 0.81])))
-        modest.observe(CycleStats(0, 2, 2, 3, 0.0, 0.0, 2), SimpleNamespace(survival=np.array([0.3, 0.09])))
+        boastful.observe(RoundStats(0, 2, 0, 1, 0.0, 0.0, 2), SimpleNamespace(survival=np.array([0.9, 0.81])))
+        modest.observe(RoundStats(0, 2, 2, 3, 0.0, 0.0, 2), SimpleNamespace(survival=np.array([0.3, 0.09])))
     assert boastful._kept_claimed[0] / boastful._kept_claimed[1] < 0.3
     assert Plan(1).keep_above is None and modest.plan().keep_above[0] == pytest.approx(0.4)
 
@@ -126,7 +126,7 @@ def test_a_draft_model_slower_than_its_target_never_runs():
 
 def replay_lookup(prompt: list[int], answer: list[int], pacer, costs: Costs) -> float:
     """Speed-up over plain decoding of the n-gram drafter under ``pacer`` (or a fixed γ) on a greedy answer."""
-    drafter, pos, seconds, cycle = make_drafter("ngram"), 0, 0.0, 0
+    drafter, pos, seconds, index = make_drafter("ngram"), 0, 0.0, 0
     while pos < len(answer):
         room = len(answer) - pos
         gamma = min(pacer if isinstance(pacer, int) else pacer.plan().gamma, room - 1)
@@ -134,8 +134,8 @@ def replay_lookup(prompt: list[int], answer: list[int], pacer, costs: Costs) -> 
         kept = next((i for i, t in enumerate(draft) if t != answer[pos + i]), len(draft))
         seconds += costs.verify(len(draft) + 1)
         if not isinstance(pacer, int):
-            pacer.observe(CycleStats(cycle, len(draft), kept, min(kept + 1, room), 0.0, 0.0, len(draft), (), gamma))
-        pos, cycle = pos + min(kept + 1, room), cycle + 1
+            pacer.observe(RoundStats(index, len(draft), kept, min(kept + 1, room), 0.0, 0.0, len(draft), (), gamma))
+        pos, index = pos + min(kept + 1, room), index + 1
     return len(answer) * costs.verify(1) / seconds
 
 
@@ -154,7 +154,7 @@ def test_auto_with_lookup_is_within_5_percent_of_the_best_fixed_gamma_on_the_15b
 def replay_draft(kept_at: np.ndarray, confidence: np.ndarray, pacer, costs: Costs) -> float:
     """Speed-up of a draft model at temperature 0 whose draft at position t is kept iff ``kept_at[t]``, with its
     confidence there ``confidence[t]``, under ``pacer`` (or a fixed γ)."""
-    n, pos, seconds, cycle = len(kept_at), 0, 0.0, 0
+    n, pos, seconds, index = len(kept_at), 0, 0.0, 0
     while pos < n:
         plan = Plan(pacer) if isinstance(pacer, int) else pacer.plan()
         gamma, k = min(plan.gamma, n - pos - 1), 0
@@ -164,8 +164,8 @@ def replay_draft(kept_at: np.ndarray, confidence: np.ndarray, pacer, costs: Cost
         kept = int(np.argmin(np.append(kept_at[pos : pos + k], False)))
         seconds += costs.draft(k) + costs.verify(k + 1)
         if not isinstance(pacer, int):
-            pacer.observe(CycleStats(cycle, k, kept, kept + 1, 0.0, 0.0, k, (), k), SimpleNamespace(survival=survival[:k]))
-        pos, cycle = pos + kept + 1, cycle + 1
+            pacer.observe(RoundStats(index, k, kept, kept + 1, 0.0, 0.0, k, (), k), SimpleNamespace(survival=survival[:k]))
+        pos, index = pos + kept + 1, index + 1
     return n * costs.verify(1) / seconds
 
 
@@ -262,8 +262,8 @@ def test_auto_in_the_loop_is_lossless_and_reports_fallback():
     events = list(stream_generate(model, tokenizer, REPETITIVE, drafter="ngram", max_tokens=40,
                                   num_draft_tokens=Auto(MEMORY_BOUND)))
     assert [e.token for e in events if isinstance(e, TokenEvent)] == plain
-    stats, rounds_ = events[-1], [e for e in events if isinstance(e, CycleStats)]
-    assert stats.drafted > 0 and sum(stats.gamma_rounds) == stats.cycles == len(rounds_) and stats.num_draft_tokens == 15
+    stats, rounds_ = events[-1], [e for e in events if isinstance(e, RoundStats)]
+    assert stats.drafted > 0 and sum(stats.gamma_rounds) == stats.rounds == len(rounds_) and stats.num_draft_tokens == 15
     stats = GenerationStats(drafter="draft", num_draft_tokens=15, gamma_rounds=[3, 0, 2])
     assert "γ = auto (mean 0.8, at most 15); fell back to plain decoding in 3 of 5 rounds;" in format_stats(stats)
 

@@ -193,7 +193,7 @@ def test_a_stop_inside_accepted_drafts_counts_only_what_was_emitted():
                       stop_tokens={stop})
     s = result.stats
     assert result.tokens == reference[: reference.index(stop) + 1] and s.finish_reason == "stop"
-    assert s.accepted <= s.generation_tokens and s.tau == s.generation_tokens / s.cycles
+    assert s.accepted <= s.generation_tokens and s.tau == s.generation_tokens / s.rounds
 
 
 # --- stop strings ----------------------------------------------------------------------------------
@@ -227,7 +227,7 @@ def test_stop_strings_end_the_output_exactly(gamma):
     assert store.tokens == prompt + [e.token for e in tokens][:-1]  # the cache holds exactly what was emitted
     assert not any("E" in e.text for e in tokens[6:])  # no part of the stop string was ever streamed
     if gamma == 12:
-        assert tokens[-1].cycle == tokens[-3].cycle and stats.cycles == 1
+        assert tokens[-1].round == tokens[-3].round and stats.rounds == 1
 
 
 def test_bad_stop_strings_are_refused(capsys, tiny_model_dir):

@@ -91,7 +91,7 @@ def test_chat_matches_generate_with_stats(server, chat_model, capsys):
     assert SPECULATIVE_KEYS <= set(stats)
     assert stats["drafter"] == "ngram" and stats["gamma"] == 3
     assert (stats["drafted"], stats["accepted"], stats["rounds"]) == (expected["drafted"], expected["accepted"],
-                                                                      expected["cycles"])
+                                                                      expected["rounds"])
 
 
 def test_streaming_chat_equals_non_streaming(server):

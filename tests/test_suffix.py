@@ -86,7 +86,7 @@ def test_a_repeated_request_drafts_most_of_its_answer_from_the_global_store():
                      drafter=make_drafter(spec + ",shared=false", target, tokenizer, target_name="share"))
     assert first.tokens == second.tokens == alone.tokens == plain_greedy(target, PROMPT, 48)
     assert second.stats.accepted >= 0.8 * len(second.tokens), second.stats
-    assert second.stats.accepted > first.stats.accepted + 10 and second.stats.cycles < first.stats.cycles
+    assert second.stats.accepted > first.stats.accepted + 10 and second.stats.rounds < first.stats.rounds
     assert alone.stats.accepted == first.stats.accepted  # the opt-out sees this request only, like the first call
     stats = global_store_stats()[(264, "share")]
     assert stats.documents == 2 and stats.tokens >= 2 * 48  # the opted-out request left nothing behind

@@ -327,8 +327,8 @@ def test_replay_matches_the_engine_at_temperature_zero(kind):
             assert run.tokens == plain.tokens
             replayed = replay(drafter, ids, plain.tokens, features, num_draft_tokens=3, max_tokens=40,
                               sampling=SamplingParams())
-            assert (replayed.cycles, replayed.accepted_per_position) == (
-                run.stats.cycles, run.stats.accepted_per_position)
+            assert (replayed.rounds, replayed.accepted_per_position) == (
+                run.stats.rounds, run.stats.accepted_per_position)
             accepted += run.stats.accepted
     assert accepted > 5  # the comparison is not between two empty runs
 

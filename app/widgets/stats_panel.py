@@ -47,12 +47,12 @@ class StatsPanel(Vertical):
 
     def show_stats(self, stats: StatsSnapshot) -> None:
         """Show one answer's running totals."""
-        last = f"   this round {stats.tau_cycle}" if stats.cycles else ""
+        last = f"   this round {stats.tau_round}" if stats.rounds else ""
         self._set("#tau", f"τ  {stats.tau:.2f}{last}")
         self._set("#alpha", f"α  {alpha_text(stats)}" + ("" if stats.drafted else " (nothing drafted)"))
         spark = self.query_one(TauSparkline)
         spark.top, spark.values = stats.num_draft_tokens + 1, stats.taus
-        self._set("#speed", f"{stats.tokens_per_s:.1f} tokens/s\n{stats.tokens} tokens in {stats.cycles} rounds")
+        self._set("#speed", f"{stats.tokens_per_s:.1f} tokens/s\n{stats.tokens} tokens in {stats.rounds} rounds")
         self._set("#timing", f"draft  {stats.draft_s:.2f} s\nverify {stats.verify_s:.2f} s")
         self._set("#drafter", f"{stats.drafter}   {stats_drafting(stats)}")
 
@@ -84,7 +84,7 @@ def drafting(drafter: str, gamma: int | str, shape: str | None = None, detail: s
 def stats_drafting(stats: StatsSnapshot, now: bool = True) -> str:
     """``drafting`` for an answer: with γ picked each round, the latest pick (``now``) and the mean."""
     detail = ""
-    if stats.policy and stats.cycles:
+    if stats.policy and stats.rounds:
         detail = (f"now {stats.gamma_now}, " if now else "") + f"mean {stats.gamma_mean:.1f}"
     return drafting(stats.drafter, stats.policy or stats.num_draft_tokens, stats.shape, detail)
 

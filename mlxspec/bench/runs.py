@@ -30,7 +30,7 @@ from mlx_lm.sample_utils import make_sampler
 from ..core.cache import prefill
 from ..pacing import AUTO, SCHEDULED, Costs, Scheduled, make_pacer
 from ..engine.generate import stream_generate
-from ..core.metrics import CycleStats, GenerationStats
+from ..core.metrics import RoundStats, GenerationStats
 from ..core.sampling import SamplingParams
 
 BASELINE = "mlx-lm"
@@ -300,7 +300,7 @@ def _run_mlxspec(models: BenchModels, system: System, ids, temp, seed, max_token
     for event in stream_generate(models.model, models.tokenizer, ids, drafter=drafter, num_draft_tokens=pacer,
                                  max_tokens=max_tokens, sampling=SamplingParams(temp=temp), seed=seed,
                                  time_split=True):
-        if isinstance(event, CycleStats):
+        if isinstance(event, RoundStats):
             rounds.append([event.depth or event.num_drafted, event.num_accepted])
         elif isinstance(event, GenerationStats):
             stats = event

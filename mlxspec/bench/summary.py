@@ -39,7 +39,7 @@ class SummaryRow:
         tau: Tokens per verify round (kept + 1), pooled.
         acceptance_per_position: ``[i]`` = rounds that kept a draft at depth i+1 / rounds that drafted it.
         tau_histogram: ``[n]`` = rounds that produced n tokens.
-        cycle_draft_ms, cycle_verify_ms, cycle_other_ms: Mean time per round (mlxspec only).
+        round_draft_ms, round_verify_ms, round_other_ms: Mean time per round (mlxspec only).
         peak_memory_gb: Largest peak over runs.
         same_output: Fraction of runs whose output equals the baseline's (temperature 0 only).
         mean_gamma, plain_fallback: Auto / scheduled γ's mean choice and fraction of rounds at γ = 0.
@@ -64,9 +64,9 @@ class SummaryRow:
     tau: float | None
     acceptance_per_position: list[float]
     tau_histogram: list[int]
-    cycle_draft_ms: float | None
-    cycle_verify_ms: float | None
-    cycle_other_ms: float | None
+    round_draft_ms: float | None
+    round_verify_ms: float | None
+    round_other_ms: float | None
     peak_memory_gb: float
     same_output: float | None
     mean_gamma: float | None = None
@@ -109,7 +109,7 @@ def _row(system: System, kind: str, temp: float, group: list[RunRecord], baselin
         kept / drafted if drafted else None, alpha_mle(rounds) if drafted else None,
         (kept + len(rounds)) / len(rounds) if rounds else None,
         _per_position(rounds), _histogram([n + 1 for _, n in rounds]),
-        *_cycle_split(group, len(rounds)),
+        *_round_split(group, len(rounds)),
         max(r.peak_memory_gb for r in group), sum(same) / len(same) if same else None, note=system.note,
     )
     if gamma_rounds:
@@ -135,7 +135,7 @@ def _predict(system: System, costs: dict[str, Costs], rounds: list[tuple[int, in
     return tokens * cost.verify(1) / sum(cost.draft(k) + cost.verify(k + 1) for k, _ in rounds)
 
 
-def _cycle_split(group: list[RunRecord], num_rounds: int) -> tuple:
+def _round_split(group: list[RunRecord], num_rounds: int) -> tuple:
     """Mean draft / verify / other milliseconds per round (mlxspec runs only)."""
     if not num_rounds or any(r.draft_s is None for r in group):
         return None, None, None
@@ -264,9 +264,9 @@ def _fmt(value, spec: str = "{:.2f}") -> str:
 
 
 def _split(r: SummaryRow) -> str:
-    if r.cycle_verify_ms is None:
+    if r.round_verify_ms is None:
         return "–"
-    return f"{r.cycle_draft_ms:.0f} / {r.cycle_verify_ms:.0f} / {r.cycle_other_ms:.0f}"
+    return f"{r.round_draft_ms:.0f} / {r.round_verify_ms:.0f} / {r.round_other_ms:.0f}"
 
 
 def _notes(r: SummaryRow) -> str:

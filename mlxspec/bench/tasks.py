@@ -61,7 +61,7 @@ def run_task(task: str, loaded, spec: DrafterSpec, key: str, max_tokens: int) ->
         result = generate(model, tokenizer, prompt, drafter=drafter, num_draft_tokens=gamma, max_tokens=max_tokens,
                           prompt_cache=cache)
         s = result.stats
-        for name, value in (("tokens", s.generation_tokens), ("rounds", s.cycles), ("drafted", s.drafted),
+        for name, value in (("tokens", s.generation_tokens), ("rounds", s.rounds), ("drafted", s.drafted),
                             ("accepted", s.accepted), ("seconds", s.generation_s)):
             totals[name] += value
         totals["outputs"].append(result.tokens)

@@ -78,12 +78,12 @@ def format_stats(stats: GenerationStats, drafter=None, policy: str = AUTO) -> st
         tree += f"; depth γ = {_gamma_summary(stats, policy)}"
     elif tree and 0 < stats.num_draft_tokens < (drafter.profile.max_depth or 0):
         tree += f", cut to depth {stats.num_draft_tokens} by γ"  # a fixed γ below the tree's own depth
-    if tree and tree != PRICED_PLAIN and stats.cycles and not stats.drafted:
+    if tree and tree != PRICED_PLAIN and stats.rounds and not stats.drafted:
         tree += "; nothing drafted in any round"  # e.g. a tree priced each round, of which no node paid
     vocabulary = getattr(drafter, "vocab_summary", lambda: None)()
     name = stats.drafter + (f" ({vocabulary})" if vocabulary else "")
-    drafter_line = (f"Drafter: {name}, {tree}; rounds: {stats.cycles}" if tree else
-                    f"Drafter: {name}, γ = {_gamma_summary(stats, policy)}; rounds: {stats.cycles}")
+    drafter_line = (f"Drafter: {name}, {tree}; rounds: {stats.rounds}" if tree else
+                    f"Drafter: {name}, γ = {_gamma_summary(stats, policy)}; rounds: {stats.rounds}")
     lines = [
         "=" * 10,
         f"Prompt: {stats.prompt_tokens} tokens" + (f", {stats.cached_tokens} reused from the cache" if stats.cached_tokens

@@ -22,21 +22,21 @@ class TokenEvent:
         kind: ``"accepted"`` (a draft the target kept), ``"resampled"`` (drawn from
             the residual after a rejection), ``"bonus"`` (drawn from p after every
             draft survived) or ``"target"`` (a plain decoding step, nothing drafted).
-        cycle: Index of the verify round that committed it, from 0.
+        round: Index of the verify round that committed it, from 0.
     """
 
     token: int
     text: str
     kind: str
-    cycle: int
+    round: int
 
 
 @dataclass(frozen=True)
-class CycleStats:
+class RoundStats:
     """One verify round.
 
     Attributes:
-        cycle: Round index, from 0.
+        round: Round index, from 0.
         num_drafted: Tokens proposed (γ for a full chain; fewer when the drafter
             found nothing or ``max_tokens`` is near).
         num_accepted: Drafts the target kept and the round emitted (a stop or ``max_tokens``
@@ -50,7 +50,7 @@ class CycleStats:
             confidence: what it drafted); with ``auto`` it changes each round.
     """
 
-    cycle: int
+    round: int
     num_drafted: int
     num_accepted: int
     num_emitted: int
@@ -73,7 +73,7 @@ class GenerationStats:
         cached_tokens: Prompt tokens found in a reused ``PromptCache`` (not prefilled again).
         generation_tokens: Tokens committed (including a final stop token).
         generation_s: Wall time from the end of prefill to the last token, seconds.
-        cycles: Verify rounds run.
+        rounds: Verify rounds run.
         drafted: Draft tokens proposed, all rounds.
         accepted: Draft tokens kept, all rounds.
         drafted_per_position: ``[i]`` = rounds that drafted a token at depth i + 1.
@@ -100,7 +100,7 @@ class GenerationStats:
     cached_tokens: int = 0
     generation_tokens: int = 0
     generation_s: float = 0.0
-    cycles: int = 0
+    rounds: int = 0
     drafted: int = 0
     accepted: int = 0
     drafted_per_position: list[int] = field(default_factory=list)
@@ -112,9 +112,9 @@ class GenerationStats:
     gamma_rounds: list[int] = field(default_factory=list)
     priced_plain: bool = False
 
-    def add_cycle(self, stats: CycleStats) -> None:
+    def add_round(self, stats: RoundStats) -> None:
         """Fold one round into the totals."""
-        self.cycles += 1
+        self.rounds += 1
         self.drafted += stats.num_drafted
         self.accepted += stats.num_accepted
         self.generation_tokens += stats.num_emitted
@@ -147,7 +147,7 @@ class GenerationStats:
     @property
     def tau(self) -> float:
         """Acceptance length τ = mean tokens emitted per verify round (accepted + 1 on uncut rounds)."""
-        return self.generation_tokens / self.cycles if self.cycles else 0.0
+        return self.generation_tokens / self.rounds if self.rounds else 0.0
 
     @property
     def acceptance_per_position(self) -> list[float]:

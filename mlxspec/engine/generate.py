@@ -35,7 +35,7 @@ from ..core.cache import (
     tree_attention,
 )
 from ..drafters import Draft, Drafter, DrafterSpec, Plan, make_drafter
-from ..core.metrics import CycleStats, GenerationStats, TokenEvent
+from ..core.metrics import RoundStats, GenerationStats, TokenEvent
 from ..pacing import Fixed, Pacer, make_pacer
 from .plain_steps import PlainSteps
 from ..core.sampling import SamplingParams, process_logits, warp
@@ -68,7 +68,7 @@ class GenerationResult:
 class _Round:
     tokens: list[int]
     kinds: list[str]
-    stats: CycleStats
+    stats: RoundStats
     finish_reason: str | None
     prefill_s: float = 0.0
     cached_tokens: int = 0
@@ -174,7 +174,7 @@ def speculative_rounds(
                    rule or make_verifier(sampling), as_prompt_cache(model, prompt_cache), prefill_step_size, time_split)
     history, generated, upcoming = list(prompt), 0, None
     try:
-        for cycle in range(max_tokens):
+        for index in range(max_tokens):
             room = max_tokens - generated
             plan, t0 = upcoming or loop.plan(room - 1), time.perf_counter()
             if plan.gamma == 0:  # a plain step: the next one is queued before this token is read if plain too
@@ -183,20 +183,20 @@ def speculative_rounds(
                 path, tokens, kinds, hidden = loop.plain.round(history, queue=upcoming is not None and upcoming.gamma == 0)
             else:
                 upcoming, draft = None, plan.select(drafter.propose(history, plan.gamma, sampling, plan))
-                t1 = loop.clock.drafted(cycle, draft)
+                t1 = loop.clock.drafted(index, draft)
                 path, tokens, kinds, hidden = loop.verify(history, draft)
             keep, finish_reason = _cut(tokens, stop_tokens, room, stop_strings)
             if finish_reason:
                 loop.plain.cancel()  # no next step: drop the one queued ahead
             loop.commit(history, path, tokens[:keep], hidden, draft.size)
-            stats = CycleStats(cycle, draft.size, min(len(path), keep), keep, *loop.clock.split(t0, t1, draft.size),
+            stats = RoundStats(index, draft.size, min(len(path), keep), keep, *loop.clock.split(t0, t1, draft.size),
                                int(draft.tree.depths.max()) if draft.size else 0, tuple(n - 1 for n in path),
                                plan.gamma if plan.keep_above is None else draft.size)
             loop.pacer.observe(stats, draft)
             generated += keep
-            if cycle % 64 == 63:
+            if index % 64 == 63:
                 mx.clear_cache()
-            yield _Round(tokens[:keep], kinds[:keep], stats, finish_reason, loop.prefill_s if cycle == 0 else 0.0,
+            yield _Round(tokens[:keep], kinds[:keep], stats, finish_reason, loop.prefill_s if index == 0 else 0.0,
                          loop.store.reused)
             if finish_reason:
                 return
@@ -284,9 +284,9 @@ class _DraftClock:
     def __init__(self, lazy: bool):
         self.lazy, self.share = lazy, None
 
-    def drafted(self, cycle: int, draft: Draft) -> float:
+    def drafted(self, index: int, draft: Draft) -> float:
         """The time drafting ended (after evaluating a lazy draft on timed rounds)."""
-        self.timed = self.lazy and draft.size > 0 and (cycle % TIMING_EVERY == 0 or self.share is None)
+        self.timed = self.lazy and draft.size > 0 and (index % TIMING_EVERY == 0 or self.share is None)
         if self.timed:
             mx.eval(draft.tokens)
         return time.perf_counter()
@@ -317,7 +317,7 @@ def stream_generate(
     typical: tuple[float, float] | None = None,
     stop: list[str] | tuple[str, ...] | None = None,
     time_split: bool = False,
-) -> Iterator[TokenEvent | CycleStats | GenerationStats]:
+) -> Iterator[TokenEvent | RoundStats | GenerationStats]:
     """Generate with speculative decoding, streaming what each round commits.
 
     The output is distributed exactly as plain sampling from the target with the
@@ -358,7 +358,7 @@ def stream_generate(
 
     Yields:
         ``TokenEvent`` per committed token (text deltas never split a multi-byte
-        character), a ``CycleStats`` after each round's tokens, and finally the
+        character), a ``RoundStats`` after each round's tokens, and finally the
         ``GenerationStats``.
 
     Raises:
@@ -404,10 +404,10 @@ def stream_generate(
     )
     start = time.perf_counter()
     for round_ in rounds:
-        if round_.stats.cycle == 0:
+        if round_.stats.round == 0:
             stats.prompt_s, start = round_.prefill_s, start + round_.prefill_s
             stats.cached_tokens = round_.cached_tokens
-        stats.add_cycle(round_.stats)
+        stats.add_round(round_.stats)
         if pacer.adaptive:
             stats.add_gamma(round_.stats.gamma)
         stats.generation_s = time.perf_counter() - start
@@ -421,7 +421,7 @@ def stream_generate(
             if final:
                 detokenizer.finalize()
             text = held.push(detokenizer.last_segment, final, stopper.text_end if stopper else None)
-            yield TokenEvent(token, text, kind, round_.stats.cycle)
+            yield TokenEvent(token, text, kind, round_.stats.round)
         yield round_.stats
     stats.peak_memory_gb = mx.get_peak_memory() / 1e9
     yield stats

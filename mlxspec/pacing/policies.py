@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..drafters.base import Draft, DraftProfile, Plan
-from ..core.metrics import CycleStats
+from ..core.metrics import RoundStats
 from .costs import MAX_VERIFY_TOKENS, Costs
 
 PLAIN = Plan(0)
@@ -84,7 +84,7 @@ class Fixed:
             return PLAIN
         return self._plan
 
-    def observe(self, outcome: CycleStats, draft: Draft | None = None) -> None:
+    def observe(self, outcome: RoundStats, draft: Draft | None = None) -> None:
         """Learn from one round: the budget's calibration, and its rests."""
         if self.budget is None or outcome.gamma == 0:
             return
@@ -152,7 +152,7 @@ class Auto:
         return Plan(self.max_gamma, keep_above=tuple(
             (self.costs.draft_s + verify(k + 2) - verify(k + 1)) / (calibration * verify(1)) for k in range(1, self.max_gamma)))
 
-    def observe(self, outcome: CycleStats, draft: Draft | None = None) -> None:
+    def observe(self, outcome: RoundStats, draft: Draft | None = None) -> None:
         """Learn from one round (a plain round, or a lookup that found nothing, teaches nothing)."""
         depth = outcome.depth or outcome.num_drafted
         if depth <= 0:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..drafters.base import Draft, Plan
-from ..core.metrics import CycleStats
+from ..core.metrics import RoundStats
 from .costs import Costs
 from .policies import PLAIN
 
@@ -175,7 +175,7 @@ class Scheduled:
         self.kept_nodes = m
         return draft.select(nodes)
 
-    def observe(self, outcome: CycleStats, draft: Draft | None = None) -> None:
+    def observe(self, outcome: RoundStats, draft: Draft | None = None) -> None:
         """Learn which verified nodes were on the accepted path (``outcome.path``)."""
         if self._pending is None or not self.kept_nodes:
             return

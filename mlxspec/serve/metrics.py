@@ -43,7 +43,7 @@ class Metrics:
         self.generated_tokens.inc(s.generation_tokens)
         self.drafted.inc(s.drafted)
         self.accepted.inc(s.accepted)
-        self.rounds.inc(s.cycles)
+        self.rounds.inc(s.rounds)
         if done.finish_reason == "cancelled" or done.timed_out:
             self.cancelled.labels("timeout" if done.timed_out else "client").inc()
         if job.first_token is not None:

@@ -189,7 +189,7 @@ def speculative(stats: GenerationStats) -> dict:
         "drafter": stats.drafter,
         "gamma": stats.num_draft_tokens,
         "gamma_mean": round(sum(g * n for g, n in enumerate(stats.gamma_rounds)) / rounds, 3) if rounds else None,
-        "rounds": stats.cycles,
+        "rounds": stats.rounds,
         "drafted": stats.drafted,
         "accepted": stats.accepted,
         "alpha": round(stats.alpha, 4),

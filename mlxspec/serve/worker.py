@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from ..engine.generate import stream_generate
-from ..core.metrics import CycleStats, GenerationStats, TokenEvent
+from ..core.metrics import RoundStats, GenerationStats, TokenEvent
 from ..core.sampling import SamplingParams
 from ..engine.session import USER_ERRORS
 from ..runtime.threads import MLXThread
@@ -250,11 +250,11 @@ class Worker:
                 if isinstance(event, TokenEvent):
                     texts.append(event.text)
                     count, last = count + 1, event.token
-                elif isinstance(event, CycleStats):
-                    totals.add_cycle(event)
+                elif isinstance(event, RoundStats):
+                    totals.add_round(event)
                     if getattr(self._policy, "adaptive", False):  # as stream_generate counts them in its totals
                         totals.add_gamma(event.gamma)
-                    if event.cycle == 0:
+                    if event.round == 0:
                         totals.cached_tokens = slot.reused
                     self._post_text(job, texts, count, slot.reused)
                     texts, count = [], 0

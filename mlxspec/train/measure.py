@@ -35,7 +35,7 @@ import numpy as np
 from ..loading.data import Prompt
 from ..drafters.base import Draft, Drafter
 from ..engine.generate import generate
-from ..core.metrics import CycleStats, GenerationStats
+from ..core.metrics import RoundStats, GenerationStats
 from ..core.sampling import SamplingParams
 from ..core.taps import HiddenTap
 
@@ -73,14 +73,14 @@ class Totals:
         prompts: Prompts run.
         tokens: Tokens generated.
         generation_s: Generation wall time, seconds.
-        cycles: Verify rounds.
+        rounds: Verify rounds.
         accepted_per_depth: ``[d]`` = rounds that accepted a draft at depth d + 1.
     """
 
     prompts: int = 0
     tokens: int = 0
     generation_s: float = 0.0
-    cycles: int = 0
+    rounds: int = 0
     accepted_per_depth: list[int] = field(default_factory=list)
 
     def add(self, stats: GenerationStats) -> None:
@@ -88,7 +88,7 @@ class Totals:
         self.prompts += 1
         self.tokens += stats.generation_tokens
         self.generation_s += stats.generation_s
-        self.cycles += stats.cycles
+        self.rounds += stats.rounds
         grow = len(stats.accepted_per_position) - len(self.accepted_per_depth)
         self.accepted_per_depth += [0] * max(grow, 0)
         for d, n in enumerate(stats.accepted_per_position):
@@ -97,12 +97,12 @@ class Totals:
     @property
     def tau(self) -> float:
         """Tokens per verify round (accepted drafts + 1)."""
-        return (sum(self.accepted_per_depth) + self.cycles) / self.cycles if self.cycles else 0.0
+        return (sum(self.accepted_per_depth) + self.rounds) / self.rounds if self.rounds else 0.0
 
     @property
     def acceptance_per_depth(self) -> list[float]:
         """``[d]`` = P(a draft at depth d + 1 is accepted | depth d was reached)."""
-        reached = [self.cycles] + self.accepted_per_depth[:-1]
+        reached = [self.rounds] + self.accepted_per_depth[:-1]
         return [a / r if r else 0.0 for a, r in zip(self.accepted_per_depth, reached)]
 
     @property
@@ -263,21 +263,28 @@ def replay(drafter: Drafter, prompt: list[int], answer: list[int], features: dic
             for j, node in enumerate(path):
                 rows[node + 1] = root + j + 1
             hidden = feats[mx.array(np.minimum(rows, feats.shape[0] - 1))]  # rows off the path are unread
-        stats.add_cycle(CycleStats(stats.cycles, draft.size, len(path), len(path) + 1, draft_s, 0.0,
+        stats.add_round(RoundStats(stats.rounds, draft.size, len(path), len(path) + 1, draft_s, 0.0,
                                    int(depths.max(initial=0))))
         root += len(path) + 1
         drafter.commit(min(root + 1, len(tokens)), path, hidden)
     return stats
 
 
+#: Stats keys renamed since records were written, old → new: records measured before the rename (the shipped ones
+#: in models/bench/heldout/) say "cycles" for rounds.
+RENAMED_STATS = {"cycles": "rounds"}
+
+
 def read_records(path) -> list[RunRecord]:
-    """Records written by ``mlxspec train measure-medusa --output FILE`` (one JSON object per line)."""
+    """Records written by ``mlxspec train measure-medusa --output FILE`` (one JSON object per line), old keys read
+    under their new names (``RENAMED_STATS``)."""
     names = {f.name for f in fields(GenerationStats)}
     records = []
     for line in open(path, encoding="utf-8"):
         if line.strip():
             r = json.loads(line)
-            stats = GenerationStats(**{k: v for k, v in r["stats"].items() if k in names})
+            stats = {RENAMED_STATS.get(k, k): v for k, v in r["stats"].items()}
+            stats = GenerationStats(**{k: v for k, v in stats.items() if k in names})
             records.append(RunRecord(r["prompt_id"], r["config"], r["temp"], r["mode"], stats, r.get("tokens")))
     return records
 
