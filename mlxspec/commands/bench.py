@@ -17,6 +17,7 @@ from ..bench.runs import BenchModels, RunRecord, System, estimate_s, iter_runs, 
 from ..bench.summary import Verdict, format_table, summarize, verdicts, write_plots
 from ..loading.data import load_sharegpt, read_prompts_jsonl, sample_prompts
 from ..drafters import DrafterSpec, drafter_types, parse_specs
+from ..runtime.distributed import refuse_launched
 from ..runtime.machine import machine_info
 from ..pacing import AUTO, PRICED_PLAIN, SCHEDULED, Costs, load_or_calibrate, make_pacer
 from ..loading.models import DTYPES
@@ -387,6 +388,9 @@ def resummarize(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
+    refuse_launched("bench", "it measures costs on each machine and writes its files on every rank",
+                    "time a sharded target with 'mlxspec generate --shard tensor --json' under mlx.launch, once per "
+                    "drafter")
     if args.plots:
         try:
             import matplotlib  # noqa: F401

@@ -10,6 +10,7 @@ from dataclasses import replace
 from ..loading.assets import NAMED_MODELS, named_model_path
 from ..pacing import AUTO
 from ..engine.session import draft_model_spec
+from ..runtime.distributed import refuse_launched
 from .common import (
     ArgumentParser,
     add_model_args,
@@ -77,6 +78,9 @@ def fetch_named_models(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Check the flags, fetch named models, then run the app until it quits (the process ends there)."""
+    refuse_launched("chat", "every rank would start the terminal app",
+                    "for a sharded target run 'mlxspec serve --shard tensor' under mlx.launch and chat through any "
+                    "OpenAI or Anthropic client, or use 'mlxspec generate --shard tensor'")
     config = checked_config(args)
     if not (sys.stdin.isatty() and sys.stdout.isatty()):
         raise ValueError("mlxspec chat needs a terminal; to answer from a script use 'mlxspec generate'")

@@ -20,6 +20,7 @@ from ..engine.generate import DEFAULT_MAX_TOKENS, DEFAULT_NUM_DRAFT_TOKENS
 from ..loading.models import DTYPES
 from ..core.sampling import SamplingParams
 from ..core.stops import check_stops
+from ..runtime.distributed import SHARD_KINDS
 from ..engine.session import USER_ERRORS, LoadedModel, ModelSpec, draft_model_spec, load_model
 from ..engine.session import build_drafter as session_build_drafter
 
@@ -224,6 +225,15 @@ def add_sampling_args(parser: argparse.ArgumentParser, *, max_tokens: int = DEFA
     parser.add_argument("--seed", type=seed_arg, default=None, help="random seed in [0, 2**64). Default: none")
     parser.add_argument("--stop", action="append", type=stop_arg, default=None, metavar="TEXT",
                         help="end the answer at this text, which is not printed; repeat for several. Default: none")
+
+
+def add_shard_arg(parser: argparse.ArgumentParser, ranks: str) -> None:
+    """``--shard {tensor,pipeline}`` (docs/distributed.md); ``ranks`` says what the ranks do, e.g. "only rank 0 prints"."""
+    parser.add_argument("--shard", choices=SHARD_KINDS, default=None,
+                        help="split the target over the processes of an mlx.launch job: 'tensor' (every rank holds "
+                             f"part of every layer) or 'pipeline' (every rank holds some layers); {ranks}. "
+                             f"γ 'auto' is then the fixed {DEFAULT_NUM_DRAFT_TOKENS} (costs are not measured per "
+                             "rank). See docs/distributed.md. Default: the whole model in this process")
 
 
 def add_recalibrate_arg(parser: argparse.ArgumentParser) -> None:

@@ -10,7 +10,7 @@ import mlx.core as mx
 
 from ..pacing import AUTO, PRICED_PLAIN, load_or_calibrate, make_pacer, tree_summary
 from ..drafters import make_drafter
-from ..runtime.distributed import SHARD_KINDS, check_sharded_args, job_sum, rank_output
+from ..runtime.distributed import check_sharded_args, job_sum, rank_output
 from ..engine.generate import DEFAULT_NUM_DRAFT_TOKENS, check_context, context_length, encode_prompt, stream_generate
 from ..engine.session import check_fits
 from ..core.metrics import GenerationStats, TokenEvent
@@ -21,6 +21,7 @@ from .common import (
     check_args,
     add_blas_arg,
     add_recalibrate_arg,
+    add_shard_arg,
     run_main,
     load_models,
     measuring_note,
@@ -45,11 +46,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     add_blas_arg(parser)
     parser.add_argument("--json", action="store_true",
                         help="print one JSON record (text and every stat) instead of streaming")
-    parser.add_argument("--shard", choices=SHARD_KINDS, default=None,
-                        help="split the target over the processes of an mlx.launch job: 'tensor' (every rank holds "
-                             "part of every layer) or 'pipeline' (every rank holds some layers); only rank 0 prints. "
-                             f"γ 'auto' is then the fixed {DEFAULT_NUM_DRAFT_TOKENS} (costs are not measured per "
-                             "rank). See docs/distributed.md. Default: the whole model in this process")
+    add_shard_arg(parser, "only rank 0 prints")
     return parser
 
 

@@ -7,12 +7,15 @@ import importlib.util
 import ipaddress
 import sys
 
+from ..engine.generate import DEFAULT_NUM_DRAFT_TOKENS
+from ..runtime.distributed import check_sharded_args, rank_output
 from .chat import exit_now
 from .common import (
     ArgumentParser,
     add_blas_arg,
     add_model_args,
     add_sampling_args,
+    add_shard_arg,
     check_args,
     load_models,
     measuring_note,
@@ -54,6 +57,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prefix-cache-gb", type=float, default=2.0,
                         help="most GB those caches may hold together. Default: 2")
     add_blas_arg(parser)
+    add_shard_arg(parser, "rank 0 serves HTTP and the other ranks run each request with it")
     return parser
 
 
@@ -118,10 +122,18 @@ def loader(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     check_serve_args(args)
     from ..serve.routes import Defaults
-    from ..serve.server import serve
+    from ..serve.server import follow, serve
 
     defaults = Defaults(sampling_from_args(args), args.max_tokens, args.seed, tuple(args.stop or ()))
-    status = serve(args, defaults, loader(args))
+    if not args.shard:
+        status = serve(args, defaults, loader(args))
+    else:
+        rank = check_sharded_args(args, DEFAULT_NUM_DRAFT_TOKENS, same_seed=False)  # a seed per request instead
+        with rank_output(rank):  # rank 0 prints; the others print only error lines
+            try:
+                status = serve(args, defaults, loader(args)) if rank == 0 else follow(args, loader(args))
+            except SystemExit as e:  # stopped by mlx.launch (rank_output): the worker thread may be inside MLX
+                status = e.code
     exit_now(status)  # MLX's stream threads may still be winding down: skip the C++ destructors (as chat does)
 
 

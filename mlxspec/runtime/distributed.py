@@ -26,6 +26,7 @@ wrapped ones; a pipeline stage's caches are its own layers' (``make_prompt_cache
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -34,6 +35,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx.utils import tree_flatten
 
 SHARD_KINDS = ("tensor", "pipeline")
@@ -63,6 +65,16 @@ class Sharding:
 def launched() -> bool:
     """Whether this process was started by ``mlx.launch`` (or ``mpirun``) as one of several ranks."""
     return any(os.environ.get(k) for k in ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"))
+
+
+def refuse_launched(command: str, why: str, instead: str) -> None:
+    """Refuse a command that cannot run as one rank of an ``mlx.launch`` job (``chat``, ``bench``).
+
+    Raises:
+        ValueError: started by ``mlx.launch``: says ``why`` and what to use ``instead``.
+    """
+    if launched():
+        raise ValueError(f"mlxspec {command} does not run under mlx.launch ({why}); {instead} (docs/distributed.md)")
 
 
 def init_group():
@@ -185,11 +197,12 @@ def check_measured(model: nn.Module) -> None:
                          "has one (e.g. eagle:total_tokens=32, suffix:nodes=16)")
 
 
-def check_sharded_args(args, fixed_gamma: int) -> int:
+def check_sharded_args(args, fixed_gamma: int, same_seed: bool = True) -> int:
     """Make a ``--shard`` command's flags the same on every rank, in place (all ranks must call it).
 
-    γ ``auto`` becomes ``fixed_gamma`` (``check_measured`` says why); without ``--seed``, rank 0 draws
-    one and every rank uses it, so the drafts and the acceptance draws agree.
+    γ ``auto`` becomes ``fixed_gamma`` (``check_measured`` says why); without ``--seed`` (and with
+    ``same_seed``), rank 0 draws one and every rank uses it, so the drafts and the acceptance draws agree.
+    A server passes ``same_seed=False``: it draws a seed per request and shares it with the request.
 
     Returns:
         int: This process's rank.
@@ -203,10 +216,35 @@ def check_sharded_args(args, fixed_gamma: int) -> int:
     if args.num_draft_tokens == "auto":
         args.num_draft_tokens = fixed_gamma
     group = init_group()
-    if args.seed is None:
-        mine = int.from_bytes(os.urandom(4), "little") % 2**31 if group.rank() == 0 else 0
-        args.seed = int(mx.distributed.all_sum(mx.array(mine, dtype=mx.int32), group=group, stream=mx.cpu).item())
+    if args.seed is None and same_seed:
+        args.seed = share_json(group, random_seed() if group.rank() == 0 else None)
     return group.rank()
+
+
+def random_seed() -> int:
+    """A fresh ``mx.random`` seed in [0, 2**31)."""
+    return int.from_bytes(os.urandom(4), "little") % 2**31
+
+
+def share_json(group, value=None):
+    """Rank 0's ``value`` (anything ``json`` writes) on every rank; the others pass nothing. All ranks must call it.
+
+    Two all-sums, as mlx-lm's server shares a request: the length, then the UTF-8 bytes (rank 0 adds
+    its bytes to the others' zeros). JSON, not pickle: a rank never unpickles what the network sent.
+    """
+    if group.rank() == 0:
+        data = mx.array(np.frombuffer(json.dumps(value).encode(), dtype=np.uint8))
+        mx.eval(mx.distributed.all_sum(mx.array(data.size, dtype=mx.int32), group=group, stream=mx.cpu))
+        mx.eval(mx.distributed.all_sum(data, group=group, stream=mx.cpu))
+        return value
+    size = mx.distributed.all_sum(mx.array(0, dtype=mx.int32), group=group, stream=mx.cpu).item()
+    data = mx.distributed.all_sum(mx.zeros(size, dtype=mx.uint8), group=group, stream=mx.cpu)
+    return json.loads(bytes(np.array(data)))
+
+
+def any_rank(group, flag: bool) -> bool:
+    """Whether ``flag`` is true on any rank (one all-sum); all ranks must call it."""
+    return mx.distributed.all_sum(mx.array(int(flag), dtype=mx.int32), group=group, stream=mx.cpu).item() > 0
 
 
 def job_sum(model: nn.Module, value: float) -> float:

@@ -21,6 +21,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ..core.cache import PromptCache, trim
+from ..runtime.distributed import job_sum
 
 
 def common_prefix(held: list[int], prompt: list[int]) -> int:
@@ -84,8 +85,9 @@ class PrefixCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by every kept slot."""
-        return sum(cache_bytes(slot) for slot in self._lru)
+        """Bytes held by every kept slot; for a sharded target, by every rank's slots (one collective), so that
+        every rank drops the same slots and the ranks' caches stay alike."""
+        return int(job_sum(self.model, sum(cache_bytes(slot) for slot in self._lru)))
 
     def __len__(self) -> int:
         return len(self._lru)

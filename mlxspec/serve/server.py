@@ -63,7 +63,7 @@ def serve(args: argparse.Namespace, defaults: Defaults, load: Callable[[], tuple
 
     Raises:
         ValueError, FileNotFoundError: the address cannot be bound, or the model or drafter cannot be
-            loaded (one line, exit 2).
+            loaded (one line, exit 2); a sharded job lost a rank (``_check_alive``).
     """
     sock = bind(args.host, args.port)
     metrics = None
@@ -81,6 +81,8 @@ def serve(args: argparse.Namespace, defaults: Defaults, load: Callable[[], tuple
                             timeout_keep_alive=KEEP_ALIVE_S, timeout_graceful_shutdown=GRACEFUL_S)
     server = _Server(config)
     server.worker = worker
+    worker.on_failure = lambda e: setattr(server, "should_exit", True)  # a sharded job lost a rank
+    _check_alive(worker)
     for sig in (signal.SIGINT, signal.SIGTERM):  # uvicorn re-raises the signal it caught after shutting down:
         signal.signal(sig, lambda *_: None)     # land it here, so a requested stop exits 0
     port = sock.getsockname()[1]  # --port 0: the one the system chose
@@ -89,7 +91,36 @@ def serve(args: argparse.Namespace, defaults: Defaults, load: Callable[[], tuple
           flush=True)
     server.run(sockets=[sock])
     worker.close()
+    _check_alive(worker)
     if not server.started:  # the port could not be bound (uvicorn said why)
         raise ValueError(f"could not listen on {args.host}:{args.port}; choose another --port or --host")
     print("mlxspec serve: stopped", file=sys.stderr, flush=True)
     return 0
+
+
+def follow(args: argparse.Namespace, load: Callable[[], tuple]) -> int:
+    """A rank other than 0 of a sharded server (``serve --shard``): load with ``load``, then run every request
+    rank 0 shares (``worker.Worker``), until rank 0's server stops; returns 0.
+
+    Ctrl+C is left to rank 0 (the terminal sends it to every rank): it stops serving and tells this rank.
+
+    Raises:
+        ValueError, FileNotFoundError: the model or drafter cannot be loaded; the job lost a rank.
+    """
+    worker = Worker(load, args.queue_size, (args.prefix_cache_slots, int(args.prefix_cache_gb * 2**30)))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    worker.start()
+    worker.wait()
+    _check_alive(worker)
+    return 0
+
+
+def _check_alive(worker: Worker) -> None:
+    """Raise if a sharded server's worker stopped on a failed collective (a rank of the job died).
+
+    Raises:
+        ValueError: naming the failure; the server stops (status 2).
+    """
+    if worker.error is not None:
+        detail = " ".join(str(worker.error).split())
+        raise ValueError(f"the sharded job lost a rank ({detail}); the server stopped")

@@ -6,11 +6,19 @@ go back to the HTTP side's event loop with ``call_soon_threadsafe``. The queue i
 queue refuses at once (the server answers 503 with ``Retry-After``). A request stops after its
 current round when it is cancelled (its client went away) or its deadline passes; a prefill cannot
 be interrupted. Batching several requests into one forward is not done: one request runs at a time.
+
+A sharded target (``serve --shard``, docs/distributed.md) runs on every rank of an ``mlx.launch`` job in
+lockstep: rank 0's worker takes each request from its queue and shares it (prompt, limits, sampling,
+seed, stops: ``distributed.share_json``) with the other ranks' workers, which run the same generation and
+post nothing; after every round all ranks agree whether to stop (rank 0's cancellation or deadline).
+While idle, rank 0 tells the others so every ``IDLE_TICK_S``, so they wait in Python, not in a collective.
+A failed collective (a rank died) ends the worker: the server stops with one line, status 2.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import queue
 import threading
 import time
@@ -23,8 +31,13 @@ from ..engine.generate import stream_generate
 from ..core.metrics import RoundStats, GenerationStats, TokenEvent
 from ..core.sampling import SamplingParams
 from ..engine.session import USER_ERRORS
+from ..runtime.distributed import any_rank, random_seed, share_json, sharding
 from ..runtime.threads import MLXThread
 from .prefix_cache import PrefixCache
+
+
+#: Seconds rank 0's worker of a sharded server waits for a request before telling the other ranks it has none.
+IDLE_TICK_S = 1.0
 
 
 class QueueFull(Exception):
@@ -96,12 +109,30 @@ class Job:
     created: float = field(default_factory=time.monotonic)
     first_token: float | None = None
 
+    def shared(self) -> dict:
+        """What another rank needs to run this request too (``following``), as JSON."""
+        sampling = {k: getattr(self.sampling, k) for k in SHARED_SAMPLING}
+        return {"prompt": list(self.prompt), "max_tokens": self.max_tokens, "sampling": sampling, "seed": self.seed,
+                "stop": list(self.stop)}
+
+    @classmethod
+    def following(cls, shared: dict) -> Job:
+        """Another rank's copy of rank 0's request: no deadline, and nothing to post to."""
+        return cls(shared["prompt"], shared["max_tokens"], SamplingParams(**shared["sampling"]), shared["seed"],
+                   shared["stop"], math.inf, None)
+
     def post(self, item) -> None:
-        """Hand ``item`` to the HTTP side (from the worker thread)."""
+        """Hand ``item`` to the HTTP side (from the worker thread); a following rank's job posts nothing."""
+        if self.loop is None:
+            return
         try:
             self.loop.call_soon_threadsafe(self.events.put_nowait, item)
         except RuntimeError:  # the event loop is closed: the server is shutting down
             pass
+
+
+#: The ``SamplingParams`` fields a request sets (its logits processors are built from them).
+SHARED_SAMPLING = ("temp", "top_p", "top_k", "min_p", "repetition_penalty", "repetition_context_size")
 
 
 @dataclass
@@ -146,6 +177,8 @@ class Worker:
         self.served: Served | None = None
         self.error: BaseException | None = None
         self.prefix_cache: PrefixCache | None = None
+        self.on_failure: Callable[[BaseException], None] | None = None  # a sharded job lost a rank (called once)
+        self._group = None  # the ranks of a sharded target, set once it is loaded
 
     def start(self) -> Served:
         """Start the thread and wait until the model is loaded.
@@ -194,6 +227,11 @@ class Worker:
         if self._running is not None:
             self._running.cancelled.set()
 
+    def wait(self) -> None:
+        """Wait until the thread stops (a following rank: until rank 0's server stops, or the job fails)."""
+        while not self._thread.join(1.0):  # in steps, so the main thread still handles signals
+            pass
+
     def close(self, timeout_s: float = 10.0) -> bool:
         """Cancel every request, stop the thread; returns whether it stopped in time."""
         self.cancel_all()
@@ -214,25 +252,60 @@ class Worker:
             try:
                 self._model, self._tokenizer, self._drafter, self._policy, self.served = self._load()
                 self.prefix_cache = PrefixCache(self._model, *self._cache_bounds)
+                self._group = sharding(self._model).group if sharding(self._model) else None
             except BaseException as e:  # noqa: B036 - handed to the starting thread, which raises it
                 self.error = e
                 return
             finally:
                 self._ready.set()
-            while (job := self._queue.get()) is not None:
-                self._running = job
-                try:
-                    done = self._generate(job)
-                except Exception as e:  # a bug must not kill the thread: every later request would hang
-                    done = None
-                    job.post(Failed(f"internal error: {type(e).__name__}: {e}", 500))
-                finally:
-                    self._running = None
-                if done is not None and self._on_done is not None:
-                    self._on_done(job, done)
+            try:
+                self._loop()
+            except Exception as e:  # a sharded job's collective failed: the ranks are no longer in step
+                self.error = e
+                if self.on_failure is not None:
+                    self.on_failure(e)
+
+    def _loop(self) -> None:
+        while (job := self._next_job()) is not None:
+            self._running = job
+            try:
+                done = self._generate(job)
+            except Exception as e:  # a bug must not kill the thread: every later request would hang
+                done = None
+                job.post(Failed(f"internal error: {type(e).__name__}: {e}", 500))
+                if self._group is not None:
+                    raise
+            finally:
+                self._running = None
+            if done is not None and self._on_done is not None:
+                self._on_done(job, done)
+
+    def _next_job(self) -> Job | None:
+        """The next request (``None``: stop): from the queue; for a sharded target, rank 0's, on every rank."""
+        if self._group is None:
+            return self._queue.get()
+        if self._group.rank() != 0:
+            while (shared := share_json(self._group)) == "idle":
+                pass
+            return None if shared is None else Job.following(shared)
+        while True:
+            try:
+                job = self._queue.get(timeout=IDLE_TICK_S)
+                break
+            except queue.Empty:
+                share_json(self._group, "idle")
+        if job is not None and job.seed is None:  # every rank must draw alike: rank 0 picks the seed
+            job.seed = random_seed()
+        share_json(self._group, None if job is None else job.shared())
+        return job
+
+    def _ending(self, job: Job) -> bool:
+        """Whether ``job`` stops here (cancelled, or past its deadline); for a sharded target, agreed by all ranks."""
+        ending = job.cancelled.is_set() or time.monotonic() > job.deadline
+        return ending if self._group is None else any_rank(self._group, ending)
 
     def _generate(self, job: Job) -> Done | None:
-        if job.cancelled.is_set() or time.monotonic() > job.deadline:
+        if self._ending(job):
             done = Done(GenerationStats(prompt_tokens=len(job.prompt)), "cancelled", timed_out=not job.cancelled.is_set())
             job.post(done)
             return done
@@ -258,7 +331,7 @@ class Worker:
                         totals.cached_tokens = slot.reused
                     self._post_text(job, texts, count, slot.reused)
                     texts, count = [], 0
-                    if job.cancelled.is_set() or time.monotonic() > job.deadline:
+                    if self._ending(job):
                         stopped = "cancelled" if job.cancelled.is_set() else "timeout"
                         break
                 elif isinstance(event, GenerationStats):
