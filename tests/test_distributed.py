@@ -183,6 +183,7 @@ def test_a_killed_rank_ends_the_job_with_one_error(tiny_model_dir):
     errors = [line for line in stderr.splitlines() if line.startswith("mlxspec: error")]
     assert len(errors) == 1, stderr
     assert "rank 0" in errors[0] or "connection to a peer was lost" in errors[0], errors[0]
+    assert "Node with rank 0 exited with code" in stderr and "exited with code 0" not in stderr, stderr  # non-zero
 
 
 def _rank_pid(launcher: int, rank: int) -> int:

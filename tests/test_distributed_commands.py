@@ -77,7 +77,7 @@ def complete(url: str, request: dict) -> dict:
 @pytest.mark.slow  # two processes under mlx.launch, and a one-process server to compare with
 @pytest.mark.parametrize("kind", ["tensor"])
 def test_sharded_server_answers_as_one_process_and_stops_cleanly(tiny_model_dir, kind):
-    whole = ServerProcess(["--model", str(tiny_model_dir), *ARGS])
+    whole = ServerProcess(["--model", str(tiny_model_dir), *ARGS], timeout_s=TIMEOUT_S)
     try:
         expected = [complete(whole.url, r) for r in REQUESTS]
     finally:
