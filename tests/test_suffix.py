@@ -11,8 +11,8 @@ from conftest import byte_tokenizer, tiny_llama
 from mlxspec import generate, make_drafter
 from mlxspec.pacing import Costs, make_pacer
 from mlxspec.drafters import DrafterSpec, parse_specs
-from mlxspec.drafters.suffix import (StoreStats, SuffixDrafter, SuffixStore, continuation_tree, global_store_stats,
-                                     longest_match)
+from mlxspec.drafters.suffix import SuffixDrafter, continuation_tree, longest_match
+from mlxspec.drafters.suffix_store import StoreStats, SuffixStore, global_store_stats
 from mlxspec.core.sampling import SamplingParams
 from test_generate import plain_greedy
 
@@ -137,7 +137,7 @@ def test_options_are_validated_and_named_by_key():
 def reference_searchable(store: SuffixStore, exclude):
     """What the store searched before issue 46: every closed document joined afresh in id order, then the open
     ones (read after ``searchable``, which closes the documents whose writers moved on)."""
-    from mlxspec.drafters.suffix import _join
+    from mlxspec.drafters.suffix_store import _join
 
     closed = [doc for d, doc in store._docs.items() if d not in store._owners]
     open_docs = [store._docs[d] for d in store._owners if d != exclude]

@@ -21,7 +21,8 @@ import time
 import numpy as np
 
 from ..core.sampling import SamplingParams
-from ..drafters.suffix import SuffixDrafter, SuffixStore, _join
+from ..drafters.suffix import SuffixDrafter
+from ..drafters.suffix_store import SuffixStore, _join
 
 
 class RejoiningStore(SuffixStore):

@@ -12,6 +12,10 @@ import numpy as np
 from ..core.sampling import SamplingParams
 from ..core.tree import Tree, chain
 
+#: The word that leaves a choice to this machine's measured costs: γ (``num_draft_tokens``), a tree's nodes
+#: (EAGLE ``total_tokens``, suffix ``nodes``, the Medusa tree), a draft vocabulary's size. The one definition.
+AUTO = "auto"
+
 
 @dataclass
 class Draft:

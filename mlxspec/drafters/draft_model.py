@@ -23,7 +23,7 @@ from ..core.cache import check_rewindable, prefill, speculative_cache, trim
 from ..core.sampling import SamplingParams, process_logits, sample
 from ..core.taps import head_slice, logits_width, model_body
 from .vocab import DEFAULT_DRAFT_VOCAB, MIN_AUTO_VOCAB, draft_ids, load_ranking, sharegpt_ranking, tokenizer_digest
-from .base import Draft, Drafter, DraftProfile, Plan
+from .base import AUTO, Draft, Drafter, DraftProfile, Plan
 from .registry import DrafterContext, DrafterType, at_least, int_or_auto, option, register
 
 
@@ -267,7 +267,7 @@ class DraftOptions:
     """
 
     vocab: int | str = option(
-        "auto", "draft from the N most frequent tokens of the tokenizer plus every token of the prompt and "
+        AUTO, "draft from the N most frequent tokens of the tokenizer plus every token of the prompt and "
         "answer so far, multiplying only their rows of the draft's LM head (FR-Spec); 0 = the whole vocabulary; "
         f"auto = {DEFAULT_DRAFT_VOCAB} when the vocabulary has at least {MIN_AUTO_VOCAB} tokens and a ranking "
         "for its tokenizer ships or was counted before, else 0; a number counts one over ShareGPT on first use",
@@ -281,7 +281,7 @@ def _vocab_ids(options: DraftOptions, context: DrafterContext, vocab_size: int, 
     """The draft vocabulary ``options.vocab`` asks for, or ``None`` (the whole vocabulary)."""
     if options.vocab == 0:
         return None
-    if options.vocab == "auto":
+    if options.vocab == AUTO:
         if num_real < MIN_AUTO_VOCAB:
             return None
         ranking = load_ranking(tokenizer_digest(context.tokenizer))

@@ -18,7 +18,7 @@ from ..core.cache import TreeRoPE
 from ..heads.eagle import EagleHead, load_eagle
 from ..core.taps import model_body, output_head
 from ..core.tree import Tree, read_eagle_tree, tree_from_choices
-from .base import Draft, Drafter, DraftProfile, Plan, feature_prefill, pending_features
+from .base import AUTO, Draft, Drafter, DraftProfile, Plan, feature_prefill, pending_features
 from .registry import DrafterContext, DrafterType, at_least, int_or_auto, option, register
 from .ngram import lookup_continuation
 
@@ -32,7 +32,6 @@ DEFAULT_TOP_K = 10
 DEFAULT_TOTAL_TOKENS = 60
 #: ``total_tokens="auto"``: the most nodes a round may keep, root included.
 AUTO_MAX_TOTAL_TOKENS = 64
-AUTO = "auto"
 
 
 class EagleDrafter(Drafter):

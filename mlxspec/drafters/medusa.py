@@ -23,11 +23,9 @@ from ..heads.medusa import MedusaHeads, load_medusa, medusa_folder
 from ..core.sampling import SamplingParams
 from ..core.taps import logits_width, output_head
 from ..core.tree import MC_SIM_7B_63, TREE_PRESETS, Tree, read_tree, tree_from_choices
-from .base import Draft, Drafter, DraftProfile, Plan
+from .base import AUTO, Draft, Drafter, DraftProfile, Plan
 from .registry import DrafterContext, DrafterType, option, register
 
-#: ``--medusa-tree auto`` (the default): ``mc_sim_7b_63`` pruned each round by the measured verify cost.
-AUTO_TREE = "auto"
 
 
 class MedusaDrafter(Drafter):
@@ -130,12 +128,12 @@ class MedusaOptions:
 
     heads: str | None = option(None, "Medusa heads: a folder, a medusa_lm_head.safetensors/.pt file, or a Hugging "
                                      "Face repo id", default_help="the heads shipped in models/medusa/ for the target")
-    tree: str = option(AUTO_TREE, f"Medusa tree: 'auto' (mc_sim_7b_63, keeping each round the nodes this machine's "
+    tree: str = option(AUTO, f"Medusa tree: 'auto' (mc_sim_7b_63, keeping each round the nodes this machine's "
                                   f"measured verify cost pays for, none when plain decoding is faster), a preset "
                                   f"({', '.join(TREE_PRESETS)}) verified whole, or a JSON file of rank paths")
 
     def __post_init__(self):
-        if self.tree != AUTO_TREE:
+        if self.tree != AUTO:
             read_tree(self.tree)
 
 
@@ -144,7 +142,7 @@ def build(options: MedusaOptions, context: DrafterContext) -> MedusaDrafter:
     path = context.asset("medusa", options.heads and str(medusa_folder(options.heads)))
     target = context.target
     heads = load_medusa(path, hidden_size=target.args.hidden_size, vocab_size=logits_width(target))
-    if options.tree == AUTO_TREE:
+    if options.tree == AUTO:
         return MedusaDrafter(heads, output_head(target), MC_SIM_7B_63, priced=True)
     return MedusaDrafter(heads, output_head(target), read_tree(options.tree))
 

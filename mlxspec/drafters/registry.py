@@ -17,7 +17,7 @@ from typing import Any
 
 from ..loading.identity import require_shipped_for
 from ..runtime.distributed import check_drafter
-from .base import Drafter
+from .base import AUTO, Drafter
 
 
 def option(default: Any, help: str, *, parse: Callable[[str], Any] = str, default_help: str | None = None):
@@ -38,8 +38,8 @@ def int_or_auto(text: str) -> int | str:
     Raises:
         ValueError: anything else.
     """
-    if text == "auto":
-        return "auto"
+    if text == AUTO:
+        return AUTO
     try:
         return int(text)
     except ValueError:
@@ -52,7 +52,7 @@ def at_least(least: int, value, flag: str) -> None:
     Raises:
         ValueError: ``"<flag> must be >= <least>, got <value>"``.
     """
-    if value is not None and value != "auto" and value < least:
+    if value is not None and value != AUTO and value < least:
         raise ValueError(f"{flag} must be >= {least}, got {value}")
 
 

@@ -34,18 +34,9 @@ import numpy as np
 
 from ..core.taps import logits_width
 from ..core.tree import Tree
-from .base import Draft, Drafter, DraftProfile
+from .base import AUTO, Draft, Drafter, DraftProfile
 from .registry import DrafterContext, DrafterType, at_least, int_or_auto, option, register
-from .suffix_store import (  # noqa: F401 (re-exported: the store's names as the suffix drafter's)
-    DEFAULT_STORE_TOKENS,
-    SEPARATOR as _SEPARATOR,
-    StoreStats,
-    SuffixStore,
-    _join,
-    global_store,
-    global_store_stats,
-    load_corpus,
-)
+from .suffix_store import DEFAULT_STORE_TOKENS, SEPARATOR, SuffixStore, global_store, load_corpus
 
 DEFAULT_DEPTH = 8
 DEFAULT_NODES = 16
@@ -61,7 +52,6 @@ MAX_OCCURRENCES = 256
 PROMPT_CONTEXT = 32
 #: ``nodes="auto"``: the most nodes a round may keep.
 AUTO_MAX_NODES = 32
-AUTO = "auto"
 
 
 # --- matching and scoring ------------------------------------------------------------------
@@ -140,7 +130,7 @@ def continuation_tree(tokens: np.ndarray, ends: np.ndarray, match_length: int, d
     for end in ends.tolist():
         node = 0
         for token in tokens[end + 1 : end + 1 + depth].tolist():
-            if token == _SEPARATOR:
+            if token == SEPARATOR:
                 break
             child = kids.get((node, token))
             if child is None:

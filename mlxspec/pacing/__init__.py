@@ -7,14 +7,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..drafters.base import Drafter, Plan
+from ..drafters.base import AUTO, Drafter, Plan
 from .costs import DEFAULT_CONTEXT_TOKENS, MAX_VERIFY_TOKENS, Costs, drafter_fingerprint, expected_tau, load_or_calibrate
 from .policies import PLAIN, AcceptanceEstimate, Auto, Fixed
 from .scheduled import DEFAULT_SCHEDULED_MAX, NUM_BINS, Scheduled
 from .trees import TreeBudget
 
-#: ``num_draft_tokens`` values that let the pacer choose, and that schedule verification (DSpark).
-AUTO, SCHEDULED = "auto", "scheduled"
+#: The ``num_draft_tokens`` value that schedules verification (DSpark); ``AUTO`` lets the pacer choose γ.
+SCHEDULED = "scheduled"
 #: Largest fixed γ (the CLI, the chat and the API refuse more): four times what auto drafts; a round that wide
 #: verifies like a prefill chunk, so a larger γ is a typo.
 MAX_NUM_DRAFT_TOKENS = 64
