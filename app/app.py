@@ -12,6 +12,7 @@ from textual.reactive import reactive
 from textual.widgets import Button, Footer, Header, Input
 
 from mlxspec.drafters import DRAFTERS
+from mlxspec.pacing import AUTO
 
 from .messages import (
     EngineInfo,
@@ -244,7 +245,7 @@ class SpecChatApp(App):
 
     def action_drafter(self) -> None:
         if self.info is None:
-            info = EngineInfo("no model", False, None, "ngram", "auto", DRAFTERS)
+            info = EngineInfo("no model", False, None, "ngram", AUTO, DRAFTERS)
         else:
             info = self.info
         self.push_screen(DrafterScreen(info), self._switch)

@@ -23,10 +23,12 @@ from mlxspec.core.cache import PromptCache
 from mlxspec.drafters import DRAFTERS, DrafterSpec
 from mlxspec.drafters.draft_model import PYTHON_DRAFT_ADVICE
 from mlxspec.pacing import AUTO, load_or_calibrate, make_pacer, tree_summary
-from mlxspec.engine.generate import stream_generate
+from mlxspec.engine.generate import DEFAULT_MAX_TOKENS, DEFAULT_NUM_DRAFT_TOKENS, stream_generate
 from mlxspec.core.metrics import RoundStats, GenerationStats, TokenEvent
 from mlxspec.core.sampling import SamplingParams
-from mlxspec.engine.session import USER_ERRORS, LoadedModel, ModelSpec, build_drafter, check_fits, load_model
+from mlxspec.engine.session import (USER_ERRORS, LoadedModel, ModelSpec, build_drafter, check_fits, default_drafter,
+                                    load_model)
+from mlxspec.loading.models import DEFAULT_MODEL
 from mlxspec.core.stops import check_stops
 from mlxspec.runtime.threads import MLXThread
 
@@ -46,8 +48,6 @@ from .messages import (
 FLUSH_S = 1 / 30
 #: The dtype word that loads a model as stored (``app.screens.drafter.AS_STORED``).
 AS_STORED = "as stored"
-#: γ when a requested one cannot be used.
-DEFAULT_NUM_DRAFT_TOKENS = 4
 #: Rounds kept for the τ sparkline.
 SPARKLINE_ROUNDS = 120
 
@@ -75,12 +75,12 @@ class EngineConfig:
             --recalibrate``). Default: ``False``.
     """
 
-    model: ModelSpec | str = "default"
+    model: ModelSpec | str = DEFAULT_MODEL
     draft_model: ModelSpec | str | None = None
     drafter: DrafterSpec | str | None = None
-    num_draft_tokens: int | str = 4
+    num_draft_tokens: int | str = DEFAULT_NUM_DRAFT_TOKENS
     sampling: SamplingParams = field(default_factory=SamplingParams)
-    max_tokens: int = 256
+    max_tokens: int = DEFAULT_MAX_TOKENS
     seed: int | None = None
     typical: tuple[float, float] | None = None
     draft_dtype: str | None = None
@@ -95,7 +95,7 @@ class EngineConfig:
         if isinstance(self.drafter, str):
             object.__setattr__(self, "drafter", DrafterSpec.parse(self.drafter))
         if self.drafter is None:
-            object.__setattr__(self, "drafter", DrafterSpec("draft" if self.draft_model else "ngram"))
+            object.__setattr__(self, "drafter", default_drafter(self.draft_model))
         object.__setattr__(self, "stop", check_stops(self.stop))  # one str is one stop string, not its characters
 
 
@@ -226,7 +226,7 @@ class _Loaded:
     drafter: object = None
     spec: DrafterSpec | None = None  # the drafter's spec: its settings, shown in F2
     specs: dict = field(default_factory=dict)  # the last settings of every drafter used, by name
-    num_draft_tokens: int | str = 4
+    num_draft_tokens: int | str = DEFAULT_NUM_DRAFT_TOKENS
     policy: object = None  # the γ policy of every answer until the next configure (auto learns across turns)
     prompt_cache: PromptCache | None = None  # the target's cache, reused across the turns of the conversation
 

@@ -21,7 +21,7 @@ from ..loading.models import DTYPES
 from ..core.sampling import SamplingParams
 from ..core.stops import check_stops
 from ..runtime.distributed import SHARD_KINDS
-from ..engine.session import USER_ERRORS, LoadedModel, ModelSpec, draft_model_spec, load_model
+from ..engine.session import USER_ERRORS, LoadedModel, ModelSpec, default_drafter, draft_model_spec, load_model
 from ..engine.session import build_drafter as session_build_drafter
 
 
@@ -165,7 +165,7 @@ def drafter_spec_from_args(args: argparse.Namespace, name: str | None = None) ->
     """
     spec = args.drafter if name is None else DrafterSpec(name)
     if spec is None:
-        spec = DrafterSpec("draft" if args.draft_model else "ngram")
+        spec = default_drafter(args.draft_model)
     if name is None:
         check_no_other_drafter_flags(args, spec.name)
     return with_drafter_flags(spec, args)

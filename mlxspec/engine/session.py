@@ -15,7 +15,7 @@ from ..loading.assets import PUBLISHED, shipped
 from ..runtime.distributed import SHARD_KINDS, init_group, shard
 from ..core.cache import check_compactable, check_rewindable, speculative_cache
 from ..drafters import Drafter, DrafterSpec, make_drafter
-from ..loading.models import DTYPES, describe, is_quantized, load, model_name
+from ..loading.models import DEFAULT_MODEL, DTYPES, describe, is_quantized, load, model_name
 
 #: Errors a user can cause (bad files, bad flags): shown as one line, never a traceback.
 USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, PermissionError)
@@ -36,7 +36,7 @@ class ModelSpec:
         ValueError: an empty spec, an unknown dtype or an unknown shard kind.
     """
 
-    spec: str = "default"
+    spec: str = DEFAULT_MODEL
     dtype: str | None = None
     shard: str | None = None
 
@@ -99,6 +99,11 @@ def load_model(spec: ModelSpec | str, role: str | None = None) -> LoadedModel:
             raise
         raise type(e)(f"{role}: {e}") from e
     return LoadedModel(model, tokenizer, spec, spec.name, describe(spec.spec, model), is_quantized(model))
+
+
+def default_drafter(draft_model) -> DrafterSpec:
+    """The drafter when none is named: the draft model's (``"draft"``) when one is given, else the n-gram lookup."""
+    return DrafterSpec("draft" if draft_model else "ngram")
 
 
 def draft_model_spec(drafter: DrafterSpec, given: ModelSpec | None, target: ModelSpec,
