@@ -121,3 +121,20 @@ def test_chat_and_bench_refuse_to_run_under_the_launcher(command):
     assert "--shard" in lines[0]
 
 
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_only_rank_0_says_it_reruns_with_a_fast_blas(monkeypatch, capsys, rank):
+    from mlxspec.commands import common
+
+    monkeypatch.delenv(common.REEXEC_ENV, raising=False)
+    monkeypatch.setenv("MLX_RANK", rank)
+    monkeypatch.setattr("sys.platform", "linux")
+    monkeypatch.setattr(common, "blas_in_use", lambda: {"name": "reference BLAS"})
+    monkeypatch.setattr(common, "find_fast_blas", lambda: "/opt/openblas/libblas.so.3")
+    reruns = []
+    monkeypatch.setattr("os.execve", lambda exe, argv, env: reruns.append(env["LD_PRELOAD"]))
+    common.use_fast_blas("generate", ["--prompt", "hi"], "auto", quiet=False)
+    assert reruns == ["/opt/openblas/libblas.so.3"]  # every rank re-runs itself
+    said = capsys.readouterr().err
+    assert ("re-running with a fast BLAS" in said) == (rank == "0"), said

@@ -378,21 +378,25 @@ def use_fast_blas(command: str, argv: list[str], mode: str, *, quiet: bool = Fal
     """On Linux with the reference BLAS loaded and OpenBLAS installed, re-run ``mlxspec COMMAND ARGV`` with it preloaded.
 
     ``LD_PRELOAD`` only works from the start of a process, hence ``os.execve``; the command is
-    printed unless ``quiet``. Without OpenBLAS, one line says how to install it.
+    printed unless ``quiet``. Without OpenBLAS, one line says how to install it. Of the ranks of an
+    ``mlx.launch`` job only rank 0 says either (the others do the same, quietly).
     """
     if mode != "auto" or not sys.platform.startswith("linux") or os.environ.get(REEXEC_ENV):
         return
+    other_rank = os.environ.get("MLX_RANK", "0") != "0"
     if blas_in_use()["name"] != "reference BLAS":
         return
     fast = find_fast_blas()
     if fast is None:
+        if other_rank:
+            return
         print(f"mlxspec {command}: MLX uses the reference BLAS, where verifying k tokens costs about k steps; "
               "install OpenBLAS (apt-get install libopenblas0-pthread) for speculation to pay off",
               file=sys.stderr)
         return
     preload = ":".join(filter(None, [fast, os.environ.get("LD_PRELOAD")]))
     command_line = [sys.executable, "-m", "mlxspec", command, *argv]
-    if not quiet:  # the command last, as a shell would take it: the line can be copied and pasted
+    if not (quiet or other_rank):  # the command last, as a shell would take it: the line can be copied and pasted
         print(f"mlxspec {command}: re-running with a fast BLAS (--blas keep to skip): "
               f"LD_PRELOAD={shlex.quote(preload)} {shlex.join(command_line)}", file=sys.stderr, flush=True)
     os.execve(sys.executable, command_line, {**os.environ, "LD_PRELOAD": preload, REEXEC_ENV: "1"})
