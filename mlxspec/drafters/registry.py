@@ -63,7 +63,7 @@ class DrafterContext:
     Attributes:
         target: The target, an mlx-lm model (its width, embedding, LM head, layers).
         tokenizer: The target's tokenizer, or ``None``.
-        target_name: The target's name (``loading.model_name``), or ``None``; the suffix drafter keys its store by it.
+        target_name: The target's name (``loading.models.model_name``), or ``None``; the suffix drafter keys its store by it.
         draft_model, draft_tokenizer: A loaded draft model and its tokenizer, or ``None``.
         on_measure: Called with a short description before a cost measurement that was not cached
             (the CLI prints it). Default: none.
@@ -246,7 +246,7 @@ def make_drafter(spec: str | DrafterSpec = "none", target=None, tokenizer=None, 
             ``"eagle:heads=PATH,depth=4"``). Default: ``"none"`` (plain decoding).
         target: The target model (needed by every drafter but ``ngram`` and ``none``).
         tokenizer: The target's tokenizer (``draft``: checked against the draft model's).
-        target_name: The target's name (``loading.model_name``); the suffix drafter keys its store by it (heads are found by what the target is).
+        target_name: The target's name (``loading.models.model_name``); the suffix drafter keys its store by it (heads are found by what the target is).
         draft_model, draft_tokenizer: A loaded draft model and its tokenizer (``draft``).
         on_measure: Told before a cost measurement that was not cached. Default: none.
         target_path: The target's folder, where ``mtp`` finds the model's own MTP layers. Default: none.

@@ -1,6 +1,6 @@
 """From specs to a ready target, draft model and drafter: what ``generate``, ``chat`` and ``bench`` share.
 
-A model is named by a ``ModelSpec`` (what ``loading.load`` takes, plus a dtype), a drafter by a
+A model is named by a ``ModelSpec`` (what ``loading.models.load`` takes, plus a dtype), a drafter by a
 ``DrafterSpec``. ``load_model`` keeps a model's name (for shipped heads and drafts) apart from
 its display string; ``draft_model_spec`` finds the draft model a draft drafter needs (given, or
 shipped for the target); ``build_drafter`` builds the drafter for loaded models.
@@ -26,7 +26,7 @@ class ModelSpec:
     """A model to load.
 
     Attributes:
-        spec: What ``loading.load`` takes: an mlx-lm folder, a Hugging Face repo id, a ``.gguf``
+        spec: What ``loading.models.load`` takes: an mlx-lm folder, a Hugging Face repo id, a ``.gguf``
             file or ``"default"``.
         dtype: ``None`` keeps the stored dtypes; ``"float32"``/``"float16"``/``"bfloat16"`` dequantizes.
         shard: ``None`` loads the whole model; ``"tensor"`` or ``"pipeline"`` splits it over the ranks of a job
@@ -50,7 +50,7 @@ class ModelSpec:
 
     @property
     def name(self) -> str:
-        """The model's name without format or quantization (``loading.model_name``)."""
+        """The model's name without format or quantization (``loading.models.model_name``)."""
         return model_name(self.spec)
 
 
@@ -59,7 +59,7 @@ class LoadedModel:
     """A loaded model with its identity.
 
     Attributes:
-        model, tokenizer: From ``loading.load``.
+        model, tokenizer: From ``loading.models.load``.
         spec: What it was loaded from.
         name: Its name for shipped assets, e.g. ``"SmolLM2-135M-Instruct"``.
         display: Its name with format and weights, e.g. ``"SmolLM2-135M-Instruct (GGUF Q4_1, quantized)"``.
@@ -87,7 +87,7 @@ def load_model(spec: ModelSpec | str, role: str | None = None) -> LoadedModel:
     are read whole first; docs/distributed.md gives the numbers).
 
     Raises:
-        ValueError, FileNotFoundError: as ``loading.load``; ``distributed.init_group`` and ``distributed.shard``.
+        ValueError, FileNotFoundError: as ``loading.models.load``; ``distributed.init_group`` and ``distributed.shard``.
     """
     spec = ModelSpec(spec) if isinstance(spec, str) else spec
     try:

@@ -2,7 +2,7 @@
 
 Shipped assets live in the ``models/`` folder as ``models/<kind>/<model name>/`` (``kind`` is
 ``medusa``, ``eagle``, ``draft``, ``dflash``, ``dspark`` or ``mtp``; the model name is
-``loading.model_name(spec)``, e.g. ``SmolLM2-135M-Instruct``); a wheel installs that folder as
+``loading.models.model_name(spec)``, e.g. ``SmolLM2-135M-Instruct``); a wheel installs that folder as
 ``mlxspec_models``.
 ``$MLXSPEC_MODELS`` points at another ``models`` folder. Heads are matched to a target by its card
 (``identity``), drafts by name.
@@ -78,7 +78,7 @@ def shipped(kind: str, model_name: str) -> Path | None:
 
     Args:
         kind: A key of ``SHIPPED_MARKERS`` (``"medusa"``, ``"eagle"``, ``"draft"``, ...).
-        model_name: The target's name (``loading.model_name``), e.g. ``"SmolLM2-135M-Instruct"``.
+        model_name: The target's name (``loading.models.model_name``), e.g. ``"SmolLM2-135M-Instruct"``.
 
     Returns:
         Path | None: The folder, or ``None`` when none ships.
