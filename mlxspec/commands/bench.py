@@ -30,7 +30,7 @@ DEFAULT_GAMMAS = "auto,1,2,4,6,8"
 DEFAULT_TEMPS = "0,0.7"
 #: With ``--prompt``: automatic γ only (what generate and chat default to; a γ sweep multiplies the runs),
 #: greedy decoding (as ``generate``'s default), each run repeated for the noise floor.
-DEFAULT_PROMPT_GAMMAS = "auto"
+DEFAULT_PROMPT_GAMMAS = AUTO
 DEFAULT_PROMPT_TEMPS = "0"
 DEFAULT_REPEATS = 3
 #: The prompt kind reported for ``--prompt``.
