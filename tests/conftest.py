@@ -2,11 +2,24 @@
 
 from __future__ import annotations
 
-import mlx.core as mx
-import mlx.nn as nn
-import pytest
-from mlx_lm.models import llama, qwen2
-from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, TokenizerWrapper
+import ctypes
+import ctypes.util
+import sys
+
+#: MLX's CPU matmuls call the BLAS that is in the process's global symbol scope when MLX loads
+#: (``mlxspec.runtime.machine.blas_in_use``). An installed OpenBLAS is put there first, as the CLI's ``--blas auto``
+#: does by re-running itself: the real-model and training tests then run several times faster. Without one the
+#: tests run on the reference BLAS bundled with MLX, only slower. Once MLX is loaded it is too late (a script that
+#: imported MLX before this module, as tests/shard_worker.py does, keeps its BLAS).
+OPENBLAS = ctypes.util.find_library("openblas") if sys.platform.startswith("linux") else None
+if OPENBLAS and "mlx.core" not in sys.modules:
+    ctypes.CDLL(OPENBLAS, mode=ctypes.RTLD_GLOBAL)
+
+import mlx.core as mx  # noqa: E402
+import mlx.nn as nn  # noqa: E402
+import pytest  # noqa: E402
+from mlx_lm.models import llama, qwen2  # noqa: E402
+from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, TokenizerWrapper  # noqa: E402
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest's own -m deselection sees the markers

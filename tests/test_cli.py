@@ -357,6 +357,14 @@ def test_blas_is_named():
     assert blas_in_use()["name"] in ("OpenBLAS", "reference BLAS", "Accelerate", "Intel MKL", "BLIS", "unknown")
 
 
+def test_the_tests_run_on_openblas_where_it_is_installed():
+    """tests/conftest.py loads it before MLX: an import of MLX ahead of it would leave the slow reference BLAS."""
+    from conftest import OPENBLAS
+    from mlxspec.runtime.machine import blas_in_use
+
+    assert not OPENBLAS or blas_in_use()["name"] == "OpenBLAS", f"MLX uses {blas_in_use()}, not {OPENBLAS}"
+
+
 def test_a_recurrent_target_under_default_settings_decodes_plainly_in_one_line(tmp_path, capsys, monkeypatch):
     """Its state cannot be rewound: said in one line before any cost measurement, then plain decoding (it used to end
     in a traceback from the verify-cost measurement); asked for by name, the drafter is refused in one line."""
