@@ -17,6 +17,7 @@ import urllib.request
 
 import pytest
 
+from conftest import byte_tokenizer, save_tiny_model, tiny_qwen2
 from serve_fixtures import ServerProcess
 from test_distributed import TIMEOUT_S, _rank_pid, launch_command
 from mlxspec.serve.measure import free_port
@@ -74,16 +75,23 @@ def complete(url: str, request: dict) -> dict:
     return {"text": answer["choices"][0]["text"], "tokens": answer["usage"]["completion_tokens"]}
 
 
+@pytest.fixture(scope="module")
+def tiny_qwen2_dir(tmp_path_factory):
+    """A tiny qwen2 (mlx-lm gives qwen2 pipeline stages; llama has none) with the byte tokenizer."""
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), tiny_qwen2(seed=0, sharpen=4.0), byte_tokenizer())
+
+
 @pytest.mark.slow  # two processes under mlx.launch, and a one-process server to compare with
-@pytest.mark.parametrize("kind", ["tensor"])
-def test_sharded_server_answers_as_one_process_and_stops_cleanly(tiny_model_dir, kind):
-    whole = ServerProcess(["--model", str(tiny_model_dir), *ARGS], timeout_s=TIMEOUT_S)
+@pytest.mark.parametrize("kind", ["tensor", "pipeline"])
+def test_sharded_server_answers_as_one_process_and_stops_cleanly(tiny_model_dir, tiny_qwen2_dir, kind):
+    model = tiny_model_dir if kind == "tensor" else tiny_qwen2_dir
+    whole = ServerProcess(["--model", str(model), *ARGS], timeout_s=TIMEOUT_S)
     try:
         expected = [complete(whole.url, r) for r in REQUESTS]
     finally:
         whole.stop()
     assert expected[0]["tokens"] > 0
-    sharded = LaunchedServer(tiny_model_dir, kind)
+    sharded = LaunchedServer(model, kind)
     try:
         answers = [complete(sharded.url, r) for r in REQUESTS]
         time.sleep(2.5)  # idle: rank 0 tells the other rank so (IDLE_TICK_S) and still serves after it
