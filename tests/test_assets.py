@@ -206,3 +206,13 @@ def test_the_chat_fetches_a_named_model_before_the_app_starts(named, monkeypatch
     assert named_model_cache_path("tiny-split").read_bytes() == named["data"]
     fetch_named_models(SimpleNamespace(model="tiny-split", draft_model=None))
     assert capsys.readouterr().err == ""  # cached: nothing to say
+
+
+def test_a_checkout_finds_its_shipped_heads_without_the_environment_variable(monkeypatch):
+    """In a checkout, ``models_dir()`` is the repository's ``models/`` and the shipped heads are found there
+    (a package move once pointed it at a missing ``mlxspec/models`` and every shipped head vanished)."""
+    monkeypatch.delenv("MLXSPEC_MODELS", raising=False)
+    root = Path(__file__).resolve().parents[1]
+    assert assets.models_dir().resolve() == root / "models"
+    assert assets.shipped("eagle", "SmolLM2-135M-Instruct") == root / "models" / "eagle" / "SmolLM2-135M-Instruct"
+    assert assets.shipped("medusa", "SmolLM2-135M-Instruct") is not None

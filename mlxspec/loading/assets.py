@@ -65,7 +65,7 @@ def models_dir() -> Path:
     installed wheel, where ``models/`` is package data); else ``models/`` beside it (a checkout)."""
     if os.environ.get("MLXSPEC_MODELS"):
         return Path(os.environ["MLXSPEC_MODELS"])
-    beside = Path(__file__).resolve().parents[1]
+    beside = Path(__file__).resolve().parents[2]  # the folder holding the mlxspec package (mlxspec/loading/assets.py)
     installed = beside / "mlxspec_models"
     return installed if installed.is_dir() else beside / "models"
 
