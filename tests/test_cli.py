@@ -129,6 +129,17 @@ def test_ctrl_c_while_a_command_starts_is_one_line(capsys, monkeypatch):
     assert out == "" and err == "mlxspec: interrupted (Ctrl+C) while starting\n"
 
 
+def test_the_command_starts_without_importing_mlx():
+    """The ``mlxspec`` command imports MLX and mlx-lm only inside the subcommand's import, which turns Ctrl+C
+    into one line: ``import mlxspec`` itself is light (its public names load on first use)."""
+    code = ("import sys, mlxspec.commands.cli, mlxspec; "
+            "print(sorted(m for m in ('mlx', 'mlx.core', 'mlx_lm', 'transformers') if m in sys.modules)); "
+            "from mlxspec import load, generate, SamplingParams; print(callable(generate), 'mlx.core' in sys.modules)")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.splitlines() == ["[]", "True True"]
+
+
 def test_version(capsys):
     from importlib.metadata import version
 
