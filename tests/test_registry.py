@@ -129,7 +129,8 @@ def test_spec_strings_round_trip_and_refuse_bad_input():
                           ("draft:vocab=-3", "'draft:vocab=-3': vocab must be >= 0"),  # the key written, not its flag
                           ("ngram:max=3,max=4", "max is given twice"),
                           ("eagle:size=3", "the eagle drafter takes heads, depth"), ("ngram:min", "KEY=VALUE"),
-                          ("ngram:min=x", "invalid literal"), ("medusa:tree=nope", "unknown Medusa tree"), ("", "no drafter")]:
+                          ("ngram:min=x", "min: expected an integer, got 'x'"),
+                          ("eagle:depth=banana", "depth: expected an integer, got 'banana'"), ("medusa:tree=nope", "unknown Medusa tree"), ("", "no drafter")]:
         with pytest.raises(ValueError, match=message):
             parse_specs(text)
 

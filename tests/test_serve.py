@@ -247,6 +247,8 @@ def test_bad_input_gets_the_api_error_shape_and_the_server_goes_on(server):
         assert error["type"] == ("not_found_error" if status == 404 else "invalid_request_error"), what
         if param:
             assert error["param"] == param, (what, error)
+    got, answer = post(server, "/v1/chat/completions", {"model": name, "messages": user, "temperature": float("nan")})
+    assert got == 400 and "finite" in answer["error"]["message"] and answer["error"]["param"] == "temperature", answer
     assert post(server, "/v1/completions", {"model": name, "prompt": [10**7]})[0] == 400  # a token id past the vocabulary
     assert post(server, "/v1/completions", {"model": name, "prompt": ""})[0] == 400  # an empty prompt
     got, answer = post(server, "/v1/completions", {"model": name, "prompt": [5, -1]})  # a negative token id

@@ -32,6 +32,10 @@ def option(default: Any, help: str, *, parse: Callable[[str], Any] = str, defaul
     return field(default=default, metadata={"help": help, "parse": parse, "default_help": default_help})
 
 
+#: What a plain parser expects, in words (Python's own message names int() and a base).
+_WORDS = {int: "an integer", float: "a number"}
+
+
 def int_or_auto(text: str) -> int | str:
     """An integer, or the word ``auto``.
 
@@ -187,10 +191,12 @@ class DrafterSpec:
                                  f"(the {kind.name} drafter takes {takes})")
             if key in values:
                 raise ValueError(f"drafter spec {text!r}: {key} is given twice; keep one")
+            parse = known[key].metadata["parse"]
             try:
-                values[key] = known[key].metadata["parse"](value.strip())
+                values[key] = parse(value.strip())
             except ValueError as e:
-                message = _keys(str(e), kind.name, known)
+                message = (f"expected {_WORDS[parse]}, got {value.strip()!r}" if parse in _WORDS
+                           else _keys(str(e), kind.name, known))
                 message = message if message.startswith(key) else f"{key}: {message}"
                 raise ValueError(f"drafter spec {text!r}: {message}") from None
         try:

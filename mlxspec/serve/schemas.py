@@ -15,7 +15,7 @@ Text = Annotated[str, Field(min_length=1)]
 
 
 class ApiModel(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
 # --- OpenAI --------------------------------------------------------------------------------------
