@@ -19,7 +19,7 @@ import pytest
 
 from conftest import byte_tokenizer, save_tiny_model, tiny_qwen2
 from serve_fixtures import ServerProcess
-from test_distributed import TIMEOUT_S, _rank_pid, launch_command
+from test_distributed import TIMEOUT_S, _rank_pid, launch_command, run_launch
 from mlxspec.serve.measure import free_port
 
 REQUESTS = [  # greedy; sampled with a seed; the greedy one again (the prefix cache holds it: every rank reuses it)
@@ -146,3 +146,16 @@ def test_only_rank_0_says_it_reruns_with_a_fast_blas(monkeypatch, capsys, rank):
     assert reruns == ["/opt/openblas/libblas.so.3"]  # every rank re-runs itself
     said = capsys.readouterr().err
     assert ("re-running with a fast BLAS" in said) == (rank == "0"), said
+
+
+@pytest.mark.slow  # two processes under mlx.launch
+def test_plain_decoding_in_pipeline_stages_ends_and_matches_one_process(tiny_qwen2_dir):
+    """--drafter none under --shard pipeline hung (a queued plain step evaluated asynchronously): now it ends."""
+    args = ["-m", "mlxspec", "generate", "--model", str(tiny_qwen2_dir), "--drafter", "none", "--temp", "0",
+            "--max-tokens", "20", "--prompt", "abcabcabc", "--no-chat-template", "--json", "--blas", "keep"]
+    whole = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert whole.returncode == 0, whole.stderr
+    sharded = run_launch(*args, "--shard", "pipeline", timeout=120)
+    records = [json.loads(line) for line in sharded.stdout.splitlines() if line.startswith("{")]
+    assert len(records) == 1, sharded.stderr
+    assert records[0]["text"] == json.loads(whole.stdout)["text"]

@@ -7,6 +7,7 @@ import mlx.core as mx
 from ..core.cache import trim
 from ..core.taps import HiddenTap
 from ..core.sampling import SamplingParams, process_logits, sample
+from ..runtime.distributed import sharding
 
 
 class PlainSteps:
@@ -18,12 +19,16 @@ class PlainSteps:
     reads the current token. A queued step has written its input (the newest committed token) into
     the cache; ``cancel`` trims it when no step follows. The features are taken from the tap as each
     forward is built, since a queued forward records over the previous one's.
+
+    A target split into pipeline stages (``distributed.shard``) steps without queuing: its ranks hung when a
+    queued step's send/recv was evaluated asynchronously beside the current one (2 ranks, ring backend).
     """
 
     def __init__(self, model, cache, sampling: SamplingParams, tap: HiddenTap | None = None):
         self.model, self.cache, self.sampling, self.tap = model, cache, sampling, tap
         self.processors = sampling.processors()
         self.queued: tuple[mx.array, mx.array | None] | None = None
+        self.lookahead = getattr(sharding(model), "kind", None) != "pipeline"
 
     def _step(self, inputs: mx.array, context) -> tuple[mx.array, mx.array | None]:
         logits = self.model(inputs[None], cache=self.cache)[0, -1:]  # [1, V]
@@ -36,7 +41,7 @@ class PlainSteps:
         """One plain round: the next token (the round's one sync), the next step queued first when ``queue``;
         returns ``(path, tokens, kinds, hidden)`` as a verify does."""
         token, hidden = self.take(history)
-        if queue:
+        if queue and self.lookahead:
             self.queue(token, history)
         mx.eval(token, hidden)
         return [], [token.item()], ["target"], hidden
