@@ -45,6 +45,9 @@ def test_a_lazy_load_gives_the_same_weights(checkpoints, kind, dtype):
         assert got[name].dtype == value.dtype and np.array_equal(got[name], value), name
 
 
+SLACK = 16 * 1024  # bytes
+
+
 def _decoded_bytes(model) -> int:
     return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
 
@@ -59,9 +62,10 @@ def test_a_lazy_load_holds_at_most_the_stored_bytes(checkpoints, kind):
     model, _ = load(str(path), dtype="float32", lazy=True)
     held = mx.get_active_memory() - before
     decoded = _decoded_bytes(model)
-    assert held <= (stored if kind == "gguf" else 0), f"a lazy load already holds {held} bytes"
-    if kind == "gguf":
-        assert stored < 0.6 * decoded  # so the check above could fail: decoding would hold more
+    # SLACK: small arrays MLX may make on a first use (a scalar, a random key): 1,752 bytes in one full-suite run
+    assert held <= (stored if kind == "gguf" else 0) + SLACK, f"a lazy load already holds {held} bytes"
+    # so the check above could fail: an eager load holds the decoded weights, more than that bound
+    assert (stored if kind == "gguf" else 0) + SLACK < 0.6 * decoded
     mx.eval(model.parameters())
     assert mx.get_active_memory() - before >= decoded
 
