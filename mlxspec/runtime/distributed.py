@@ -85,7 +85,7 @@ def init_group():
     """
     if not launched():
         raise ValueError("--shard needs several processes: start the command with mlx.launch, e.g. "
-                         "mlx.launch --backend ring --hosts 127.0.0.1,127.0.0.1 -- mlxspec generate --shard tensor ...")
+                         "mlx.launch --backend ring --hosts 127.0.0.1,127.0.0.1 -- mlxspec generate|serve --shard tensor ...")
     try:
         group = mx.distributed.init(strict=True)
     except RuntimeError as e:
