@@ -12,7 +12,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from mlxspec.serve.measure import free_port
+from mlxspec.bench.measure import free_port
 
 from conftest import byte_tokenizer, save_tiny_model, tiny_llama
 

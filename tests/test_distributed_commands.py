@@ -20,7 +20,7 @@ import pytest
 from conftest import byte_tokenizer, save_tiny_model, tiny_qwen2
 from serve_fixtures import ServerProcess
 from test_distributed import TIMEOUT_S, _rank_pid, launch_command, run_launch
-from mlxspec.serve.measure import free_port
+from mlxspec.bench.measure import free_port
 
 REQUESTS = [  # greedy; sampled with a seed; the greedy one again (the prefix cache holds it: every rank reuses it)
     {"prompt": "abcabcabcabc", "max_tokens": 24, "temperature": 0},

@@ -1,7 +1,7 @@
 """Measure ``mlxspec serve`` as editors and agents use it (docs/serve.md's tables come from here).
 
-    python -m mlxspec.serve.measure --model default
-    python -m mlxspec.serve.measure --model qwen2.5-coder-1.5b --dtype float32
+    python -m mlxspec.bench.measure --model default
+    python -m mlxspec.bench.measure --model qwen2.5-coder-1.5b --dtype float32
 
 Two scenarios, each against a server this script starts on 127.0.0.1 (and stops):
 
@@ -42,8 +42,8 @@ class Server:
 
     def __init__(self, args: list[str], timeout_s: float = 900.0):
         self.port = free_port()
-        self.process = subprocess.Popen([sys.executable, "-m", "mlxspec", "serve", "--port", str(self.port), *args],
-                                        stderr=sys.stderr)
+        command = [sys.executable, "-m", "mlxspec", "serve", "--port", str(self.port), *args]
+        self.process = subprocess.Popen(command, stderr=sys.stderr)
         try:
             self._wait(timeout_s)
         except BaseException:  # Ctrl+C while it loads, or it never answered: do not leave it running
@@ -69,8 +69,8 @@ class Server:
 
     def chat(self, messages: list[dict], max_tokens: int) -> dict:
         """Stream one chat answer; returns its text, time to first token, total time and final stats."""
-        body = json.dumps({"model": "default", "messages": messages, "max_tokens": max_tokens, "temperature": 0,
-                           "stream": True, "stream_options": {"include_usage": True}})
+        body = json.dumps({"model": "default", "messages": messages, "max_tokens": max_tokens,
+                           "temperature": 0, "stream": True, "stream_options": {"include_usage": True}})
         connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=3600)
         start = time.perf_counter()
         connection.request("POST", "/v1/chat/completions", body, {"content-type": "application/json"})
@@ -90,7 +90,8 @@ class Server:
                     first = first or time.perf_counter() - start
                     text.append(choice["delta"]["content"])
         return {"text": "".join(text), "ttft_s": first, "total_s": time.perf_counter() - start,
-                "prompt_tokens": usage["prompt_tokens"], "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
+                "prompt_tokens": usage["prompt_tokens"],
+                "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
                 "completion_tokens": usage["completion_tokens"], "speculative": stats}
 
     def stop(self) -> None:
@@ -98,16 +99,18 @@ class Server:
         self.process.wait(60)
 
 
-TOPICS = ["rivers", "bread", "bridges", "owls", "glass", "tides", "maps", "bees", "clocks", "salt", "moss", "kites",
-          "iron", "coral", "ink", "wind", "paper", "wolves", "rain", "copper", "sand", "comets"]
+TOPICS = ["rivers", "bread", "bridges", "owls", "glass", "tides", "maps", "bees", "clocks", "salt", "moss",
+          "kites", "iron", "coral", "ink", "wind", "paper", "wolves", "rain", "copper", "sand", "comets"]
 
 
 def conversation(serve_args: list[str], turns: int, max_tokens: int, repeats: int = 1) -> dict:
-    """``repeats`` conversations on one server, interleaved turn by turn (so each turn's samples meet the
-    same machine load); then the last turn of the first one with its system prompt changed (a miss)."""
+    """``repeats`` conversations on one server, interleaved turn by turn (so each turn's samples meet
+    the same machine load); then the last turn of the first one with its system prompt changed (a
+    miss)."""
     server = Server(serve_args)
     try:
-        talks = [[{"role": "system", "content": "You are a concise, friendly assistant."}] for _ in range(repeats)]
+        system = {"role": "system", "content": "You are a concise, friendly assistant."}
+        talks = [[dict(system)] for _ in range(repeats)]
         rows = []
         for turn in range(1, turns + 1):
             samples = []
@@ -153,10 +156,9 @@ def agent(serve_args: list[str], requests: int, max_tokens: int) -> list[dict]:
         code, rows = source_file(), []
         for i in range(requests):
             old, new = FUNCTIONS[i % len(FUNCTIONS)], FUNCTIONS[i % len(FUNCTIONS)] + "_v2"
-            messages = [{"role": "system", "content": "You are a coding agent. Reply with the whole updated file and "
-                                                      "nothing else."},
-                        {"role": "user", "content": f"Here is stats.py:\n```python\n{code}```\nRename the function "
-                                                    f"`{old}` to `{new}`."}]
+            system = "You are a coding agent. Reply with the whole updated file and nothing else."
+            user = f"Here is stats.py:\n```python\n{code}```\nRename the function `{old}` to `{new}`."
+            messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
             reply = server.chat(messages, max_tokens)
             s = reply["speculative"]
             rows.append({"request": i + 1, "decode_tokens_per_s": s["decode_tokens_per_s"], "tau": s["tau"],
@@ -170,7 +172,8 @@ def agent(serve_args: list[str], requests: int, max_tokens: int) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mlxspec.serve.measure", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m mlxspec.bench.measure",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="default")
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--turns", type=int, default=20)
@@ -178,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=1,
                         help="conversations run interleaved; each turn's TTFT is their median. Default: 1")
     parser.add_argument("--requests", type=int, default=5)
-    parser.add_argument("--edit-tokens", type=int, default=400, help="max_tokens of each agent request. Default: 400")
+    parser.add_argument("--edit-tokens", type=int, default=400,
+                        help="max_tokens of each agent request. Default: 400")
     parser.add_argument("--scenario", choices=("both", "conversation", "agent"), default="both")
     parser.add_argument("--json", default=None, help="write every number to this file")
     args = parser.parse_args(argv)
@@ -186,22 +190,29 @@ def main(argv: list[str] | None = None) -> int:
     out = {"model": args.model, "dtype": args.dtype, "load_before": os.getloadavg()}
     if args.scenario in ("both", "conversation"):
         out["conversation"] = result = conversation(base, args.turns, args.turn_tokens, args.repeats)
-        print(f"\nConversation, {args.model} ({args.dtype or 'as stored'}), {args.turn_tokens} tokens a turn, "
-              f"TTFT the median of {args.repeats} interleaved conversations\n")
+        print(f"\nConversation, {args.model} ({args.dtype or 'as stored'}), {args.turn_tokens} tokens a "
+              f"turn, TTFT the median of {args.repeats} interleaved conversations\n")
         print("| turn | prompt tokens | cached | TTFT s |\n| ---: | ---: | ---: | ---: |")
         for row in result["turns"]:
-            print(f"| {row['turn']} | {row['prompt_tokens']} | {row['cached_tokens']} | {row['ttft_s']:.3f} |")
+            print(f"| {row['turn']} | {row['prompt_tokens']} | {row['cached_tokens']} "
+                  f"| {row['ttft_s']:.3f} |")
         miss = result["miss"]
-        print(f"| {args.turns}, cache miss | {miss['prompt_tokens']} | {miss['cached_tokens']} | {miss['ttft_s']:.3f} |")
+        print(f"| {args.turns}, cache miss | {miss['prompt_tokens']} | {miss['cached_tokens']} "
+              f"| {miss['ttft_s']:.3f} |")
         t = {row["turn"]: row["ttft_s"] for row in result["turns"]}
         print(f"\nTTFT turn {args.turns} / turn 2: {t[args.turns] / t[2]:.2f}")
     if args.scenario in ("both", "agent"):
-        out["agent"] = {name: agent(base + ["--drafter", name], args.requests, args.edit_tokens) for name in ("suffix", "none")}
-        print(f"\nAgent edits, {args.model} ({args.dtype or 'as stored'}), up to {args.edit_tokens} tokens a request\n")
-        print("| request | prompt (cached) | suffix tok/s | τ | none tok/s | speed-up |\n| ---: | ---: | ---: | ---: | ---: | ---: |")
+        out["agent"] = {name: agent(base + ["--drafter", name], args.requests, args.edit_tokens)
+                        for name in ("suffix", "none")}
+        print(f"\nAgent edits, {args.model} ({args.dtype or 'as stored'}), up to {args.edit_tokens} tokens "
+              "a request\n")
+        print("| request | prompt (cached) | suffix tok/s | τ | none tok/s | speed-up |\n"
+              "| ---: | ---: | ---: | ---: | ---: | ---: |")
         for s, n in zip(out["agent"]["suffix"], out["agent"]["none"]):
-            print(f"| {s['request']} | {s['prompt_tokens']} ({s['cached_tokens']}) | {s['decode_tokens_per_s']:.1f} | "
-                  f"{s['tau']:.2f} | {n['decode_tokens_per_s']:.1f} | {s['decode_tokens_per_s'] / n['decode_tokens_per_s']:.2f}x |")
+            speed_up = s["decode_tokens_per_s"] / n["decode_tokens_per_s"]
+            print(f"| {s['request']} | {s['prompt_tokens']} ({s['cached_tokens']}) | "
+                  f"{s['decode_tokens_per_s']:.1f} | {s['tau']:.2f} | {n['decode_tokens_per_s']:.1f} | "
+                  f"{speed_up:.2f}x |")
     out["load_after"] = os.getloadavg()
     print(f"\nload average before {out['load_before'][0]:.2f}, after {out['load_after'][0]:.2f}")
     if args.json:
