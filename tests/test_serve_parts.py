@@ -168,3 +168,13 @@ def test_serve_flags(capsys):
         assert main(flags) == 2
         err = capsys.readouterr().err
         assert err.startswith("mlxspec: error: ") and named in err and err.count("\n") == 1
+
+
+def test_the_server_benchmark_runs_from_bench():
+    """``python -m mlxspec.bench.measure`` (docs/serve.md's tables) is found there and names itself so."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "mlxspec.bench.measure", "--help"], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0 and done.stdout.startswith("usage: python -m mlxspec.bench.measure"), done
