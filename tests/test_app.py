@@ -200,6 +200,17 @@ def picked(gammas, drafter="ngram"):
     return events + [totals]
 
 
+def found_nothing(gammas):
+    """Events of rounds whose policy picked γ = ``gammas[i]`` but whose lookup found nothing to draft."""
+    events, totals = [], GenerationStats(drafter="ngram", num_draft_tokens=15)
+    for index, gamma in enumerate(gammas):
+        events += [TokenEvent(101, "b", "target", index), RoundStats(index, 0, 0, 1, 0.01, 0.09, gamma=gamma)]
+        totals.add_round(events[-1])
+        totals.add_gamma(gamma)
+    totals.finish_reason, totals.generation_s = "stop", 0.5
+    return events + [totals]
+
+
 EAGLE_SHAPE = "depth-4 chain + a 6-token n-gram branch"  # pacing.tree_summary's words, as generate prints them
 
 
@@ -213,6 +224,9 @@ EAGLE_SHAPE = "depth-4 chain + a 6-token n-gram branch"  # pacing.tree_summary's
     # nothing drafted: α is "–" everywhere, never 0.00
     ("none", "auto", {"drafter": "none", "num_draft_tokens": 0}, picked([0, 0], "none"),
      "none   plain decoding", "none   plain decoding", ("α – ·", "· none plain decoding")),
+    # γ auto picked depths but the lookup found nothing: it says so, and no γ (issue 50)
+    ("ngram", "auto", {"num_draft_tokens": 15, "policy": "auto"}, found_nothing([2, 2, 0]),
+     "ngram   γ auto", "ngram   drafted 0", ("α – ·", "· ngram drafted 0")),
 ])
 def test_stats_say_what_is_drafted(drafter, gamma, relayed, events, before, after, summary):
     async def body():

@@ -214,7 +214,8 @@ def test_tree_stats_name_the_tree_and_explain_alpha(capsys, tiny_model_dir, tmp_
                        str(tmp_path / "eagle"), "--num-draft-tokens", "2")  # a fixed γ below the tree's depth
     assert code == 0 and "Drafter: eagle, depth-3 chain + a 4-token n-gram branch, cut to depth 2 by γ;" in err
     code, _, err = run(capsys, *base, "--drafter", "ngram", "--num-draft-tokens", "3")
-    assert "Drafter: ngram, γ = 3;" in err and "(a tree" not in err
+    assert "Drafter: ngram, drafted 0;" in err and "(a tree" not in err  # the lookup found nothing: no γ (issue 50)
+    assert "Acceptance per draft position: -" in err and "α = –" in err
 
 
 def test_a_medusa_tree_priced_as_plain_says_so(capsys, tiny_model_dir, tmp_path, monkeypatch):
@@ -242,10 +243,10 @@ def test_a_tree_that_drafted_nothing_says_so():
     tree = SimpleNamespace(makes_trees=True, profile=SimpleNamespace(max_depth=4),
                            describe=lambda: "tree mc_sim_7b_63 (63 nodes, depth 4)")
     stats = GenerationStats(drafter="medusa", num_draft_tokens=4, rounds=64, generation_tokens=64)
-    assert "Drafter: medusa, tree mc_sim_7b_63 (63 nodes, depth 4); nothing drafted in any round; rounds: 64" in \
+    assert "Drafter: medusa, tree mc_sim_7b_63 (63 nodes, depth 4); drafted 0; rounds: 64" in \
         format_stats(stats, tree)
     stats.drafted = 3
-    assert "nothing drafted" not in format_stats(stats, tree)
+    assert "drafted 0" not in format_stats(stats, tree)
 
 
 def test_every_help_is_plain_text_from_a_capital():

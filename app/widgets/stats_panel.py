@@ -82,7 +82,10 @@ def drafting(drafter: str, gamma: int | str, shape: str | None = None, detail: s
 
 
 def stats_drafting(stats: StatsSnapshot, now: bool = True) -> str:
-    """``drafting`` for an answer: with γ picked each round, the latest pick (``now``) and the mean."""
+    """``drafting`` for an answer: with γ picked each round, the latest pick (``now``) and the mean; ``drafted 0``
+    and no γ while a drafter has drafted nothing (a lookup that found nothing, or auto falling back)."""
+    if stats.rounds and not stats.drafted and stats.drafter != "none" and stats.num_draft_tokens:
+        return "drafted 0"
     detail = ""
     if stats.policy and stats.rounds:
         detail = (f"now {stats.gamma_now}, " if now else "") + f"mean {stats.gamma_mean:.1f}"

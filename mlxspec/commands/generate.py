@@ -68,19 +68,21 @@ def format_stats(stats: GenerationStats, drafter=None, policy: str = AUTO) -> st
         policy: ``--num-draft-tokens``'s word for an adaptive γ (``auto`` or ``scheduled``).
     """
     per_position = " ".join(f"{rate:.2f}" for rate in stats.acceptance_per_position) or "-"
-    tree = tree_summary(drafter) if drafter is not None else None
+    tree = shape = tree_summary(drafter) if drafter is not None else None
+    nothing = stats.rounds and not stats.drafted and stats.drafter != "none" and stats.num_draft_tokens
     if stats.priced_plain:
         tree = PRICED_PLAIN  # the costs ruled the drafter out (pacing.make_pacer)
+    elif nothing:  # no γ: a lookup that found nothing, auto falling back, or a tree of which no node paid
+        tree = f"{tree}; drafted 0" if tree else "drafted 0"
     elif tree and stats.gamma_rounds:  # γ auto chose each round's depth
         tree += f"; depth γ = {_gamma_summary(stats, policy)}"
     elif tree and 0 < stats.num_draft_tokens < (drafter.profile.max_depth or 0):
         tree += f", cut to depth {stats.num_draft_tokens} by γ"  # a fixed γ below the tree's own depth
-    if tree and tree != PRICED_PLAIN and stats.rounds and not stats.drafted:
-        tree += "; nothing drafted in any round"  # e.g. a tree priced each round, of which no node paid
     vocabulary = getattr(drafter, "vocab_summary", lambda: None)()
     name = stats.drafter + (f" ({vocabulary})" if vocabulary else "")
     drafter_line = (f"Drafter: {name}, {tree}; rounds: {stats.rounds}" if tree else
                     f"Drafter: {name}, γ = {_gamma_summary(stats, policy)}; rounds: {stats.rounds}")
+    alpha = f"{stats.alpha:.3f}" if stats.drafted else "–"
     lines = [
         "=" * 10,
         f"Prompt: {stats.prompt_tokens} tokens" + (f", {stats.cached_tokens} reused from the cache" if stats.cached_tokens
@@ -88,12 +90,12 @@ def format_stats(stats: GenerationStats, drafter=None, policy: str = AUTO) -> st
         f"Generation: {stats.generation_tokens} tokens, {stats.generation_tps:.1f} tokens/s "
         f"(finish: {stats.finish_reason})",
         drafter_line,
-        f"Acceptance: α = {stats.alpha:.3f}, τ = {stats.tau:.2f} tokens/round",
-        f"Acceptance per {'depth' if tree else 'draft position'}: {per_position}",
+        f"Acceptance: α = {alpha}, τ = {stats.tau:.2f} tokens/round",
+        f"Acceptance per {'depth' if shape else 'draft position'}: {per_position}",
         f"Time: draft {stats.draft_s:.2f} s, verify {stats.verify_s:.2f} s",
         f"Peak memory: {stats.peak_memory_gb:.3f} GB",
     ]
-    if tree and tree != PRICED_PLAIN:
+    if tree and stats.drafted:
         lines.insert(5, "  (a tree: α = accepted / all drafted nodes, and at most one path of them can be kept; "
                         "τ and acceptance per depth say how far the kept path reached)")
     return "\n".join(lines)

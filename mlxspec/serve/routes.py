@@ -183,11 +183,11 @@ class EventStream(StreamingResponse):
 
 
 def speculative(stats: GenerationStats) -> dict:
-    """The per-response speculation stats (the ``speculative`` extension object)."""
-    rounds = sum(stats.gamma_rounds)
+    """The per-response speculation stats (the ``speculative`` extension object); no γ when nothing was drafted."""
+    rounds = sum(stats.gamma_rounds) if stats.drafted else 0
     return {
         "drafter": stats.drafter,
-        "gamma": stats.num_draft_tokens,
+        "gamma": stats.num_draft_tokens if stats.drafted else None,
         "gamma_mean": round(sum(g * n for g, n in enumerate(stats.gamma_rounds)) / rounds, 3) if rounds else None,
         "rounds": stats.rounds,
         "drafted": stats.drafted,
