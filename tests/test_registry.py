@@ -98,7 +98,7 @@ def test_every_registered_drafter_is_lossless_at_temperature_1(name):
 
 
 def test_ngram_needs_a_three_token_match_by_default_and_max_alone_lowers_it():
-    """A 1- or 2-token match is mostly chance and its drafts miss (docs/results-archive.md, run G): the default drafts
+    """A 1- or 2-token match is mostly chance and its drafts miss (docs/archive/results-archive.md, run G): the default drafts
     only from a 3-token match; ``ngram:max=2`` alone means 2..2, not an error about a default the user did not set."""
     two = [5, 6, 7, 8, 9, 1, 2, 7, 8]  # "7 8" occurred before, "2 7 8" did not
     three = [5, 6, 7, 8, 9, 1, 6, 7, 8]  # "6 7 8" occurred before
@@ -112,7 +112,7 @@ def test_ngram_needs_a_three_token_match_by_default_and_max_alone_lowers_it():
 
 def test_ngram_drafts_from_the_longest_match_up_to_eight_tokens():
     """An edit repeats short runs all over the code: the most recent 4-token match may continue differently
-    from the text being copied, the 8-token match does not (docs/results-archive.md, run N)."""
+    from the text being copied, the 8-token match does not (docs/archive/results-archive.md, run N)."""
     history = [1, 2, 3, 4, 5, 6, 7, 8, 20, 21, 9, 9, 9, 9, 5, 6, 7, 8, 30, 31, 1, 2, 3, 4, 5, 6, 7, 8]
     drafts = lambda spec: make_drafter(spec).propose(history, 2, None).tokens.tolist()
     assert drafts("ngram") == [20, 21]  # "1 .. 8" occurred at the start

@@ -73,7 +73,7 @@ class DFlashConfig:
         context_window: How many of the latest committed positions (those just before the anchor) a
             block sees as context; 0 = all of them, as z-lab's drafters. An mlxspec extension, stored
             in ``dflash_config``: a short window trains from scratch where the full context plateaus
-            on the unigram (docs/dflash.md 4.1).
+            on the unigram (docs/archive/dflash.md 4.1).
     """
 
     hidden_size: int

@@ -64,7 +64,7 @@ class DFlashTrainConfig(TrainConfig):
         context_window: Each block sees only the last W context positions before its anchor, in
             training and (stored in the drafter's config) at inference; 0 = all. A 1-position window
             learns from scratch on a CPU budget where the full context sits on the unigram
-            (docs/dflash.md 4.1).
+            (docs/archive/dflash.md 4.1).
     """
 
     num_layers: int = 2
