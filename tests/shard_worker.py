@@ -22,7 +22,8 @@ from mlx.utils import tree_flatten
 sys.path.insert(0, str(Path(__file__).parent))
 
 from conftest import tiny_llama, tiny_qwen2  # noqa: E402
-from mlxspec.runtime.distributed import init_group, shard  # noqa: E402
+from mlxspec.loading.sharded import shard  # noqa: E402
+from mlxspec.runtime.distributed import init_group  # noqa: E402
 from mlxspec.drafters import make_drafter  # noqa: E402
 from mlxspec.engine.generate import generate, speculative_rounds  # noqa: E402
 from mlxspec.core.sampling import SamplingParams  # noqa: E402

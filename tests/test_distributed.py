@@ -24,12 +24,13 @@ import numpy as np
 import pytest
 
 from conftest import byte_tokenizer, save_tiny_model, tiny_llama, tiny_qwen2
-from mlxspec.runtime.distributed import Sharding, _ErrorsOnly
+from mlxspec.runtime.distributed import Sharding, _ErrorsOnly, mark_sharded
+from mlxspec.sharding import check_drafter
 from mlxspec.drafters import make_drafter
 from mlxspec.engine.generate import generate
 from mlxspec.heads.eagle import save_eagle
 from mlxspec.core.sampling import SamplingParams
-from mlxspec.engine.session import ModelSpec, load_model
+from mlxspec.engine.session import load_model
 from shard_worker import SAMPLED, sampled_models
 from stats import chi_square, rejection_rate
 from test_eagle import random_head
@@ -156,14 +157,33 @@ def test_generate_command_tensor_parallel_prints_once_and_matches(tiny_model_dir
     assert records[0]["drafted"] > 0
 
 
-def test_llama_pipeline_is_refused_in_one_line(tiny_model_dir):
-    """mlx-lm 0.32's llama has no pipeline stages: refused at load time, naming the way that works."""
-    done = run_launch("-m", "mlxspec", "generate", "--model", str(tiny_model_dir), "--prompt", "hi", "--shard",
+@pytest.mark.slow  # a 2-rank launch
+def test_llama_pipeline_is_refused_once_before_loading(tiny_model_dir, tmp_path):
+    """mlx-lm 0.32's llama has no pipeline stages: refused from its config, before any rank reads a weight (this copy
+    has none to read), in one line from rank 0 naming the way that works (issue 50)."""
+    bare = tmp_path / "no-weights"
+    bare.mkdir()
+    for f in tiny_model_dir.iterdir():
+        if f.suffix != ".safetensors":
+            (bare / f.name).write_bytes(f.read_bytes())
+    done = run_launch("-m", "mlxspec", "generate", "--model", str(bare), "--prompt", "hi", "--shard",
                       "pipeline", "--drafter", "ngram", "--blas", "keep")
     errors = [line for line in done.stderr.splitlines() if line.startswith("mlxspec: error")]
-    assert errors and all("cannot split a llama model into pipeline stages (it supports --shard tensor)" in e
-                          for e in errors), done.stderr
+    assert errors == ["mlxspec: error: mlx-lm cannot split a llama model into pipeline stages; use --shard tensor"], \
+        done.stderr
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.slow  # a 2-rank launch
+@pytest.mark.parametrize("command", [["generate", "--prompt", "hi"], ["serve", "--port", "0"]])
+def test_a_command_under_the_launcher_without_shard_is_refused_once(tiny_model_dir, command):
+    """Without --shard each rank would run the whole model and print (or serve) the answer: refused, one line from
+    rank 0 (issue 50)."""
+    done = run_launch("-m", "mlxspec", *command, "--model", str(tiny_model_dir), "--drafter", "ngram",
+                      "--blas", "keep")
+    errors = [line for line in done.stderr.splitlines() if line.startswith("mlxspec: error")]
+    assert len(errors) == 1 and "needs --shard tensor or --shard pipeline" in errors[0], done.stderr
+    assert done.stdout == "" and "Traceback" not in done.stderr
 
 
 def test_shard_without_launch_is_refused():
@@ -259,17 +279,18 @@ def test_the_sampled_runs_can_fail_a_verifier_without_residual():
 
 
 def _marked(model, kind: str):
-    object.__setattr__(model, "sharding", Sharding(kind, mx.distributed.init()))
+    mark_sharded(model, Sharding(kind, mx.distributed.init()))
     return model
 
 
 def test_pipeline_refuses_a_drafter_that_reads_layers_and_tensor_serves_it(tmp_path):
     save_eagle(random_head(3), tmp_path / "eagle3")
     spec = f"eagle:heads={tmp_path / 'eagle3'},total_tokens=8"
+    pipeline, tensor = _marked(tiny_llama(), "pipeline"), _marked(tiny_llama(), "tensor")
     with pytest.raises(ValueError, match=r"reads the target's layers \[0, 1, 1\], which --shard pipeline splits"):
-        make_drafter(spec, _marked(tiny_llama(), "pipeline"), byte_tokenizer())
-    assert make_drafter(spec, _marked(tiny_llama(), "tensor"), byte_tokenizer()).name == "eagle"
-    assert make_drafter("ngram", _marked(tiny_llama(), "pipeline"), byte_tokenizer()).name == "ngram"
+        check_drafter(pipeline, make_drafter(spec, pipeline, byte_tokenizer()))
+    check_drafter(tensor, make_drafter(spec, tensor, byte_tokenizer()))
+    check_drafter(pipeline, make_drafter("ngram", pipeline, byte_tokenizer()))
 
 
 def test_a_sharded_target_measures_no_costs():

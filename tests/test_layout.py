@@ -19,17 +19,18 @@ DATA_PACKAGES = {"mlxspec_models"}
 #: The layers, lowest first: a module may import from its own package or from a package of a lower layer.
 #: ``mlxspec`` is the package's public names (its __init__), for the layers above the engine.
 LAYERS = {
-    "mlxspec.runtime": 0,  # the process: machine, progress bars, MLXThread, ranks of a sharded job
+    "mlxspec.runtime": 0,  # the process: machine, progress bars, MLXThread, a job's ranks and collectives
     "mlxspec.core": 1,  # the round's parts: tree, cache, sampling, taps, acceptance rules, metrics, stops
     "mlxspec.loading": 2,  # specs → models, GGUF, pickles, assets, identity cards, ShareGPT
     "mlxspec.heads": 3,
     "mlxspec.drafters": 4,
     "mlxspec.pacing": 5,
     "mlxspec.engine": 6,  # the round loop, argument checks, session
-    "mlxspec": 7,
-    "mlxspec.bench": 8, "mlxspec.train": 8, "mlxspec.serve": 8, "mlxspec_app": 8,
-    "mlxspec.commands": 9,
-    "mlxspec.__main__": 10,
+    "mlxspec.sharding": 7,  # a job over several ranks: composes the split, the drafter, γ and the engine
+    "mlxspec": 8,
+    "mlxspec.bench": 9, "mlxspec.train": 9, "mlxspec.serve": 9, "mlxspec_app": 9,
+    "mlxspec.commands": 10,
+    "mlxspec.__main__": 11,
 }
 #: The one package whose insides nobody else reads: its __init__ is what the others use.
 CLOSED = "mlxspec.pacing"

@@ -27,8 +27,8 @@ from ..messages import EngineInfo
 
 #: The dtype choice that loads a model as stored (no cast).
 AS_STORED = "as stored"
-#: Drafters whose draft model's dtype is one of their settings.
-_DRAFT_DTYPE_DRAFTERS = ("draft",)
+#: Drafters whose draft model's dtype is one of their settings: those that draft with a second model.
+_DRAFT_DTYPE_DRAFTERS = tuple(name for name, kind in drafter_types().items() if kind.needs_draft_model)
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,7 @@ class DrafterScreen(ModalScreen[DrafterChoice | None]):
             yield Label("Drafter (↑/↓ move, Space picks, Enter applies)", classes="heading")
             with DrafterList(id="drafter-kind"):
                 for kind in info.drafters:
-                    label = kind if kind != "draft" or info.draft_name else "draft (give a draft model below)"
+                    label = kind if kind not in _DRAFT_DTYPE_DRAFTERS or info.draft_name else f"{kind} (give a draft model below)"
                     yield RadioButton(label, value=kind == self.kind, name=kind, id=f"drafter-{kind}")
             yield Label(f"γ, tokens drafted per round: 0 to {MAX_NUM_DRAFT_TOKENS} (0 = plain decoding), auto "
                         "(picked each round) or scheduled (draft, medusa, eagle, dflash, dspark: the draft's "
@@ -190,8 +190,8 @@ class DrafterScreen(ModalScreen[DrafterChoice | None]):
             return spec
         draft_spec = self.query_one("#draft-spec", Input).value.strip() or None
         model_spec = self.query_one("#model-spec", Input).value.strip() or None
-        if name == "draft" and not (draft_spec or self.info.draft_name):
-            return "The draft drafter needs a draft model: type one below, or start with --draft-model"
+        if name in _DRAFT_DTYPE_DRAFTERS and not (draft_spec or self.info.draft_name):
+            return f"The {name} drafter needs a draft model: type one below, or start with --draft-model"
         dtype = self._changed("#dtype", self.info.dtype)
         draft_dtype = self._changed("#draft-dtype", self.info.draft_dtype) if shown and name in _DRAFT_DTYPE_DRAFTERS \
             else None

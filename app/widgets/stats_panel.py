@@ -7,6 +7,8 @@ from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.widgets import Label, Static
 
+from mlxspec.drafters import drafter_types
+
 from ..messages import EngineInfo, StatsSnapshot, StatsUpdated
 from .sparkline import TauSparkline
 
@@ -74,7 +76,8 @@ def drafting(drafter: str, gamma: int | str, shape: str | None = None, detail: s
     """What each round drafts, as the panel, an answer's summary and the Ready line say it: a tree
     drafter's tree (``pacing.tree_summary``, the words of ``mlxspec generate``'s stats), ``γ 4``,
     ``γ auto`` with ``detail`` in brackets, or ``plain decoding`` when nothing is drafted."""
-    if drafter == "none" or gamma == 0:
+    kind = drafter_types().get(drafter)
+    if (kind is not None and kind.plain) or gamma == 0:
         return "plain decoding"
     if shape:  # a tree's shape, and with γ picked each round its depth
         return shape + (f"; depth γ {gamma} ({detail})" if detail and isinstance(gamma, str) else "")

@@ -28,6 +28,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
 from ..core.cache import prefill
+from ..drafters import DrafterSpec
 from ..pacing import AUTO, SCHEDULED, Costs, Scheduled, make_pacer
 from ..engine.generate import stream_generate
 from ..core.metrics import RoundStats, GenerationStats
@@ -151,8 +152,10 @@ def make_systems(drafters: list[str], gammas: list[int | str], has_draft_model: 
     Raises:
         ValueError: ``"draft"`` without a draft model, or a γ < 1.
     """
-    if "draft" in drafters and not has_draft_model:
-        raise ValueError("the 'draft' drafter needs --draft-model")
+    kinds = {name: DrafterSpec.parse(name).kind for name in drafters}
+    needs = [name for name, kind in kinds.items() if kind.needs_draft_model]
+    if needs and not has_draft_model:
+        raise ValueError(f"the '{needs[0]}' drafter needs --draft-model")
     if any(g not in (AUTO, SCHEDULED) and (not isinstance(g, int) or g < 1) for g in gammas):
         raise ValueError(f"each --num-draft-tokens value must be 'auto', 'scheduled' or an integer >= 1, got {gammas}")
     systems = [System(BASELINE, "mlx-lm")] + ([System(CONTROL, "mlx-lm")] if control else [])
@@ -160,8 +163,8 @@ def make_systems(drafters: list[str], gammas: list[int | str], has_draft_model: 
     if has_draft_model:
         systems += [System(f"mlx-lm spec γ={g}", "mlx-lm-spec", "draft", g) for g in fixed]
     for drafter in drafters:
-        if drafter == "none":
-            systems.append(System("mlxspec none", "mlxspec", "none", 0))
+        if kinds[drafter].plain:
+            systems.append(System(f"mlxspec {drafter}", "mlxspec", drafter, 0))
             continue
         systems += [System(f"mlxspec {drafter} γ={g}", "mlxspec", drafter, g) for g in gammas]
     return systems

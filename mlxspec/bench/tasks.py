@@ -54,7 +54,7 @@ def run_task(task: str, loaded, spec: DrafterSpec, key: str, max_tokens: int) ->
     """
     model, tokenizer = loaded.model, loaded.tokenizer
     drafter = make_drafter(spec, model, tokenizer, target_name=key)
-    gamma = 0 if spec.name == "none" else 8
+    gamma = 0 if spec.kind.plain else 8
     totals = {"tokens": 0, "rounds": 0, "drafted": 0, "accepted": 0, "seconds": 0.0, "outputs": []}
 
     def one(prompt: list[int], cache: PromptCache | None) -> str:

@@ -145,7 +145,7 @@ def _load(args, specs: list[DrafterSpec], discover: bool):
         print(f"mlxspec bench: measuring {what} (once; cached)", file=sys.stderr, flush=True)
 
     target = load_model(ModelSpec(args.model, args.dtype))
-    draft = _load_draft(args, target, discover or any(spec.name == "draft" for spec in specs))
+    draft = _load_draft(args, target, discover or any(spec.kind.needs_draft_model for spec in specs))
     names = {"target": target.display, "draft": draft.display if draft else None}
     if discover:
         drafters, skipped = runnable_drafters(specs, target, draft, on_measure=note)
@@ -158,7 +158,7 @@ def _load(args, specs: list[DrafterSpec], discover: bool):
     else:
         drafters = {str(spec): build_drafter(spec, target, draft, on_measure=note) for spec in specs}
     costs = {name: load_or_calibrate(target.model, d, on_measure=note, refresh=args.recalibrate)
-             for name, d in drafters.items() if name != "none"}
+             for name, d in drafters.items() if not d.profile.plain}
     models = BenchModels(target.model, target.tokenizer, draft.model if draft else None, drafters, costs)
     return models, names
 
@@ -345,7 +345,7 @@ def verdict_commands(verdict: Verdict, result: dict) -> list[str]:
     """The ``mlxspec generate`` and ``mlxspec chat`` command lines for a verdict's setting (or plain decoding)."""
     flags = list(result.get("flags", {}).get("target", []))
     if verdict.wins:
-        if verdict.drafter == "draft":
+        if DrafterSpec.parse(verdict.drafter).kind.needs_draft_model:
             flags += result.get("flags", {}).get("draft", [])
         flags += ["--drafter", verdict.drafter, "--num-draft-tokens", str(verdict.gamma)]
     else:
@@ -410,8 +410,9 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         raise ValueError("--max-tokens, --num-prompts and --repeats must be >= 1")
     discover = mine and args.drafters is None
     specs = _specs(args, discover)
-    if not discover and any(spec.name == "draft" for spec in specs) and not args.draft_model:
-        draft_model_spec(DrafterSpec("draft"), None, ModelSpec(args.model, args.dtype))  # fail before loading
+    if not discover and any(spec.kind.needs_draft_model for spec in specs) and not args.draft_model:
+        wanted = next(spec for spec in specs if spec.kind.needs_draft_model)
+        draft_model_spec(wanted, None, ModelSpec(args.model, args.dtype))  # fail before loading
     started = time.time()
     models, names = _load(args, specs, discover)
     drafter_names = list(models.drafters)

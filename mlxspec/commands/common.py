@@ -20,7 +20,8 @@ from ..engine.generate import DEFAULT_MAX_TOKENS, DEFAULT_NUM_DRAFT_TOKENS
 from ..loading.models import DTYPES
 from ..core.sampling import SamplingParams
 from ..core.stops import check_stops
-from ..runtime.distributed import SHARD_KINDS
+from ..runtime.distributed import sharding
+from ..sharding import SHARD_KINDS, check_drafter, together
 from ..engine.session import USER_ERRORS, LoadedModel, ModelSpec, default_drafter, draft_model_spec, load_model
 from ..engine.session import build_drafter as session_build_drafter
 
@@ -82,7 +83,7 @@ class DrafterAction(argparse.Action):
         _, _, rest = values.partition(":")
         keys = {item.partition("=")[0].strip().replace("-", "_") for item in rest.split(",") if item.strip()}
         setattr(namespace, self.dest, spec)
-        setattr(namespace, "drafter_keys", {key: values for key in keys})
+        namespace.drafter_keys = {key: values for key in keys}
 
 
 def _flag_type(parse):
@@ -271,13 +272,14 @@ def check_args(args: argparse.Namespace, *, one_drafter: bool = True) -> None:
     check_drafter_args(args)
     spec = drafter_spec_from_args(args)
     gamma_default = getattr(args, "gamma_default", AUTO)
-    if one_drafter and spec.name == "none" and args.num_draft_tokens not in (AUTO, 0, gamma_default):
+    if one_drafter and spec.kind.plain and args.num_draft_tokens not in (AUTO, 0, gamma_default):
         raise ValueError(f"--num-draft-tokens {args.num_draft_tokens} is for a drafter, but the drafter is none (plain "
                          "decoding); pass --drafter ngram (or another), or leave out --num-draft-tokens")
     given = [flag for flag, value in (("--draft-model", args.draft_model), ("--draft-dtype", args.draft_dtype)) if value]
-    if one_drafter and given and spec.name != "draft":
-        raise ValueError(f"{given[0]} is used by the draft drafter only, but the drafter is {spec.name}; pass "
-                         f"--drafter draft, or leave out {' and '.join(given)}")
+    if one_drafter and given and not spec.kind.needs_draft_model:
+        takes = " or ".join(k.name for k in drafter_types().values() if k.needs_draft_model)
+        raise ValueError(f"{given[0]} is used by the {takes} drafter only, but the drafter is {spec.name}; pass "
+                         f"--drafter {takes}, or leave out {' and '.join(given)}")
     draft_model_spec(spec, model_spec(args, draft=True), model_spec(args), args.draft_dtype)
 
 
@@ -335,7 +337,17 @@ def load_models(args: argparse.Namespace, on_measure=None) -> LoadedModels:
         ValueError, FileNotFoundError: for bad specs or mismatched tokenizers.
     """
     target = load_model(model_spec(args))
-    drafter, draft = build_drafter(args, target, on_measure)
+    split = sharding(target.model)
+    if split is None:
+        drafter, draft = build_drafter(args, target, on_measure)
+        return LoadedModels(target, draft, drafter)
+
+    def checked() -> tuple[Drafter, LoadedModel | None]:  # every rank builds the same drafter: refused once
+        drafter, draft = build_drafter(args, target, on_measure)
+        check_drafter(target.model, drafter)
+        return drafter, draft
+
+    drafter, draft = together(split.group, checked)
     return LoadedModels(target, draft, drafter)
 
 
@@ -347,7 +359,7 @@ def build_drafter(args: argparse.Namespace, target: LoadedModel, on_measure=None
     """
     spec = drafter_spec_from_args(args)
     draft_spec = draft_model_spec(spec, model_spec(args, draft=True), target.spec, args.draft_dtype)
-    draft = load_model(draft_spec, role="draft model") if draft_spec is not None and spec.name == "draft" else None
+    draft = load_model(draft_spec, role="draft model") if draft_spec is not None and spec.kind.needs_draft_model else None
     return session_build_drafter(spec, target, draft, on_measure), draft
 
 

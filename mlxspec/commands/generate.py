@@ -8,10 +8,11 @@ import sys
 
 import mlx.core as mx
 
-from ..pacing import AUTO, PRICED_PLAIN, load_or_calibrate, make_pacer, tree_summary
-from ..drafters import make_drafter
-from ..runtime.distributed import check_sharded_args, job_sum, rank_output
-from ..engine.generate import DEFAULT_NUM_DRAFT_TOKENS, check_context, context_length, encode_prompt, stream_generate
+from ..pacing import AUTO, PRICED_PLAIN, SCHEDULED, load_or_calibrate, make_pacer, tree_summary
+from ..drafters import drafter_types, make_drafter
+from ..runtime.distributed import job_sum, rank_output
+from ..sharding import refuse_unsharded, start
+from ..engine.generate import check_context, context_length, encode_prompt, stream_generate
 from ..engine.session import check_fits
 from ..core.metrics import GenerationStats, TokenEvent
 from .common import (
@@ -69,7 +70,8 @@ def format_stats(stats: GenerationStats, drafter=None, policy: str = AUTO) -> st
     """
     per_position = " ".join(f"{rate:.2f}" for rate in stats.acceptance_per_position) or "-"
     tree = shape = tree_summary(drafter) if drafter is not None else None
-    nothing = stats.rounds and not stats.drafted and stats.drafter != "none" and stats.num_draft_tokens
+    plain = drafter.profile.plain if drafter is not None else _declared_plain(stats.drafter)
+    nothing = stats.rounds and not stats.drafted and not plain and stats.num_draft_tokens
     if stats.priced_plain:
         tree = PRICED_PLAIN  # the costs ruled the drafter out (pacing.make_pacer)
     elif nothing:  # no γ: a lookup that found nothing, auto falling back, or a tree of which no node paid
@@ -78,7 +80,7 @@ def format_stats(stats: GenerationStats, drafter=None, policy: str = AUTO) -> st
         tree += f"; depth γ = {_gamma_summary(stats, policy)}"
     elif tree and 0 < stats.num_draft_tokens < (drafter.profile.max_depth or 0):
         tree += f", cut to depth {stats.num_draft_tokens} by γ"  # a fixed γ below the tree's own depth
-    vocabulary = getattr(drafter, "vocab_summary", lambda: None)()
+    vocabulary = drafter.vocab_summary() if drafter is not None else None
     name = stats.drafter + (f" ({vocabulary})" if vocabulary else "")
     drafter_line = (f"Drafter: {name}, {tree}; rounds: {stats.rounds}" if tree else
                     f"Drafter: {name}, γ = {_gamma_summary(stats, policy)}; rounds: {stats.rounds}")
@@ -99,6 +101,12 @@ def format_stats(stats: GenerationStats, drafter=None, policy: str = AUTO) -> st
         lines.insert(5, "  (a tree: α = accepted / all drafted nodes, and at most one path of them can be kept; "
                         "τ and acceptance per depth say how far the kept path reached)")
     return "\n".join(lines)
+
+
+def _declared_plain(name: str) -> bool:
+    """Whether the registered drafter ``name`` declares plain decoding (an unregistered name does not)."""
+    kind = drafter_types().get(name)
+    return kind is not None and kind.plain
 
 
 def _gamma_summary(stats: GenerationStats, policy: str) -> str:
@@ -153,7 +161,7 @@ def _note_context_cap(model, tokenizer, prompt, max_tokens: int) -> None:
 def _plain_if_unfit(args, loaded) -> None:
     """Before any cost measurement: a drafter the target's cache cannot serve (a recurrent model's state cannot
     be rewound) is refused in one line when asked for; the default one is replaced by plain decoding, said once."""
-    if loaded.drafter.name == "none" or args.num_draft_tokens == 0:
+    if loaded.drafter.profile.plain or args.num_draft_tokens == 0:
         return
     try:
         check_fits(loaded.target, loaded.drafter)
@@ -196,8 +204,9 @@ def _noting(stage: list[str], why: str, quiet: bool):
     return note
 
 
-def _prepare(args: argparse.Namespace, stage: list[str]):
-    """Prompt, models and γ policy; ``stage[0]`` says what is under way, for a Ctrl+C."""
+def _prepare(args: argparse.Namespace, stage: list[str], gamma: int | str):
+    """Prompt, models and the γ policy for ``gamma`` (the flag's, or a sharded job's fixed one); ``stage[0]``
+    says what is under way, for a Ctrl+C."""
     prompt_text = read_prompt(args)
     stage[0] = "loading the models"
     loaded = load_models(args, on_measure=_noting(stage, "the automatic tree size", args.json))
@@ -207,33 +216,36 @@ def _prepare(args: argparse.Namespace, stage: list[str]):
     _note_context_cap(loaded.model, loaded.tokenizer, prompt, args.max_tokens)
     check_context(loaded.model, len(encode_prompt(loaded.tokenizer, prompt)))  # before any cost measurement
     _plain_if_unfit(args, loaded)
-    note = _noting(stage, f"--num-draft-tokens {args.num_draft_tokens}", args.json)
+    note = _noting(stage, f"--num-draft-tokens {gamma}", args.json)
     costs = None
-    if args.recalibrate and args.num_draft_tokens in ("auto", "scheduled") and loaded.drafter.name != "none":
+    if args.recalibrate and gamma in (AUTO, SCHEDULED) and not loaded.drafter.profile.plain:
         costs = load_or_calibrate(loaded.model, loaded.drafter, refresh=True, on_measure=note)
-    policy = make_pacer(args.num_draft_tokens, loaded.model, loaded.drafter, costs=costs, on_measure=note)
+    policy = make_pacer(gamma, loaded.model, loaded.drafter, costs=costs, on_measure=note)
     return loaded, prompt, policy
 
 
 def run(args: argparse.Namespace) -> int:
     check_args(args)
-    if args.shard:
-        with rank_output(check_sharded_args(args, DEFAULT_NUM_DRAFT_TOKENS)):  # only rank 0 prints
-            return _run(args)
-    return _run(args)
+    if not args.shard:
+        refuse_unsharded("generate")  # under mlx.launch: said once, by rank 0
+        return _run(args, args.num_draft_tokens, args.seed)
+    job = start(args.shard, args.model, args.num_draft_tokens, args.seed)  # refuses, once, what cannot work
+    with rank_output(job.rank):  # only rank 0 prints
+        return _run(args, job.num_draft_tokens, job.seed)
 
 
-def _run(args: argparse.Namespace) -> int:
+def _run(args: argparse.Namespace, gamma: int | str, seed: int | None) -> int:
+    """Generate with γ ``gamma`` and ``seed`` (the flags', or a sharded job's: ``sharding.start``)."""
     stage = ["reading the prompt"]
     try:
-        loaded, prompt, policy = _prepare(args, stage)
+        loaded, prompt, policy = _prepare(args, stage, gamma)
     except KeyboardInterrupt:  # one line, as mid-answer; nothing is on stdout yet
         print(f"mlxspec: interrupted (Ctrl+C) while {stage[0]}; nothing was generated", file=sys.stderr)
         return 130
     typical = typical_from_args(args)
     events = stream_generate(
         loaded.model, loaded.tokenizer, prompt, drafter=loaded.drafter, num_draft_tokens=policy,
-        max_tokens=args.max_tokens, sampling=sampling_from_args(args), seed=args.seed, typical=typical,
+        max_tokens=args.max_tokens, sampling=sampling_from_args(args), seed=seed, typical=typical,
         stop=args.stop,
     )
     text = []
@@ -253,13 +265,13 @@ def _run(args: argparse.Namespace) -> int:
         record = {"model": loaded.target.display, "draft_model": loaded.draft.display if loaded.draft else None,
                   "text": "".join(text), "num_draft_tokens_requested": args.num_draft_tokens, "temp": args.temp,
                   "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p,
-                  "repetition_penalty": args.repetition_penalty, "typical": typical, "seed": args.seed,
+                  "repetition_penalty": args.repetition_penalty, "typical": typical, "seed": seed,
                   "stop": args.stop,
                   **stats.to_dict()}
         print(json.dumps(record))
     else:
         print()
-        print(format_stats(stats, loaded.drafter, str(args.num_draft_tokens)), file=sys.stderr)
+        print(format_stats(stats, loaded.drafter, str(gamma)), file=sys.stderr)
         if typical:
             print("Verification: Medusa typical acceptance (LOSSY: not distributed as the target)", file=sys.stderr)
     return 0

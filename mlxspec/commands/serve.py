@@ -7,8 +7,8 @@ import importlib.util
 import ipaddress
 import sys
 
-from ..engine.generate import DEFAULT_NUM_DRAFT_TOKENS
-from ..runtime.distributed import check_sharded_args, rank_output
+from ..runtime.distributed import rank_output
+from ..sharding import refuse_unsharded, start
 from .chat import exit_now
 from .common import (
     ArgumentParser,
@@ -99,8 +99,10 @@ def _loopback(host: str) -> bool:
         return False
 
 
-def loader(args: argparse.Namespace):
-    """The worker's ``load``: target, drafter and γ policy from the flags (``mlxspec generate``'s)."""
+def loader(args: argparse.Namespace, num_draft_tokens: int | str | None = None):
+    """The worker's ``load``: target, drafter and γ policy from the flags (``mlxspec generate``'s); γ is
+    ``num_draft_tokens`` where given (a sharded job's fixed one, ``sharding.start``), else the flag's."""
+    gamma = args.num_draft_tokens if num_draft_tokens is None else num_draft_tokens
     from ..engine.generate import context_length
     from ..engine.session import check_fits
     from ..pacing import make_pacer
@@ -109,8 +111,8 @@ def loader(args: argparse.Namespace):
     def load():
         loaded = load_models(args, on_measure=measuring_note("the automatic tree size"))
         check_fits(loaded.target, loaded.drafter)
-        policy = make_pacer(args.num_draft_tokens, loaded.model, loaded.drafter,
-                            on_measure=measuring_note(f"--num-draft-tokens {args.num_draft_tokens}"))
+        policy = make_pacer(gamma, loaded.model, loaded.drafter,
+                            on_measure=measuring_note(f"--num-draft-tokens {gamma}"))
         tokenizer = loaded.tokenizer
         served = Served(loaded.target.name, tokenizer, context_length(loaded.model), loaded.drafter.name,
                         frozenset(tokenizer.eos_token_ids))
@@ -126,12 +128,14 @@ def run(args: argparse.Namespace) -> int:
 
     defaults = Defaults(sampling_from_args(args), args.max_tokens, args.seed, tuple(args.stop or ()))
     if not args.shard:
+        refuse_unsharded("serve")  # under mlx.launch: said once, by rank 0
         status = serve(args, defaults, loader(args))
     else:
-        rank = check_sharded_args(args, DEFAULT_NUM_DRAFT_TOKENS, same_seed=False)  # a seed per request instead
-        with rank_output(rank):  # rank 0 prints; the others print only error lines
+        job = start(args.shard, args.model, args.num_draft_tokens, args.seed, same_seed=False)  # a seed per request
+        load = loader(args, job.num_draft_tokens)
+        with rank_output(job.rank):  # rank 0 prints; the others print only error lines
             try:
-                status = serve(args, defaults, loader(args)) if rank == 0 else follow(args, loader(args))
+                status = serve(args, defaults, load) if job.rank == 0 else follow(args, load)
             except SystemExit as e:  # stopped by mlx.launch (rank_output): the worker thread may be inside MLX
                 status = e.code
     exit_now(status)  # MLX's stream threads may still be winding down: skip the C++ destructors (as chat does)

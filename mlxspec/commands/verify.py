@@ -113,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
     if isinstance(gamma, str):  # auto / scheduled: the policy generate runs, learning across samples and prompts
         say = measuring_note(f"--num-draft-tokens {gamma}")
         costs = (load_or_calibrate(loaded.model, loaded.drafter, refresh=True, on_measure=say)
-                 if args.recalibrate and loaded.drafter.name != "none" else None)
+                 if args.recalibrate and not loaded.drafter.profile.plain else None)
         gamma = make_pacer(gamma, loaded.model, loaded.drafter, costs=costs, on_measure=say)
     total = len(prompts) * (1 if sampling.greedy else args.samples)
     with tqdm(total=total, unit="prompt" if sampling.greedy else "sample", disable=None, file=sys.stderr,

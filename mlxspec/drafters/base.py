@@ -136,6 +136,8 @@ class DraftProfile:
         survival: Whether drafts carry ``Draft.survival`` (what ``scheduled`` reads). Default: ``False``.
         budget: Whether each round's tree is cut to the plan's node budget (``Plan.budget``): a tree priced on
             this machine's costs. Default: ``False``.
+        plain: Whether it never drafts (``--drafter none``: plain decoding through the round loop), so there are
+            no draft costs to measure and no target cache to rewind. Default: ``False``.
     """
 
     max_depth: int | None = None
@@ -144,6 +146,7 @@ class DraftProfile:
     confidence: bool = False
     survival: bool = False
     budget: bool = False
+    plain: bool = False
 
 
 @dataclass(frozen=True)
@@ -190,6 +193,10 @@ class Drafter(ABC):
 
     def describe(self) -> str | None:
         """What a round proposes, in words, when γ alone does not say it (a tree's shape), or ``None``."""
+        return None
+
+    def vocab_summary(self) -> str | None:
+        """The vocabulary it drafts from, in words, when it is not the target's whole one, or ``None``."""
         return None
 
     def prefill(self, prompt: list[int], hidden: mx.array | None = None) -> None:

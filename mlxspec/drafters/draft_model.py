@@ -335,4 +335,4 @@ def build(options: DraftOptions, context: DrafterContext) -> DraftModelDrafter:
 
 DRAFTER = register(DrafterType("draft", DraftOptions, build,
                                "an independent small LM with the target's tokenizer (Leviathan et al. 2023)",
-                               order=10))
+                               order=10, needs_draft_model=True))

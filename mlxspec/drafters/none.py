@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .base import Draft, Drafter
+from .base import Draft, Drafter, DraftProfile
 from .registry import DrafterType, register
 
 
@@ -12,6 +12,7 @@ class NoDrafter(Drafter):
     """Plain decoding through the speculative loop: nothing is ever drafted."""
 
     name = "none"
+    profile = DraftProfile(plain=True)
 
     def propose(self, history, num_draft_tokens, sampling, plan=None):
         return Draft.empty()
@@ -23,4 +24,5 @@ class NoOptions:
 
 
 DRAFTER = register(DrafterType("none", NoOptions, lambda options, context: NoDrafter(),
-                               "plain decoding (one target step per token), through the same loop", order=90))
+                               "plain decoding (one target step per token), through the same loop", order=90,
+                               plain=True))

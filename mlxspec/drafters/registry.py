@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..loading.identity import require_shipped_for
-from ..runtime.distributed import check_drafter
 from .base import AUTO, Drafter
 
 
@@ -107,6 +106,10 @@ class DrafterType:
         build: ``build(options, context) -> Drafter``.
         summary: One line for ``--help`` and the README's table.
         order: Position in listings (``--drafter`` choices, the chat's list). Default: ``100``.
+        plain: Whether it never drafts (plain decoding through the round loop; its drafters' ``profile.plain``):
+            γ flags do not apply to it. Default: ``False``.
+        needs_draft_model: Whether it drafts with a second, smaller LM that is loaded before it is built
+            (``--draft-model``, ``DrafterContext.draft_model``). Default: ``False``.
     """
 
     name: str
@@ -114,6 +117,8 @@ class DrafterType:
     build: Callable[[Any, DrafterContext], Drafter]
     summary: str
     order: int = 100
+    plain: bool = False
+    needs_draft_model: bool = False
 
 
 _TYPES: dict[str, DrafterType] = {}
@@ -204,6 +209,11 @@ class DrafterSpec:
         except ValueError as e:
             raise ValueError(f"drafter spec {text!r}: {_keys(str(e), kind.name, known)}") from None
 
+    @property
+    def kind(self) -> DrafterType:
+        """Its registered type: what it declares (``plain``, ``needs_draft_model``)."""
+        return drafter_type(self.name)
+
     def __str__(self) -> str:
         """The spec string (only options that differ from their defaults)."""
         changed = [f"{f.name}={getattr(self.options, f.name)}" for f in dataclasses.fields(self.options)
@@ -270,10 +280,9 @@ def make_drafter(spec: str | DrafterSpec = "none", target=None, tokenizer=None, 
         raise TypeError(f"spec must be a drafter spec string such as 'ngram' or 'eagle:depth=4', or a DrafterSpec, "
                         f"got {type(spec).__name__}")
     spec = DrafterSpec.parse(spec) if isinstance(spec, str) else spec
-    if draft_model is not None and spec.name != "draft":
-        raise ValueError(f"draft_model is used by the draft drafter only, but the drafter is {spec.name}; pass "
-                         "'draft', or leave draft_model out")
+    if draft_model is not None and not spec.kind.needs_draft_model:
+        takes = " or ".join(k.name for k in drafter_types().values() if k.needs_draft_model)
+        raise ValueError(f"draft_model is used by the {takes} drafter only, but the drafter is {spec.name}; pass "
+                         f"'{takes}', or leave draft_model out")
     context = DrafterContext(target, tokenizer, target_name, draft_model, draft_tokenizer, on_measure, target_path)
-    drafter = drafter_type(spec.name).build(spec.options, context)
-    check_drafter(target, drafter)  # a sharded target: refuse what it cannot serve exactly
-    return drafter
+    return drafter_type(spec.name).build(spec.options, context)

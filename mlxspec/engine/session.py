@@ -12,7 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..loading.assets import PUBLISHED, shipped
-from ..runtime.distributed import SHARD_KINDS, init_group, shard
+from ..loading.sharded import SHARD_KINDS, shard
+from ..runtime.distributed import init_group
 from ..core.cache import check_compactable, check_rewindable, speculative_cache
 from ..drafters import Drafter, DrafterSpec, make_drafter
 from ..loading.models import DEFAULT_MODEL, DTYPES, describe, is_quantized, load, model_name

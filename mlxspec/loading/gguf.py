@@ -212,7 +212,7 @@ def load_gguf(
             step of its group's 8-bit grid, (max - min) / 255 of the 32 values, which is about 0.5%
             RMS relative error on weight-like data). Default: ``False``.
         lazy (bool): Copy only the file's (quantized) bytes into memory and leave every weight's
-            decoding unevaluated, so a caller that keeps part of a tensor (``distributed.shard``)
+            decoding unevaluated, so a caller that keeps part of a tensor (``sharded.shard``)
             decodes the whole tensor only for a moment and keeps its part. Default: ``False``.
 
     Returns:

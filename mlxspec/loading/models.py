@@ -74,7 +74,7 @@ def load(
             8-bit groups of 32 instead of dequantizing them to float32 (see
             ``mlxspec.loading.gguf.load_gguf``). Default: ``False``.
         lazy (bool): Leave the weights unevaluated, for a caller that keeps only part of each
-            (``distributed.shard``): a folder's safetensors are read when evaluated (mlx-lm's
+            (``sharded.shard``): a folder's safetensors are read when evaluated (mlx-lm's
             ``load_model(lazy=True)``); a GGUF's stored bytes are copied and decoded when evaluated
             (``load_gguf``). Default: ``False``.
 

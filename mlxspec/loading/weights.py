@@ -48,7 +48,7 @@ def finish(model: nn.Module, dtype: str | None, *, lazy: bool = False) -> nn.Mod
         model (nn.Module): A freshly built mlx-lm model.
         dtype (str | None): ``None`` (keep), ``"float32"``, ``"float16"`` or ``"bfloat16"``.
         lazy (bool): Leave the weights unevaluated (the dtype applies when they are), for a caller that
-            keeps only part of the model (``distributed.shard``). Default: ``False``.
+            keeps only part of the model (``sharded.shard``). Default: ``False``.
 
     Returns:
         nn.Module: The same model, updated in place.

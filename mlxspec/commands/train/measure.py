@@ -103,7 +103,7 @@ def _contender_args(spec: str) -> tuple[str, argparse.Namespace]:
     check_drafter_args(args)
     if args.typical_threshold is not None or args.typical_alpha is not None:
         raise ValueError(f"--contender {name!r}: typical acceptance is lossy; the table measures exact drafters only")
-    if args.drafter is None or args.drafter.name == "none" or args.num_draft_tokens < 1:
+    if args.drafter is None or args.drafter.kind.plain or args.num_draft_tokens < 1:
         raise ValueError(f"--contender {name!r}: name a drafter (--drafter ...) and a γ >= 1 "
                          "(plain decoding is always measured)")
     return name.strip(), args
