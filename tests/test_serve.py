@@ -205,6 +205,39 @@ def test_api_key(tool_server):
         anthropic_client(tool_server, "wrong").messages.create(model="x", max_tokens=1,
                                                                messages=[{"role": "user", "content": "hi"}])
     assert post(tool_server, "/health", b"", method="GET")[0] == 200  # health needs no key
+    assert post(tool_server, "/openapi.json", b"", method="GET")[0] == 200  # nor the API's description
+    assert post(tool_server, "/metrics", b"", method="GET")[0] == 401
+
+
+def test_openapi_lists_every_body_with_its_fields(server):
+    spec = json.loads(urllib.request.urlopen(server.url + "/openapi.json", timeout=10).read())
+    schemas = spec["components"]["schemas"]
+    for path, request, reply in (("/v1/chat/completions", "ChatRequest", "ChatCompletion"),
+                                 ("/v1/completions", "CompletionRequest", "Completion"),
+                                 ("/v1/messages", "MessagesRequest", "Message")):
+        post_ = spec["paths"][path]["post"]
+        assert post_["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("/" + request)
+        assert post_["responses"]["200"]["content"]["application/json"]["schema"]["$ref"].endswith("/" + reply)
+        assert "text/event-stream" in post_["responses"]["200"]["content"]
+        assert schemas[reply]["properties"]["speculative"]
+    assert {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop",
+            "stream", "tools", "tool_choice"} <= set(schemas["ChatRequest"]["properties"])
+    assert {"prompt", "max_tokens", "temperature", "stream"} <= set(schemas["CompletionRequest"]["properties"])
+    assert {"system", "messages", "max_tokens", "stop_sequences", "tools", "stream"} <= set(
+        schemas["MessagesRequest"]["properties"])
+    assert SPECULATIVE_KEYS <= set(schemas["Speculative"]["properties"])
+    assert all(field.get("description") for field in schemas["Speculative"]["properties"].values())
+    with urllib.request.urlopen(server.url + "/docs", timeout=10) as page:
+        assert page.status == 200 and b"/openapi.json" in page.read()
+
+
+def test_a_body_sent_as_a_form_is_refused_naming_the_content_type(server):
+    body = json.dumps({"model": "default", "messages": [{"role": "user", "content": "hi"}]}).encode()
+    got, answer = post(server, "/v1/chat/completions", body,
+                       headers={"content-type": "application/x-www-form-urlencoded"})  # curl -d without -H
+    assert got == 400 and "Content-Type: application/json" in answer["error"]["message"], answer
+    got, answer = post(server, "/v1/messages", body, headers={"content-type": "text/plain"})
+    assert got == 400 and answer["type"] == "error" and "Content-Type" in answer["error"]["message"], answer
 
 
 BAD_CHAT = [  # (what, body, status, param or None)

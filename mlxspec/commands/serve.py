@@ -123,7 +123,7 @@ def loader(args: argparse.Namespace, num_draft_tokens: int | str | None = None):
 
 def run(args: argparse.Namespace) -> int:
     check_serve_args(args)
-    from ..serve.routes import Defaults
+    from ..serve.jobs import Defaults
     from ..serve.server import follow, serve
 
     defaults = Defaults(sampling_from_args(args), args.max_tokens, args.seed, tuple(args.stop or ()))

@@ -1,4 +1,5 @@
-"""Anthropic's Messages API, ``POST /v1/messages``, streaming its events as the Anthropic SDK expects.
+"""Anthropic's Messages API: a validated request → a job → the message, whole or streamed as the
+events the Anthropic SDK reads (``message_start``, ``content_block_*``, ``message_delta``, ``message_stop``).
 
 ``usage.input_tokens`` counts the prompt tokens prefilled, ``usage.cache_read_input_tokens`` those the
 prefix cache held (their sum is the prompt, as Anthropic counts them); the speculation stats are in
@@ -9,27 +10,26 @@ from __future__ import annotations
 
 import json
 
-from fastapi import APIRouter
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from .errors import ApiError, error_body
+from .jobs import EventStream, collect, events, first_event, new_id, sampling, speculative, state, submit, watch
 from .prompts import anthropic_messages, anthropic_tools, render
-from .routes import EventStream, collect, events, first_event, new_id, read, sampling, speculative, state, submit, watch
-from .schemas import CountTokensRequest, MessagesRequest
+from .schemas.anthropic import (AnthropicUsage, CountTokensRequest, Message, MessagesRequest, TextOut, TokenCount,
+                                ToolUseOut)
 from .tools import ToolCall, ToolCallParser, split
 from .worker import Delta, Done
 
-router = APIRouter()
-
 
 def event(kind: str, data: dict) -> str:
+    """One server-sent event of ``kind`` (its ``type``), ``data`` holding plain values."""
     return f"event: {kind}\ndata: {json.dumps({'type': kind, **data}, ensure_ascii=False)}\n\n"
 
 
-def usage(prompt: list[int], cached: int, output_tokens: int) -> dict:
-    return {"input_tokens": len(prompt) - cached, "output_tokens": output_tokens,
-            "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
+def usage(prompt: list[int], cached: int, output_tokens: int) -> AnthropicUsage:
+    return AnthropicUsage(input_tokens=len(prompt) - cached, output_tokens=output_tokens,
+                          cache_read_input_tokens=cached)
 
 
 def stop_reason(done: Done, stops: list[str], calls: int) -> tuple[str, str | None]:
@@ -42,47 +42,48 @@ def stop_reason(done: Done, stops: list[str], calls: int) -> tuple[str, str | No
     return ("end_turn", None) if done.finish_reason == "stop" else ("max_tokens", None)
 
 
-def tool_use(call: ToolCall) -> dict:
-    return {"type": "tool_use", "id": "toolu_" + call.id.removeprefix("call_"), "name": call.name, "input": call.input}
+def tool_use(call: ToolCall) -> ToolUseOut:
+    return ToolUseOut(id="toolu_" + call.id.removeprefix("call_"), name=call.name, input=call.input)
 
 
-@router.post("/v1/messages")
-async def messages(request: Request):
-    server = state(request)
-    body = await read(request, MessagesRequest)
+def _prompt(request: Request, body: MessagesRequest) -> list[int]:
     no_tools = body.tool_choice is not None and body.tool_choice.get("type") == "none"
     tools = None if no_tools else anthropic_tools(body.tools)
-    prompt = render(server.served.tokenizer, anthropic_messages(body), tools)
+    return render(state(request).served.tokenizer, anthropic_messages(body), tools)
+
+
+async def messages(request: Request, body: MessagesRequest):
+    """Answer ``POST /v1/messages`` (``body`` validated and accepted)."""
+    server = state(request)
+    prompt = _prompt(request, body)
+    tools = bool(body.tools) and not (body.tool_choice or {}).get("type") == "none"
     params = sampling(server, body.temperature, body.top_p, body.top_k)
     stops = list(body.stop_sequences or [])
     job = submit(request, prompt, params, body.max_tokens, None, stops)
     watcher = watch(request, job)
     first = await first_event(job, watcher)
-    message = {"id": new_id("msg_"), "type": "message", "role": "assistant", "model": server.served.model_id}
+    meta = {"id": new_id("msg_"), "model": server.served.model_id}
     if body.stream:
-        return EventStream(_stream(request, job, first, message, tools is not None, prompt, stops), job, watcher)
+        return EventStream(_stream(request, job, first, meta, tools, prompt, stops), job, watcher)
     text, done = await collect(job, watcher, first)
     content, calls = split(text) if tools else (text, [])
-    blocks = ([{"type": "text", "text": content}] if content or not calls else []) + [tool_use(c) for c in calls]
+    blocks = ([TextOut(text=content)] if content or not calls else []) + [tool_use(c) for c in calls]
     reason, sequence = stop_reason(done, stops, len(calls))
-    return JSONResponse({**message, "content": blocks, "stop_reason": reason, "stop_sequence": sequence,
-                         "usage": usage(prompt, done.stats.cached_tokens, done.stats.generation_tokens),
-                         "speculative": speculative(done.stats)})
+    message = Message(**meta, content=blocks, stop_reason=reason, stop_sequence=sequence,
+                      usage=usage(prompt, done.stats.cached_tokens, done.stats.generation_tokens),
+                      speculative=speculative(done.stats))
+    return JSONResponse(message.model_dump(mode="json"))
 
 
-@router.post("/v1/messages/count_tokens")
-async def count_tokens(request: Request):
-    """The prompt's token count as the template renders it (Claude Code asks before sending)."""
-    body = await read(request, CountTokensRequest)
-    no_tools = body.tool_choice is not None and body.tool_choice.get("type") == "none"
-    prompt = render(state(request).served.tokenizer, anthropic_messages(body), None if no_tools else anthropic_tools(body.tools))
-    return {"input_tokens": len(prompt)}
+def count_tokens(request: Request, body: CountTokensRequest) -> TokenCount:
+    """Answer ``POST /v1/messages/count_tokens``: the prompt's tokens as the template renders it."""
+    return TokenCount(input_tokens=len(_prompt(request, body)))
 
 
-async def _stream(request, job, first, message: dict, tools: bool, prompt: list[int], stops: list[str]):
+async def _stream(request, job, first, meta: dict, tools: bool, prompt: list[int], stops: list[str]):
     cached = first.cached if isinstance(first, Delta) else first.stats.cached_tokens
-    yield event("message_start", {"message": {**message, "content": [], "stop_reason": None, "stop_sequence": None,
-                                              "usage": usage(prompt, cached, 0)}})
+    start = Message(**meta, content=[], stop_reason=None, stop_sequence=None, usage=usage(prompt, cached, 0))
+    yield event("message_start", {"message": start.model_dump(mode="json")})
     yield event("ping", {})
     parser, index, text_open, calls, output = ToolCallParser() if tools else None, 0, False, 0, 0
     try:
@@ -97,7 +98,7 @@ async def _stream(request, job, first, message: dict, tools: bool, prompt: list[
                     if text_open:
                         yield event("content_block_stop", {"index": index})
                         index, text_open = index + 1, False
-                    block = tool_use(piece)
+                    block = tool_use(piece).model_dump(mode="json")
                     yield event("content_block_start", {"index": index, "content_block": {**block, "input": {}}})
                     yield event("content_block_delta", {"index": index, "delta": {"type": "input_json_delta",
                                                                                   "partial_json": piece.arguments}})
@@ -105,7 +106,8 @@ async def _stream(request, job, first, message: dict, tools: bool, prompt: list[
                     index, calls = index + 1, calls + 1
                 elif piece:
                     if not text_open:
-                        yield event("content_block_start", {"index": index, "content_block": {"type": "text", "text": ""}})
+                        yield event("content_block_start", {"index": index, "content_block": {"type": "text",
+                                                                                              "text": ""}})
                         text_open = True
                     yield event("content_block_delta", {"index": index, "delta": {"type": "text_delta", "text": piece}})
             if isinstance(item, Done):
@@ -115,9 +117,10 @@ async def _stream(request, job, first, message: dict, tools: bool, prompt: list[
                 if text_open:
                     yield event("content_block_stop", {"index": index})
                 reason, sequence = stop_reason(item, stops, calls)
+                final = usage(prompt, item.stats.cached_tokens, item.stats.generation_tokens)
                 yield event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence},
-                                              "usage": usage(prompt, item.stats.cached_tokens, item.stats.generation_tokens),
-                                              "speculative": speculative(item.stats)})
+                                              "usage": final.model_dump(mode="json"),
+                                              "speculative": speculative(item.stats).model_dump(mode="json")})
                 yield event("message_stop", {})
     except ApiError as e:
         body = error_body(request.url.path, e)

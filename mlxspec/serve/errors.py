@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 
-from pydantic import ValidationError
 from starlette.responses import JSONResponse
 
 #: HTTP status → (OpenAI error type, Anthropic error type).
@@ -59,18 +58,26 @@ def error_response(path: str, error: ApiError) -> JSONResponse:
     return JSONResponse(error_body(path, error), status_code=error.status, headers=error.headers)
 
 
-def from_validation(error: ValidationError) -> ApiError:
-    """The first problem pydantic found, as one line naming the field.
+def from_validation(errors: list[dict]) -> ApiError:
+    """The first problem pydantic found in a request body, as one line naming the field.
+
+    Args:
+        errors: FastAPI's ``RequestValidationError.errors()`` (locations start with ``"body"``).
 
     Of a union's alternatives, the error that reached deepest names the problem (an image part among
     text parts: ``messages.0.content.0.type``, not "content should be a string").
     """
-    errors = error.errors(include_url=False)
     first = max(errors, key=lambda e: sum(map(_field, e["loc"])))  # the first of the deepest
+    parts = list(first["loc"])[1:] if tuple(first["loc"][:1]) == ("body",) else list(first["loc"])
     if first["type"] == "json_invalid":
-        return ApiError(400, f"the body is not valid JSON ({first['ctx'].get('error', 'parse error')}); "
+        return ApiError(400, f"the body is not valid JSON ({first.get('ctx', {}).get('error', 'parse error')}); "
                              "send a JSON object", code="invalid_json")
-    loc = ".".join(str(part) for part in first["loc"] if _field(part))
+    loc = ".".join(str(part) for part in parts if _field(part))
+    if not loc and first["type"] == "missing":
+        return ApiError(400, "the body is empty; send a JSON object", code="invalid_body")
+    if not loc and isinstance(first.get("input"), bytes | str):
+        return ApiError(400, "the body is not JSON; send a JSON object with 'Content-Type: application/json'",
+                        code="invalid_body")
     if first["type"] == "missing":
         return ApiError(400, f"{loc} is required", param=loc, code="missing_field")
     if not loc:
@@ -87,23 +94,10 @@ def _field(part) -> bool:
     return isinstance(part, int) or (str(part).isidentifier() and part not in _UNION_TAGS)
 
 
-def parse(model, body: bytes):
-    """``model`` validated from the JSON ``body``.
-
-    Raises:
-        ApiError: 400 naming the first problem.
-    """
-    if not body.strip():
-        raise ApiError(400, "the body is empty; send a JSON object", code="invalid_body")
-    try:
-        return model.model_validate_json(body)
-    except ValidationError as e:
-        raise from_validation(e) from None
-
-
 class BodyGuard:
-    """ASGI middleware: refuse a body over ``max_bytes`` (413) and a body whose next part does not
-    arrive within ``timeout_s`` (408: a client that sent half a request and hangs), in the API's shape.
+    """ASGI middleware: read the whole request body before the app sees it, refusing a body over
+    ``max_bytes`` (413) and one whose next part does not arrive within ``timeout_s`` (408: a client that
+    sent half a request and hangs), in the API's shape.
 
     uvicorn's ``h11_max_incomplete_event_size`` bounds the headers and ``timeout_keep_alive`` idle
     connections; neither bounds a body, which this does.
@@ -117,39 +111,41 @@ class BodyGuard:
             return await self.app(scope, receive, send)
         path = scope.get("path", "")
         length = dict(scope.get("headers") or []).get(b"content-length")
-        if length is not None:
-            if not length.isdigit():
-                return await self._answer(path, send, ApiError(400, "the Content-Length header is not a number"))
-            if int(length) > self.max_bytes:
-                return await self._answer(path, send, self._too_large(int(length)))
-        state = {"received": 0, "complete": False, "started": False}
+        if length is not None and not length.isdigit():
+            return await self._answer(path, send, ApiError(400, "the Content-Length header is not a number"))
+        try:
+            if length is not None and int(length) > self.max_bytes:
+                raise self._too_large(int(length))
+            body = await self._read(receive)
+        except ApiError as e:
+            return await self._answer(path, send, e)
 
-        async def guarded():
-            if state["complete"]:
+        async def replay():  # the body once, then the client's later messages (a disconnect)
+            nonlocal body
+            if body is None:
                 return await receive()
+            message, body = body, None
+            return message
+
+        await self.app(scope, replay, send)
+
+    async def _read(self, receive) -> dict:
+        """The body as one ``http.request`` message (or the client's ``http.disconnect``)."""
+        parts, size = [], 0
+        while True:
             try:
                 message = await asyncio.wait_for(receive(), self.timeout_s)
             except asyncio.TimeoutError:
-                raise _BodyError(ApiError(408, f"the request body stopped arriving for {self.timeout_s:g} s; "
-                                               "send the whole body at once")) from None
-            if message["type"] == "http.request":
-                state["received"] += len(message.get("body", b""))
-                if state["received"] > self.max_bytes:
-                    raise _BodyError(self._too_large(state["received"]))
-                state["complete"] = not message.get("more_body", False)
-            else:
-                state["complete"] = True
-            return message
-
-        async def tracked(message):
-            state["started"] = state["started"] or message["type"] == "http.response.start"
-            await send(message)
-
-        try:
-            await self.app(scope, guarded, tracked)
-        except _BodyError as e:
-            if not state["started"]:
-                await self._answer(path, send, e.error)
+                raise ApiError(408, f"the request body stopped arriving for {self.timeout_s:g} s; "
+                                    "send the whole body at once") from None
+            if message["type"] != "http.request":
+                return message
+            parts.append(message.get("body", b""))
+            size += len(parts[-1])
+            if size > self.max_bytes:
+                raise self._too_large(size)
+            if not message.get("more_body", False):
+                return {"type": "http.request", "body": b"".join(parts), "more_body": False}
 
     def _too_large(self, size: int) -> ApiError:
         return ApiError(413, f"the request body is over {self.max_bytes // 2**20} MiB ({size} bytes); send less")
@@ -161,12 +157,3 @@ class BodyGuard:
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                                 (b"connection", b"close")]})
         await send({"type": "http.response.body", "body": body})
-
-
-class _BodyError(ApiError):
-    """Raised from ``receive``: the app answers it as any ``ApiError``; ``BodyGuard`` answers it if the
-    app let it through."""
-
-    def __init__(self, error: ApiError):
-        super().__init__(error.status, error.message)
-        self.error = error

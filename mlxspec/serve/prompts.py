@@ -11,7 +11,8 @@ import json
 
 from ..engine.generate import encode_prompt
 from .errors import ApiError
-from .schemas import AnthropicTool, ChatMessage, MessagesRequest, Tool
+from .schemas.anthropic import AnthropicTool, MessagesRequest
+from .schemas.openai import ChatMessage, Tool
 
 
 def text_of(content) -> str:

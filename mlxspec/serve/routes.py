@@ -1,210 +1,86 @@
-"""What both APIs' routes share: the server's state, request → job, waiting on the worker, stats."""
+"""Every HTTP route of the server: its path, its body (validated by FastAPI from the ``schemas``), its
+answer; the work is in each API's module (``openai_api``, ``anthropic_api``)."""
 
 from __future__ import annotations
 
-import asyncio
-import time
-from dataclasses import dataclass
-
+from fastapi import APIRouter
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel
 from starlette.requests import Request
-from starlette.responses import StreamingResponse
+from starlette.responses import Response
 
-from ..core.metrics import GenerationStats
-from ..core.sampling import SamplingParams
-from .errors import ApiError, parse
-from .metrics import Metrics
-from .worker import Delta, Done, Failed, Job, QueueFull, Served, Worker
+from . import anthropic_api, openai_api
+from .errors import ApiError
+from .jobs import accept, state
+from .schemas.anthropic import CountTokensRequest, Message, MessagesRequest, TokenCount
+from .schemas.openai import ChatCompletion, ChatRequest, Completion, CompletionRequest, ModelCard, ModelList
 
-#: Seconds a client is asked to wait before retrying when the queue is full.
-RETRY_AFTER_S = 2
-
-
-@dataclass
-class Defaults:
-    """The command line's generation settings, used where a request names none."""
-
-    sampling: SamplingParams
-    max_tokens: int
-    seed: int | None
-    stop: tuple[str, ...]
+router = APIRouter()
 
 
-@dataclass
-class ServerState:
-    """What the routes need (``app.state.server``).
-
-    Attributes:
-        worker: The model's thread.
-        served: What it serves.
-        defaults: Generation settings from the command line.
-        timeout_s: Most seconds a request may take, queueing included; then it ends as if ``max_tokens``
-            were reached.
-        metrics: The Prometheus metrics.
-        api_key: The key every ``/v1`` request must give, or ``None``.
-    """
-
-    worker: Worker
-    served: Served
-    defaults: Defaults
-    timeout_s: float
-    metrics: Metrics
-    api_key: str | None = None
+def streamed(what: str) -> dict:
+    """OpenAPI's note that with ``stream: true`` the answer is server-sent events of ``what``."""
+    return {200: {"content": {"text/event-stream": {"schema": {"type": "string", "description": what}}}}}
 
 
-def state(request: Request) -> ServerState:
-    return request.app.state.server
+class Health(BaseModel):
+    status: str
+    model: str
+    drafter: str
+    queued: int
+    busy: bool
 
 
-async def read(request: Request, model):
-    """The request body validated as ``model``; refuses what it cannot honour and an unknown model.
-
-    Raises:
-        ApiError: 400 for a malformed body or an unsupported field, 404 for another model's name.
-    """
-    body = parse(model, await request.body())
-    problem = body.unsupported()
-    if problem is not None:
-        raise ApiError(400, problem[1], param=problem[0], code="unsupported_parameter")
-    served = state(request).served
-    if body.model not in (served.model_id, "default"):
-        raise ApiError(404, f"the model {body.model!r} is not served here; use {served.model_id!r} (GET /v1/models)",
-                       param="model", code="model_not_found")
-    return body
-
-
-def sampling(server: ServerState, temperature, top_p, top_k, min_p=None) -> SamplingParams:
-    """The request's sampling, the command line's where it names none.
-
-    Raises:
-        ApiError: 400 for values ``SamplingParams`` refuses.
-    """
-    d = server.defaults.sampling
-    try:
-        return SamplingParams(temp=d.temp if temperature is None else temperature, top_p=d.top_p if top_p is None else top_p,
-                              top_k=d.top_k if top_k is None else top_k, min_p=d.min_p if min_p is None else min_p,
-                              repetition_penalty=d.repetition_penalty)
-    except ValueError as e:
-        raise ApiError(400, str(e), code="invalid_value") from None
-
-
-def check_context(served: Served, prompt: list[int]) -> None:
-    """Refuse a prompt that leaves no room in the model's context (400, ``context_length_exceeded``)."""
-    if served.context and len(prompt) >= served.context:
-        raise ApiError(400, f"the prompt has {len(prompt)} tokens but the model's context is {served.context}; "
-                            "shorten the conversation", param="messages", code="context_length_exceeded")
-
-
-def submit(request: Request, prompt: list[int], params: SamplingParams, max_tokens: int | None,
-           seed: int | None, stop: list[str]) -> Job:
-    """Queue a job for the worker.
-
-    Raises:
-        ApiError: 400 for a prompt over the context, 503 (with ``Retry-After``) when the queue is full.
-    """
+@router.get("/health", response_model=Health, tags=["server"])
+async def health(request: Request):
     server = state(request)
-    check_context(server.served, prompt)
-    job = Job(prompt, max_tokens or server.defaults.max_tokens, params, server.defaults.seed if seed is None else seed,
-              stop or list(server.defaults.stop), time.monotonic() + server.timeout_s, asyncio.get_running_loop())
-    try:
-        server.worker.submit(job)
-    except QueueFull:
-        server.metrics.rejected.inc()
-        raise ApiError(503, f"the server is busy ({server.worker.queued} queued); retry in "
-                            f"{RETRY_AFTER_S} s", code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
-    return job
+    return Health(status="ok", model=server.served.model_id, drafter=server.served.drafter,
+                  queued=server.worker.queued, busy=server.worker.busy)
 
 
-def watch(request: Request, job: Job) -> asyncio.Task:
-    """A task that cancels ``job`` when the client disconnects (the worker stops after its current round)."""
-    async def run():
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-        job.cancelled.set()
-
-    return asyncio.create_task(run())
+@router.get("/metrics", tags=["server"], response_class=Response)
+async def metrics(request: Request):
+    """Prometheus text."""
+    return Response(generate_latest(state(request).metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
-async def first_event(job: Job, watcher: asyncio.Task):
-    """Wait for the job's first event (so a refusal still gets its status code).
-
-    Raises:
-        ApiError: the worker's refusal (400) or failure (500).
-    """
-    event = await job.events.get()
-    if isinstance(event, Failed):
-        watcher.cancel()
-        raise ApiError(event.status, event.message)
-    return event
+@router.get("/v1/models", response_model=ModelList, tags=["openai"])
+async def models(request: Request):
+    return ModelList(data=[ModelCard(id=state(request).served.model_id)])
 
 
-async def events(job: Job, first):
-    """``first``, then every later event up to and including the ``Done``."""
-    event = first
-    while True:
-        if isinstance(event, Failed):
-            raise ApiError(event.status, event.message)
-        yield event
-        if isinstance(event, Done):
-            return
-        event = await job.events.get()
+@router.get("/v1/models/{model_id:path}", response_model=ModelCard, tags=["openai"])
+async def model(request: Request, model_id: str):
+    served = state(request).served
+    if model_id != served.model_id:
+        raise ApiError(404, f"the model {model_id!r} is not served here; use {served.model_id!r}", param="model",
+                       code="model_not_found")
+    return ModelCard(id=served.model_id)
 
 
-async def collect(job: Job, watcher: asyncio.Task, first) -> tuple[str, Done]:
-    """The whole answer's text and its ``Done`` (non-streaming requests)."""
-    texts, done = [], None
-    try:
-        async for event in events(job, first):
-            if isinstance(event, Delta):
-                texts.append(event.text)
-            else:
-                done = event
-    finally:
-        watcher.cancel()
-    return "".join(texts), done
+@router.post("/v1/chat/completions", response_model=ChatCompletion, tags=["openai"],
+             responses=streamed("chat.completion.chunk objects (ChatCompletionChunk), then [DONE]"))
+async def chat_completions(request: Request, body: ChatRequest):
+    accept(request, body)
+    return await openai_api.chat(request, body)
 
 
-class EventStream(StreamingResponse):
-    """Server-sent events whose job is cancelled when the client goes away or the stream ends."""
-
-    def __init__(self, content, job: Job, watcher: asyncio.Task):
-        super().__init__(content, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self.job, self.watcher = job, watcher
-
-    async def __call__(self, scope, receive, send):
-        try:
-            await self.stream_response(send)
-        except OSError:  # the client went away mid-stream
-            pass
-        finally:
-            self.job.cancelled.set()
-            self.watcher.cancel()
-            await self.body_iterator.aclose()
+@router.post("/v1/completions", response_model=Completion, tags=["openai"],
+             responses=streamed("text_completion objects, then [DONE]"))
+async def completions(request: Request, body: CompletionRequest):
+    accept(request, body)
+    return await openai_api.complete(request, body)
 
 
-def speculative(stats: GenerationStats) -> dict:
-    """The per-response speculation stats (the ``speculative`` extension object); no γ when nothing was drafted."""
-    rounds = sum(stats.gamma_rounds) if stats.drafted else 0
-    return {
-        "drafter": stats.drafter,
-        "gamma": stats.num_draft_tokens if stats.drafted else None,
-        "gamma_mean": round(sum(g * n for g, n in enumerate(stats.gamma_rounds)) / rounds, 3) if rounds else None,
-        "rounds": stats.rounds,
-        "drafted": stats.drafted,
-        "accepted": stats.accepted,
-        "alpha": round(stats.alpha, 4),
-        "tau": round(stats.tau, 3),
-        "per_position": [round(a, 4) for a in stats.acceptance_per_position],
-        "prefill_s": round(stats.prompt_s, 4),
-        "decode_tokens_per_s": round(stats.generation_tps, 2),
-    }
+@router.post("/v1/messages", response_model=Message, tags=["anthropic"],
+             responses=streamed("message_start, content_block_start/delta/stop, message_delta, message_stop"))
+async def messages(request: Request, body: MessagesRequest):
+    accept(request, body)
+    return await anthropic_api.messages(request, body)
 
 
-def completion_tokens(done: Done) -> int:
-    return done.stats.generation_tokens
-
-
-def new_id(prefix: str) -> str:
-    import uuid
-
-    return f"{prefix}{uuid.uuid4().hex[:24]}"
+@router.post("/v1/messages/count_tokens", response_model=TokenCount, tags=["anthropic"])
+async def count_tokens(request: Request, body: CountTokensRequest):
+    """The prompt's token count as the template renders it (Claude Code asks before sending)."""
+    accept(request, body)
+    return anthropic_api.count_tokens(request, body)

@@ -13,7 +13,7 @@ import uvicorn
 
 from .app import create_app
 from .metrics import Metrics
-from .routes import Defaults, ServerState
+from .jobs import Defaults, ServerState
 from .worker import Worker
 
 #: uvicorn: most bytes of an incomplete HTTP event (headers) before the connection is refused.

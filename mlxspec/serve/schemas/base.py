@@ -1,0 +1,49 @@
+"""What every API's bodies share: the strict request base, the response base, and the ``speculative``
+extension object every answer carries."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Text = Annotated[str, Field(min_length=1)]
+
+
+def is_none(value) -> bool:
+    return value is None
+
+
+def omitted():
+    """A response field left out of the JSON while it is ``None`` (OpenAI and Anthropic omit such fields)."""
+    return Field(None, exclude_if=is_none)
+
+
+class ApiModel(BaseModel):
+    """A request body: validated strictly (no type coercion, no NaN or infinity), unknown fields ignored."""
+
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+
+
+class Reply(BaseModel):
+    """A response body, built by the server."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class Speculative(Reply):
+    """The speculation stats of one answer (mlxspec's extension object, ``speculative``)."""
+
+    drafter: str = Field(description="the drafter's name (`none`: plain decoding)")
+    gamma: int | None = Field(description="γ, draft tokens per round (with `auto`: the most); null when "
+                                          "nothing was drafted")
+    gamma_mean: float | None = Field(description="mean γ over the rounds (with `auto`); else, or when nothing "
+                                                 "was drafted, null")
+    rounds: int = Field(description="verify rounds")
+    drafted: int = Field(description="draft tokens proposed")
+    accepted: int = Field(description="draft tokens the target accepted")
+    alpha: float = Field(description="accepted / drafted")
+    tau: float = Field(description="tokens committed per round")
+    per_position: list[float] = Field(description="acceptance per draft position or tree depth")
+    prefill_s: float = Field(description="seconds of prompt prefill")
+    decode_tokens_per_s: float = Field(description="generated tokens per second of decoding")
