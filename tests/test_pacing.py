@@ -271,15 +271,15 @@ def test_auto_in_the_loop_is_lossless_and_reports_fallback():
 def test_stats_say_drafted_0_and_no_gamma_when_nothing_was_drafted():
     """γ auto planned depths 2, 2 and 0, but the lookup found nothing: the CLI and the server's ``speculative``
     object say ``drafted 0`` and give no γ (issue 50: they said ``γ = auto (mean 1.3)`` and ``gamma: 15``)."""
-    from mlxspec.serve.routes import speculative
+    from mlxspec.serve.jobs import speculative
 
     stats = GenerationStats(drafter="ngram", num_draft_tokens=15, rounds=3, generation_tokens=3, gamma_rounds=[1, 0, 2])
     drafter_line = next(line for line in format_stats(stats).splitlines() if line.startswith("Drafter"))
     assert drafter_line == "Drafter: ngram, drafted 0; rounds: 3" and "α = –" in format_stats(stats)
-    reply = speculative(stats)
+    reply = speculative(stats).model_dump()
     assert (reply["drafted"], reply["gamma"], reply["gamma_mean"]) == (0, None, None)
     stats.drafted, stats.accepted = 4, 2
-    assert "γ = auto (mean 1.3" in format_stats(stats) and speculative(stats)["gamma"] == 15
+    assert "γ = auto (mean 1.3" in format_stats(stats) and speculative(stats).gamma == 15
 
 
 def test_cli_generate_defaults_to_auto_and_recalibrates(capsys, tiny_model_dir, tmp_path, monkeypatch):
