@@ -240,7 +240,7 @@ def test_a_tree_that_drafted_nothing_says_so():
     from mlxspec.commands.generate import format_stats
     from mlxspec.core.metrics import GenerationStats
 
-    tree = SimpleNamespace(makes_trees=True, profile=SimpleNamespace(max_depth=4), vocab_summary=lambda: None,
+    tree = SimpleNamespace(makes_trees=True, profile=SimpleNamespace(max_depth=4, plain=False), vocab_summary=lambda: None,
                            describe=lambda: "tree mc_sim_7b_63 (63 nodes, depth 4)")
     stats = GenerationStats(drafter="medusa", num_draft_tokens=4, rounds=64, generation_tokens=64)
     assert "Drafter: medusa, tree mc_sim_7b_63 (63 nodes, depth 4); drafted 0; rounds: 64" in \
