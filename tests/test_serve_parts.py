@@ -111,7 +111,8 @@ def test_a_draft_model_across_alternating_conversations_answers_as_without_a_cac
             conversations[c] = prompt + hit.tokens + [50 + turn, 60 + c]
 
 
-def test_the_worker_ends_an_answer_at_its_deadline_and_refuses_a_full_queue(target, tokenizer):
+@pytest.mark.parametrize("max_batch", [1, 2])
+def test_the_worker_ends_an_answer_at_its_deadline_and_refuses_a_full_queue(target, tokenizer, max_batch):
     import asyncio
     import time
 
@@ -119,7 +120,7 @@ def test_the_worker_ends_an_answer_at_its_deadline_and_refuses_a_full_queue(targ
     from mlxspec.serve.worker import Delta, Done, Job, QueueFull, Served, Worker
 
     served = Served("tiny", tokenizer, None, "ngram", frozenset(tokenizer.eos_token_ids))
-    worker = Worker(lambda: (target, tokenizer, make_drafter("ngram"), 3, served), queue_size=1)
+    worker = Worker(lambda: (target, tokenizer, make_drafter("ngram"), 3, served), queue_size=1, max_batch=max_batch)
     assert worker.start() is served
 
     async def answer(deadline_s: float, max_tokens: int) -> tuple[int, Done]:
@@ -141,11 +142,11 @@ def test_the_worker_ends_an_answer_at_its_deadline_and_refuses_a_full_queue(targ
 
         async def flood():
             jobs = [Job([1, 2, 3], 2000, SamplingParams(), None, [], time.monotonic() + 60, asyncio.get_running_loop())
-                    for _ in range(3)]
+                    for _ in range(max_batch + 2)]
             with pytest.raises(QueueFull):
-                for job in jobs:  # one runs, one waits, the third finds the queue full
+                for job in jobs:  # max_batch run, one waits, the next finds the queue full
                     worker.submit(job)
-                    await asyncio.sleep(0.05)
+                    await asyncio.sleep(0.2)
             for job in jobs:
                 job.cancelled.set()
 

@@ -7,6 +7,7 @@ import importlib.util
 import ipaddress
 import sys
 
+from ..engine.runner import DEFAULT_MAX_BATCH
 from ..runtime.distributed import rank_output
 from ..sharding import refuse_unsharded, start
 from .chat import exit_now
@@ -44,8 +45,12 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--port", type=int, default=8080, help="port to listen on. Default: 8080")
     parser.add_argument("--api-key", default=None,
                         help="require this key ('Authorization: Bearer KEY' or 'x-api-key: KEY'). Default: none")
+    parser.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH,
+                        help="most requests decoding together, each speculating exactly in one batched forward "
+                             f"(1: one at a time). Default: {DEFAULT_MAX_BATCH}")
     parser.add_argument("--queue-size", type=int, default=16,
-                        help="most requests waiting behind the running one; more get 503 with Retry-After. Default: 16")
+                        help="most requests waiting behind the running ones; more get 503 with Retry-After. "
+                             "Default: 16")
     parser.add_argument("--request-timeout", type=float, default=600.0,
                         help="seconds a request may take, queueing included; then its answer ends as at max_tokens. "
                              "Default: 600")
@@ -70,7 +75,8 @@ def check_serve_args(args: argparse.Namespace) -> None:
     check_args(args)
     if not 0 <= args.port < 65536:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
-    for flag, value, low in (("--queue-size", args.queue_size, 1), ("--prefix-cache-slots", args.prefix_cache_slots, 1)):
+    for flag, value, low in (("--queue-size", args.queue_size, 1), ("--prefix-cache-slots", args.prefix_cache_slots, 1),
+                             ("--max-batch", args.max_batch, 1)):
         if value < low:
             raise ValueError(f"{flag} must be >= {low}, got {value}")
     if not args.body_timeout > 0:

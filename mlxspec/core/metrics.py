@@ -48,6 +48,8 @@ class RoundStats:
         path: The draft nodes (0-based, root to leaf) the target accepted, before any stop cut.
         gamma: γ the pacer planned for the round (0: a plain round; a draft model that stops on its
             confidence: what it drafted); with ``auto`` it changes each round.
+        rows: Generations verified in the same target forward (1: alone; more in the runner's batch, where
+            ``verify_s`` is the whole batch's forward and a cost learned from it is not one row's).
     """
 
     round: int
@@ -59,6 +61,7 @@ class RoundStats:
     depth: int = 0
     path: tuple[int, ...] = ()
     gamma: int = 0
+    rows: int = 1
 
 
 @dataclass

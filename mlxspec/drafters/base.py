@@ -195,6 +195,12 @@ class Drafter(ABC):
         """What a round proposes, in words, when γ alone does not say it (a tree's shape), or ``None``."""
         return None
 
+    def fork(self) -> Drafter | None:
+        """A drafter of this kind, with the same weights and settings and its own per-generation state, for another
+        row of the runner's batch (``engine.runner``); ``None`` (the default) when this kind cannot run beside
+        itself: the runner then runs its generations one at a time."""
+        return None
+
     def vocab_summary(self) -> str | None:
         """The vocabulary it drafts from, in words, when it is not the target's whole one, or ``None``."""
         return None

@@ -10,6 +10,7 @@ multiplies only their rows.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 from collections.abc import Sequence
@@ -104,6 +105,15 @@ class DraftModelDrafter(Drafter):
             self._base_set[base] = True
             self.draft_vocab = int(base.size)
             self._start_vocab()
+
+    def fork(self) -> DraftModelDrafter:
+        """The same draft model (weights shared) with a cache of its own."""
+        twin = copy.copy(self)
+        twin.cache = speculative_cache(self.model)
+        twin._tokens, twin._num_cached, twin._round_start, twin._drafted = [], 0, 0, None
+        if self.draft_vocab is not None:
+            twin._start_vocab()
+        return twin
 
     def vocab_summary(self) -> str | None:
         """``"draft vocabulary 32768 + 41 ids of the text"``, or ``None`` when it drafts from every id."""

@@ -6,6 +6,7 @@ layers, checkpoint formats) is ``mlxspec.heads.eagle``; the static tree presets 
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass
 
@@ -120,6 +121,14 @@ class EagleDrafter(Drafter):
         self._plans: dict[int, _StaticPlan] = {}
         self.cache, self._history = [KVCache()], []  # draft cache entries, and the tokens they were built from
         self.prefill([], None)
+
+    def fork(self) -> EagleDrafter:
+        """The same head and tree settings with a draft cache of its own."""
+        twin = copy.copy(self)
+        twin._plans, twin._budget = {}, None
+        twin.cache, twin._history = [KVCache()], []
+        twin.prefill([], None)
+        return twin
 
     def _nodes(self, gamma: int) -> int:
         """Nodes a round of depth γ verifies at most: the chain, static tree or EAGLE-2 candidates cut to

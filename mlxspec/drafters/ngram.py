@@ -76,6 +76,9 @@ class NgramDrafter(Drafter):
             raise ValueError(f"n-gram sizes need 1 <= min <= max, got min={min_ngram}, max={max_ngram}")
         self.min_ngram, self.max_ngram = min_ngram, max_ngram
 
+    def fork(self) -> NgramDrafter:
+        return NgramDrafter(self.min_ngram, self.max_ngram)  # it keeps no state between rounds
+
     def propose(self, history, num_draft_tokens, sampling, plan=None):
         found = lookup_continuation(np.asarray(history), num_draft_tokens, self.min_ngram, self.max_ngram)
         return Draft.chain(found.tolist())

@@ -26,6 +26,7 @@ millisecond per million tokens), small beside a target forward.
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 
@@ -192,6 +193,12 @@ class SuffixDrafter(Drafter):
         """Its depth; with ``nodes="auto"`` each round's tree is cut to the plan's budget (``Plan.budget``)."""
         return DraftProfile(max_depth=self.depth, budget=self.nodes == AUTO,
                             nodes=(AUTO_MAX_NODES,) * self.depth if self.nodes == AUTO else None)
+
+    def fork(self) -> SuffixDrafter:
+        """The same settings and the same store of earlier answers (every row reads and feeds it)."""
+        twin = copy.copy(self)
+        twin.document, twin._recorded, twin._drafted = None, 0, []
+        return twin
 
     def prefill(self, prompt, hidden=None):
         self.document = self.store.open(self, list(prompt[-PROMPT_CONTEXT:])) if self.store is not None else None

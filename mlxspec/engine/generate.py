@@ -40,7 +40,8 @@ from ..pacing import Fixed, Pacer, make_pacer
 from .plain_steps import PlainSteps
 from ..core.sampling import SamplingParams, process_logits, warp
 from ..core.taps import HiddenTap
-from ..core.stops import HeldText, StopStrings, check_stops
+from ..core.stops import StopStrings, check_stops
+from .output import Committed, Output
 from ..core.verify import verify_deterministic, verify_greedy, verify_sampled, verify_typical
 
 DEFAULT_NUM_DRAFT_TOKENS = 4
@@ -141,19 +142,36 @@ def make_verifier(sampling: SamplingParams, typical: tuple[float, float] | None 
 def _verify(model, cache, history: list[int], draft: Draft, sampling: SamplingParams, rule: Callable):
     """One target forward over [root, *draft] (tree mask, per-node positions) and the
     acceptance rule; returns lazy ``(choice, next_tokens)`` over root-first nodes."""
-    tree = draft.tree
     tokens = mx.concatenate([mx.array(history[-1:], dtype=mx.int32), draft.tokens])  # [N + 1]
-    with tree_attention(model, cache, tree):
+    with tree_attention(model, cache, draft.tree):
         logits = model(tokens[None], cache=cache)[0]  # [N + 1, V]
+    return judge(history, tokens, draft, logits, sampling, rule)
+
+
+def judge(history: list[int], tokens: mx.array, draft: Draft, logits: mx.array, sampling: SamplingParams,
+          rule: Callable) -> tuple[mx.array, mx.array]:
+    """The acceptance rule on one row's verify logits (after its logits processors), lazy.
+
+    Args:
+        history: The committed tokens (the last is the root).
+        tokens: ``[root, *draft.tokens]``, int32 [N + 1].
+        draft: The verified draft.
+        logits: The target's logits at those nodes, [N + 1, V].
+        sampling, rule: The row's sampling settings and acceptance rule (``make_verifier``).
+
+    Returns:
+        ``(choice, next_tokens)`` over root-first nodes, as the rule returns them.
+    """
     processors = sampling.processors()
     if processors:
-        paths = [tree.path_to(node) for node in range(tree.size + 1)]
+        paths = [draft.tree.path_to(node) for node in range(draft.tree.size + 1)]
         logits = process_logits(logits, mx.array(history, dtype=mx.int32), processors, draft.tokens, paths)
-    return rule(tokens, tree, logits, draft)
+    return rule(tokens, draft.tree, logits, draft)
 
 
-def _cut(tokens: list[int], stop_tokens: set[int], room: int, stop_strings: StopStrings | None):
-    """How many of a round's tokens to keep, and why generation ends (if it does)."""
+def cut_round(tokens: list[int], stop_tokens: set[int], room: int, stop_strings: StopStrings | None):
+    """How many of a round's tokens to keep (a stop token, ``room`` tokens left, a stop string), and why generation
+    ends with it (``"stop"``, ``"length"`` or ``None``)."""
     keep, reason = next(((i + 1, "stop") for i, t in enumerate(tokens[:room]) if t in stop_tokens), (None, None))
     if keep is None:
         keep, reason = (room, "length") if len(tokens) >= room else (len(tokens), None)
@@ -185,7 +203,7 @@ def speculative_rounds(
                 upcoming, draft = None, plan.select(drafter.propose(history, plan.gamma, sampling, plan))
                 t1 = loop.clock.drafted(index, draft)
                 path, tokens, kinds, hidden = loop.verify(history, draft)
-            keep, finish_reason = _cut(tokens, stop_tokens, room, stop_strings)
+            keep, finish_reason = cut_round(tokens, stop_tokens, room, stop_strings)
             if finish_reason:
                 loop.plain.cancel()  # no next step: drop the one queued ahead
             loop.commit(history, path, tokens[:keep], hidden, draft.size)
@@ -238,7 +256,7 @@ class _Rounds:
         choice, next_tokens = _verify(self.model, self.store.layers, history, draft, self.sampling, self.rule)
         hidden = self.tap.features()[0] if self.tap is not None else None  # [N + 1, F]
         mx.eval(choice, next_tokens, draft.tokens, hidden)
-        return (*_accepted(draft, choice.tolist(), next_tokens.tolist()), hidden)
+        return (*accepted_path(draft, choice.tolist(), next_tokens.tolist()), hidden)
 
     def commit(self, history: list[int], path: list[int], kept_tokens: list[int], hidden, num_drafted: int) -> None:
         """Rewind the target cache to the committed tokens, extend ``history``, and tell the drafter."""
@@ -261,7 +279,7 @@ def _prefill(model, store: PromptCache, prompt: list[int], feature_layers: tuple
     return store.features if tap is not None else None
 
 
-def _accepted(draft: Draft, choice: list[int], next_tokens: list[int]) -> tuple[list[int], list[int], list[str]]:
+def accepted_path(draft: Draft, choice: list[int], next_tokens: list[int]) -> tuple[list[int], list[int], list[str]]:
     """Walk the accepted children from the root: accepted nodes (root-first numbering), the
     round's tokens (accepted drafts + one target token) and their kinds."""
     tree = draft.tree
@@ -299,6 +317,66 @@ class _DraftClock:
         if self.timed:
             self.share = (t1 - t0) / (t2 - t0)
         return self.share * (t2 - t0), (1 - self.share) * (t2 - t0)
+
+
+def committed_rounds(
+    model: nn.Module,
+    tokenizer,
+    prompt: str | list[int],
+    *,
+    drafter: Drafter | DrafterSpec | str = "none",
+    num_draft_tokens: int | str | Pacer = DEFAULT_NUM_DRAFT_TOKENS,
+    max_tokens: int = DEFAULT_MAX_TOKENS,
+    sampling: SamplingParams | None = None,
+    seed: int | None = None,
+    stop_tokens: set[int] | None = None,
+    prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE,
+    prompt_cache: PromptCache | list | None = None,
+    typical: tuple[float, float] | None = None,
+    stop: list[str] | tuple[str, ...] | None = None,
+    time_split: bool = False,
+) -> Iterator[Committed]:
+    """``stream_generate`` one round at a time: a ``Committed`` per round (its token events, its ``RoundStats`` and
+    the running totals), so a consumer that stops early still has the totals. The runner's one-at-a-time path and
+    ``stream_generate`` share it. Takes the same arguments and raises the same errors as ``stream_generate``."""
+    check_types(prompt, drafter, num_draft_tokens, max_tokens, sampling, stop_tokens, prefill_step_size)
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    if seed is not None and not (isinstance(seed, int) and 0 <= seed < 2**64):
+        raise ValueError(f"seed must be an integer in [0, 2**64), got {seed!r}")
+    typical = check_typical(typical)
+    sampling = sampling or SamplingParams()
+    stops = check_stops(stop)
+    drafter = make_drafter(drafter, model, tokenizer) if isinstance(drafter, (str, DrafterSpec)) else drafter
+    ids = encode_prompt(tokenizer, prompt)
+    check_context(model, len(ids))
+    check_ids(model, ids)
+    limit = context_length(model)
+    max_tokens = min(max_tokens, limit - len(ids)) if limit else max_tokens  # never past the context
+    store = as_prompt_cache(model, prompt_cache)
+    if drafter.name != "none" and num_draft_tokens != 0:  # before any cost measurement for "auto"
+        (check_compactable if drafter.makes_trees else check_rewindable)(store.layers)
+    pacer = make_pacer(num_draft_tokens, model, drafter)
+    stop_tokens = set(tokenizer.eos_token_ids) if stop_tokens is None else set(stop_tokens)
+    if seed is not None:
+        mx.random.seed(seed)
+    mx.reset_peak_memory()
+    stats = GenerationStats(drafter=drafter.name, num_draft_tokens=pacer.max_gamma, prompt_tokens=len(ids),
+                            priced_plain=pacer.priced_plain)
+    stopper = StopStrings(tokenizer, stops) if stops else None
+    output = Output(tokenizer, stats, stop_tokens, stops, stopper, pacer.adaptive)
+    rounds = speculative_rounds(
+        model, ids, drafter, num_draft_tokens=pacer, max_tokens=max_tokens, sampling=sampling, stop_tokens=stop_tokens,
+        rule=make_verifier(sampling, typical), prefill_step_size=prefill_step_size, prompt_cache=store,
+        stop_strings=stopper, time_split=time_split,
+    )
+    for round_ in rounds:
+        if round_.stats.round == 0:
+            stats.prompt_s, stats.cached_tokens = round_.prefill_s, round_.cached_tokens
+        events = output.round(round_.tokens, round_.kinds, round_.stats, round_.finish_reason)
+        if round_.finish_reason:
+            stats.peak_memory_gb = mx.get_peak_memory() / 1e9
+        yield Committed(tuple(events), round_.stats, output.snapshot(), round_.finish_reason)
 
 
 def stream_generate(
@@ -371,60 +449,19 @@ def stream_generate(
             cache that cannot be rewound while drafting, a cache list that already holds tokens, a cache made
             for another model, or an empty stop string.
     """
-    check_types(prompt, drafter, num_draft_tokens, max_tokens, sampling, stop_tokens, prefill_step_size)
-    if max_tokens < 1:
-        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-    if seed is not None and not (isinstance(seed, int) and 0 <= seed < 2**64):
-        raise ValueError(f"seed must be an integer in [0, 2**64), got {seed!r}")
-    typical = check_typical(typical)
-    sampling = sampling or SamplingParams()
-    stops = check_stops(stop)
-    drafter = make_drafter(drafter, model, tokenizer) if isinstance(drafter, (str, DrafterSpec)) else drafter
-    ids = encode_prompt(tokenizer, prompt)
-    check_context(model, len(ids))
-    check_ids(model, ids)
-    limit = context_length(model)
-    max_tokens = min(max_tokens, limit - len(ids)) if limit else max_tokens  # never past the context
-    store = as_prompt_cache(model, prompt_cache)
-    if drafter.name != "none" and num_draft_tokens != 0:  # before any cost measurement for "auto"
-        (check_compactable if drafter.makes_trees else check_rewindable)(store.layers)
-    pacer = make_pacer(num_draft_tokens, model, drafter)
-    stop_tokens = set(tokenizer.eos_token_ids) if stop_tokens is None else set(stop_tokens)
-    if seed is not None:
-        mx.random.seed(seed)
-    mx.reset_peak_memory()
-    stats = GenerationStats(drafter=drafter.name, num_draft_tokens=pacer.max_gamma, prompt_tokens=len(ids),
-                            priced_plain=pacer.priced_plain)
-    detokenizer, held = tokenizer.detokenizer, HeldText(stops)
-    stopper = StopStrings(tokenizer, stops) if stops else None
-    rounds = speculative_rounds(
-        model, ids, drafter, num_draft_tokens=pacer, max_tokens=max_tokens, sampling=sampling, stop_tokens=stop_tokens,
-        rule=make_verifier(sampling, typical), prefill_step_size=prefill_step_size, prompt_cache=store,
-        stop_strings=stopper, time_split=time_split,
-    )
-    start = time.perf_counter()
-    for round_ in rounds:
-        if round_.stats.round == 0:
-            stats.prompt_s, start = round_.prefill_s, start + round_.prefill_s
-            stats.cached_tokens = round_.cached_tokens
-        stats.add_round(round_.stats)
-        if pacer.adaptive:
-            stats.add_gamma(round_.stats.gamma)
-        stats.generation_s = time.perf_counter() - start
-        if round_.finish_reason:
-            stats.finish_reason = round_.finish_reason
-        last = len(round_.tokens) - 1
-        for i, (token, kind) in enumerate(zip(round_.tokens, round_.kinds)):
-            if token not in stop_tokens:
-                detokenizer.add_token(token)
-            final = bool(round_.finish_reason) and i == last
-            if final:
-                detokenizer.finalize()
-            text = held.push(detokenizer.last_segment, final, stopper.text_end if stopper else None)
-            yield TokenEvent(token, text, kind, round_.stats.round)
-        yield round_.stats
-    stats.peak_memory_gb = mx.get_peak_memory() / 1e9
-    yield stats
+    rounds = committed_rounds(
+        model, tokenizer, prompt, drafter=drafter, num_draft_tokens=num_draft_tokens, max_tokens=max_tokens,
+        sampling=sampling, seed=seed, stop_tokens=stop_tokens, prefill_step_size=prefill_step_size,
+        prompt_cache=prompt_cache, typical=typical, stop=stop, time_split=time_split)
+    totals = None
+    try:
+        for committed in rounds:
+            yield from committed.events
+            yield committed.round
+            totals = committed.totals
+    finally:
+        rounds.close()
+    yield totals
 
 
 def generate(model: nn.Module, tokenizer, prompt: str | list[int], **kwargs) -> GenerationResult:

@@ -16,7 +16,7 @@ LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 class Metrics:
     """The server's metrics; ``finished`` is called on the worker thread (prometheus-client is thread-safe)."""
 
-    def __init__(self, queue_length, busy):
+    def __init__(self, queue_length, busy, rows=lambda: 0, tokens_per_forward=lambda: 0.0):
         self.registry = r = CollectorRegistry()
         self.requests = Counter("mlxspec_requests", "HTTP requests answered", ["path", "status"], registry=r)
         self.rejected = Counter("mlxspec_rejected", "Requests refused because the queue was full", registry=r)
@@ -34,6 +34,10 @@ class Metrics:
                                  buckets=LATENCY_BUCKETS, registry=r)
         Gauge("mlxspec_queue_length", "Requests waiting for the model", registry=r).set_function(queue_length)
         Gauge("mlxspec_busy", "1 while a request runs", registry=r).set_function(lambda: float(busy()))
+        Gauge("mlxspec_batch_rows", "Requests running together (prefilling or decoding)",
+              registry=r).set_function(lambda: float(rows()))
+        Gauge("mlxspec_tokens_per_forward", "Tokens committed per target forward of a round, since the start "
+              "(rows × τ)", registry=r).set_function(lambda: float(tokens_per_forward()))
 
     def finished(self, job, done) -> None:
         """Count one finished job (``worker.Job``, ``worker.Done``)."""

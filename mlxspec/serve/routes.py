@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -29,13 +29,14 @@ class Health(BaseModel):
     drafter: str
     queued: int
     busy: bool
+    rows: int = Field(description="requests running together (prefilling or decoding)")
 
 
 @router.get("/health", response_model=Health, tags=["server"])
 async def health(request: Request):
     server = state(request)
     return Health(status="ok", model=server.served.model_id, drafter=server.served.drafter,
-                  queued=server.worker.queued, busy=server.worker.busy)
+                  queued=server.worker.queued, busy=server.worker.busy, rows=server.worker.rows)
 
 
 @router.get("/metrics", tags=["server"], response_class=Response)

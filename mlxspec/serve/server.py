@@ -68,8 +68,9 @@ def serve(args: argparse.Namespace, defaults: Defaults, load: Callable[[], tuple
     sock = bind(args.host, args.port)
     metrics = None
     worker = Worker(load, args.queue_size, (args.prefix_cache_slots, int(args.prefix_cache_gb * 2**30)),
-                    on_done=lambda job, done: metrics.finished(job, done))
-    metrics = Metrics(lambda: worker.queued, lambda: worker.busy)
+                    on_done=lambda job, done: metrics.finished(job, done), max_batch=args.max_batch)
+    metrics = Metrics(lambda: worker.queued, lambda: worker.busy, lambda: worker.rows,
+                      lambda: worker.runner.tokens_per_forward)
     try:
         served = worker.start()
     except KeyboardInterrupt:  # the worker thread is mid-load in MLX: a normal exit would tear MLX down under it
@@ -107,7 +108,8 @@ def follow(args: argparse.Namespace, load: Callable[[], tuple]) -> int:
     Raises:
         ValueError, FileNotFoundError: the model or drafter cannot be loaded; the job lost a rank.
     """
-    worker = Worker(load, args.queue_size, (args.prefix_cache_slots, int(args.prefix_cache_gb * 2**30)))
+    worker = Worker(load, args.queue_size, (args.prefix_cache_slots, int(args.prefix_cache_gb * 2**30)),
+                    max_batch=args.max_batch)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     worker.start()
     worker.wait()
