@@ -163,8 +163,8 @@ class Batch:
         mx.eval(judged, [draft.tokens for draft in drafts], hidden)
         verify_s = time.perf_counter() - t1
         out, kept, paths = [], [], []
-        for b, (row, draft, plan, (choice, next_tokens)) in enumerate(zip(self.rows, drafts, plans, judged)):
-            path, round_tokens, kinds = accepted_path(draft, choice.tolist(), next_tokens.tolist())
+        outcomes = self.outcomes(drafts, judged, logits)
+        for b, (row, draft, plan, (path, round_tokens, kinds)) in enumerate(zip(self.rows, drafts, plans, outcomes)):
             keep, finish_reason = cut_round(round_tokens, row.stop_tokens, row.room, row.stopper)
             kept.append(([0] + path)[:keep])  # root-first nodes whose positions stay in the cache
             paths.append(path[:keep])  # accepted nodes whose tokens were committed
@@ -190,6 +190,12 @@ class Batch:
         if self._rounds % 64 == 0:
             mx.clear_cache()
         return out
+
+    def outcomes(self, drafts: list[Draft], judged: list, logits: mx.array) -> list[tuple]:
+        """Each row's own outcome, ``generate.accepted_path`` of its own rule's choice: ``(path, tokens, kinds)``.
+        No row is cut short by another (the module docstring says why that keeps every row exact)."""
+        return [accepted_path(draft, choice.tolist(), next_tokens.tolist())
+                for draft, (choice, next_tokens) in zip(drafts, judged)]
 
     def _shift(self) -> None:
         """Drop the left padding every row shares (``BatchKVCache.filter`` shifts it away)."""

@@ -43,7 +43,7 @@ from ..pacing import Pacer, make_pacer
 from ..runtime.distributed import any_rank, random_seed, share_json, sharding
 from ..runtime.threads import MLXThread
 from .batch import Batch, Row, batchable_layers
-from .generate import check_context, check_ids, committed_rounds, context_length, make_verifier
+from .generate import check_context, check_ids, committed_rounds, context_length, encode_prompt, make_verifier
 from .output import Committed, Output
 from .session import USER_ERRORS
 
@@ -207,6 +207,7 @@ class Runner:
         self._followers_told = False  # rank 0 of a sharded target told the other ranks to stop
         self.forwards = 0  # target forwards of rounds (a batch's round is one)
         self.tokens = 0  # tokens those rounds committed
+        self.prefill_tokens = 0  # prompt tokens prefilled by the batched path's chunks
 
     # The consumer's side (any thread).
 
@@ -443,6 +444,7 @@ class Runner:
     def _start(self, request: Request) -> None:
         """Check ``request`` as ``committed_rounds`` would and queue its prefill."""
         setup = self.setup
+        request.prompt = encode_prompt(setup.tokenizer, request.prompt)  # Python ints (numpy ids come in too)
         check_context(setup.model, len(request.prompt))
         check_ids(setup.model, request.prompt)
         request.stop = check_stops(request.stop or None)
@@ -456,9 +458,10 @@ class Runner:
         self._pending.append(_Pending(request, store, request.prompt[reused:-1]))
 
     def _prefill_chunk(self) -> None:
-        """Prefill one chunk of the oldest pending prompt; a prompt prefilled whole joins the batch. A prompt that
-        fails is refused alone (400 for a user error, 500 for a bug); the thread and the other rows go on."""
-        pending = self._pending[0]
+        """Prefill one chunk of the pending prompt with the fewest tokens left (a short prompt arriving behind a
+        long one starts within a chunk); a prompt prefilled whole joins the batch. A prompt that fails is refused
+        alone (400 for a user error, 500 for a bug); the thread and the other rows go on."""
+        pending = min(self._pending, key=lambda p: len(p.left))
         try:
             self._prefill_step(pending)
         except Exception as e:
@@ -471,7 +474,7 @@ class Runner:
 
     def _prefill_step(self, pending: _Pending) -> None:
         if pending.request.ending():
-            self._pending.pop(0)
+            self._pending.remove(pending)
             self._running.remove(pending.request)
             return self._finish(pending.request, GenerationStats(prompt_tokens=len(pending.request.prompt)),
                                 pending.request.why)
@@ -482,9 +485,10 @@ class Runner:
             features = tap.features()[0] if tap is not None else None
             mx.eval([c.state for c in pending.store.layers], features)
             pending.store.add(chunk, features)
+            self.prefill_tokens += len(chunk)
         pending.prefill_s += time.perf_counter() - start
         if not pending.left:
-            self._pending.pop(0)
+            self._pending.remove(pending)
             self._join(pending)
 
     def _join(self, pending: _Pending) -> None:

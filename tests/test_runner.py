@@ -1,0 +1,315 @@
+"""The runner: rows verified together are each verified exactly as alone; continuous batching; prefill chunks.
+
+Exactness in a batch rests on two facts, each tested here on tiny float32 models: (1) a row's logits in the batched
+verify forward equal the logits it gets alone (masks, RoPE positions and padding), and its cache after the per-row
+commit holds what a single-row cache would; (2) each row's acceptance rule is the single-request rule on those
+logits, and no row is ever cut short by another. End to end: greedy answers from a batch equal ``generate``'s, and
+(slow) sampled answers at T 0.8 follow the target's exact distribution by a chi-square test that rejects the known
+batch bug (a row cut at the batch's shortest acceptance and given a fresh target sample there).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from conftest import byte_tokenizer, tiny_llama
+from mlxspec import generate
+from mlxspec.core.cache import PromptCache, prefill
+from mlxspec.core.sampling import SamplingParams
+from mlxspec.core.tree import Tree
+from mlxspec.drafters import Draft, make_drafter
+from mlxspec.engine.batch import Batch, Row, batch_tree_attention
+from mlxspec.engine.generate import make_verifier
+from mlxspec.engine.output import Committed
+from mlxspec.engine.runner import Done, Failed, Request, Runner, Setup
+from mlxspec.pacing import make_pacer
+
+PROMPTS = ["abcabcabcabc the cat the cat the cat", "hello hello hello world", "xyzxyzxyz 123123123 xyz", "q"]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return tiny_llama(seed=1, sharpen=3.0), byte_tokenizer()
+
+
+def _row(model, tokenizer, ids, drafter, sampling=SamplingParams(), gamma=4, max_tokens=40, seed=0):
+    store = PromptCache(model)
+    prefill(model, store.layers, ids[:-1])
+    store.add(ids[:-1], None)
+    drafter.prefill(ids)
+    pacer = make_pacer(gamma, model, drafter)
+    return Row(list(ids), drafter, pacer, sampling, make_verifier(sampling), set(), None, max_tokens, store, seed)
+
+
+def test_a_rows_batched_verify_logits_are_its_logits_alone(pair):
+    """Chains, a tree and an empty draft of different lengths, over prompts of different lengths."""
+    model, tokenizer = pair
+    ids = [tokenizer.encode(p) for p in PROMPTS[:3]]
+    drafts = [Draft.chain([5, 6, 7]), Draft(mx.array([8, 9, 10, 11], dtype=mx.int32), Tree((-1, -1, 0, 1))),
+              Draft.empty()]
+    batch = Batch(model)
+    for prompt in ids:
+        batch.add(_row(model, tokenizer, prompt, make_drafter("none")))
+    width = 5
+    tokens = mx.stack([mx.concatenate([mx.array(p[-1:]), d.tokens, mx.zeros((width - 1 - d.size,), mx.int32)])
+                       for p, d in zip(ids, drafts)])
+    with batch_tree_attention(model, batch.layers, [d.tree for d in drafts], width):
+        batched = model(tokens, cache=batch.layers)  # [B, T, V]
+    for b, (prompt, draft) in enumerate(zip(ids, drafts)):
+        alone = PromptCache(model)
+        prefill(model, alone.layers, prompt[:-1])
+        from mlxspec.core.cache import tree_attention
+
+        with tree_attention(model, alone.layers, draft.tree):
+            single = model(tokens[b : b + 1, : draft.size + 1], cache=alone.layers)[0]
+        np.testing.assert_allclose(np.array(batched[b, : draft.size + 1]), np.array(single), atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("spec", ["ngram:min=1", "suffix:min_prob=0"])
+def test_after_rounds_each_rows_cache_holds_what_its_own_would(pair, spec):
+    """Per-row commits (rolls, tree gathers, shifts) leave each row's keys as a fresh prefill of its tokens."""
+    model, tokenizer = pair
+    base = make_drafter(spec, model, tokenizer)
+    batch = Batch(model)
+    rows = [_row(model, tokenizer, tokenizer.encode(p), base.fork(), max_tokens=60) for p in PROMPTS]
+    for row in rows:
+        batch.add(row)
+    drafted = 0
+    for _ in range(12):
+        drafted += sum(r.stats.num_drafted for r in batch.round())
+    assert drafted > 0
+    for row in list(rows):
+        batch.remove(row)
+        fresh = PromptCache(model)
+        prefill(model, fresh.layers, row.history[:-1])
+        for kept, want in zip(row.store.layers, fresh.layers):
+            assert kept.offset == want.offset == len(row.history) - 1
+            np.testing.assert_allclose(np.array(kept.keys[..., : kept.offset, :]),
+                                       np.array(want.keys[..., : want.offset, :]), atol=2e-4, rtol=1e-4)
+
+
+def _near_tie(model, prompt, got, want):
+    """Where a batched greedy answer differs from the single one, the target's two best logits there must be
+    within float32 rounding of each other (batched kernels round differently); returns their gap."""
+    i = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
+    logits = np.array(model(mx.array(prompt + want[:i])[None])[0, -1], dtype=np.float64)
+    top = np.sort(logits)[-2:]
+    return top[1] - top[0]
+
+
+def _runner(model, tokenizer, make, *, max_batch=4, prefill_chunk=512, gamma=4):
+    """A started runner generating with the drafter ``make()`` builds (on the runner thread, as a server loads)."""
+    runner = Runner(max_batch=max_batch, prefill_chunk=prefill_chunk)
+    runner.start()
+    runner.call(lambda: runner.use(Setup(model, tokenizer, make(), gamma)))
+    return runner
+
+
+class Collect:
+    """A request's sink: its committed tokens, records and end."""
+
+    def __init__(self):
+        self.tokens, self.records, self.done = [], [], threading.Event()
+
+    def __call__(self, item):
+        self.records.append(item)
+        if isinstance(item, Committed):
+            self.tokens += [event.token for event in item.events]
+        else:
+            self.done.set()
+
+    @property
+    def end(self):
+        return self.records[-1]
+
+
+def _drafter(spec, model, tokenizer):
+    if spec == "draft":
+        return make_drafter("draft", model, tokenizer, draft_model=tiny_llama(seed=3), draft_tokenizer=tokenizer)
+    if spec == "eagle":
+        from test_eagle import random_head
+        from mlxspec.drafters.eagle import EagleDrafter
+
+        return EagleDrafter(random_head(1), model, depth=4, top_k=4, total_tokens=16)
+    return make_drafter(spec, model, tokenizer)
+
+
+@pytest.mark.parametrize("spec", ["ngram:min=1", "suffix", "draft", "eagle"])
+def test_a_batch_of_four_answers_as_generate_does(pair, spec):
+    model, tokenizer = pair
+    ids = [tokenizer.encode(p) for p in PROMPTS]
+    want = [generate(model, tokenizer, p, drafter=_drafter(spec, model, tokenizer), num_draft_tokens=4,
+                     max_tokens=40, stop_tokens=set()).tokens for p in ids]
+    runner = _runner(model, tokenizer, lambda: _drafter(spec, model, tokenizer))
+    try:
+        assert runner.batched
+        sinks = [Collect() for _ in ids]
+        for prompt, sink in zip(ids, sinks):
+            runner.submit(Request(prompt, 40, SamplingParams(), None, (), sink))
+        for sink in sinks:
+            assert sink.done.wait(120)
+    finally:
+        assert runner.close()
+    rounds = [r.round for s in sinks for r in s.records if isinstance(r, Committed)]
+    assert max(r.rows for r in rounds) == 4 and sum(r.num_drafted for r in rounds) > 0
+    for prompt, sink, tokens in zip(ids, sinks, want):
+        assert isinstance(sink.end, Done) and sink.end.finish_reason == "length"
+        if sink.tokens != tokens:
+            assert _near_tie(model, prompt, sink.tokens, tokens) < 1e-4
+
+
+def test_generations_join_and_leave_between_rounds(pair):
+    """Continuous batching: later requests join a running batch; each answer is still its own greedy answer."""
+    model, tokenizer = pair
+    ids = [tokenizer.encode(p) for p in PROMPTS]
+    lengths = [30, 8, 50, 20]
+    want = [generate(model, tokenizer, p, drafter="ngram:min=1", num_draft_tokens=3, max_tokens=n,
+                     stop_tokens=set()).tokens for p, n in zip(ids, lengths)]
+    runner = _runner(model, tokenizer, lambda: make_drafter("ngram:min=1"), max_batch=3, gamma=3)
+    sinks = [Collect() for _ in ids]
+    try:
+        runner.submit(Request(ids[0], lengths[0], SamplingParams(), None, (), sinks[0]))
+        runner.submit(Request(ids[1], lengths[1], SamplingParams(), None, (), sinks[1]))
+        assert sinks[1].done.wait(60)
+        for i in (2, 3):
+            runner.submit(Request(ids[i], lengths[i], SamplingParams(), None, (), sinks[i]))
+        for sink in sinks:
+            assert sink.done.wait(60)
+    finally:
+        assert runner.close()
+    assert [s.tokens for s in sinks] == want
+    assert any(r.round.rows == 3 for s in sinks for r in s.records if isinstance(r, Committed))
+    totals = [s.end.stats for s in sinks]
+    assert [t.generation_tokens for t in totals] == lengths
+
+
+def test_a_long_prompt_is_prefilled_between_the_rounds_of_others_and_leaves_within_a_chunk(pair):
+    model, tokenizer = pair
+    short = tokenizer.encode(PROMPTS[0])
+    long_prompt = list(np.random.default_rng(0).integers(3, 200, size=1500))
+    runner = _runner(model, tokenizer, lambda: make_drafter("ngram:min=1"), prefill_chunk=32)
+    quick, slow_one = Collect(), Collect()
+    try:
+        runner.submit(Request(long_prompt, 20, SamplingParams(), None, (), slow_one))
+        runner.submit(Request(short, 24, SamplingParams(), None, (), quick))
+        assert quick.done.wait(60)
+        # the short answer streamed and ended while the long prompt was still being prefilled
+        assert not any(isinstance(r, Committed) for r in slow_one.records)
+        cancelled_at = runner.prefill_tokens
+        request_cancel = next(iter(runner._running))
+        request_cancel.cancelled.set()
+        assert slow_one.done.wait(60)
+    finally:
+        assert runner.close()
+    assert isinstance(slow_one.end, Done) and slow_one.end.finish_reason == "cancelled"
+    assert runner.prefill_tokens - cancelled_at <= 32  # at most the chunk in flight
+    assert runner.prefill_tokens < len(long_prompt) - 1
+
+
+def test_a_bad_request_is_refused_alone(pair):
+    model, tokenizer = pair
+    runner = _runner(model, tokenizer, lambda: make_drafter("ngram:min=1"))
+    good, bad = Collect(), Collect()
+    try:
+        runner.submit(Request([1, 2, 999_999], 5, SamplingParams(), None, (), bad))
+        runner.submit(Request(tokenizer.encode(PROMPTS[1]), 5, SamplingParams(), None, (), good))
+        assert bad.done.wait(30) and good.done.wait(30)
+    finally:
+        assert runner.close()
+    assert isinstance(bad.end, Failed) and bad.end.status == 400 and "999999" in bad.end.message
+    assert isinstance(good.end, Done) and len(good.tokens) == 5
+
+
+# --- exactness at temperature > 0 (statistical) ------------------------------------------------------------------
+
+V = 8
+T08 = SamplingParams(temp=0.8)
+ROW_PROMPTS = [[1, 2, 3, 1, 2], [4, 5, 4, 5, 4], [7, 1, 7], [2, 2, 6, 2, 2, 6]]
+ROW_KINDS = ["draft", "ngram", "draft", "ngram"]
+SAMPLES = 800
+
+
+@pytest.fixture(scope="module")
+def small():
+    return tiny_llama(seed=0, vocab_size=V, sharpen=3.0), tiny_llama(seed=7, vocab_size=V, sharpen=3.0)
+
+
+def _exact_joint(model, prompt, params, length=2):
+    from test_lossless import reference_probs
+
+    joint = {(): 1.0}
+    for _ in range(length):
+        nxt = {}
+        for seq, p in joint.items():
+            logits = np.array(model(mx.array(prompt + list(seq))[None])[0, -1])
+            for t, pt in enumerate(reference_probs(logits, prompt + list(seq), params)):
+                if p * pt > 0:
+                    nxt[seq + (t,)] = p * pt
+        joint = nxt
+    return joint
+
+
+def _sample_rows(small, batch_type=Batch, n=SAMPLES):
+    """Counts of each row's first two tokens over ``n`` batches of the four rows verified together."""
+    target, draft = small
+    bases = {"draft": make_drafter("draft", target, list(range(V)), draft_model=draft),
+             "ngram": make_drafter("ngram:min=1", target, list(range(V)))}
+    counts = [Counter() for _ in ROW_PROMPTS]
+    for i in range(n):
+        batch = batch_type(target)
+        rows = [_row(target, None, p, bases[k].fork(), T08, gamma=3, max_tokens=2, seed=i * 7 + b)
+                for b, (p, k) in enumerate(zip(ROW_PROMPTS, ROW_KINDS))]
+        for row in rows:
+            batch.add(row)
+        out = {id(r): [] for r in rows}
+        while batch.rows:
+            for result in batch.round():
+                out[id(result.row)] += result.tokens
+                if result.finish_reason:
+                    batch.remove(result.row)
+        for b, row in enumerate(rows):
+            counts[b][tuple(out[id(row)][:2])] += 1
+    return counts
+
+
+class CutAtTheShortest(Batch):
+    """The known batch bug, for the control: every row is cut to the batch's shortest acceptance, and a row cut
+    inside its accepted drafts takes a fresh sample from the target there (instead of its own accepted draft)."""
+
+    def outcomes(self, drafts, judged, logits):
+        results = super().outcomes(drafts, judged, logits)
+        shortest = min(len(path) for path, _, _ in results)
+        cut = []
+        for b, (path, tokens, kinds) in enumerate(results):
+            if len(path) > shortest:
+                node = path[shortest - 1] if shortest else 0
+                fresh = int(mx.random.categorical(logits[b, node] / T08.temp).item())
+                path, tokens, kinds = path[:shortest], tokens[:shortest] + [fresh], kinds[:shortest] + ["target"]
+            cut.append((path, tokens, kinds))
+        return cut
+
+
+@pytest.mark.slow  # statistical
+def test_rows_verified_together_follow_the_target_at_temperature(small):
+    counts = _sample_rows(small)
+    for prompt, observed in zip(ROW_PROMPTS, counts):
+        from stats import chi_square
+
+        stat, critical = chi_square(observed, _exact_joint(small[0], prompt, T08))
+        assert stat < critical, f"row {prompt}: chi-square {stat:.1f} >= {critical:.1f}"
+
+
+@pytest.mark.slow  # statistical
+def test_the_same_test_rejects_rows_cut_at_the_batchs_shortest_acceptance(small):
+    from stats import chi_square
+
+    counts = _sample_rows(small, CutAtTheShortest)
+    stats = [chi_square(observed, _exact_joint(small[0], prompt, T08))
+             for prompt, observed in zip(ROW_PROMPTS, counts)]
+    assert any(stat > critical for stat, critical in stats), stats
