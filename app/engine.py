@@ -1,36 +1,34 @@
-"""The one long-lived MLX thread behind the chat: loads models, runs generation, posts results.
+"""The chat's side of the runner (``mlxspec.engine.runner.Runner``): loads models, asks for answers, posts results.
 
-Shaped like ``ResponseGenerator`` in ``mlx_lm/server.py``: the UI puts requests on a queue and
-the engine thread does every MLX call (loading included, so no array or stream crosses threads).
-Results go back with ``post`` (the app's thread-safe ``post_message``): plain values, batched, and
-the engine never waits for the UI. An answer is cancelled by setting its ``threading.Event``; the
-engine checks it between rounds and closes the generator, whose ``finally`` leaves the caches at
-the committed length.
+The runner owns the one MLX thread (loading happens there too, through ``Runner.call``, so no array or stream
+crosses threads) and runs the conversation's answers one at a time on the same code path as the server. Results go
+back with ``post`` (the app's thread-safe ``post_message``) as plain values, batched (``Relay``), and the runner
+never waits for the UI. An answer is cancelled by setting its ``threading.Event``; the runner checks it between
+rounds, and the caches end at the committed length.
 """
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field, fields, replace
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
-import mlx.core as mx
 
 from mlxspec.core.cache import PromptCache
 from mlxspec.drafters import DRAFTERS, DrafterSpec
 from mlxspec.drafters.draft_model import PYTHON_DRAFT_ADVICE
 from mlxspec.pacing import AUTO, load_or_calibrate, make_pacer, tree_summary
-from mlxspec.engine.generate import DEFAULT_MAX_TOKENS, DEFAULT_NUM_DRAFT_TOKENS, stream_generate
-from mlxspec.core.metrics import RoundStats, GenerationStats, TokenEvent
+from mlxspec.engine.generate import DEFAULT_MAX_TOKENS, DEFAULT_NUM_DRAFT_TOKENS, encode_prompt
+from mlxspec.engine.output import Committed
+from mlxspec.engine.runner import Done, Failed, Request, Runner, Setup
+from mlxspec.core.metrics import GenerationStats
 from mlxspec.core.sampling import SamplingParams
 from mlxspec.engine.session import (USER_ERRORS, LoadedModel, ModelSpec, build_drafter, check_fits, default_drafter,
                                     load_model)
 from mlxspec.loading.models import DEFAULT_MODEL
 from mlxspec.core.stops import check_stops
-from mlxspec.runtime.threads import MLXThread
 
 from .messages import (
     EngineInfo,
@@ -99,77 +97,71 @@ class EngineConfig:
         object.__setattr__(self, "stop", check_stops(self.stop))  # one str is one stop string, not its characters
 
 
-def relay(events: Iterator, request_id: int, post: Post, cancelled: threading.Event, *,
-          drafter: str, num_draft_tokens: int, policy: str | None = None, shape: str | None = None,
-          flush_s: float = FLUSH_S) -> None:
-    """Turn ``stream_generate`` events into batched UI messages; stop between rounds on cancel.
+class Relay:
+    """A request's sink: turns the runner's records into batched UI messages (called on the runner thread).
 
-    Token texts are buffered and posted at most every ``flush_s`` (always after the last round);
-    each flush also posts the running stats. Empty texts (a token that only starts a multi-byte
-    character, or a stop token) make no span: the completing token's span carries the text.
+    Token texts are buffered and posted at most every ``flush_s`` (always after the last round and on a cancel);
+    each flush also posts the running stats. Empty texts (a token that only starts a multi-byte character, or a
+    stop token) make no span: the completing token's span carries the text.
 
     Args:
-        events: A ``stream_generate`` iterator (``TokenEvent``, ``RoundStats``, ``GenerationStats``).
-        request_id: The answer these events belong to.
+        request_id: The answer these records belong to.
         post: Thread-safe sink for messages (``App.post_message``).
-        cancelled: Set by the UI to stop; checked after each round.
-        drafter, num_draft_tokens: Shown in the stats until the final totals arrive.
-        policy: ``"auto"`` or ``"scheduled"`` when γ is picked each round (the stats then follow each
-            round's ``RoundStats.gamma``); ``None`` for a fixed γ. Default: ``None``.
+        cancelled: Set by the UI to stop the answer.
+        drafter, num_draft_tokens: Shown in the stats until the first round's totals arrive.
+        policy: ``"auto"`` or ``"scheduled"`` when γ is picked each round (the panel then shows each round's
+            ``RoundStats.gamma``); ``None`` for a fixed γ. Default: ``None``.
         shape: What a tree drafter proposes each round (``pacing.tree_summary``), or ``None``.
         flush_s: Shortest time between two batches, seconds. Default: ``1/30``.
-
-    Raises:
-        Whatever ``events`` raises, after posting the tokens committed before it.
+        on_end: Called with the final record (``Done`` or ``Failed``) after it was posted. Default: none.
     """
-    totals = GenerationStats(drafter=drafter, num_draft_tokens=num_draft_tokens)
-    taus: deque[int] = deque(maxlen=SPARKLINE_ROUNDS)
-    spans: list[tuple[str, str]] = []
-    last_flush, gamma_now = 0.0, 0
 
-    def view() -> StatsSnapshot:
-        return snapshot(totals, taus, policy=policy, shape=shape, gamma_now=gamma_now)
+    def __init__(self, request_id: int, post: Post, cancelled: threading.Event, *, drafter: str,
+                 num_draft_tokens: int, policy: str | None = None, shape: str | None = None,
+                 flush_s: float = FLUSH_S, on_end: Callable[[object], None] | None = None):
+        self.request_id, self.post, self.cancelled = request_id, post, cancelled
+        self.policy, self.shape, self.flush_s, self.on_end = policy, shape, flush_s, on_end
+        self.totals = GenerationStats(drafter=drafter, num_draft_tokens=num_draft_tokens)
+        self.taus: deque[int] = deque(maxlen=SPARKLINE_ROUNDS)
+        self.spans: list[tuple[str, str]] = []
+        self.last_flush, self.gamma_now = 0.0, 0
 
-    def flush() -> None:
-        if spans:
-            post(TokensCommitted(request_id, tuple(spans)))
-            spans.clear()
-        post(StatsUpdated(request_id, view()))
+    def view(self) -> StatsSnapshot:
+        return snapshot(self.totals, self.taus, policy=self.policy, shape=self.shape, gamma_now=self.gamma_now)
 
-    try:
-        for event in events:
-            if isinstance(event, TokenEvent):
-                if event.text:
-                    spans.append((event.text, event.kind))
-            elif isinstance(event, RoundStats):
-                totals.add_round(event)
-                taus.append(event.num_emitted)
-                if policy is not None:  # as stream_generate counts them in its final totals
-                    totals.add_gamma(event.gamma)
-                    gamma_now = event.gamma
-                if cancelled.is_set() or time.monotonic() - last_flush >= flush_s:
-                    flush()
-                    last_flush = time.monotonic()
-                if cancelled.is_set():
-                    break
-            elif isinstance(event, GenerationStats):
-                totals = event
-    finally:
-        close = getattr(events, "close", None)
-        if close is not None:
-            close()  # runs the generator's finally: caches end at the committed length
-        if spans:
-            post(TokensCommitted(request_id, tuple(spans)))
-    final = view()
-    post(GenerationDone(request_id, cancelled.is_set() and totals.finish_reason is None,
-                        totals.finish_reason, final))
+    def _spans(self) -> None:
+        if self.spans:
+            self.post(TokensCommitted(self.request_id, tuple(self.spans)))
+            self.spans = []
+
+    def __call__(self, item) -> None:
+        if isinstance(item, Committed):
+            self.spans += [(event.text, event.kind) for event in item.events if event.text]
+            self.totals = item.totals
+            self.taus.append(item.round.num_emitted)
+            if self.policy is not None:
+                self.gamma_now = item.round.gamma
+            if self.cancelled.is_set() or time.monotonic() - self.last_flush >= self.flush_s:
+                self._spans()
+                self.post(StatsUpdated(self.request_id, self.view()))
+                self.last_flush = time.monotonic()
+            return
+        self._spans()
+        if isinstance(item, Done):
+            if item.stats.rounds:
+                self.totals = item.stats
+            self.post(GenerationDone(self.request_id, item.finish_reason == "cancelled", self.totals.finish_reason,
+                                     self.view()))
+        elif isinstance(item, Failed):
+            self.post(GenerationFailed(self.request_id, chat_words(item.message)))
+        if self.on_end is not None:
+            self.on_end(item)
 
 
 def snapshot(stats: GenerationStats, taus: deque[int] | tuple[int, ...], *, policy: str | None = None,
              shape: str | None = None, gamma_now: int = 0) -> StatsSnapshot:
     """The panel's view of running totals; timing-based speed counts rounds only (no prefill)."""
     busy_s = stats.draft_s + stats.verify_s
-    picked = sum(stats.gamma_rounds)
     return StatsSnapshot(
         drafter=stats.drafter,
         num_draft_tokens=stats.num_draft_tokens,
@@ -185,7 +177,7 @@ def snapshot(stats: GenerationStats, taus: deque[int] | tuple[int, ...], *, poli
         drafted=stats.drafted,
         policy=policy,
         gamma_now=gamma_now,
-        gamma_mean=sum(g * n for g, n in enumerate(stats.gamma_rounds)) / picked if picked else 0.0,
+        gamma_mean=stats.gamma_mean,
         shape=shape,
     )
 
@@ -208,12 +200,17 @@ CHAT_WORDING = (
 )
 
 
+def chat_words(text: str) -> str:
+    """Command-line advice in a message reworded for the chat (``CHAT_WORDING``)."""
+    for flag_advice, chat_advice in CHAT_WORDING:
+        text = text.replace(flag_advice, chat_advice)
+    return text
+
+
 def one_line(error: BaseException) -> str:
     """An exception as one line for the chat; the type is named unless it is a user error, and
     command-line advice is reworded for the chat (``CHAT_WORDING``)."""
-    text = " ".join(str(error).split()) or type(error).__name__
-    for flag_advice, chat_advice in CHAT_WORDING:
-        text = text.replace(flag_advice, chat_advice)
+    text = chat_words(" ".join(str(error).split()) or type(error).__name__)
     if isinstance(error, USER_ERRORS):
         return text
     return f"{type(error).__name__}: {text}"
@@ -249,8 +246,8 @@ class _Configure:
 
 
 class Engine:
-    """Owns the MLX thread. The UI calls ``start``, ``generate``, ``cancel``, ``configure`` and
-    ``close``; all of them return at once.
+    """The chat's models and answers on a ``Runner`` (one answer at a time). The UI calls ``start``, ``generate``,
+    ``cancel``, ``configure`` and ``close``; all of them return at once.
 
     Args:
         config: Models and generation settings.
@@ -258,23 +255,23 @@ class Engine:
 
     def __init__(self, config: EngineConfig):
         self.config = config
-        self._requests: queue.Queue = queue.Queue()
         self._cancels: dict[int, threading.Event] = {}
-        self._thread: threading.Thread | None = None
-        self._state = _Loaded()
+        self._runner = Runner(max_batch=1, name="mlxspec-engine")
+        self._post: Post | None = None
+        self._state = _Loaded()  # touched on the runner thread only
         self._recalibrated: set[tuple] = set()  # (target, drafter, draft model) that --recalibrate measured
 
     def start(self, post: Post) -> None:
-        """Start the engine thread; it loads the configured models first."""
-        self._requests.put(_Configure(self.config.drafter, self.config.num_draft_tokens,
-                                      self.config.model, self.config.draft_model))
-        self._thread = MLXThread(self._run, (post,), name="mlxspec-engine")  # exits cleanly (mlxspec.runtime.threads)
-        self._thread.start()
+        """Start the runner thread; it loads the configured models first."""
+        self._post = post
+        self._runner.start()
+        self._queue(_Configure(self.config.drafter, self.config.num_draft_tokens, self.config.model,
+                               self.config.draft_model))
 
     def generate(self, request_id: int, messages: list[dict]) -> None:
         """Queue an answer to ``messages`` (``role``/``content`` dicts, system prompt included)."""
         self._cancels[request_id] = event = threading.Event()
-        self._requests.put(_Generate(request_id, list(messages), event))
+        self._runner.call(self._generate, _Generate(request_id, list(messages), event), wait=False)
 
     def cancel(self, request_id: int) -> None:
         """Stop answer ``request_id`` after its current round (or before it starts)."""
@@ -289,63 +286,60 @@ class Engine:
         ``"auto"`` or ``"scheduled"``), target or draft model, or their dtypes (``float32``, ``float16``, ``bfloat16`` or
         ``"as stored"``; a change reloads that model). ``None`` keeps what is in use; a new model is
         loaded in the dtype of the one it replaces unless a dtype is given."""
-        self._requests.put(_Configure(drafter, num_draft_tokens, model, draft_model, dtype, draft_dtype))
+        self._queue(_Configure(drafter, num_draft_tokens, model, draft_model, dtype, draft_dtype))
 
     def close(self, timeout_s: float = 30.0) -> bool:
-        """Cancel everything, stop the thread and wait up to ``timeout_s`` for it (an answer stops
-        after its current round; a long prefill cannot be interrupted) to release the models and the device.
-        Returns whether it stopped; the process can then exit normally, with status 0 (``mlxspec.runtime.threads``)."""
+        """Cancel everything, stop the thread and wait up to ``timeout_s`` for it (an answer stops after its current
+        round) to release the models and the device. Returns whether it stopped; the process can then exit normally,
+        with status 0 (``mlxspec.runtime.threads``)."""
         for event in list(self._cancels.values()):
             event.set()
-        self._requests.put(None)
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-            return not self._thread.is_alive()
-        return True
+        self._runner.call(self._release, wait=False)
+        return self._runner.close(timeout_s)
 
     @property
     def running(self) -> bool:
-        """Whether the engine thread is still alive (after ``close``: it did not stop in time)."""
-        return self._thread is not None and self._thread.is_alive()
+        """Whether the runner thread is still alive (after ``close``: it did not stop in time)."""
+        return self._runner.is_alive()
 
-    # Everything below runs in the engine thread.
+    def _queue(self, request: _Configure) -> None:
+        self._runner.call(self._configure_safely, request, wait=False)
 
-    def _run(self, post: Post) -> None:
+    # Everything below runs on the runner thread.
+
+    def _release(self) -> None:
+        self._state = _Loaded()  # the models and caches are released here, on the thread that made them
+
+    def _configure_safely(self, request: _Configure) -> None:
         try:
-            with mx.stream(mx.new_thread_local_stream(mx.default_device())):
-                while (request := self._requests.get()) is not None:
-                    if isinstance(request, _Generate):
-                        self._generate(post, request)  # reports its own errors
-                        continue
-                    try:
-                        self._configure(post, request)
-                    except Exception as e:  # a bug must not kill the thread: the UI would wait forever
-                        post(LoadFailed(f"Engine error: {one_line(e)}"))
-        finally:
-            self._state = _Loaded()  # the models and caches are released here, on the thread that made them
+            self._configure(self._post, request)
+        except Exception as e:  # a bug must not kill the thread: the UI would wait forever
+            self._post(LoadFailed(f"Engine error: {one_line(e)}"))
 
-    def _generate(self, post: Post, request: _Generate) -> None:
-        state, config, rid = self._state, self.config, request.request_id
+    def _generate(self, request: _Generate) -> None:
+        state, config, rid, post = self._state, self.config, request.request_id, self._post
         try:
             if state.target is None:
                 raise ValueError("no target model is loaded; press F2 and give one to load")
             gamma = state.policy.max_gamma
             if request.cancelled.is_set():  # stopped while queued: skip the prefill
+                self._cancels.pop(rid, None)
                 return post(GenerationDone(rid, True, None, StatsSnapshot(state.drafter.name, gamma)))
-            events = stream_generate(
-                state.target.model, state.target.tokenizer, chat_prompt(state.target.tokenizer, request.messages),
-                drafter=state.drafter, num_draft_tokens=state.policy, max_tokens=config.max_tokens,
-                sampling=config.sampling, seed=config.seed, typical=config.typical, stop=config.stop,
-                prompt_cache=state.prompt_cache,
-            )
-            relay(events, rid, post, request.cancelled, drafter=state.drafter.name, num_draft_tokens=gamma,
-                  policy=state.num_draft_tokens if state.policy.adaptive else None, shape=_shape(state.drafter, state.policy))
+            tokenizer = state.target.tokenizer
+            prompt = encode_prompt(tokenizer, chat_prompt(tokenizer, request.messages))
+            relay = Relay(rid, post, request.cancelled, drafter=state.drafter.name, num_draft_tokens=gamma,
+                          policy=state.num_draft_tokens if state.policy.adaptive else None,
+                          shape=_shape(state.drafter, state.policy), on_end=lambda end: self._ended(rid, end, state))
+            self._runner.submit(Request(prompt, config.max_tokens, config.sampling, config.seed, config.stop, relay,
+                                        cancelled=request.cancelled, cache=state.prompt_cache, typical=config.typical))
         except Exception as e:  # the thread must survive any failure; the UI shows it
-            if state.target is not None:  # a round may have stopped half-way: start the cache afresh
-                state.prompt_cache = PromptCache(state.target.model)
-            post(GenerationFailed(rid, one_line(e)))
-        finally:
             self._cancels.pop(rid, None)
+            post(GenerationFailed(rid, one_line(e)))
+
+    def _ended(self, rid: int, end, state: _Loaded) -> None:
+        self._cancels.pop(rid, None)
+        if isinstance(end, Failed) and state.target is not None:  # a round may have stopped half-way: start afresh
+            state.prompt_cache = PromptCache(state.target.model)
 
     def _configure(self, post: Post, request: _Configure) -> None:
         state = replace(self._state)
@@ -395,6 +389,7 @@ class Engine:
             post(LoadFailed(f"Cannot use γ {request.num_draft_tokens}: {one_line(e)}; using "
                             f"{DEFAULT_NUM_DRAFT_TOKENS}"))
         self._state = state
+        self._runner.use(Setup(state.target.model, state.target.tokenizer, state.drafter, state.policy))
         post(EngineReady(self._info()))
 
     def _fresh_costs(self, state: _Loaded, on_measure):

@@ -1,7 +1,8 @@
 """The chat app under Textual's Pilot, against a fake engine that replays scripted events.
 
-The fake runs the real ``relay`` (event stream → batched messages, cancel between rounds) in its
-own thread, so only model loading and MLX are faked.
+The fake runs the real ``Relay`` (the runner's records → batched messages) in its own thread, fed as the runner
+feeds it (a record per round, stopping between rounds on cancel), so only the runner, model loading and MLX are
+faked.
 """
 
 from __future__ import annotations
@@ -13,11 +14,13 @@ import threading
 import pytest
 
 from mlxspec_app.app import SpecChatApp
-from mlxspec_app.engine import one_line, relay
+from mlxspec_app.engine import Relay, one_line
 from mlxspec_app.messages import EngineInfo, EngineReady, GenerationFailed, LoadFailed, LoadProgress
 from mlxspec_app.screens import DrafterScreen, HelpScreen
 from mlxspec_app.widgets import ChatMessage, LoadBar, StatsPanel, TauSparkline
 from mlxspec.core.metrics import RoundStats, GenerationStats, TokenEvent
+from mlxspec.engine.output import Committed
+from mlxspec.engine.runner import Done, Failed
 
 INFO = EngineInfo("tiny[b] (MLX, float32)", False, None, "ngram", 4, ("draft", "ngram", "none"))
 WAIT = object()  # in a script: block until the answer is cancelled
@@ -94,20 +97,36 @@ class FakeEngine:
                 self.post(LoadFailed(self.configure_error) if self.configure_error else EngineReady(self.info))
                 continue
             cancelled = self.cancels[request_id]
-            try:
-                relay(self._replay(events, cancelled), request_id, self.post, cancelled, **self.drafting, flush_s=0)
-            except Exception as e:
-                self.post(GenerationFailed(request_id, one_line(e)))
+            relay = Relay(request_id, self.post, cancelled, **self.drafting, flush_s=0)
+            for record in self._records(events, cancelled):
+                relay(record)
 
     @staticmethod
-    def _replay(events, cancelled):
+    def _records(events, cancelled):
+        """The scripted events as the runner posts them: a ``Committed`` per round with the running totals, then
+        ``Done`` (``"cancelled"`` when cancelled between rounds) or ``Failed`` for a scripted exception."""
+        totals, tokens = None, []
         for event in events:
             if event is WAIT:
                 cancelled.wait(5)
             elif isinstance(event, Exception):
-                raise event
-            else:
-                yield event
+                yield Failed(one_line(event), 500)
+                return
+            elif isinstance(event, TokenEvent):
+                tokens.append(event)
+            elif isinstance(event, RoundStats):
+                totals = totals or GenerationStats(drafter="ngram", num_draft_tokens=4)
+                totals.add_round(event)
+                yield Committed(tuple(tokens), event, GenerationStats(**totals.__dict__))
+                tokens = []
+                if cancelled.is_set():
+                    yield Done(totals, "cancelled")
+                    return
+            elif isinstance(event, GenerationStats):
+                yield Done(event, event.finish_reason or "length")
+                return
+        if cancelled.is_set():
+            yield Done(totals or GenerationStats(), "cancelled")
 
 
 async def wait_for(pilot, condition, timeout_s=5.0):

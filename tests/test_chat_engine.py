@@ -1,4 +1,4 @@
-"""The chat engine: ``relay`` on scripted events, and the real engine thread on a tiny MLX model."""
+"""The chat engine: ``Relay`` on scripted runner records, and the real engine on a tiny MLX model."""
 
 from __future__ import annotations
 
@@ -9,58 +9,65 @@ from pathlib import Path
 from mlx_lm.utils import save_config, save_model
 
 from mlxspec_app.app import SpecChatApp
-from mlxspec_app.engine import Engine, EngineConfig, chat_prompt, relay
-from mlxspec_app.messages import GenerationDone, StatsUpdated, TokensCommitted
+from mlxspec_app.engine import Engine, EngineConfig, Relay, chat_prompt
+from mlxspec_app.messages import GenerationDone, GenerationFailed, TokensCommitted
 from conftest import byte_tokenizer, tiny_llama
 from mlxspec import generate
 from mlxspec.commands import chat
+from mlxspec.engine.output import Committed
+from mlxspec.engine.runner import Done, Failed
 from mlxspec.loading.models import load
 from mlxspec.core.metrics import RoundStats, GenerationStats, TokenEvent
 from test_app import messages, wait_for
 
 
-def rounds(n, closed):
-    """``n`` rounds of two tokens (one with empty text); sets ``closed`` when the generator closes."""
-    try:
-        for index in range(n):
-            yield TokenEvent(1, "", "accepted", index)
-            yield TokenEvent(2, f"t{index}", "resampled", index)
-            yield RoundStats(index, 2, 1, 2, 0.0, 0.1)
-        yield GenerationStats(drafter="ngram", rounds=n, finish_reason="stop")
-    finally:
-        closed.set()
+def rounds(n):
+    """``n`` rounds of two tokens (one with empty text), as the runner posts them, then its ``Done``."""
+    totals = GenerationStats(drafter="ngram")
+    for index in range(n):
+        stats = RoundStats(index, 2, 1, 2, 0.0, 0.1)
+        totals.add_round(stats)
+        last = index == n - 1
+        totals.finish_reason = "stop" if last else None
+        yield Committed((TokenEvent(1, "", "accepted", index), TokenEvent(2, f"t{index}", "resampled", index)),
+                        stats, GenerationStats(**{**totals.__dict__}), "stop" if last else None)
+    yield Done(totals, "stop")
 
 
-def collect(n, *, cancel_after=None, flush_s=0.0):
-    posted, closed, cancelled = [], threading.Event(), threading.Event()
-
-    def post(message):
-        posted.append(message)
-        if cancel_after is not None and isinstance(message, StatsUpdated) and message.stats.rounds == cancel_after:
+def collect(records, *, cancel_after=None, flush_s=0.0):
+    posted, cancelled = [], threading.Event()
+    relay = Relay(7, posted.append, cancelled, drafter="ngram", num_draft_tokens=2, flush_s=flush_s)
+    for record in records:
+        relay(record)
+        if cancel_after is not None and isinstance(record, Committed) and record.round.round + 1 == cancel_after:
             cancelled.set()
-
-    relay(rounds(n, closed), 7, post, cancelled, drafter="ngram", num_draft_tokens=2, flush_s=flush_s)
-    return posted, closed
+    return posted
 
 
 def test_relay_batches_tokens_and_drops_empty_texts():
-    posted, closed = collect(5, flush_s=60.0)
+    posted = collect(rounds(5), flush_s=60.0)
     tokens = [m for m in posted if isinstance(m, TokensCommitted)]
     # The first round flushes at once; the rest arrive as one batch at the end.
     assert [len(m.spans) for m in tokens] == [1, 4]
     assert [s for m in tokens for s in m.spans] == [(f"t{i}", "resampled") for i in range(5)]
     assert isinstance(posted[-1], GenerationDone) and not posted[-1].cancelled
-    assert posted[-1].stats.rounds == 5 and closed.is_set()
+    assert posted[-1].stats.rounds == 5 and posted[-1].stats.tau == 2.0
 
 
-def test_relay_stops_between_rounds_on_cancel_and_closes_the_generator():
-    posted, closed = collect(10, cancel_after=3)
+def test_relay_flushes_on_cancel_and_ends_as_the_runner_says():
+    records = list(rounds(10))[:3] + [Done(list(rounds(10))[2].totals, "cancelled")]
+    posted = collect(records, cancel_after=3, flush_s=60.0)
     done = posted[-1]
     assert isinstance(done, GenerationDone) and done.cancelled and done.finish_reason is None
-    assert done.stats.rounds == 3  # set while round 3 was being posted: no round after it
+    assert done.stats.rounds == 3
     assert "".join(s for m in posted if isinstance(m, TokensCommitted) for s, _ in m.spans) == "t0t1t2"
     assert done.stats.tau == 2.0 and done.stats.taus == (2, 2, 2)
-    assert closed.is_set()
+
+
+def test_relay_says_a_refusal_in_the_chats_words():
+    posted = collect([Failed("no draft model; pass --draft-model PATH_OR_REPO", 400)])
+    assert isinstance(posted[-1], GenerationFailed)
+    assert posted[-1].error == "no draft model; give a draft model in F2 (or start the chat with --draft-model)"
 
 
 def test_real_engine_thread_answers_like_plain_greedy_decoding(tmp_path):
@@ -100,8 +107,9 @@ def test_real_engine_thread_answers_like_plain_greedy_decoding(tmp_path):
         plain = generate(reference, reference_tokenizer, chat_prompt(reference_tokenizer, conversation),
                          drafter="none", max_tokens=40)
         assert turn["content"] == plain.text and plain.text
-        assert {"accepted", "resampled"} <= {kind for _, kind in turn_spans}  # drafts were verified
+        assert {"accepted", "resampled"} & {kind for _, kind in turn_spans}  # drafts were verified
         conversation.append(turn)
+    assert any("accepted" in {kind for _, kind in turn_spans} for turn_spans in spans)
 
 
 def test_chat_command_rejects_bad_flags_before_starting_the_app(capsys):

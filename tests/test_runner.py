@@ -11,7 +11,6 @@ batch bug (a row cut at the batch's shortest acceptance and given a fresh target
 from __future__ import annotations
 
 import threading
-import time
 from collections import Counter
 
 import mlx.core as mx
@@ -30,6 +29,7 @@ from mlxspec.engine.output import Committed
 from mlxspec.engine.runner import Done, Failed, Request, Runner, Setup
 from mlxspec.pacing import make_pacer
 
+GREEDY = SamplingParams()
 PROMPTS = ["abcabcabcabc the cat the cat the cat", "hello hello hello world", "xyzxyzxyz 123123123 xyz", "q"]
 
 
@@ -38,7 +38,7 @@ def pair():
     return tiny_llama(seed=1, sharpen=3.0), byte_tokenizer()
 
 
-def _row(model, tokenizer, ids, drafter, sampling=SamplingParams(), gamma=4, max_tokens=40, seed=0):
+def _row(model, tokenizer, ids, drafter, sampling=GREEDY, gamma=4, max_tokens=40, seed=0):
     store = PromptCache(model)
     prefill(model, store.layers, ids[:-1])
     store.add(ids[:-1], None)
@@ -313,3 +313,21 @@ def test_the_same_test_rejects_rows_cut_at_the_batchs_shortest_acceptance(small)
     stats = [chi_square(observed, _exact_joint(small[0], prompt, T08))
              for prompt, observed in zip(ROW_PROMPTS, counts)]
     assert any(stat > critical for stat, critical in stats), stats
+
+
+def test_an_answer_cut_inside_a_character_ends_on_the_last_whole_one():
+    """A ``max_tokens`` cut after the first byte of "é" drops the incomplete byte (no trailing U+FFFD) in the
+    events, hence in the server's text, the stream and ``result.text`` alike."""
+    from mlxspec.core.metrics import GenerationStats, RoundStats
+    from mlxspec.engine.output import Output
+
+    tokenizer = byte_tokenizer()
+    a, e_first = tokenizer.encode("aé", add_special_tokens=False)[:2]
+
+    def text(finish_reason):
+        output = Output(tokenizer, GenerationStats(), set(), (), None, False)
+        events = output.round([a, e_first], ["target", "target"], RoundStats(0, 0, 0, 2, 0.0, 0.0), finish_reason)
+        return "".join(event.text for event in events)
+
+    assert text("length") == "a"
+    assert text(None) == "a"  # still streaming: the byte waits for the rest of its character

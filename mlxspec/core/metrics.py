@@ -138,6 +138,12 @@ class GenerationStats:
         self.gamma_rounds[gamma] += 1
 
     @property
+    def gamma_mean(self) -> float:
+        """Mean γ auto planned per round (0 with a fixed γ, whose rounds are not counted)."""
+        picked = sum(self.gamma_rounds)
+        return sum(g * n for g, n in enumerate(self.gamma_rounds)) / picked if picked else 0.0
+
+    @property
     def plain_fallback_rounds(self) -> int:
         """Rounds in which auto-γ fell back to plain decoding (γ = 0)."""
         return self.gamma_rounds[0] if self.gamma_rounds else 0

@@ -101,6 +101,10 @@ class Request:
         deadline: ``time.monotonic()`` after which it stops after its current round. Default: none.
         cancelled: Set to stop it after its current round (or its current prefill chunk, or before it starts).
         reuse: Whether it may take a slot of the prefix cache (a conversation's cache). Default: ``True``.
+        cache: A ``PromptCache`` of its own to generate into and reuse (a chat's conversation), instead of a slot
+            of the prefix cache. Default: ``None``.
+        typical: ``(threshold, alpha)`` for Medusa's LOSSY typical acceptance (``generate.make_verifier``), or
+            ``None`` (exact). Default: ``None``.
         last: The last token committed so far (set by the runner).
     """
 
@@ -113,6 +117,8 @@ class Request:
     deadline: float = math.inf
     cancelled: threading.Event = field(default_factory=threading.Event)
     reuse: bool = True
+    cache: PromptCache | None = None
+    typical: tuple[float, float] | None = None
     last: int | None = None  # the last token committed (set by the runner)
 
     def shared(self) -> dict:
@@ -215,15 +221,18 @@ class Runner:
         """Start the thread."""
         self._thread.start()
 
-    def call(self, fn: Callable, *args) -> object:
-        """Run ``fn(*args)`` on the runner thread between rounds and wait for it; returns what it returns.
+    def call(self, fn: Callable, *args, wait: bool = True) -> object:
+        """Run ``fn(*args)`` on the runner thread between rounds; with ``wait``, wait for it and return what it
+        returns (else return at once: ``fn`` must report its own errors).
 
         Raises:
-            Whatever ``fn`` raised.
+            Whatever ``fn`` raised (with ``wait``).
         """
         done, box = threading.Event(), {}
         self._calls.put((fn, args, done, box))
         self._wake.set()
+        if not wait:
+            return None
         while not done.wait(1.0):  # in steps, so the calling thread still handles signals
             if not self._thread.is_alive():
                 raise RuntimeError("the runner thread has stopped")
@@ -316,15 +325,13 @@ class Runner:
         also be what ``pacing.make_pacer`` takes (an integer γ, ``"auto"``)."""
         setup.pacer = make_pacer(setup.pacer, setup.model, setup.drafter)
         self.setup = setup
-        model = setup.model
+        model, drafter = setup.model, setup.drafter
         self._group = sharding(model).group if sharding(model) else None
-        drafter = setup.drafter
-        self._fork = drafter.fork() is not None
-        batched = (self.max_batch > 1 and self._group is None and self._fork
+        batched = (self.max_batch > 1 and self._group is None and drafter.fork() is not None
                    and batchable_layers(speculative_cache(model)))
-        tap = HiddenTap(model, layers=drafter.feature_layers) if drafter.needs_hidden else None
+        tap = HiddenTap(model, layers=drafter.feature_layers) if batched and drafter.needs_hidden else None
         self._batch = Batch(model, tap) if batched else None
-        self._pending: list[_Pending] = []
+        self._pending = []
 
     @property
     def batched(self) -> bool:
@@ -366,8 +373,10 @@ class Runner:
         """The next request, or ``None`` after a short wait; for a sharded target, rank 0's, on every rank."""
         if self._group is None:
             try:
-                return self._queue.get(timeout=0.2)
+                return self._queue.get_nowait()
             except queue.Empty:
+                self._wake.wait(IDLE_TICK_S)  # a submit or a call sets it
+                self._wake.clear()
                 return None
         if self._group.rank() != 0:
             shared = share_json(self._group)
@@ -400,7 +409,7 @@ class Runner:
         rounds = committed_rounds(
             setup.model, setup.tokenizer, request.prompt, drafter=setup.drafter, num_draft_tokens=setup.pacer,
             max_tokens=request.max_tokens, sampling=request.sampling, seed=request.seed, stop=request.stop or None,
-            prompt_cache=slot)
+            prompt_cache=slot, typical=request.typical)
         totals, stopped = None, None
         try:
             for committed in rounds:
@@ -421,7 +430,7 @@ class Runner:
             return None
         finally:
             rounds.close()  # its finally leaves the caches at what was committed
-        self._release_slot(slot)
+        self._release_slot(request, slot)
         self._finish(request, totals or GenerationStats(prompt_tokens=len(request.prompt)), stopped)
 
     # Batched.
@@ -504,7 +513,7 @@ class Runner:
         stopper = StopStrings(setup.tokenizer, stops) if stops else None
         stop_tokens = set(setup.tokenizer.eos_token_ids)
         seed = request.seed if request.seed is not None else random_seed()
-        row = Row(list(request.prompt), drafter, pacer, request.sampling, make_verifier(request.sampling),
+        row = Row(list(request.prompt), drafter, pacer, request.sampling, make_verifier(request.sampling, request.typical),
                   stop_tokens, stopper, request.max_tokens, pending.store, seed)
         stats = GenerationStats(drafter=drafter.name, num_draft_tokens=pacer.max_gamma,
                                 prompt_tokens=len(request.prompt), priced_plain=pacer.priced_plain,
@@ -543,19 +552,22 @@ class Runner:
     def _leave(self, row: Row, stats: GenerationStats, stopped: str | None) -> None:
         self._batch.remove(row)
         self._running.remove(row.request)
-        self._release_slot(row.store)
+        self._release_slot(row.request, row.store)
         self._finish(row.request, stats, stopped)
 
     # Both.
 
     def _take_slot(self, request: Request) -> PromptCache:
+        """The cache ``request`` generates into: its own, a prefix-cache slot, or a fresh one."""
         cache = self.setup.prefix_cache
+        if request.cache is not None:
+            return request.cache
         if cache is None or not request.reuse:
             return PromptCache(self.setup.model)
         return cache.take(request.prompt)
 
-    def _release_slot(self, slot: PromptCache) -> None:
-        if self.setup.prefix_cache is not None:
+    def _release_slot(self, request: Request, slot: PromptCache) -> None:
+        if request.cache is None and request.reuse and self.setup.prefix_cache is not None:
             self.setup.prefix_cache.release(slot)
 
     def _finish(self, request: Request, stats: GenerationStats, stopped: str | None) -> None:
