@@ -22,6 +22,7 @@ _PUBLIC = {
     "GenerationResult": "engine.generate",
     "generate": "engine.generate",
     "stream_generate": "engine.generate",
+    "batch_generate": "engine.runner",
     "load": "loading.models",
     "RoundStats": "core.metrics",
     "GenerationStats": "core.metrics",
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
     from .core.sampling import SamplingParams
     from .drafters import Draft, Drafter, make_drafter
     from .engine.generate import GenerationResult, generate, stream_generate
+    from .engine.runner import batch_generate
     from .loading.models import load
 
 

@@ -331,3 +331,39 @@ def test_an_answer_cut_inside_a_character_ends_on_the_last_whole_one():
 
     assert text("length") == "a"
     assert text(None) == "a"  # still streaming: the byte waits for the rest of its character
+
+
+def test_batch_generate_answers_each_prompt_as_generate_does(pair):
+    from mlxspec import batch_generate
+
+    model, tokenizer = pair
+    results = batch_generate(model, tokenizer, PROMPTS, drafter="ngram:min=1", num_draft_tokens=3, max_tokens=24,
+                             max_batch=3)
+    for prompt, result in zip(PROMPTS, results):
+        alone = generate(model, tokenizer, prompt, drafter="ngram:min=1", num_draft_tokens=3, max_tokens=24)
+        assert (result.tokens, result.text) == (alone.tokens, alone.text)
+        assert result.stats.generation_tokens == len(result.tokens)
+    with pytest.raises(ValueError, match="prompt 1: .*999999"):
+        batch_generate(model, tokenizer, ["ok", [1, 999_999]], max_tokens=2)
+
+
+def test_the_batch_gate_decodes_plainly_where_drafts_cannot_pay_and_looks_again_later():
+    from mlxspec.drafters import DraftProfile, Plan
+    from mlxspec.engine.batch import FIRST_WAIT, BatchGate
+    from mlxspec.pacing import AcceptanceEstimate, Auto, Costs
+
+    def rows(verify_s, alpha, n=4):
+        estimate = AcceptanceEstimate(kept=[100 * alpha] * 4, reached=[100.0] * 4)
+        return [Row([1, 2], None, Auto(Costs(verify_s), DraftProfile(), estimate=estimate), GREEDY, None, set(),
+                    None, 10, None, 0) for _ in range(n)]
+
+    plans = [Plan(4)] * 4
+    memory_bound = [0.1 + 0.002 * k for k in range(16)]  # a wide forward costs about one step
+    compute_bound = [0.1 * (k + 1) for k in range(16)]  # every token costs a step (a busy GPU, a large batch)
+    gate = BatchGate()
+    assert gate.admit(rows(memory_bound, 0.8), plans) == plans
+    assert gate.admit(rows(compute_bound, 0.5), plans) == [Plan(0)] * 4
+    waited = [gate.admit(rows(compute_bound, 0.5), plans) for _ in range(FIRST_WAIT)]
+    assert waited[:-1] == [[Plan(0)] * 4] * (FIRST_WAIT - 1) and waited[-1] == plans  # then one probe
+    assert gate.admit(rows(compute_bound, 0.5), plans) == [Plan(0)] * 4 and gate.wait == 2 * FIRST_WAIT
+    assert BatchGate().admit(rows(compute_bound, 0.5, n=1), plans[:1]) == plans[:1]  # one row: its own pacer decides

@@ -30,15 +30,59 @@ from ..core.sampling import SamplingParams
 from ..core.stops import StopStrings
 from ..core.tree import Tree
 from ..drafters import Draft, Drafter, Plan
-from ..pacing import Pacer
+from ..pacing import Auto, Pacer
 from .generate import accepted_path, cut_round, judge
 
 #: Rounds between two shifts of the batch's cache past the padding every row shares.
 SHIFT_EVERY = 32
+#: Plain batched rounds after speculation was predicted not to pay at this batch size: 16, doubling up to 256.
+FIRST_WAIT, MAX_WAIT = 16, 256
+#: The predicted gain a speculative batch round needs over a plain batched step (as ``pacing.Auto``'s margin).
+MARGIN = 0.03
+_PLAIN = Plan(0)
+
+
+class BatchGate:
+    """Whether this round's drafts pay at this batch size, decided before anything is drafted.
+
+    With every row on γ auto, a round verifies R rows × (γ_r + 1) tokens in one forward. It is priced as one row
+    verifying Σ (γ_r + 1) tokens on the target's measured curve (``Costs.verify``; linear beyond 16 tokens, as on
+    a compute-bound device): the expected tokens Σ_r τ_r (each row's own acceptance estimate) per second of
+    drafting plus that forward, against R tokens per V(R), a plain batched step. When the drafts do not pay by
+    ``MARGIN``, the batch decodes plainly for 16 rounds, then 32, … 256 (reset when one pays), then lets one round
+    draft as planned, so the estimates see new evidence. The decision reads only past rounds, never this round's
+    draws, so every row stays exact. A fixed γ (or a priced tree) is the user's choice and is never overridden.
+    """
+
+    def __init__(self):
+        self.wait, self.next_wait = 0, FIRST_WAIT
+
+    def admit(self, rows: list[Row], plans: list[Plan]) -> list[Plan]:
+        """The plans to run: ``plans``, or every row plain this round."""
+        if len(rows) < 2 or not any(plan.gamma for plan in plans):
+            return plans
+        if not all(isinstance(row.pacer, Auto) for row in rows):
+            return plans
+        if self.wait > 0:
+            self.wait -= 1
+            return plans if self.wait == 0 else [_PLAIN] * len(plans)  # the last round of a wait probes
+        costs = rows[0].pacer.costs
+        tokens = sum(1.0 + sum(row.pacer.estimate.reach(plan.gamma)[: plan.gamma])
+                     for row, plan in zip(rows, plans))
+        width = sum(plan.gamma + 1 for plan in plans)
+        seconds = sum(costs.draft(plan.gamma) for plan in plans) + costs.verify(width)
+        if tokens / seconds > (1.0 + MARGIN) * len(rows) / costs.verify(len(rows)):
+            self.next_wait = FIRST_WAIT
+            return plans
+        self.wait, self.next_wait = self.next_wait, min(2 * self.next_wait, MAX_WAIT)
+        return [_PLAIN] * len(plans)
+
 
 
 def batchable_layers(layers: list) -> bool:
-    """Whether a target's layer caches can live in a ``BatchKVCache`` (plain attention caches only)."""
+    """Whether a target's layer caches (``make_prompt_cache``: as mlx-lm makes them, before sliding windows are made
+    rewindable) can live in a ``BatchKVCache``: plain attention caches only (a window mask is not applied to a
+    batch's tree mask)."""
     return bool(layers) and all(type(c) is KVCache for c in layers)
 
 
@@ -110,6 +154,7 @@ class Batch:
         self.model, self.tap = model, tap
         self.rows: list[Row] = []
         self.layers: list[BatchKVCache] | None = None
+        self.gate = BatchGate()
         self._rounds = 0
 
     def __len__(self) -> int:
@@ -139,14 +184,13 @@ class Batch:
 
     def round(self) -> list[RowRound]:
         """One round for every row: plan → propose → one target forward → each row's rule → one sync → commit."""
-        plans, drafts, draft_s = [], [], []
-        for row in self.rows:
+        plans = self.gate.admit(self.rows, [row.plan() for row in self.rows])
+        drafts, draft_s = [], []
+        for row, plan in zip(self.rows, plans):
             start = time.perf_counter()
             row.reseed()
-            plan = row.plan()
             draft = Draft.empty() if plan.gamma == 0 else plan.select(
                 row.drafter.propose(row.history, plan.gamma, row.sampling, plan))
-            plans.append(plan)
             drafts.append(draft)
             draft_s.append(time.perf_counter() - start)
         t1 = time.perf_counter()

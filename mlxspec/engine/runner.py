@@ -12,8 +12,8 @@ token by about one chunk; a request cancelled (or past its deadline) mid-prefill
 to ``max_batch`` generations decode together; the rest wait in a bounded queue (``QueueFull`` past it).
 
 Generations run one at a time, through ``generate.committed_rounds``, when the drafter cannot run beside itself
-(``Drafter.fork`` is ``None``: Medusa, DFlash, DSpark, MTP), when the target's caches cannot be batched
-(quantized KV, sliding windows, recurrent layers), for a sharded target, or with ``max_batch=1``.
+(``Drafter.fork`` is ``None``: Medusa, DFlash, DSpark, MTP), when the target's caches are not all plain
+``KVCache``s (sliding windows, recurrent layers), for a sharded target, or with ``max_batch=1``.
 
 A sharded target (docs/distributed.md) runs on every rank in lockstep: rank 0 shares each request (prompt,
 limits, sampling, seed, stops) with the other ranks' runners, which run the same generation and post nothing;
@@ -33,7 +33,9 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..core.cache import PromptCache, check_compactable, check_rewindable, speculative_cache
+from mlx_lm.models.cache import make_prompt_cache
+
+from ..core.cache import PromptCache, check_compactable, check_rewindable
 from ..core.metrics import GenerationStats
 from ..core.sampling import SamplingParams
 from ..core.stops import StopStrings, check_stops
@@ -43,7 +45,8 @@ from ..pacing import Pacer, make_pacer
 from ..runtime.distributed import any_rank, random_seed, share_json, sharding
 from ..runtime.threads import MLXThread
 from .batch import Batch, Row, batchable_layers
-from .generate import check_context, check_ids, committed_rounds, context_length, encode_prompt, make_verifier
+from .generate import (GenerationResult, check_context, check_ids, committed_rounds, context_length, encode_prompt,
+                       make_verifier)
 from .output import Committed, Output
 from .session import USER_ERRORS
 
@@ -328,7 +331,7 @@ class Runner:
         model, drafter = setup.model, setup.drafter
         self._group = sharding(model).group if sharding(model) else None
         batched = (self.max_batch > 1 and self._group is None and drafter.fork() is not None
-                   and batchable_layers(speculative_cache(model)))
+                   and batchable_layers(make_prompt_cache(model)))
         tap = HiddenTap(model, layers=drafter.feature_layers) if batched and drafter.needs_hidden else None
         self._batch = Batch(model, tap) if batched else None
         self._pending = []
@@ -338,6 +341,12 @@ class Runner:
         """Whether generations decode together (see the module docstring for when they cannot)."""
         return self._batch is not None
 
+    def drain(self) -> None:
+        """Run the loop in the calling thread until nothing is queued or running (``batch_generate``: a runner
+        that was never started, whose ``use`` was called in this thread)."""
+        while self._queue.qsize() or self._running:
+            self._tick(wait=False)
+
     def _loop(self) -> None:
         while not self._closing:
             self._run_calls()
@@ -345,38 +354,44 @@ class Runner:
                 self._wake.wait(0.5)
                 self._wake.clear()
                 continue
-            if self._batch is None:
-                request = self._next_serial()
-                if request is None:
-                    continue
+            self._tick(wait=True)
+        if self._group is not None and self._group.rank() == 0 and not self._followers_told:
+            share_json(self._group, None)  # the other ranks stop too
+
+    def _tick(self, wait: bool) -> None:
+        """One step: a whole request one at a time; or admit, one prefill chunk and one round of the batch. With
+        ``wait``, an idle runner waits (up to ``IDLE_TICK_S``) for a request or a call."""
+        if self._batch is None:
+            request = self._next_serial(wait)
+            if request is not None:
                 self._running = [request]
                 try:
                     self._serial(request)
                 finally:
                     self._running = []
-                continue
-            self._admit()
-            if self._pending:
-                self._prefill_chunk()
-            self._drop_ending()
-            if len(self._batch):
-                self._round()
-            if not self._running:
-                self._wake.wait(IDLE_TICK_S)
-                self._wake.clear()
-        if self._group is not None and self._group.rank() == 0 and not self._followers_told:
-            share_json(self._group, None)  # the other ranks stop too
+            return
+        self._admit()
+        if self._pending:
+            self._prefill_chunk()
+        self._drop_ending()
+        if len(self._batch):
+            self._round()
+        if wait and not self._running:
+            self._wake.wait(IDLE_TICK_S)
+            self._wake.clear()
 
     # One at a time.
 
-    def _next_serial(self) -> Request | None:
-        """The next request, or ``None`` after a short wait; for a sharded target, rank 0's, on every rank."""
+    def _next_serial(self, wait: bool = True) -> Request | None:
+        """The next request, or ``None`` (after a short wait, with ``wait``); for a sharded target, rank 0's, on
+        every rank."""
         if self._group is None:
             try:
                 return self._queue.get_nowait()
             except queue.Empty:
-                self._wake.wait(IDLE_TICK_S)  # a submit or a call sets it
-                self._wake.clear()
+                if wait:
+                    self._wake.wait(IDLE_TICK_S)  # a submit or a call sets it
+                    self._wake.clear()
                 return None
         if self._group.rank() != 0:
             shared = share_json(self._group)
@@ -581,3 +596,55 @@ class Runner:
         request.post(done)
         if self._on_done is not None:
             self._on_done(request, done)
+
+
+def batch_generate(model: nn.Module, tokenizer, prompts: list[str | list[int]], *,
+                   drafter: Drafter | str = "none", num_draft_tokens: int | str = 4, max_tokens: int = 256,
+                   sampling: SamplingParams | None = None, seed: int | None = None,
+                   stop: list[str] | tuple[str, ...] | None = None, max_batch: int = DEFAULT_MAX_BATCH,
+                   prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> list[GenerationResult]:
+    """Generate for many prompts at once, offline: the runner's continuous batching in the calling thread.
+
+    Each prompt is a generation of its own, distributed exactly as ``generate`` would make it (greedy answers equal
+    ``generate``'s up to float32 rounding of batched matmuls); up to ``max_batch`` decode together, each with its own
+    fork of ``drafter`` and its own pacer (mlx-lm's ``batch_generate``, with speculation inside the batch). A drafter
+    that cannot fork (``Drafter.fork``) runs the prompts one at a time.
+
+    Args:
+        model, tokenizer: The target and its ``TokenizerWrapper``.
+        prompts: Texts (encoded as-is) or token ids, one per generation.
+        drafter: A ``Drafter`` or spec string (``make_drafter``). Default: ``"none"``.
+        num_draft_tokens: γ, ``"auto"`` or ``"scheduled"`` (``pacing.make_pacer``). Default: ``4``.
+        max_tokens: Most tokens per generation. Default: ``256``.
+        sampling: Temperature and filters, for every prompt. Default: greedy.
+        seed: Prompt i's random draws are seeded with ``seed + i``; ``None``: unseeded. Default: ``None``.
+        stop: Stop strings, for every prompt. Default: none.
+        max_batch: Most generations decoding together. Default: ``DEFAULT_MAX_BATCH``.
+        prefill_chunk: Prompt tokens prefilled between two rounds. Default: ``DEFAULT_PREFILL_CHUNK``.
+
+    Returns:
+        list[GenerationResult]: One per prompt, in order.
+
+    Raises:
+        ValueError: a bad drafter spec or γ, ``max_batch < 1``, a prompt that does not fit the context or holds
+            a token id outside the vocabulary (naming the prompt's index).
+    """
+    from ..drafters import make_drafter
+
+    drafter = make_drafter(drafter, model, tokenizer) if isinstance(drafter, str) else drafter
+    runner = Runner(max_batch=max_batch, queue_size=max(len(prompts), 1), prefill_chunk=prefill_chunk)
+    runner.use(Setup(model, tokenizer, drafter, num_draft_tokens))
+    sampling = sampling or SamplingParams()
+    records: list[list] = [[] for _ in prompts]
+    for i, prompt in enumerate(prompts):
+        ids = encode_prompt(tokenizer, prompt)
+        runner.submit(Request(ids, max_tokens, sampling, None if seed is None else seed + i, tuple(stop or ()),
+                              records[i].append, reuse=False))
+    runner.drain()
+    results = []
+    for i, got in enumerate(records):
+        if isinstance(got[-1], Failed):
+            raise ValueError(f"prompt {i}: {got[-1].message}")
+        events = [event for record in got if isinstance(record, Committed) for event in record.events]
+        results.append(GenerationResult("".join(e.text for e in events), [e.token for e in events], got[-1].stats))
+    return results
