@@ -13,6 +13,12 @@ Two scenarios, each against a server this script starts on 127.0.0.1 (and stops)
   next request sends the file with that edit made), as a coding agent does; once with
   ``--drafter suffix`` and once with ``--drafter none``: decode tokens/s of each request (the
   server's ``speculative.decode_tokens_per_s``) side by side.
+- **concurrency** (``--scenario concurrency``): 8 prompts (4 code edits that copy from the prompt, 4 open
+  questions) sent by 1, 2, 4 and 8 clients at once (``--clients``), each client taking the next prompt; the
+  aggregate tokens/s (all answers' tokens over the wall time) of ``mlxspec serve`` batching (``--max-batch 8``),
+  of the same server one request at a time (``--max-batch 1``) and, with ``--mlx-lm FOLDER``, of
+  ``mlx_lm.server`` on that mlx-lm folder, plain (it batches) and with ``--mlx-lm-draft FOLDER``. At
+  temperature 0 every server's answers are compared.
 
 Greedy (temperature 0). Prints Markdown tables and the machine's load average; ``--json`` writes
 every number.
@@ -38,11 +44,11 @@ def free_port() -> int:
 
 
 class Server:
-    """``mlxspec serve`` in a subprocess until ``stop``."""
+    """``mlxspec serve`` (or another server's ``module``, e.g. ``mlx_lm.server``) in a subprocess until ``stop``."""
 
-    def __init__(self, args: list[str], timeout_s: float = 900.0):
+    def __init__(self, args: list[str], timeout_s: float = 900.0, module: str = "mlxspec serve"):
         self.port = free_port()
-        command = [sys.executable, "-m", "mlxspec", "serve", "--port", str(self.port), *args]
+        command = [sys.executable, "-m", *module.split(), "--port", str(self.port), *args]
         self.process = subprocess.Popen(command, stderr=sys.stderr)
         try:
             self._wait(timeout_s)
@@ -93,6 +99,18 @@ class Server:
                 "prompt_tokens": usage["prompt_tokens"],
                 "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
                 "completion_tokens": usage["completion_tokens"], "speculative": stats}
+
+    def answer(self, messages: list[dict], max_tokens: int, temperature: float) -> dict:
+        """One chat answer, not streamed: its text and completion tokens."""
+        body = json.dumps({"model": "default", "messages": messages, "max_tokens": max_tokens,
+                           "temperature": temperature, "seed": 0})
+        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=3600)
+        connection.request("POST", "/v1/chat/completions", body, {"content-type": "application/json"})
+        response = connection.getresponse()
+        reply = json.loads(response.read())
+        if response.status != 200:
+            raise SystemExit(f"the server answered {response.status}: {reply}")
+        return {"text": reply["choices"][0]["message"]["content"], "tokens": reply["usage"]["completion_tokens"]}
 
     def stop(self) -> None:
         self.process.terminate()
@@ -171,6 +189,67 @@ def agent(serve_args: list[str], requests: int, max_tokens: int) -> list[dict]:
     return rows
 
 
+GROUNDED = [("rename", "total", "acc"), ("rename", "count", "n"), ("comment", "mean", ""), ("rename", "value", "v")]
+OPEN = ["Explain what a hash map is in three sentences.", "Write a haiku about compilers.",
+        "Why is the sky blue? Answer briefly.", "Give three tips for writing readable Python."]
+
+
+def concurrency_prompts() -> list[list[dict]]:
+    """8 single-turn chats: 4 code edits whose answers copy the prompt's code (grounded), then 4 open ones."""
+    code = source_file().split("def median")[0]  # two functions, 20 lines
+    chats = []
+    for kind, old, new in GROUNDED:
+        ask = (f"Rename the variable `{old}` to `{new}`" if kind == "rename"
+               else "Add a one-line comment above every statement of `mean`")
+        chats.append([{"role": "user", "content": f"```python\n{code}```\n{ask}. Reply with the code only."}])
+    return chats + [[{"role": "user", "content": text}] for text in OPEN]
+
+
+def concurrency(module: str, serve_args: list[str], clients: list[int], temps: list[float],
+                max_tokens: int) -> list[dict]:
+    """Aggregate tokens/s of the 8 prompts sent by each number of concurrent clients, at each temperature."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    server, rows, chats = Server(serve_args, module=module), [], concurrency_prompts()
+    try:
+        server.answer(chats[0], 4, 0.0)  # warm-up
+        for temperature in temps:
+            for n in clients:
+                start = time.perf_counter()
+                with ThreadPoolExecutor(n) as pool:
+                    replies = list(pool.map(server.answer, chats, [max_tokens] * len(chats),
+                                            [temperature] * len(chats)))
+                seconds = time.perf_counter() - start
+                tokens = sum(r["tokens"] for r in replies)
+                rows.append({"temperature": temperature, "clients": n, "tokens": tokens, "seconds": seconds,
+                             "tokens_per_s": tokens / seconds, "texts": [r["text"] for r in replies],
+                             "load": os.getloadavg()[0]})
+                print(f"{module} {' '.join(serve_args)} T {temperature} clients {n}: {tokens / seconds:.2f} tok/s "
+                      f"({tokens} tokens, {seconds:.0f} s, load {rows[-1]['load']:.1f})", file=sys.stderr, flush=True)
+    finally:
+        server.stop()
+    return rows
+
+
+def concurrency_table(results: dict, clients: list[int], temps: list[float]) -> str:
+    """Markdown: aggregate tokens/s per server (rows) and clients (columns), per temperature."""
+    lines = []
+    for temperature in temps:
+        lines += [f"\nT {temperature}: aggregate tokens/s (8 prompts)\n",
+                  "| server | " + " | ".join(f"{n} client{'s' if n > 1 else ''}" for n in clients) + " |",
+                  "| --- |" + " ---: |" * len(clients)]
+        for name, rows in results.items():
+            speed = {r["clients"]: r["tokens_per_s"] for r in rows if r["temperature"] == temperature}
+            if speed:
+                lines.append(f"| {name} | " + " | ".join(f"{speed.get(n, float('nan')):.2f}" for n in clients) + " |")
+        if temperature == 0:
+            texts = {name: [r["texts"] for r in rows if r["temperature"] == 0] for name, rows in results.items()}
+            first = next(iter(texts.values()))
+            same = all(t == first for t in texts.values())
+            lines.append(f"\nanswers at T 0 identical across servers and client counts: {same}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mlxspec.bench.measure",
                                      description=__doc__.split("\n\n")[0])
@@ -183,11 +262,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=5)
     parser.add_argument("--edit-tokens", type=int, default=400,
                         help="max_tokens of each agent request. Default: 400")
-    parser.add_argument("--scenario", choices=("both", "conversation", "agent"), default="both")
+    parser.add_argument("--scenario", choices=("both", "conversation", "agent", "concurrency"), default="both")
+    parser.add_argument("--draft-model", default=None, help="concurrency: the draft model mlxspec serve uses")
+    parser.add_argument("--clients", default="1,2,4,8", help="concurrency: client counts. Default: 1,2,4,8")
+    parser.add_argument("--temps", default="0,0.7", help="concurrency: temperatures. Default: 0,0.7")
+    parser.add_argument("--max-tokens", type=int, default=64, help="concurrency: tokens an answer. Default: 64")
+    parser.add_argument("--servers", default="batched,serial,mlx-lm,mlx-lm-draft",
+                        help="concurrency: which servers to run. Default: all four")
+    parser.add_argument("--mlx-lm", default=None, help="concurrency: the target as an mlx-lm folder for mlx_lm.server")
+    parser.add_argument("--mlx-lm-draft", default=None, help="concurrency: the draft model as an mlx-lm folder")
     parser.add_argument("--json", default=None, help="write every number to this file")
     args = parser.parse_args(argv)
     base = ["--model", args.model] + (["--dtype", args.dtype] if args.dtype else [])
     out = {"model": args.model, "dtype": args.dtype, "load_before": os.getloadavg()}
+    if args.scenario == "concurrency":
+        clients, temps = [int(n) for n in args.clients.split(",")], [float(t) for t in args.temps.split(",")]
+        drafting = ["--draft-model", args.draft_model] if args.draft_model else []
+        runs = {"batched": ("mlxspec serve", base + drafting + ["--max-batch", "8"]),
+                "serial": ("mlxspec serve", base + drafting + ["--max-batch", "1"]),
+                "mlx-lm": ("mlx_lm.server", ["--model", str(args.mlx_lm)]),
+                "mlx-lm-draft": ("mlx_lm.server", ["--model", str(args.mlx_lm), "--draft-model",
+                                                   str(args.mlx_lm_draft), "--num-draft-tokens", "4"])}
+        chosen = [name for name in args.servers.split(",") if args.mlx_lm or not name.startswith("mlx-lm")]
+        out["concurrency"] = {name: concurrency(*runs[name], clients, temps, args.max_tokens) for name in chosen}
+        print(concurrency_table(out["concurrency"], clients, temps))
     if args.scenario in ("both", "conversation"):
         out["conversation"] = result = conversation(base, args.turns, args.turn_tokens, args.repeats)
         print(f"\nConversation, {args.model} ({args.dtype or 'as stored'}), {args.turn_tokens} tokens a "
