@@ -19,6 +19,9 @@ Two scenarios, each against a server this script starts on 127.0.0.1 (and stops)
   of the same server one request at a time (``--max-batch 1``) and, with ``--mlx-lm FOLDER``, of
   ``mlx_lm.server`` on that mlx-lm folder, plain (it batches) and with ``--mlx-lm-draft FOLDER``. At
   temperature 0 every server's answers are compared.
+- **long prompt** (``--scenario long-prompt``): while 3 short answers stream, a prompt of ``--long-tokens``
+  tokens arrives; the largest gap between two chunks of the short answers, beside the one before it arrived;
+  then the long request again, dropped by its client mid-prefill: seconds until ``/health`` shows no row left.
 
 Greedy (temperature 0). Prints Markdown tables and the machine's load average; ``--json`` writes
 every number.
@@ -48,6 +51,7 @@ class Server:
 
     def __init__(self, args: list[str], timeout_s: float = 900.0, module: str = "mlxspec serve"):
         self.port = free_port()
+        self.model = "default_model" if module == "mlx_lm.server" else "default"  # each server's name for its model
         command = [sys.executable, "-m", *module.split(), "--port", str(self.port), *args]
         self.process = subprocess.Popen(command, stderr=sys.stderr)
         try:
@@ -102,7 +106,7 @@ class Server:
 
     def answer(self, messages: list[dict], max_tokens: int, temperature: float) -> dict:
         """One chat answer, not streamed: its text and completion tokens."""
-        body = json.dumps({"model": "default", "messages": messages, "max_tokens": max_tokens,
+        body = json.dumps({"model": self.model, "messages": messages, "max_tokens": max_tokens,
                            "temperature": temperature, "seed": 0})
         connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=3600)
         connection.request("POST", "/v1/chat/completions", body, {"content-type": "application/json"})
@@ -194,6 +198,59 @@ OPEN = ["Explain what a hash map is in three sentences.", "Write a haiku about c
         "Why is the sky blue? Answer briefly.", "Give three tips for writing readable Python."]
 
 
+def stream_times(server: Server, messages: list[dict], max_tokens: int, times: list[float]) -> None:
+    """Stream one answer, appending each content chunk's arrival time (``time.perf_counter()``) to ``times``."""
+    body = json.dumps({"model": "default", "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+                       "stream": True})
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=3600)
+    connection.request("POST", "/v1/chat/completions", body, {"content-type": "application/json"})
+    for line in connection.getresponse():
+        line = line.decode().strip()
+        if line.startswith("data: {") and '"content"' in line and json.loads(line[6:])["choices"][0]["delta"].get(
+                "content"):
+            times.append(time.perf_counter())
+
+
+def long_prompt(serve_args: list[str], long_tokens: int, max_tokens: int) -> dict:
+    """Short answers' largest gap between chunks while a long prompt is prefilled; how soon a dropped one frees."""
+    import threading
+
+    server = Server(serve_args)
+    try:
+        long_chat = [{"role": "user", "content": source_file() * (long_tokens // 500) + "Summarize this file."}]
+        shorts = [[{"role": "user", "content": text}] for text in OPEN[:3]]
+        times = [[] for _ in shorts]
+        threads = [threading.Thread(target=stream_times, args=(server, chat, max_tokens, t))
+                   for chat, t in zip(shorts, times)]
+        for thread in threads:
+            thread.start()
+        while not all(times):
+            time.sleep(0.05)
+        arrived = time.perf_counter()
+        long_times: list[float] = []
+        long_thread = threading.Thread(target=stream_times, args=(server, long_chat, 4, long_times), daemon=True)
+        long_thread.start()
+        for thread in threads:
+            thread.join()
+        gaps = [(b - a, b) for t in times for a, b in zip(t, t[1:])]
+        before = max((g for g, at in gaps if at < arrived), default=0.0)
+        during = max((g for g, at in gaps if at >= arrived), default=0.0)
+        long_thread.join()
+        body = json.dumps({"model": "default", "messages": long_chat, "max_tokens": 4, "stream": True})
+        connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=3600)
+        connection.request("POST", "/v1/chat/completions", body, {"content-type": "application/json"})
+        time.sleep(3.0)  # mid-prefill
+        connection.sock.close()
+        dropped = time.perf_counter()
+        while server.get("/health")["rows"]:
+            time.sleep(0.05)
+        freed = time.perf_counter() - dropped
+    finally:
+        server.stop()
+    return {"gap_before_s": before, "gap_during_s": during, "long_first_token_s": long_times[0] - arrived
+            if long_times else None, "freed_after_drop_s": freed, "load": os.getloadavg()[0]}
+
+
 def concurrency_prompts() -> list[list[dict]]:
     """8 single-turn chats: 4 code edits whose answers copy the prompt's code (grounded), then 4 open ones."""
     code = source_file().split("def median")[0]  # two functions, 20 lines
@@ -262,7 +319,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=5)
     parser.add_argument("--edit-tokens", type=int, default=400,
                         help="max_tokens of each agent request. Default: 400")
-    parser.add_argument("--scenario", choices=("both", "conversation", "agent", "concurrency"), default="both")
+    parser.add_argument("--scenario", choices=("both", "conversation", "agent", "concurrency", "long-prompt"),
+                        default="both")
+    parser.add_argument("--long-tokens", type=int, default=8000, help="long-prompt: its tokens. Default: 8000")
     parser.add_argument("--draft-model", default=None, help="concurrency: the draft model mlxspec serve uses")
     parser.add_argument("--clients", default="1,2,4,8", help="concurrency: client counts. Default: 1,2,4,8")
     parser.add_argument("--temps", default="0,0.7", help="concurrency: temperatures. Default: 0,0.7")
@@ -286,6 +345,11 @@ def main(argv: list[str] | None = None) -> int:
         chosen = [name for name in args.servers.split(",") if args.mlx_lm or not name.startswith("mlx-lm")]
         out["concurrency"] = {name: concurrency(*runs[name], clients, temps, args.max_tokens) for name in chosen}
         print(concurrency_table(out["concurrency"], clients, temps))
+    if args.scenario == "long-prompt":
+        out["long_prompt"] = r = long_prompt(base + ["--drafter", "ngram"], args.long_tokens, args.max_tokens)
+        print(f"\nLong prompt ({args.long_tokens} tokens) beside 3 streaming answers: largest gap between chunks "
+              f"{r['gap_during_s']:.2f} s (before it arrived {r['gap_before_s']:.2f} s); dropped mid-prefill, the "
+              f"runner was free {r['freed_after_drop_s']:.2f} s later (load {r['load']:.1f})")
     if args.scenario in ("both", "conversation"):
         out["conversation"] = result = conversation(base, args.turns, args.turn_tokens, args.repeats)
         print(f"\nConversation, {args.model} ({args.dtype or 'as stored'}), {args.turn_tokens} tokens a "
