@@ -251,23 +251,24 @@ def long_prompt(serve_args: list[str], long_tokens: int, max_tokens: int) -> dic
             if long_times else None, "freed_after_drop_s": freed, "load": os.getloadavg()[0]}
 
 
-def concurrency_prompts() -> list[list[dict]]:
-    """8 single-turn chats: 4 code edits whose answers copy the prompt's code (grounded), then 4 open ones."""
+def concurrency_prompts(n: int = 8) -> list[list[dict]]:
+    """``n`` (<= 8) single-turn chats: n/2 code edits whose answers copy the prompt's code (grounded), then n/2
+    open ones."""
     code = source_file().split("def median")[0]  # two functions, 20 lines
     chats = []
     for kind, old, new in GROUNDED:
         ask = (f"Rename the variable `{old}` to `{new}`" if kind == "rename"
                else "Add a one-line comment above every statement of `mean`")
         chats.append([{"role": "user", "content": f"```python\n{code}```\n{ask}. Reply with the code only."}])
-    return chats + [[{"role": "user", "content": text}] for text in OPEN]
+    return chats[: n // 2] + [[{"role": "user", "content": text}] for text in OPEN][: n - n // 2]
 
 
 def concurrency(module: str, serve_args: list[str], clients: list[int], temps: list[float],
-                max_tokens: int) -> list[dict]:
-    """Aggregate tokens/s of the 8 prompts sent by each number of concurrent clients, at each temperature."""
+                max_tokens: int, prompts: int = 8) -> list[dict]:
+    """Aggregate tokens/s of the prompts sent by each number of concurrent clients, at each temperature."""
     from concurrent.futures import ThreadPoolExecutor
 
-    server, rows, chats = Server(serve_args, module=module), [], concurrency_prompts()
+    server, rows, chats = Server(serve_args, module=module), [], concurrency_prompts(prompts)
     try:
         server.answer(chats[0], 4, 0.0)  # warm-up
         for temperature in temps:
@@ -292,7 +293,7 @@ def concurrency_table(results: dict, clients: list[int], temps: list[float]) -> 
     """Markdown: aggregate tokens/s per server (rows) and clients (columns), per temperature."""
     lines = []
     for temperature in temps:
-        lines += [f"\nT {temperature}: aggregate tokens/s (8 prompts)\n",
+        lines += [f"\nT {temperature}: aggregate tokens/s\n",
                   "| server | " + " | ".join(f"{n} client{'s' if n > 1 else ''}" for n in clients) + " |",
                   "| --- |" + " ---: |" * len(clients)]
         for name, rows in results.items():
@@ -301,9 +302,11 @@ def concurrency_table(results: dict, clients: list[int], temps: list[float]) -> 
                 lines.append(f"| {name} | " + " | ".join(f"{speed.get(n, float('nan')):.2f}" for n in clients) + " |")
         if temperature == 0:
             texts = {name: [r["texts"] for r in rows if r["temperature"] == 0] for name, rows in results.items()}
-            first = next(iter(texts.values()))
-            same = all(t == first for t in texts.values())
-            lines.append(f"\nanswers at T 0 identical across servers and client counts: {same}")
+            reference = next(iter(texts.values()))[0]
+            differ = {name: sum(a != b for run in runs for a, b in zip(run, reference))
+                      for name, runs in texts.items()}
+            lines.append("\nanswers at T 0 that differ from the first server's first run: "
+                         + ", ".join(f"{name} {n}" for name, n in differ.items()))
     return "\n".join(lines)
 
 
@@ -326,6 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clients", default="1,2,4,8", help="concurrency: client counts. Default: 1,2,4,8")
     parser.add_argument("--temps", default="0,0.7", help="concurrency: temperatures. Default: 0,0.7")
     parser.add_argument("--max-tokens", type=int, default=64, help="concurrency: tokens an answer. Default: 64")
+    parser.add_argument("--prompts", type=int, default=8, help="concurrency: prompts (half grounded), <= 8. Default: 8")
     parser.add_argument("--servers", default="batched,serial,mlx-lm,mlx-lm-draft",
                         help="concurrency: which servers to run. Default: all four")
     parser.add_argument("--mlx-lm", default=None, help="concurrency: the target as an mlx-lm folder for mlx_lm.server")
@@ -343,7 +347,8 @@ def main(argv: list[str] | None = None) -> int:
                 "mlx-lm-draft": ("mlx_lm.server", ["--model", str(args.mlx_lm), "--draft-model",
                                                    str(args.mlx_lm_draft), "--num-draft-tokens", "4"])}
         chosen = [name for name in args.servers.split(",") if args.mlx_lm or not name.startswith("mlx-lm")]
-        out["concurrency"] = {name: concurrency(*runs[name], clients, temps, args.max_tokens) for name in chosen}
+        out["concurrency"] = {name: concurrency(*runs[name], clients, temps, args.max_tokens, args.prompts)
+                              for name in chosen}
         print(concurrency_table(out["concurrency"], clients, temps))
     if args.scenario == "long-prompt":
         out["long_prompt"] = r = long_prompt(base + ["--drafter", "ngram"], args.long_tokens, args.max_tokens)
