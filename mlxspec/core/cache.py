@@ -211,8 +211,6 @@ def tree_attention(model: nn.Module, cache: Sequence, tree: Tree):
     P = cache_length(cache)
     mask = mx.array(np.concatenate([np.ones((tree.size + 1, P), dtype=bool), tree.ancestor_mask], axis=1))
     depths = mx.array(tree.depths)
-    owners = [m for _, m in model.named_modules() if isinstance(getattr(m, "rope", None), nn.Module)]
-    originals = [m.rope for m in owners]
     windowed = {}  # window size -> the tree mask restricted to keys inside each node's window
 
     def make_mask(*args, window_size=None, **kwargs):
@@ -224,10 +222,20 @@ def tree_attention(model: nn.Module, cache: Sequence, tree: Tree):
             windowed[window_size] = mask & (query[:, None] - key[None] < window_size)
         return windowed[window_size]
 
+    with patched_attention(model, cache, make_mask, lambda rope: TreeRoPE(rope, depths)):
+        yield
+
+
+@contextmanager
+def patched_attention(model: nn.Module, cache: Sequence, make_mask: Callable, wrap_rope: Callable):
+    """Inside the block, every layer cache hands mlx-lm ``make_mask(...)``'s mask and every attention's RoPE module
+    is ``wrap_rope(original)``; both are restored after (``tree_attention``, ``engine.batch``'s batched trees)."""
+    owners = [m for _, m in model.named_modules() if isinstance(getattr(m, "rope", None), nn.Module)]
+    originals = [m.rope for m in owners]
     for c in cache:
         c.make_mask = make_mask
     for owner, rope in zip(owners, originals):
-        owner.rope = TreeRoPE(rope, depths)
+        owner.rope = wrap_rope(rope)
     try:
         yield
     finally:

@@ -24,7 +24,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
-from ..core.cache import PromptCache
+from ..core.cache import PromptCache, patched_attention
 from ..core.metrics import RoundStats
 from ..core.sampling import SamplingParams
 from ..core.stops import StopStrings
@@ -344,16 +344,5 @@ def batch_tree_attention(model: nn.Module, layers: list[BatchKVCache], trees: li
     prefix = mx.broadcast_to(prefix[:, None, :], (len(trees), width, P))
     mask = mx.concatenate([prefix, mx.array(ancestors)], axis=2)[:, None]  # [B, 1, T, P + T]
     positions = first.offset[:, None] + mx.array(depths)  # [B, T]
-    owners = [m for _, m in model.named_modules() if isinstance(getattr(m, "rope", None), nn.Module)]
-    originals = [m.rope for m in owners]
-    for layer in layers:
-        layer.make_mask = lambda *args, **kwargs: mask
-    for owner, rope in zip(owners, originals):
-        owner.rope = BatchTreeRoPE(rope, positions)
-    try:
+    with patched_attention(model, layers, lambda *args, **kwargs: mask, lambda rope: BatchTreeRoPE(rope, positions)):
         yield
-    finally:
-        for layer in layers:
-            del layer.make_mask
-        for owner, rope in zip(owners, originals):
-            owner.rope = rope
