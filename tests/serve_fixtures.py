@@ -37,13 +37,15 @@ TOOLS_TEMPLATE = (
 )
 #: What the tool-calling model answers (three added tokens, then EOS).
 TOOL_CALL = ["<tool_call>", '{"name":"get_weather","arguments":{"city":"Paris"}}', "</tool_call>"]
+#: The same call as a small model answers it instead (Qwen2.5-Coder-1.5B): a fenced JSON block.
+FENCED_CALL = ["```json\n", '{"name": "get_weather", "arguments": {"city": "Paris"}}', "\n```"]
 
 
 def tools_tokenizer():
-    """The byte tokenizer with the tools template and the tool call's pieces as added tokens (ids 259-261)."""
+    """The byte tokenizer with the tools template and both answers' pieces as added tokens (ids 259-264)."""
     tokenizer = byte_tokenizer()
     tokenizer._tokenizer.chat_template = TOOLS_TEMPLATE
-    tokenizer._tokenizer.add_tokens(TOOL_CALL)
+    tokenizer._tokenizer.add_tokens(TOOL_CALL + FENCED_CALL)
     return tokenizer
 
 
@@ -52,16 +54,16 @@ def save_chat_model(path: Path) -> Path:
     return save_tiny_model(path, tiny_llama(seed=0, sharpen=4.0), tools_tokenizer())
 
 
-def save_tool_model(path: Path) -> Path:
+def save_tool_model(path: Path, answer: list[str] = TOOL_CALL) -> Path:
     """A model whose next token depends on the current one only (attention and MLP outputs zeroed), made so
-    that after the prompt's last token ("\\n") it answers ``TOOL_CALL`` and then EOS."""
+    that after the prompt's last token ("\\n") it answers ``answer`` (added tokens) and then EOS."""
     tokenizer = tools_tokenizer()
-    model = tiny_llama(seed=1)
+    model = tiny_llama(seed=1, vocab_size=272)
     for layer in model.model.layers:
         layer.self_attn.o_proj.weight = mx.zeros_like(layer.self_attn.o_proj.weight)
         layer.mlp.down_proj.weight = mx.zeros_like(layer.mlp.down_proj.weight)
     ids = [tokenizer.encode("\n", add_special_tokens=False)[0]]
-    ids += [tokenizer._tokenizer.convert_tokens_to_ids(t) for t in TOOL_CALL] + [tokenizer.eos_token_id]
+    ids += [tokenizer._tokenizer.convert_tokens_to_ids(t) for t in answer] + [tokenizer.eos_token_id]
     embed = model.model.embed_tokens.weight
     head = mx.zeros_like(model.lm_head.weight)
     for current, following in zip(ids, ids[1:]):

@@ -17,7 +17,7 @@ import pytest
 
 import mlxspec
 from mlxspec.commands import generate as generate_command
-from serve_fixtures import TOOL_CALL, ServerProcess, save_chat_model, save_tool_model
+from serve_fixtures import FENCED_CALL, TOOL_CALL, ServerProcess, save_chat_model, save_tool_model
 
 GAMMA = ["--drafter", "ngram", "--num-draft-tokens", "3"]
 SPECULATIVE_KEYS = {"drafter", "gamma", "rounds", "drafted", "accepted", "alpha", "tau", "per_position"}
@@ -42,6 +42,14 @@ def server(chat_model):
 def tool_server(tmp_path_factory):
     process = ServerProcess(["--model", str(save_tool_model(tmp_path_factory.mktemp("serve-tool"))), *GAMMA,
                              "--api-key", "sekret"])
+    yield process
+    process.stop()
+
+
+@pytest.fixture(scope="module")
+def fenced_server(tmp_path_factory):
+    process = ServerProcess(["--model", str(save_tool_model(tmp_path_factory.mktemp("serve-fenced"), FENCED_CALL)),
+                             *GAMMA])
     yield process
     process.stop()
 
@@ -192,6 +200,37 @@ def test_tool_calls(tool_server):
     with claude.messages.stream(model=name, max_tokens=10, messages=messages, tools=tools) as stream:
         final = stream.get_final_message()
     assert [(b.type, b.name, b.input) for b in final.content] == [("tool_use", "get_weather", {"city": "Paris"})]
+
+
+def test_a_fenced_json_call_to_an_offered_tool_is_a_tool_call(fenced_server):
+    """What Qwen2.5-Coder-1.5B answers to the docs' tools example: a ```json block, not <tool_call>."""
+    client, name = openai_client(fenced_server), model_id(fenced_server)
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    reply = client.chat.completions.create(model=name, messages=messages, tools=[WEATHER_TOOL], max_tokens=10)
+    calls = reply.choices[0].message.tool_calls
+    assert reply.choices[0].finish_reason == "tool_calls" and not reply.choices[0].message.content
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("get_weather", {"city": "Paris"})]
+    chunks = list(client.chat.completions.create(model=name, messages=messages, tools=[WEATHER_TOOL], max_tokens=10,
+                                                 stream=True))
+    streamed = [d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or [])]
+    assert [(d.function.name, json.loads(d.function.arguments)) for d in streamed] == [("get_weather",
+                                                                                       {"city": "Paris"})]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
+    claude = anthropic_client(fenced_server)
+    tools = [{"name": "get_weather", "description": "The weather", "input_schema": {"type": "object"}}]
+    message = claude.messages.create(model=name, max_tokens=10, messages=messages, tools=tools)
+    assert message.stop_reason == "tool_use"
+    assert [(b.type, b.name, b.input) for b in message.content] == [("tool_use", "get_weather", {"city": "Paris"})]
+    with claude.messages.stream(model=name, max_tokens=10, messages=messages, tools=tools) as stream:
+        final = stream.get_final_message()
+    assert [(b.type, b.name, b.input) for b in final.content] == [("tool_use", "get_weather", {"city": "Paris"})]
+    # a block naming a tool that was not offered, or no tools at all: the text as the model wrote it
+    other = dict(WEATHER_TOOL, function=dict(WEATHER_TOOL["function"], name="get_time"))
+    for tools_ in ([other], None):
+        kwargs = {"tools": tools_} if tools_ else {}
+        reply = client.chat.completions.create(model=name, messages=messages, max_tokens=10, **kwargs)
+        assert reply.choices[0].message.content == "".join(FENCED_CALL) and not reply.choices[0].message.tool_calls
+        assert reply.choices[0].finish_reason == "stop"
 
 
 def model_id_with_key(server) -> str:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
 from mlxspec import PromptCache, generate
 from mlxspec.serve.prefix_cache import PrefixCache, common_prefix
-from mlxspec.serve.tools import ToolCall, ToolCallParser, split
+from mlxspec.serve.tools import ToolCall, ToolCallParser, split, tool_format
 
 
 def run(target, tokenizer, prompt, cache):
@@ -65,14 +66,27 @@ def test_bounds_are_checked(target):
 
 
 TEXT = 'Sure.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call> Done <tool'
+WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}]
+JSON_TOOLS = tool_format(SimpleNamespace(chat_template="{{ tool_call.name }} <tool_call>", init_kwargs={}))
+
+
+def pieces_of(text: str, fmt, size: int = 1) -> tuple[str, list]:
+    """``text`` fed to a parser ``size`` characters at a time: its text and its calls as (name, input)."""
+    parser, pieces = ToolCallParser(fmt, WEATHER), []
+    for i in range(0, len(text), size):
+        pieces += parser.feed(text[i:i + size])
+    pieces += parser.finish()
+    return "".join(p for p in pieces if isinstance(p, str)), [(c.name, c.input) for c in pieces
+                                                              if isinstance(c, ToolCall)]
 
 
 def test_tool_calls_are_found_however_the_text_streams():
-    whole = split(TEXT)
+    whole = split(TEXT, JSON_TOOLS, WEATHER)
     assert whole[0] == "Sure. Done <tool"
     assert [(c.name, json.loads(c.arguments)) for c in whole[1]] == [("get_weather", {"city": "Paris"})]
     for size in (1, 2, 5, 11):
-        parser, pieces = ToolCallParser(), []
+        parser, pieces = ToolCallParser(JSON_TOOLS, WEATHER), []
         for i in range(0, len(TEXT), size):
             pieces += parser.feed(TEXT[i:i + size])
             assert not any(isinstance(p, str) and "<tool_call" in p for p in pieces)  # never part of the tag
@@ -84,12 +98,74 @@ def test_tool_calls_are_found_however_the_text_streams():
 @pytest.mark.parametrize("body", ["not json", '{"arguments": {}}', '{"name": "f", "arguments": [1]}'])
 def test_a_block_that_is_not_a_call_stays_text(body):
     text = f"<tool_call>{body}</tool_call>"
-    assert split(text) == (text, [])
+    assert split(text, JSON_TOOLS, WEATHER) == (text, [])
 
 
 def test_string_arguments_and_an_unclosed_block():
-    text, calls = split('<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}')
+    text, calls = split('<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}', JSON_TOOLS, WEATHER)
     assert text == "" and calls[0].input == {"x": 1}
+
+
+#: One call to get_weather(city="Paris") in each format mlx-lm parses, after "Sure. ".
+FORMATS = {
+    "json_tools": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+    "qwen3_coder": "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n"
+                   "</tool_call>",
+    "mistral": '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}',
+    "pythonic": '<|tool_call_start|>[get_weather(city="Paris")]<|tool_call_end|>',
+    "gemma4": '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}<tool_call|>',
+    "function_gemma": "<start_function_call>call:get_weather{city:<escape>Paris<escape>}<end_function_call>",
+    "glm47": "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value></tool_call>",
+    "kimi_k2": "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
+               '{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>',
+    "minimax_m2": '<minimax:tool_call><invoke name="get_weather"><parameter name="city">Paris</parameter></invoke>'
+                  "</minimax:tool_call>",
+    "longcat": "<longcat_tool_call>get_weather<longcat_arg_key>city</longcat_arg_key><longcat_arg_value>Paris"
+               "</longcat_arg_value></longcat_tool_call>",
+}
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_each_format_mlx_lm_parses_gives_the_call_streamed(name):
+    fmt = tool_format(SimpleNamespace(chat_template=None, init_kwargs={"tool_parser_type": name}))
+    for size in (1, 7, 1000):
+        assert pieces_of("Sure. " + FORMATS[name], fmt, size) == ("Sure. ", [("get_weather", {"city": "Paris"})])
+
+
+@pytest.mark.parametrize("template, name", [
+    ("{{ tool_call.name }} <tool_call>", "json_tools"),  # Qwen2.5
+    ("<tool_call>\n<function=", "qwen3_coder"),
+    ("[TOOL_CALLS]", "mistral"),
+    ("{{ '<tool_call>' }}{{ call | tojson }}", "json_tools"),  # Hermes-style, named no other way
+    ("{{ messages }}", None),
+])
+def test_the_format_is_the_one_mlx_lm_infers_from_the_template(template, name):
+    tokenizer = SimpleNamespace(chat_template=template, init_kwargs={}, get_vocab=lambda: {})
+    fmt = tool_format(tokenizer)
+    assert (fmt.name if fmt else None) == name
+
+
+FENCED = 'Calling it.\n```json\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n```\n'
+
+
+@pytest.mark.parametrize("fmt", [None, JSON_TOOLS])
+def test_a_fenced_json_call_to_an_offered_tool_is_a_call(fmt):
+    for size in (1, 3, 1000):
+        assert pieces_of(FENCED, fmt, size) == ("Calling it.\n\n", [("get_weather", {"city": "Paris"})])
+    listed = '```\n[{"name": "get_weather", "arguments": {"city": "Rome"}}]\n```'
+    assert pieces_of(listed, fmt) == ("", [("get_weather", {"city": "Rome"})])
+
+
+@pytest.mark.parametrize("text", [
+    FENCED.replace("get_weather", "launch_rocket"),  # a tool that was not offered
+    '```json\n{"name": "get_weather", "arguments": [1]}\n```',  # not a call's arguments
+    '```json\n{"city": "Paris"}\n```',
+    '```python\nprint("```json")\n```\nand ```json\n{"x": 1}\n```',  # code, then JSON that is no call
+    "inline ```code``` and an unclosed ```json\n{\"name\": \"get_weather\"",
+])
+def test_a_fenced_block_that_is_not_a_call_stays_text(text):
+    for size in (1, 4, 1000):
+        assert pieces_of(text, JSON_TOOLS, size) == (text, [])
 
 
 def test_a_draft_model_across_alternating_conversations_answers_as_without_a_cache(target, tokenizer):

@@ -46,17 +46,20 @@ def tool_use(call: ToolCall) -> ToolUseOut:
     return ToolUseOut(id="toolu_" + call.id.removeprefix("call_"), name=call.name, input=call.input)
 
 
-def _prompt(request: Request, body: MessagesRequest) -> list[int]:
+def _tools(body: MessagesRequest) -> list[dict] | None:
+    """The request's tools as OpenAI function tools, or ``None`` (none given, or ``tool_choice`` none)."""
     no_tools = body.tool_choice is not None and body.tool_choice.get("type") == "none"
-    tools = None if no_tools else anthropic_tools(body.tools)
-    return render(state(request).served.tokenizer, anthropic_messages(body), tools)
+    return None if no_tools else anthropic_tools(body.tools)
+
+
+def _prompt(request: Request, body: MessagesRequest) -> list[int]:
+    return render(state(request).served.tokenizer, anthropic_messages(body), _tools(body))
 
 
 async def messages(request: Request, body: MessagesRequest):
     """Answer ``POST /v1/messages`` (``body`` validated and accepted)."""
     server = state(request)
-    prompt = _prompt(request, body)
-    tools = bool(body.tools) and not (body.tool_choice or {}).get("type") == "none"
+    prompt, tools = _prompt(request, body), _tools(body)
     params = sampling(server, body.temperature, body.top_p, body.top_k)
     stops = list(body.stop_sequences or [])
     job = submit(request, prompt, params, body.max_tokens, None, stops)
@@ -64,9 +67,10 @@ async def messages(request: Request, body: MessagesRequest):
     first = await first_event(job, watcher)
     meta = {"id": new_id("msg_"), "model": server.served.model_id}
     if body.stream:
-        return EventStream(_stream(request, job, first, meta, tools, prompt, stops), job, watcher)
+        parser = ToolCallParser(server.tool_format, tools) if tools else None
+        return EventStream(_stream(request, job, first, meta, parser, prompt, stops), job, watcher)
     text, done = await collect(job, watcher, first)
-    content, calls = split(text) if tools else (text, [])
+    content, calls = split(text, server.tool_format, tools) if tools else (text, [])
     blocks = ([TextOut(text=content)] if content or not calls else []) + [tool_use(c) for c in calls]
     reason, sequence = stop_reason(done, stops, len(calls))
     message = Message(**meta, content=blocks, stop_reason=reason, stop_sequence=sequence,
@@ -80,12 +84,13 @@ def count_tokens(request: Request, body: CountTokensRequest) -> TokenCount:
     return TokenCount(input_tokens=len(_prompt(request, body)))
 
 
-async def _stream(request, job, first, meta: dict, tools: bool, prompt: list[int], stops: list[str]):
+async def _stream(request, job, first, meta: dict, parser: ToolCallParser | None, prompt: list[int],
+                  stops: list[str]):
     cached = first.cached if isinstance(first, Delta) else first.stats.cached_tokens
     start = Message(**meta, content=[], stop_reason=None, stop_sequence=None, usage=usage(prompt, cached, 0))
     yield event("message_start", {"message": start.model_dump(mode="json")})
     yield event("ping", {})
-    parser, index, text_open, calls, output = ToolCallParser() if tools else None, 0, False, 0, 0
+    index, text_open, calls, output = 0, False, 0, 0
     try:
         async for item in events(job, first):
             if isinstance(item, Delta):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 import uuid
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from ..core.sampling import SamplingParams
 from .errors import ApiError
 from .metrics import Metrics
 from .schemas.base import Speculative
+from .tools import ToolFormat, tool_format
 from .worker import Delta, Done, Failed, Job, QueueFull, Served, Worker
 
 #: Seconds a client is asked to wait before retrying when the queue is full.
@@ -51,6 +53,11 @@ class ServerState:
     timeout_s: float
     metrics: Metrics
     api_key: str | None = None
+
+    @functools.cached_property
+    def tool_format(self) -> ToolFormat | None:
+        """The served model's tool-call format (``tools.tool_format``), found once."""
+        return tool_format(self.served.tokenizer)
 
 
 def state(request: Request) -> ServerState:

@@ -65,10 +65,10 @@ async def chat(request: Request, body: ChatRequest):
     meta = _meta(request, "chatcmpl-")
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        stream = _chat_stream(request, job, first, meta, tools is not None, include_usage, prompt)
-        return EventStream(stream, job, watcher)
+        parser = ToolCallParser(server.tool_format, tools) if tools else None
+        return EventStream(_chat_stream(request, job, first, meta, parser, include_usage, prompt), job, watcher)
     text, done = await collect(job, watcher, first)
-    content, calls = split(text) if tools else (text, [])
+    content, calls = split(text, server.tool_format, tools) if tools else (text, [])
     message = AssistantMessage(content=content if content or not calls else None,
                                tool_calls=[called(c) for c in calls] or None)
     reply = ChatCompletion(**meta, choices=[ChatChoice(message=message, finish_reason=finish_reason(done, len(calls)))],
@@ -76,12 +76,13 @@ async def chat(request: Request, body: ChatRequest):
     return JSONResponse(reply.model_dump(mode="json"))
 
 
-async def _chat_stream(request, job, first, meta, tools: bool, include_usage: bool, prompt: list[int]):
+async def _chat_stream(request, job, first, meta, parser: ToolCallParser | None, include_usage: bool,
+                       prompt: list[int]):
     def chunk(delta: ChunkDelta, finish: str | None = None, **extra) -> str:
         return sse(ChatCompletionChunk(**meta, choices=[ChunkChoice(delta=delta, finish_reason=finish)], **extra))
 
     yield chunk(ChunkDelta(role="assistant", content=""))
-    parser, calls = ToolCallParser() if tools else None, 0
+    calls = 0
     try:
         async for event in events(job, first):
             if isinstance(event, Delta):
