@@ -67,6 +67,7 @@ def run_cli(args, **kwargs):
     return subprocess.run([sys.executable, "-m", "mlxspec", *args], capture_output=True, **kwargs)
 
 
+@pytest.mark.slow  # over 5 s: several CLI processes, each loading a model
 def test_standard_input_that_is_closed_or_not_utf8(tiny_model_dir):
     base = ["generate", "--model", str(tiny_model_dir), "--max-tokens", "4"]
     closed = run_cli(base, stdin=subprocess.DEVNULL, text=True)  # empty: refused as empty
@@ -277,6 +278,7 @@ def test_a_drafter_without_weights_says_how_to_train_one_or_where_published_ones
     assert f"mlxspec train {kind}" in err and PUBLISHED[kind] in err, err
 
 
+@pytest.mark.slow  # over 5 s: a CLI process that loads a model and generates
 def test_closing_the_engine_mid_answer_exits_cleanly(tiny_model_dir):
     """What Ctrl+Q does: close() mid-answer stops the engine thread after its round, then the process exits
     (a plain exit here aborted in about 1 run of 3 on this machine: MLX's stream threads were torn down)."""

@@ -141,6 +141,7 @@ def test_greedy_sharded_equals_one_process(folders, tmp_path, arch, kind):
     check_greedy(folders, tmp_path, arch, kind)
 
 
+@pytest.mark.slow  # a 2-rank launch and a one-process run
 def test_generate_command_tensor_parallel_prints_once_and_matches(tiny_model_dir):
     """The CLI under mlx.launch: rank 0 alone prints, and prints what one process prints."""
     args = ["-m", "mlxspec", "generate", "--model", str(tiny_model_dir), "--drafter", "ngram", "--temp", "0",
@@ -195,6 +196,7 @@ def test_shard_without_launch_is_refused():
                                           "mlx.launch"), done.stderr
 
 
+@pytest.mark.slow  # a 2-rank launch
 def test_a_killed_rank_ends_the_job_with_one_error(tiny_model_dir):
     """Rank 1 is killed mid-answer; rank 0 ends within the timeout with one ``mlxspec: error`` line."""
     args = ["-m", "mlxspec", "generate", "--model", str(tiny_model_dir), "--drafter", "ngram", "--temp", "0",

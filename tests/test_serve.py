@@ -389,6 +389,7 @@ def test_stops_cleanly_on_a_signal(chat_model, sig):
     assert sum(bool(c.choices[0].delta.content) for c in chunks) < 3000
 
 
+@pytest.mark.slow  # over 5 s: several server processes
 def test_a_model_that_does_not_load_is_one_line_and_exit_2_every_time(tmp_path):
     """The worker thread fails to load: one line, exit 2, never MLX's abort at exit ('terminate called ...'),
     which raced the main thread's exit in about half the runs before the worker's failure was awaited."""
