@@ -52,7 +52,8 @@ def test_read_tree_presets_and_files(tmp_path):
         read_tree("no-such-tree")
 
 
-@pytest.mark.parametrize("tree", ["mc_sim_7b_63", "small_15", "chain_4"])
+@pytest.mark.parametrize("tree", ["mc_sim_7b_63", pytest.param("small_15", marks=pytest.mark.slow),
+                                  pytest.param("chain_4", marks=pytest.mark.slow)])  # the sweep is slow
 def test_greedy_medusa_equals_plain_greedy_over_300_tokens(tree):
     target, tokenizer = tiny_llama(seed=0, sharpen=4.0), byte_tokenizer()
     plain = generate(target, tokenizer, PROMPT, drafter="none", max_tokens=300, stop_tokens=set())
