@@ -41,9 +41,10 @@ class Job:
     Attributes:
         kind: ``"tensor"`` or ``"pipeline"``.
         group: The ``mx.distributed.Group`` of the job's ranks.
-        num_draft_tokens: γ: the flag's integer, or for ``auto`` the fixed ``DEFAULT_NUM_DRAFT_TOKENS`` (costs are
-            not measured per rank: each rank could choose another γ).
-        seed: The flag's seed; without one (and with ``same_seed``), one drawn by rank 0 and shared; else ``None``.
+        num_draft_tokens: γ: the flag's integer, or for ``auto`` the fixed ``DEFAULT_NUM_DRAFT_TOKENS`` (costs
+            are not measured per rank: each rank could choose another γ).
+        seed: The flag's seed; without one (and with ``same_seed``), one drawn by rank 0 and shared; else
+            ``None``.
     """
 
     kind: str
@@ -56,7 +57,9 @@ class Job:
         return self.group.rank()
 
 
-def start(kind: str, model: str, num_draft_tokens: int | str, seed: int | None, *, same_seed: bool = True) -> Job:
+def start(
+    kind: str, model: str, num_draft_tokens: int | str, seed: int | None, *, same_seed: bool = True
+) -> Job:
     """Start a sharded job: join the ranks, refuse what cannot work before any rank reads weights, agree on γ
     and the seed. Every rank must call it.
 
@@ -65,8 +68,8 @@ def start(kind: str, model: str, num_draft_tokens: int | str, seed: int | None, 
         model: ``--model``'s spec (its config is read, not its weights).
         num_draft_tokens: ``--num-draft-tokens``: an integer or ``auto``.
         seed: ``--seed``, or ``None``.
-        same_seed: Without ``seed``, rank 0 draws one for every rank. A server passes ``False``: it draws a seed
-            per request and shares it with the request. Default: ``True``.
+        same_seed: Without ``seed``, rank 0 draws one for every rank. A server passes ``False``: it draws a
+            seed per request and shares it with the request. Default: ``True``.
 
     Returns:
         Job: the group, γ and seed every rank uses.
@@ -86,13 +89,16 @@ def start(kind: str, model: str, num_draft_tokens: int | str, seed: int | None, 
 
 def _check_start(kind: str, model: str, num_draft_tokens: int | str, ranks: int) -> None:
     if num_draft_tokens == SCHEDULED:
-        raise ValueError("--num-draft-tokens scheduled measures costs on each machine, which a --shard job cannot "
-                         "(each rank could verify another number of tokens); pass an integer")
+        raise ValueError(
+            "--num-draft-tokens scheduled measures costs on each machine, which a --shard job cannot (each "
+            "rank could verify another number of tokens); pass an integer"
+        )
     check_shardable(model, kind, ranks)
 
 
 def check_drafter(model, drafter: Drafter) -> None:
-    """Refuse, at load time, a drafter that cannot run exactly on this sharded target (a whole one serves all).
+    """Refuse, at load time, a drafter that cannot run exactly on this sharded target (a whole one serves
+    all).
 
     Under pipeline parallelism a rank holds only its stage's layers, so a drafter that reads the inputs of
     chosen layers (its declared ``feature_layers``: EAGLE-3, DFlash, DSpark, MTP) would read layers another
@@ -104,10 +110,15 @@ def check_drafter(model, drafter: Drafter) -> None:
     split = sharding(model)
     if split is None or split.kind != "pipeline" or not (drafter.needs_hidden and drafter.feature_layers):
         return
-    fix = ("use --shard tensor (every rank sees every layer)" if split_problem(model, "tensor", split.size) is None
-           else "use a drafter that reads no inner layer (ngram, suffix, draft, medusa, EAGLE-1/2)")
-    raise ValueError(f"the {drafter.name} drafter reads the target's layers {list(drafter.feature_layers)}, which "
-                     f"--shard pipeline splits over the ranks; {fix}")
+    fix = (
+        "use --shard tensor (every rank sees every layer)"
+        if split_problem(model, "tensor", split.size) is None
+        else "use a drafter that reads no inner layer (ngram, suffix, draft, medusa, EAGLE-1/2)"
+    )
+    raise ValueError(
+        f"the {drafter.name} drafter reads the target's layers {list(drafter.feature_layers)}, which --shard "
+        f"pipeline splits over the ranks; {fix}"
+    )
 
 
 def together(group, step: Callable[[], T]) -> T:
@@ -136,7 +147,8 @@ def together(group, step: Callable[[], T]) -> T:
     if rank == failed.index(1):
         where = "" if rank == 0 else f"rank {rank}: "
         print(f"mlxspec: error: {where}{problem}", file=sys.stderr, flush=True)
-    mx.eval(mx.distributed.all_sum(mx.array(1), group=group, stream=mx.cpu))  # it has printed: now all may exit
+    # it has printed: now all may exit
+    mx.eval(mx.distributed.all_sum(mx.array(1), group=group, stream=mx.cpu))
     raise SystemExit(2)
 
 
@@ -156,8 +168,10 @@ def refuse_unsharded(command: str) -> None:
         return
 
     def refuse() -> None:
-        raise ValueError(f"mlxspec {command} under mlx.launch needs --shard tensor or --shard pipeline (without it "
-                         f"each of the {group.size()} ranks would run the whole model and answer once); add --shard, "
-                         "or run it without mlx.launch")
+        raise ValueError(
+            f"mlxspec {command} under mlx.launch needs --shard tensor or --shard pipeline (without it each "
+            f"of the {group.size()} ranks would run the whole model and answer once); add --shard, "
+            "or run it without mlx.launch"
+        )
 
     together(group, refuse)

@@ -1,10 +1,11 @@
 """One rank of a sharded job, started by tests/test_distributed.py under ``mlx.launch`` (not a test module).
 
 ``greedy``: loads a saved target with ``ModelSpec(shard=...)``, generates greedily with each drafter, and
-records the prompt's logits; ``sample``: builds a tiny V=8 target and draft model from their seeds (``SAMPLED``),
-shards the target, and counts the first two tokens of many sampled generations; ``load``: loads a saved target with
-``ModelSpec(shard=...)`` and records each rank's peak memory beside the whole model's size. Every rank gathers what every rank
-produced, so rank 0's JSON (``--out``) says whether the ranks agreed bit for bit.
+records the prompt's logits; ``sample``: builds a tiny V=8 target and draft model from their seeds
+(``SAMPLED``), shards the target, and counts the first two tokens of many sampled generations; ``load``: loads
+a saved target with ``ModelSpec(shard=...)`` and records each rank's peak memory beside the whole model's
+size. Every rank gathers what every rank produced, so rank 0's JSON (``--out``) says whether the ranks agreed
+bit for bit.
 """
 
 from __future__ import annotations
@@ -31,9 +32,12 @@ from mlxspec.engine.session import ModelSpec, load_model  # noqa: E402
 from mlxspec.loading.models import load  # noqa: E402
 
 
-#: ``sample``'s V=8 target and draft per architecture: (build, sharpen, target seed, draft seed). qwen2 ties its
-#: embeddings, so sharpening counts twice (at 3.0 its p is one-hot: every sample is the same pair and no verifier could
-#: fail); the draft seeds make rejections common, so that a verifier without the residual fails the chi-square of
+#: ``sample``'s V=8 target and draft per architecture: (build, sharpen, target seed, draft seed). qwen2 ties
+#: its
+#: embeddings, so sharpening counts twice (at 3.0 its p is one-hot: every sample is the same pair and no
+#: verifier could
+#: fail); the draft seeds make rejections common, so that a verifier without the residual fails the chi-square
+#: of
 #: tests/test_distributed.py at its sample count (the power is checked there).
 SAMPLED = {"llama": (tiny_llama, 3.0, 0, 9), "qwen2": (tiny_qwen2, 1.0, 1, 8)}
 
@@ -41,7 +45,9 @@ SAMPLED = {"llama": (tiny_llama, 3.0, 0, 9), "qwen2": (tiny_qwen2, 1.0, 1, 8)}
 def sampled_models(arch: str) -> tuple:
     """``sample``'s target and draft model for ``arch`` (``SAMPLED``), float32."""
     build, sharpen, seed, draft_seed = SAMPLED[arch]
-    return build(seed=seed, vocab_size=8, sharpen=sharpen), build(seed=draft_seed, vocab_size=8, sharpen=sharpen)
+    return build(seed=seed, vocab_size=8, sharpen=sharpen), build(
+        seed=draft_seed, vocab_size=8, sharpen=sharpen
+    )
 
 
 def same_on_every_rank(group, values: mx.array) -> bool:
@@ -55,14 +61,25 @@ def greedy(args) -> dict:
     group = target.model.sharding.group
     draft = load_model(args.draft_model) if args.draft_model else None
     logits = target.model(mx.array(args.prompt)[None])[0, -1].astype(mx.float32)
-    record = {"logits": np.array(logits).tolist(), "logits_agree": same_on_every_rank(group, logits), "runs": {}}
+    record = {
+        "logits": np.array(logits).tolist(),
+        "logits_agree": same_on_every_rank(group, logits),
+        "runs": {},
+    }
     for spec in args.drafters:
         given = {"draft_model": draft.model, "draft_tokenizer": draft.tokenizer} if spec == "draft" else {}
         drafter = make_drafter(spec, target.model, target.tokenizer, **given)
         trees, propose = [], drafter.propose
         drafter.propose = lambda *a, **k: trees.append(not (d := propose(*a, **k)).tree.is_chain) or d
-        result = generate(target.model, target.tokenizer, args.prompt, drafter=drafter, max_tokens=args.max_tokens,
-                          num_draft_tokens=args.gamma, stop_tokens=set())
+        result = generate(
+            target.model,
+            target.tokenizer,
+            args.prompt,
+            drafter=drafter,
+            max_tokens=args.max_tokens,
+            num_draft_tokens=args.gamma,
+            stop_tokens=set(),
+        )
         tokens = mx.array(result.tokens, dtype=mx.int32)
         record["runs"][spec] = {"tokens": result.tokens, "agree": same_on_every_rank(group, tokens),
                                 "drafted": result.stats.drafted, "accepted": result.stats.accepted,
@@ -71,7 +88,8 @@ def greedy(args) -> dict:
 
 
 def peak_memory(args) -> dict:
-    whole = sum(w.nbytes for _, w in tree_flatten(load(args.model, lazy=True)[0].parameters()))  # shapes: nothing read
+    # shapes: nothing read
+    whole = sum(w.nbytes for _, w in tree_flatten(load(args.model, lazy=True)[0].parameters()))
     mx.reset_peak_memory()
     target = load_model(ModelSpec(args.model, shard=args.shard))
     share = sum(w.nbytes for _, w in tree_flatten(target.model.parameters()))
@@ -86,7 +104,8 @@ def sample(args) -> dict:
     shard(target, args.shard, group)
     drafter = make_drafter(args.drafters[0], target, list(range(8)), draft_model=draft)
     if args.broken:  # the classic mistake: after a rejection, draw from p instead of the residual
-        engine = sys.modules["mlxspec.engine.generate"]  # the round loop's module (mlxspec.generate is the function)
+        # the round loop's module (mlxspec.generate is the function)
+        engine = sys.modules["mlxspec.engine.generate"]
         rule = engine.verify_sampled
 
         def without_residual(*a):
@@ -98,8 +117,9 @@ def sample(args) -> dict:
     params, pairs = SamplingParams(temp=args.temp), []
     for _ in range(args.samples):
         tokens = []
-        for round_ in speculative_rounds(target, args.prompt, drafter, num_draft_tokens=args.gamma, max_tokens=2,
-                                         sampling=params, stop_tokens=set()):
+        rounds = speculative_rounds(target, args.prompt, drafter, num_draft_tokens=args.gamma, max_tokens=2,
+                                    sampling=params, stop_tokens=set())
+        for round_ in rounds:
             tokens += round_.tokens
         pairs.append(tokens[:2])
     counts = Counter(f"{a},{b}" for a, b in pairs)
@@ -118,7 +138,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=40)
     parser.add_argument("--gamma", type=int, default=4)
     parser.add_argument("--temp", type=float, default=0.8)
-    parser.add_argument("--samples", type=int, help="sample: how many generations (tests/test_distributed.SAMPLES)")
+    parser.add_argument(
+        "--samples", type=int, help="sample: how many generations (tests/test_distributed.SAMPLES)"
+    )
     parser.add_argument("--broken", action="store_true")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()

@@ -30,8 +30,22 @@ def test_streams_text_then_stats(capsys, tiny_model_dir, tiny_draft_dir):
 
 
 def test_json_record_has_every_stat(capsys, tiny_model_dir):
-    code, out, err = run(capsys, "--model", str(tiny_model_dir), "--drafter", "ngram", "--prompt", "abcabcabc",
-                         "--max-tokens", "16", "--json", "--temp", "0.8", "--seed", "3")
+    code, out, err = run(
+        capsys,
+        "--model",
+        str(tiny_model_dir),
+        "--drafter",
+        "ngram",
+        "--prompt",
+        "abcabcabc",
+        "--max-tokens",
+        "16",
+        "--json",
+        "--temp",
+        "0.8",
+        "--seed",
+        "3",
+    )
     assert code == 0 and err == ""
     record = json.loads(out)
     for key in ("text", "model", "alpha", "tau", "acceptance_per_position", "prompt_tps", "generation_tps",
@@ -48,24 +62,41 @@ def test_same_seed_same_text(capsys, tiny_model_dir, tiny_draft_dir):
 
 
 def test_prompt_from_stdin(tiny_model_dir):
-    proc = subprocess.run([sys.executable, "-m", "mlxspec", "generate", "--model", str(tiny_model_dir),
-                           "--max-tokens", "5", "--json"], input="hello from stdin", capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mlxspec",
+            "generate",
+            "--model",
+            str(tiny_model_dir),
+            "--max-tokens",
+            "5",
+            "--json",
+        ],
+        input="hello from stdin",
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["prompt_tokens"] > len("hello from stdin")  # chat template applied
 
 
 @pytest.mark.parametrize("flags,message", [
     (["--num-draft-tokens", "-1"], "--num-draft-tokens must be from 0 to 64"),
-    (["--num-draft-tokens", "1000"], "--num-draft-tokens must be from 0 to 64"),  # pacing.MAX_NUM_DRAFT_TOKENS
+    # pacing.MAX_NUM_DRAFT_TOKENS
+    (["--num-draft-tokens", "1000"], "--num-draft-tokens must be from 0 to 64"),
     (["--temp", "-1"], "temp must be >= 0"),
     (["--top-p", "0"], r"top_p must be in (0, 1]"),
     (["--top-p", "1.5"], r"top_p must be in (0, 1]"),
     (["--max-tokens", "0"], "--max-tokens must be >= 1"),
     (["--drafter", "draft"], "needs a draft model"),
-    (["--drafter", "ngram", "--draft-model", "/nonexistent"], "--draft-model is used by the draft drafter only, "
-                                                              "but the drafter is ngram"),  # not loaded: not silent
+    # not loaded: not silent
+    (["--drafter", "ngram", "--draft-model", "/nonexistent"],
+     "--draft-model is used by the draft drafter only, but the drafter is ngram"),
     (["--drafter", "none", "--draft-dtype", "float32"], "--draft-dtype is used by the draft drafter only"),
-    (["--drafter", "none", "--num-draft-tokens", "4"], "--num-draft-tokens 4 is for a drafter, but the drafter is none"),
+    (["--drafter", "none", "--num-draft-tokens", "4"],
+     "--num-draft-tokens 4 is for a drafter, but the drafter is none"),
     (["--model", "/nonexistent/model"], "/nonexistent/model"),
 ])
 def test_bad_input_is_one_clear_line(capsys, tiny_model_dir, flags, message):
@@ -82,7 +113,9 @@ def test_mismatched_draft_tokenizer_is_refused(capsys, tmp_path, tiny_model_dir)
     other = byte_tokenizer()
     other._tokenizer.add_special_tokens({"additional_special_tokens": ["<|tool|>"]})
     draft_dir = save_tiny_model(tmp_path / "other", tiny_llama(seed=5), other)
-    code, _, err = run(capsys, "--model", str(tiny_model_dir), "--draft-model", str(draft_dir), "--prompt", "hi")
+    code, _, err = run(
+        capsys, "--model", str(tiny_model_dir), "--draft-model", str(draft_dir), "--prompt", "hi"
+    )
     assert code == 2 and "tokenizer differs" in err and err.count("\n") == 1
 
 
@@ -132,9 +165,11 @@ def test_ctrl_c_while_a_command_starts_is_one_line(capsys, monkeypatch):
 def test_the_command_starts_without_importing_mlx():
     """The ``mlxspec`` command imports MLX and mlx-lm only inside the subcommand's import, which turns Ctrl+C
     into one line: ``import mlxspec`` itself is light (its public names load on first use)."""
-    code = ("import sys, mlxspec.commands.cli, mlxspec; "
-            "print(sorted(m for m in ('mlx', 'mlx.core', 'mlx_lm', 'transformers') if m in sys.modules)); "
-            "from mlxspec import load, generate, SamplingParams; print(callable(generate), 'mlx.core' in sys.modules)")
+    code = (
+        "import sys, mlxspec.commands.cli, mlxspec; print(sorted(m for m in ('mlx', 'mlx.core', 'mlx_lm', "
+        "'transformers') if m in sys.modules)); from mlxspec import load, generate, SamplingParams; "
+        "print(callable(generate), 'mlx.core' in sys.modules)"
+    )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert run.stdout.splitlines() == ["[]", "True True"]
@@ -156,15 +191,18 @@ def test_medusa_from_the_command_line(capsys, tmp_path, tiny_model_dir):
 
     save_medusa(tmp_path / "heads", random_heads(shared=True))
     base = ["--model", str(tiny_model_dir), "--prompt", "hello", "--max-tokens", "12", "--drafter", "medusa"]
-    code, out, err = run(capsys, *base, "--medusa-heads", str(tmp_path / "heads"), "--medusa-tree", "small_15",
-                         "--json")
+    code, out, err = run(
+        capsys, *base, "--medusa-heads", str(tmp_path / "heads"), "--medusa-tree", "small_15", "--json"
+    )
     assert code == 0 and json.loads(out)["drafter"] == "medusa"
     code, _, err = run(capsys, *base, "--medusa-heads", str(tmp_path / "heads"), "--temp", "0.7",
                        "--typical-threshold", "0.09", "--typical-alpha", "0.3")
     assert code == 0 and "LOSSY" in err
     code, _, err = run(capsys, *base)
     assert code == 2 and "no Medusa heads ship for" in err and err.count("\n") == 1
-    code, _, err = run(capsys, *base, "--medusa-heads", str(tmp_path / "heads"), "--typical-threshold", "0.09")
+    code, _, err = run(
+        capsys, *base, "--medusa-heads", str(tmp_path / "heads"), "--typical-threshold", "0.09"
+    )
     assert code == 2 and "needs both --typical-threshold and --typical-alpha" in err
     code, _, err = run(capsys, *base, "--medusa-heads", str(tmp_path / "heads"), "--medusa-tree", "nope")
     assert code == 2 and "unknown Medusa tree" in err
@@ -185,7 +223,9 @@ def test_flag_parsing_errors_are_one_line_too(capsys, flags, message):
 
 
 def test_a_bad_draft_model_is_named_as_such(capsys, tiny_model_dir):
-    code, _, err = run(capsys, "--model", str(tiny_model_dir), "--draft-model", "/nope/draft", "--prompt", "hi")
+    code, _, err = run(
+        capsys, "--model", str(tiny_model_dir), "--draft-model", "/nope/draft", "--prompt", "hi"
+    )
     assert code == 2 and err.startswith("mlxspec: error: draft model: ") and "/nope/draft" in err
 
 
@@ -198,13 +238,18 @@ def test_tree_stats_name_the_tree_and_explain_alpha(capsys, tiny_model_dir, tmp_
     from test_medusa import random_heads
 
     # γ auto prices the tree (pacing.make_pacer): on costs where drafting pays it keeps the tree's depth
-    monkeypatch.setattr(gamma, "load_or_calibrate", lambda *a, **k: Costs([0.01 + 0.0001 * k for k in range(16)]))
+    monkeypatch.setattr(
+        gamma, "load_or_calibrate", lambda *a, **k: Costs([0.01 + 0.0001 * k for k in range(16)])
+    )
     save_medusa(tmp_path / "medusa", random_heads(shared=True))
     save_eagle(random_head(1), tmp_path / "eagle")
     base = ["--model", str(tiny_model_dir), "--prompt", "abcabcabc", "--max-tokens", "8"]
-    code, _, err = run(capsys, *base, "--drafter", "medusa:tree=small_15", "--medusa-heads", str(tmp_path / "medusa"))
+    code, _, err = run(
+        capsys, *base, "--drafter", "medusa:tree=small_15", "--medusa-heads", str(tmp_path / "medusa")
+    )
     assert code == 0, err
-    assert "Drafter: medusa, tree small_15 (15 nodes, depth 3); depth γ = auto (mean " in err  # picked each round
+    # picked each round
+    assert "Drafter: medusa, tree small_15 (15 nodes, depth 3); depth γ = auto (mean " in err
     assert "Acceptance per depth:" in err and "(a tree: α = accepted / all drafted nodes" in err
     code, _, err = run(capsys, *base, "--drafter", "eagle:depth=3,top_k=1,ngram=4", "--eagle-heads",
                        str(tmp_path / "eagle"))
@@ -212,9 +257,12 @@ def test_tree_stats_name_the_tree_and_explain_alpha(capsys, tiny_model_dir, tmp_
     assert "Drafter: eagle, depth-3 chain + a 4-token n-gram branch;" in err
     code, _, err = run(capsys, *base, "--drafter", "eagle:depth=3,top_k=1,ngram=4", "--eagle-heads",
                        str(tmp_path / "eagle"), "--num-draft-tokens", "2")  # a fixed γ below the tree's depth
-    assert code == 0 and "Drafter: eagle, depth-3 chain + a 4-token n-gram branch, cut to depth 2 by γ;" in err
+    assert (
+        code == 0 and "Drafter: eagle, depth-3 chain + a 4-token n-gram branch, cut to depth 2 by γ;" in err
+    )
     code, _, err = run(capsys, *base, "--drafter", "ngram", "--num-draft-tokens", "3")
-    assert "Drafter: ngram, drafted 0;" in err and "(a tree" not in err  # the lookup found nothing: no γ (issue 50)
+    # the lookup found nothing: no γ (issue 50)
+    assert "Drafter: ngram, drafted 0;" in err and "(a tree" not in err
     assert "Acceptance per draft position: -" in err and "α = –" in err
 
 
@@ -234,14 +282,19 @@ def test_a_medusa_tree_priced_as_plain_says_so(capsys, tiny_model_dir, tmp_path,
 
 
 def test_a_tree_that_drafted_nothing_says_so():
-    """A tree pruned to nothing every round (Medusa's ``auto`` tree on a machine where no node pays) says so."""
+    """A tree pruned to nothing every round (Medusa's ``auto`` tree on a machine where no node pays) says
+    so."""
     from types import SimpleNamespace
 
     from mlxspec.commands.generate import format_stats
     from mlxspec.core.metrics import GenerationStats
 
-    tree = SimpleNamespace(makes_trees=True, profile=SimpleNamespace(max_depth=4, plain=False), vocab_summary=lambda: None,
-                           describe=lambda: "tree mc_sim_7b_63 (63 nodes, depth 4)")
+    tree = SimpleNamespace(
+        makes_trees=True,
+        profile=SimpleNamespace(max_depth=4, plain=False),
+        vocab_summary=lambda: None,
+        describe=lambda: "tree mc_sim_7b_63 (63 nodes, depth 4)",
+    )
     stats = GenerationStats(drafter="medusa", num_draft_tokens=4, rounds=64, generation_tokens=64)
     assert "Drafter: medusa, tree mc_sim_7b_63 (63 nodes, depth 4); drafted 0; rounds: 64" in \
         format_stats(stats, tree)
@@ -282,7 +335,14 @@ def test_ctrl_c_while_loading_or_measuring_says_so_in_one_line(capsys, tiny_mode
         on_measure("the verify cost")
         raise KeyboardInterrupt  # as a Ctrl+C during the measurement
 
-    argv = ["--model", str(tiny_model_dir), "--prompt", "hello", "--no-chat-template", *(["--json"] if as_json else [])]
+    argv = [
+        "--model",
+        str(tiny_model_dir),
+        "--prompt",
+        "hello",
+        "--no-chat-template",
+        *(["--json"] if as_json else []),
+    ]
     monkeypatch.setattr(command, "load_models", interrupted_load)
     code, out, err = run(capsys, *argv)
     assert (code, out) == (130, "")
@@ -291,13 +351,16 @@ def test_ctrl_c_while_loading_or_measuring_says_so_in_one_line(capsys, tiny_mode
     monkeypatch.setattr(command, "make_pacer", interrupted_measure)
     code, out, err = run(capsys, *argv)
     assert (code, out) == (130, "")
-    assert err.splitlines()[-1] == ("mlxspec: interrupted (Ctrl+C) while measuring the verify cost on this machine; "
-                                    "nothing was generated")
+    assert err.splitlines()[-1] == (
+        "mlxspec: interrupted (Ctrl+C) while measuring the verify cost on this machine; nothing was generated"
+    )
     assert len(err.splitlines()) == (1 if as_json else 2)  # without --json, the measuring note first
 
 
 @pytest.mark.parametrize("as_json", [False, True])
-def test_ctrl_c_mid_answer_ends_the_line_and_says_how_far_it_got(capsys, tiny_model_dir, monkeypatch, as_json):
+def test_ctrl_c_mid_answer_ends_the_line_and_says_how_far_it_got(
+    capsys, tiny_model_dir, monkeypatch, as_json
+):
     from mlxspec.commands import generate as command
     from mlxspec.core.metrics import TokenEvent
 
@@ -323,7 +386,8 @@ def test_ctrl_c_mid_answer_ends_the_line_and_says_how_far_it_got(capsys, tiny_mo
 
 
 def test_a_quantized_target_on_the_cpu_gets_a_note_to_dequantize(capsys, tmp_path, tiny_model_dir):
-    """MLX's CPU backend has no fast quantized kernels: ``generate`` says so once, and not for a float target."""
+    """MLX's CPU backend has no fast quantized kernels: ``generate`` says so once, and not for a float
+    target."""
     import json as json_module
 
     import mlx.nn as nn
@@ -337,8 +401,12 @@ def test_a_quantized_target_on_the_cpu_gets_a_note_to_dequantize(capsys, tmp_pat
     config["quantization"] = {"group_size": 32, "bits": 4}
     (folder / "config.json").write_text(json_module.dumps(config))
     note = "the target is quantized and MLX runs on the CPU here"
-    for path, dtype, expected in ((folder, [], 1), (folder, ["--dtype", "float32"], 0), (tiny_model_dir, [], 0)):
-        assert main(["generate", "--model", str(path), "--prompt", "hi", "-m", "2", "--drafter", "none", *dtype]) == 0
+    cases = ((folder, [], 1), (folder, ["--dtype", "float32"], 0), (tiny_model_dir, [], 0))
+    for path, dtype, expected in cases:
+        assert (
+            main(["generate", "--model", str(path), "--prompt", "hi", "-m", "2", "--drafter", "none", *dtype])
+            == 0
+        )
         assert capsys.readouterr().err.count(note) == expected, (path, dtype)
 
 
@@ -366,11 +434,19 @@ def test_progress_bars_go_to_a_terminal_stderr_only(monkeypatch, capsys):
 def test_blas_is_named():
     from mlxspec.runtime.machine import blas_in_use
 
-    assert blas_in_use()["name"] in ("OpenBLAS", "reference BLAS", "Accelerate", "Intel MKL", "BLIS", "unknown")
+    assert blas_in_use()["name"] in (
+        "OpenBLAS",
+        "reference BLAS",
+        "Accelerate",
+        "Intel MKL",
+        "BLIS",
+        "unknown",
+    )
 
 
 def test_the_tests_run_on_openblas_where_it_is_installed():
-    """tests/conftest.py loads it before MLX: an import of MLX ahead of it would leave the slow reference BLAS."""
+    """tests/conftest.py loads it before MLX: an import of MLX ahead of it would leave the slow reference
+    BLAS."""
     from conftest import OPENBLAS
     from mlxspec.runtime.machine import blas_in_use
 
@@ -378,8 +454,9 @@ def test_the_tests_run_on_openblas_where_it_is_installed():
 
 
 def test_a_recurrent_target_under_default_settings_decodes_plainly_in_one_line(tmp_path, capsys, monkeypatch):
-    """Its state cannot be rewound: said in one line before any cost measurement, then plain decoding (it used to end
-    in a traceback from the verify-cost measurement); asked for by name, the drafter is refused in one line."""
+    """Its state cannot be rewound: said in one line before any cost measurement, then plain decoding (it used
+    to end in a traceback from the verify-cost measurement); asked for by name, the drafter is refused in one
+    line."""
     from conftest import byte_tokenizer
     from test_reliability import tiny_mamba
 
@@ -387,13 +464,19 @@ def test_a_recurrent_target_under_default_settings_decodes_plainly_in_one_line(t
     folder = save_tiny_model(tmp_path / "mamba", tiny_mamba(), byte_tokenizer())
     assert main(["generate", "--model", str(folder), "--prompt", "abcabc", "--max-tokens", "6"]) == 0
     err = capsys.readouterr().err
-    assert "Traceback" not in err and "cannot be rewound" in err and "Drafter: none" in err and "measuring" not in err
+    assert (
+        "Traceback" not in err
+        and "cannot be rewound" in err
+        and "Drafter: none" in err
+        and "measuring" not in err
+    )
     assert main(["generate", "--model", str(folder), "--prompt", "abc", "--drafter", "ngram"]) == 2
     assert "cannot be rewound" in capsys.readouterr().err
 
 
-def test_a_prompt_longer_than_the_context_is_refused_before_any_cost_measurement(tmp_path, capsys, monkeypatch,
-                                                                                   tiny_model_dir):
+def test_a_prompt_longer_than_the_context_is_refused_before_any_cost_measurement(
+    tmp_path, capsys, monkeypatch, tiny_model_dir
+):
     monkeypatch.setenv("MLXSPEC_CACHE", str(tmp_path / "cache"))
     argv = ["generate", "--model", str(tiny_model_dir), "--prompt", "ab" * 2100, "--no-chat-template"]
     assert main(argv) == 2

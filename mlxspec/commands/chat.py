@@ -33,14 +33,16 @@ DEFAULT_NUM_DRAFT_TOKENS = AUTO
 def setup_arg_parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(
         prog="mlxspec chat",
-        description="Chat in the terminal with lossless speculative decoding: accepted draft tokens "
-                    "green, resampled tokens underlined (red with F4 or --vivid), live τ and α. F1 in the app "
-                    "lists the keys.",
+        description="Chat in the terminal with lossless speculative decoding: accepted draft tokens green, "
+        "resampled tokens underlined (red with F4 or --vivid), live τ and α. F1 in the app lists the keys.",
     )
     add_model_args(parser, allow_auto=True, default_gamma=DEFAULT_NUM_DRAFT_TOKENS)
     parser.add_argument("--system", default=None, help="system prompt put before the conversation")
-    parser.add_argument("--vivid", action="store_true",
-                        help="paint resampled tokens red from the start (the default underlines them; F4 swaps)")
+    parser.add_argument(
+        "--vivid",
+        action="store_true",
+        help="paint resampled tokens red from the start (the default underlines them; F4 swaps)",
+    )
     add_sampling_args(parser)
     add_recalibrate_arg(parser)
     add_blas_arg(parser)
@@ -52,9 +54,16 @@ def engine_config(args: argparse.Namespace):
     from mlxspec_app.engine import EngineConfig
 
     return EngineConfig(
-        model=model_spec(args), draft_model=model_spec(args, draft=True), drafter=drafter_spec_from_args(args),
-        num_draft_tokens=args.num_draft_tokens, sampling=sampling_from_args(args), max_tokens=args.max_tokens,
-        seed=args.seed, typical=typical_from_args(args), draft_dtype=args.draft_dtype, stop=tuple(args.stop or ()),
+        model=model_spec(args),
+        draft_model=model_spec(args, draft=True),
+        drafter=drafter_spec_from_args(args),
+        num_draft_tokens=args.num_draft_tokens,
+        sampling=sampling_from_args(args),
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+        typical=typical_from_args(args),
+        draft_dtype=args.draft_dtype,
+        stop=tuple(args.stop or ()),
         recalibrate=args.recalibrate,
     )
 
@@ -78,9 +87,12 @@ def fetch_named_models(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Check the flags, fetch named models, then run the app until it quits (the process ends there)."""
-    refuse_launched("chat", "every rank would start the terminal app",
-                    "for a sharded target run 'mlxspec serve --shard tensor' under mlx.launch and chat through any "
-                    "OpenAI or Anthropic client, or use 'mlxspec generate --shard tensor'")
+    refuse_launched(
+        "chat",
+        "every rank would start the terminal app",
+        "for a sharded target run 'mlxspec serve --shard tensor' under mlx.launch and chat through any "
+        "OpenAI or Anthropic client, or use 'mlxspec generate --shard tensor'",
+    )
     config = checked_config(args)
     if not (sys.stdin.isatty() and sys.stdout.isatty()):
         raise ValueError("mlxspec chat needs a terminal; to answer from a script use 'mlxspec generate'")

@@ -11,12 +11,24 @@ from importlib.metadata import PackageNotFoundError, version
 SUBCOMMANDS = {
     "generate": ("mlxspec.commands.generate", "generate text with speculative decoding"),
     "chat": ("mlxspec.commands.chat", "terminal chat that shows speculation as it happens"),
-    "train": ("mlxspec.commands.train", "build a corpus; train a draft model or Medusa, EAGLE, MTP, DFlash or "
-                                        "DSpark drafters; measure drafters"),
+    "train": (
+        "mlxspec.commands.train",
+        "build a corpus; train a draft model or Medusa, EAGLE, MTP, DFlash or DSpark drafters; measure "
+        "drafters",
+    ),
     "verify": ("mlxspec.commands.verify", "check that speculation samples exactly as the target (a G-test)"),
-    "bench": ("mlxspec.commands.bench", "speed of every drafter against plain decoding (and mlx-lm's speculative decoding) here"),
-    "convert": ("mlxspec.commands.convert", "write any model spec (GGUF, named model, folder) as an mlx-lm folder"),
-    "serve": ("mlxspec.commands.serve", "OpenAI- and Anthropic-compatible local server (pip install 'mlxspec[serve]')"),
+    "bench": (
+        "mlxspec.commands.bench",
+        "speed of every drafter against plain decoding (and mlx-lm's speculative decoding) here",
+    ),
+    "convert": (
+        "mlxspec.commands.convert",
+        "write any model spec (GGUF, named model, folder) as an mlx-lm folder",
+    ),
+    "serve": (
+        "mlxspec.commands.serve",
+        "OpenAI- and Anthropic-compatible local server (pip install 'mlxspec[serve]')",
+    ),
 }
 
 
@@ -35,7 +47,8 @@ def _version() -> str:
         except PackageNotFoundError:
             return "not installed"
 
-    return f"mlxspec {of('mlxspec')} (mlx {of('mlx')}, mlx-lm {of('mlx-lm')}, Python {platform.python_version()})"
+    python = platform.python_version()
+    return f"mlxspec {of('mlxspec')} (mlx {of('mlx')}, mlx-lm {of('mlx-lm')}, Python {python})"
 
 
 def _unknown(name: str) -> str:

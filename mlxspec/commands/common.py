@@ -22,14 +22,44 @@ from ..core.sampling import SamplingParams
 from ..core.stops import check_stops
 from ..runtime.distributed import sharding
 from ..sharding import SHARD_KINDS, check_drafter, together
-from ..engine.session import USER_ERRORS, LoadedModel, ModelSpec, default_drafter, draft_model_spec, load_model
+from ..engine.session import (
+    USER_ERRORS,
+    LoadedModel,
+    ModelSpec,
+    default_drafter,
+    draft_model_spec,
+    load_model,
+)
 from ..engine.session import build_drafter as session_build_drafter
 
 
-__all__ = ["USER_ERRORS", "ArgumentParser", "LoadedModels", "add_drafter_args", "add_drafter_option_args", "add_model_args", "add_sampling_args",
-           "build_drafter", "check_args", "check_drafter_args", "drafter_spec_from_args", "drafter_flags_given", "with_drafter_flags", "fail", "load_models", "measuring_note",
-           "model_spec", "num_draft_tokens_arg", "run_main", "sampling_from_args", "seed_arg", "typical_from_args",
-           "add_blas_arg", "add_recalibrate_arg", "use_fast_blas"]
+__all__ = [
+    "USER_ERRORS",
+    "ArgumentParser",
+    "LoadedModels",
+    "add_drafter_args",
+    "add_drafter_option_args",
+    "add_model_args",
+    "add_sampling_args",
+    "build_drafter",
+    "check_args",
+    "check_drafter_args",
+    "drafter_spec_from_args",
+    "drafter_flags_given",
+    "with_drafter_flags",
+    "fail",
+    "load_models",
+    "measuring_note",
+    "model_spec",
+    "num_draft_tokens_arg",
+    "run_main",
+    "sampling_from_args",
+    "seed_arg",
+    "typical_from_args",
+    "add_blas_arg",
+    "add_recalibrate_arg",
+    "use_fast_blas",
+]
 
 #: Set in a re-executed process so it does not re-execute again.
 REEXEC_ENV = "MLXSPEC_BLAS_REEXEC"
@@ -54,7 +84,8 @@ def seed_arg(value: str) -> int:
 
 
 def stop_arg(value: str) -> str:
-    """``--stop``: non-empty text (``stops.check_stops`` refuses an empty one too, without naming the flag)."""
+    """``--stop``: non-empty text (``stops.check_stops`` refuses an empty one too, without naming the
+    flag)."""
     if not value:
         raise argparse.ArgumentTypeError("the stop text is empty; give the text that ends the answer "
                                          "(e.g. --stop '###') or leave --stop out")
@@ -68,7 +99,9 @@ def num_draft_tokens_arg(value: str) -> int | str:
     try:
         return int(value)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, 'auto' or 'scheduled', got {value!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"expected an integer, 'auto' or 'scheduled', got {value!r}"
+        ) from None
 
 
 class DrafterAction(argparse.Action):
@@ -101,10 +134,16 @@ def add_drafter_args(parser: argparse.ArgumentParser) -> None:
     """``--drafter`` and one flag per option of every registered drafter, generated from its options
     dataclass: field ``top_k`` of ``eagle`` is ``--eagle-top-k`` (each default is the dataclass's)."""
     kinds = drafter_types()
-    parser.add_argument("--drafter", action=DrafterAction, default=None, metavar="{" + ",".join(kinds) + "}[:K=V,...]",
-                        help="how tokens are proposed: " + "; ".join(f"{k.name}: {k.summary}" for k in kinds.values())
-                             + ". A spec such as 'eagle:depth=4,top_k=1' sets options too. "
-                               "Default: draft with --draft-model, else ngram")
+    parser.add_argument(
+        "--drafter",
+        action=DrafterAction,
+        default=None,
+        metavar="{" + ",".join(kinds) + "}[:K=V,...]",
+        help="how tokens are proposed: "
+        + "; ".join(f"{k.name}: {k.summary}" for k in kinds.values())
+        + ". A spec such as 'eagle:depth=4,top_k=1' sets options too. "
+        "Default: draft with --draft-model, else ngram",
+    )
     add_drafter_option_args(parser)
 
 
@@ -119,42 +158,66 @@ def add_drafter_option_args(parser: argparse.ArgumentParser) -> None:
                                 help=f"{f.metadata['help']}. Default: {default}")
 
 
-def add_model_args(parser: argparse.ArgumentParser, allow_auto: bool = False, default_gamma: int | str = AUTO) -> None:
+def add_model_args(
+    parser: argparse.ArgumentParser, allow_auto: bool = False, default_gamma: int | str = AUTO
+) -> None:
     """``--model``, ``--draft-model``, the drafter flags, γ, dtypes and the lossy typical acceptance.
 
     With ``allow_auto``, ``--num-draft-tokens`` also takes ``auto`` (``pacing.make_pacer``).
     """
-    parser.add_argument("--model", default="default",
-                        help="target: an mlx-lm folder, a Hugging Face repo id, a .gguf file, or a named model: "
-                             f"{', '.join(NAMED_MODELS)} ('default' is SmolLM2-135M-Instruct). Default: default")
-    parser.add_argument("--draft-model", default=None,
-                        help="draft model (same kinds of spec as --model); must share the target's tokenizer. "
-                             "Default with --drafter draft: the one shipped in models/draft/ for the target, if any")
+    parser.add_argument(
+        "--model",
+        default="default",
+        help="target: an mlx-lm folder, a Hugging Face repo id, a .gguf file, or a named model: "
+        f"{', '.join(NAMED_MODELS)} ('default' is SmolLM2-135M-Instruct). Default: default",
+    )
+    parser.add_argument(
+        "--draft-model",
+        default=None,
+        help="draft model (same kinds of spec as --model); must share the target's tokenizer. Default with "
+        "--drafter draft: the one shipped in models/draft/ for the target, if any",
+    )
     add_drafter_args(parser)
-    parser.set_defaults(gamma_default=default_gamma if allow_auto else DEFAULT_NUM_DRAFT_TOKENS)  # see check_args
+    # see check_args
+    parser.set_defaults(gamma_default=default_gamma if allow_auto else DEFAULT_NUM_DRAFT_TOKENS)
     if allow_auto:
-        parser.add_argument("--num-draft-tokens", type=num_draft_tokens_arg, default=default_gamma,
-                            help=f"γ, tokens drafted per round, 0 to {MAX_NUM_DRAFT_TOKENS}; 0 = plain decoding; "
-                                 "'auto' lets a tree drafter keep its own depth and picks γ for the others each "
-                                 "round from costs measured on this machine (once, cached) and the running "
-                                 "acceptance, falling back to plain decoding when speculation would lose; "
-                                 "'scheduled' (draft, medusa, eagle, "
-                                 "dflash, dspark) drafts the drafter's full length and verifies the part with the best predicted "
-                                 "tokens/s from the draft's own confidence (docs/acceptance.md 3.1). "
-                                 f"Default: {default_gamma}")
+        parser.add_argument(
+            "--num-draft-tokens",
+            type=num_draft_tokens_arg,
+            default=default_gamma,
+            help=f"γ, tokens drafted per round, 0 to {MAX_NUM_DRAFT_TOKENS}; 0 = plain decoding; "
+            "'auto' lets a tree drafter keep its own depth and picks γ for the others each round from costs "
+            "measured on this machine (once, cached) and the running acceptance, falling back to plain "
+            "decoding when speculation would lose; 'scheduled' (draft, medusa, eagle, dflash, dspark) drafts "
+            "the drafter's full length and verifies the part with the best predicted tokens/s from the "
+            "draft's own confidence (docs/acceptance.md 3.1). "
+            f"Default: {default_gamma}",
+        )
     else:
-        parser.add_argument("--num-draft-tokens", type=int, default=DEFAULT_NUM_DRAFT_TOKENS,
-                            help=f"γ, tokens drafted per round, 0 to {MAX_NUM_DRAFT_TOKENS}; 0 = plain decoding. "
-                                 f"Default: {DEFAULT_NUM_DRAFT_TOKENS}")
+        parser.add_argument(
+            "--num-draft-tokens",
+            type=int,
+            default=DEFAULT_NUM_DRAFT_TOKENS,
+            help=f"γ, tokens drafted per round, 0 to {MAX_NUM_DRAFT_TOKENS}; 0 = plain decoding. Default: "
+            f"{DEFAULT_NUM_DRAFT_TOKENS}",
+        )
     parser.add_argument("--dtype", choices=DTYPES, default=None,
-                        help="load the target in this float dtype (dequantizes a quantized model). "
-                             "Default: as stored")
+                        help="load the target in this float dtype (dequantizes a quantized model). Default: "
+                             "as stored")
     parser.add_argument("--draft-dtype", choices=DTYPES, default=None,
                         help="the same for the draft model. Default: as stored")
-    parser.add_argument("--typical-threshold", type=float, default=None,
-                        help="LOSSY: Medusa's typical acceptance threshold ε (e.g. 0.09); needs --typical-alpha")
-    parser.add_argument("--typical-alpha", type=float, default=None,
-                        help="LOSSY: Medusa's typical acceptance factor δ (e.g. 0.3); needs --typical-threshold")
+    parser.add_argument(
+        "--typical-threshold",
+        type=float,
+        default=None,
+        help="LOSSY: Medusa's typical acceptance threshold ε (e.g. 0.09); needs --typical-alpha",
+    )
+    parser.add_argument(
+        "--typical-alpha",
+        type=float,
+        default=None,
+        help="LOSSY: Medusa's typical acceptance factor δ (e.g. 0.3); needs --typical-threshold",
+    )
 
 
 def drafter_spec_from_args(args: argparse.Namespace, name: str | None = None) -> DrafterSpec:
@@ -207,8 +270,10 @@ def with_drafter_flags(spec: DrafterSpec, args: argparse.Namespace) -> DrafterSp
         for key, value in given.items():
             if key in spec_keys and args_spec.name == spec.name and getattr(args_spec.options, key) != value:
                 flag = f"--{spec.name}-{key.replace('_', '-')}"
-                raise ValueError(f"--drafter {spec_keys[key]} and {flag} {value} both set the {spec.name} drafter's "
-                                 f"{key}; keep one")
+                raise ValueError(
+                    f"--drafter {spec_keys[key]} and {flag} {value} both set the {spec.name} drafter's "
+                    f"{key}; keep one"
+                )
     return spec.replace(**given)
 
 
@@ -217,31 +282,56 @@ def add_sampling_args(parser: argparse.ArgumentParser, *, max_tokens: int = DEFA
     """Sampling flags, named as in ``mlx_lm.generate`` (``--max-tokens`` with this default and help)."""
     parser.add_argument("--max-tokens", "-m", type=int, default=max_tokens,
                         help=f"{max_tokens_help}. Default: {max_tokens}")
-    parser.add_argument("--temp", type=float, default=0.0, help="sampling temperature; 0 = greedy. Default: 0")
-    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]. Default: 1")
-    parser.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 = off. Default: 0")
-    parser.add_argument("--min-p", type=float, default=0.0, help="min-p filter in [0, 1); 0 = off. Default: 0")
+    parser.add_argument(
+        "--temp", type=float, default=0.0, help="sampling temperature; 0 = greedy. Default: 0"
+    )
+    parser.add_argument(
+        "--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]. Default: 1"
+    )
+    parser.add_argument(
+        "--top-k", type=int, default=0, help="keep the k most likely tokens; 0 = off. Default: 0"
+    )
+    parser.add_argument(
+        "--min-p", type=float, default=0.0, help="min-p filter in [0, 1); 0 = off. Default: 0"
+    )
     parser.add_argument("--repetition-penalty", type=float, default=None,
                         help="mlx-lm's repetition penalty (> 0; 1 = off). Default: off")
-    parser.add_argument("--seed", type=seed_arg, default=None, help="random seed in [0, 2**64). Default: none")
-    parser.add_argument("--stop", action="append", type=stop_arg, default=None, metavar="TEXT",
-                        help="end the answer at this text, which is not printed; repeat for several. Default: none")
+    parser.add_argument(
+        "--seed", type=seed_arg, default=None, help="random seed in [0, 2**64). Default: none"
+    )
+    parser.add_argument(
+        "--stop",
+        action="append",
+        type=stop_arg,
+        default=None,
+        metavar="TEXT",
+        help="end the answer at this text, which is not printed; repeat for several. Default: none",
+    )
 
 
 def add_shard_arg(parser: argparse.ArgumentParser, ranks: str) -> None:
-    """``--shard {tensor,pipeline}`` (docs/distributed.md); ``ranks`` says what the ranks do, e.g. "only rank 0 prints"."""
-    parser.add_argument("--shard", choices=SHARD_KINDS, default=None,
-                        help="split the target over the processes of an mlx.launch job: 'tensor' (every rank holds "
-                             f"part of every layer) or 'pipeline' (every rank holds some layers); {ranks}. "
-                             f"γ 'auto' is then the fixed {DEFAULT_NUM_DRAFT_TOKENS} (costs are not measured per "
-                             "rank). See docs/distributed.md. Default: the whole model in this process")
+    """``--shard {tensor,pipeline}`` (docs/distributed.md); ``ranks`` says what the ranks do, e.g. "only rank
+    0 prints"."""
+    parser.add_argument(
+        "--shard",
+        choices=SHARD_KINDS,
+        default=None,
+        help="split the target over the processes of an mlx.launch job: 'tensor' (every rank holds "
+        f"part of every layer) or 'pipeline' (every rank holds some layers); {ranks}. γ 'auto' is then the "
+        f"fixed {DEFAULT_NUM_DRAFT_TOKENS} (costs are not measured per "
+        "rank). See docs/distributed.md. Default: the whole model in this process",
+    )
 
 
 def add_recalibrate_arg(parser: argparse.ArgumentParser) -> None:
-    """``--recalibrate``: measure the costs behind ``auto`` again (``pacing.load_or_calibrate(refresh=True)``)."""
-    parser.add_argument("--recalibrate", action="store_true",
-                        help="with --num-draft-tokens auto or scheduled: measure this machine's verify and draft "
-                             "costs again (after a BLAS, load or hardware change) instead of using the cached ones")
+    """``--recalibrate``: measure the costs behind ``auto`` again
+    (``pacing.load_or_calibrate(refresh=True)``)."""
+    parser.add_argument(
+        "--recalibrate",
+        action="store_true",
+        help="with --num-draft-tokens auto or scheduled: measure this machine's verify and draft costs again "
+        "(after a BLAS, load or hardware change) instead of using the cached ones",
+    )
 
 
 def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
@@ -273,24 +363,34 @@ def check_args(args: argparse.Namespace, *, one_drafter: bool = True) -> None:
     spec = drafter_spec_from_args(args)
     gamma_default = getattr(args, "gamma_default", AUTO)
     if one_drafter and spec.kind.plain and args.num_draft_tokens not in (AUTO, 0, gamma_default):
-        raise ValueError(f"--num-draft-tokens {args.num_draft_tokens} is for a drafter, but the drafter is none (plain "
-                         "decoding); pass --drafter ngram (or another), or leave out --num-draft-tokens")
-    given = [flag for flag, value in (("--draft-model", args.draft_model), ("--draft-dtype", args.draft_dtype)) if value]
+        raise ValueError(
+            f"--num-draft-tokens {args.num_draft_tokens} is for a drafter, but the drafter is none (plain "
+            "decoding); pass --drafter ngram (or another), or leave out --num-draft-tokens"
+        )
+    given = [
+        flag
+        for flag, value in (("--draft-model", args.draft_model), ("--draft-dtype", args.draft_dtype))
+        if value
+    ]
     if one_drafter and given and not spec.kind.needs_draft_model:
         takes = " or ".join(k.name for k in drafter_types().values() if k.needs_draft_model)
-        raise ValueError(f"{given[0]} is used by the {takes} drafter only, but the drafter is {spec.name}; pass "
-                         f"--drafter {takes}, or leave out {' and '.join(given)}")
+        raise ValueError(
+            f"{given[0]} is used by the {takes} drafter only, but the drafter is {spec.name}; pass --drafter "
+            f"{takes}, or leave out {' and '.join(given)}"
+        )
     draft_model_spec(spec, model_spec(args, draft=True), model_spec(args), args.draft_dtype)
 
 
 def check_drafter_args(args: argparse.Namespace) -> None:
-    """Validate every drafter's flags, even those of drafters not chosen (raises ``ValueError`` naming the flag)."""
+    """Validate every drafter's flags, even those of drafters not chosen (raises ``ValueError`` naming the
+    flag)."""
     for name in drafter_types():
         drafter_spec_from_args(args, name)
 
 
 def model_spec(args: argparse.Namespace, draft: bool = False) -> ModelSpec | None:
-    """``--model``/``--dtype`` (or ``--draft-model``/``--draft-dtype``) as a ``ModelSpec``; ``None`` for no draft model."""
+    """``--model``/``--dtype`` (or ``--draft-model``/``--draft-dtype``) as a ``ModelSpec``; ``None`` for no
+    draft model."""
     if draft:
         return ModelSpec(args.draft_model, args.draft_dtype) if args.draft_model else None
     return ModelSpec(args.model, args.dtype, getattr(args, "shard", None))
@@ -351,7 +451,9 @@ def load_models(args: argparse.Namespace, on_measure=None) -> LoadedModels:
     return LoadedModels(target, draft, drafter)
 
 
-def build_drafter(args: argparse.Namespace, target: LoadedModel, on_measure=None) -> tuple[Drafter, LoadedModel | None]:
+def build_drafter(
+    args: argparse.Namespace, target: LoadedModel, on_measure=None
+) -> tuple[Drafter, LoadedModel | None]:
     """The drafter the flags name for a loaded target, and the draft model it loaded (if any).
 
     Raises:
@@ -359,7 +461,11 @@ def build_drafter(args: argparse.Namespace, target: LoadedModel, on_measure=None
     """
     spec = drafter_spec_from_args(args)
     draft_spec = draft_model_spec(spec, model_spec(args, draft=True), target.spec, args.draft_dtype)
-    draft = load_model(draft_spec, role="draft model") if draft_spec is not None and spec.kind.needs_draft_model else None
+    draft = (
+        load_model(draft_spec, role="draft model")
+        if draft_spec is not None and spec.kind.needs_draft_model
+        else None
+    )
     return session_build_drafter(spec, target, draft, on_measure), draft
 
 
@@ -367,7 +473,9 @@ def measuring_note(why: str):
     """An ``on_measure`` callback that says on stderr what is being measured, and ``why``."""
 
     def note(what: str) -> None:
-        print(f"mlxspec: measuring {what} on this machine for {why} (once; cached)", file=sys.stderr, flush=True)
+        print(
+            f"mlxspec: measuring {what} on this machine for {why} (once; cached)", file=sys.stderr, flush=True
+        )
 
     return note
 
@@ -380,14 +488,19 @@ def fail(message: str) -> int:
 
 def add_blas_arg(parser: argparse.ArgumentParser) -> None:
     """``--blas {auto,keep}``: on Linux, re-run with OpenBLAS preloaded when MLX uses the reference BLAS."""
-    parser.add_argument("--blas", choices=("auto", "keep"), default="auto",
-                        help="Linux: 'auto' re-runs the command with OpenBLAS preloaded when MLX's matmuls use the "
-                             "slow reference BLAS and OpenBLAS is installed (speculation needs it to pay off); "
-                             "'keep' runs as is. Default: auto")
+    parser.add_argument(
+        "--blas",
+        choices=("auto", "keep"),
+        default="auto",
+        help="Linux: 'auto' re-runs the command with OpenBLAS preloaded when MLX's matmuls use the slow "
+        "reference BLAS and OpenBLAS is installed (speculation needs it to pay off); 'keep' runs as is. "
+        "Default: auto",
+    )
 
 
 def use_fast_blas(command: str, argv: list[str], mode: str, *, quiet: bool = False) -> None:
-    """On Linux with the reference BLAS loaded and OpenBLAS installed, re-run ``mlxspec COMMAND ARGV`` with it preloaded.
+    """On Linux with the reference BLAS loaded and OpenBLAS installed, re-run ``mlxspec COMMAND ARGV`` with it
+    preloaded.
 
     ``LD_PRELOAD`` only works from the start of a process, hence ``os.execve``; the command is
     printed unless ``quiet``. Without OpenBLAS, one line says how to install it. Of the ranks of an
@@ -402,20 +515,31 @@ def use_fast_blas(command: str, argv: list[str], mode: str, *, quiet: bool = Fal
     if fast is None:
         if other_rank:
             return
-        print(f"mlxspec {command}: MLX uses the reference BLAS, where verifying k tokens costs about k steps; "
-              "install OpenBLAS (apt-get install libopenblas0-pthread) for speculation to pay off",
-              file=sys.stderr)
+        print(
+            f"mlxspec {command}: MLX uses the reference BLAS, where verifying k tokens costs about k steps; "
+            "install OpenBLAS (apt-get install libopenblas0-pthread) for speculation to pay off",
+            file=sys.stderr,
+        )
         return
     preload = ":".join(filter(None, [fast, os.environ.get("LD_PRELOAD")]))
     command_line = [sys.executable, "-m", "mlxspec", command, *argv]
-    if not (quiet or other_rank):  # the command last, as a shell would take it: the line can be copied and pasted
+    # the command last, as a shell would take it: the line can be copied and pasted
+    if not (quiet or other_rank):
         print(f"mlxspec {command}: re-running with a fast BLAS (--blas keep to skip): "
               f"LD_PRELOAD={shlex.quote(preload)} {shlex.join(command_line)}", file=sys.stderr, flush=True)
     os.execve(sys.executable, command_line, {**os.environ, "LD_PRELOAD": preload, REEXEC_ENV: "1"})
 
 
-def run_main(command: str, parser: argparse.ArgumentParser, run: Callable[[argparse.Namespace], int],
-             argv: list[str] | None, *, entry: bool = False, fast_blas: bool = False, quiet_blas: bool = True) -> int:
+def run_main(
+    command: str,
+    parser: argparse.ArgumentParser,
+    run: Callable[[argparse.Namespace], int],
+    argv: list[str] | None,
+    *,
+    entry: bool = False,
+    fast_blas: bool = False,
+    quiet_blas: bool = True,
+) -> int:
     """What every subcommand's ``main`` does: parse, run, and turn user errors into one line.
 
     Args:
@@ -464,5 +588,6 @@ def os_error_line(e: OSError) -> str:
 
 def is_mlx_error(e: BaseException) -> bool:
     """Whether a ``RuntimeError`` is one of MLX's I/O errors (``[write] Unable to write ...``,
-    ``[save_safetensors] Failed to open file ...``): its message starts with the failing routine in brackets."""
+    ``[save_safetensors] Failed to open file ...``): its message starts with the failing routine in
+    brackets."""
     return isinstance(e, RuntimeError) and re.match(r"\[[\w:]+\] ", str(e)) is not None

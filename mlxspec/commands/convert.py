@@ -27,10 +27,12 @@ from .common import ArgumentParser, is_mlx_error, run_main
 
 def setup_arg_parser() -> argparse.ArgumentParser:
     """The ``mlxspec convert`` flags."""
-    parser = ArgumentParser(prog="mlxspec convert",
-                            description="Write any model spec as an mlx-lm folder that mlx_lm.load opens unchanged. "
-                                        "Without --dtype, quantized layers stay quantized exactly as loaded; with "
-                                        "it, everything is dequantized and cast.")
+    parser = ArgumentParser(
+        prog="mlxspec convert",
+        description="Write any model spec as an mlx-lm folder that mlx_lm.load opens unchanged. Without "
+        "--dtype, quantized layers stay quantized exactly as loaded; with it, everything is dequantized and "
+        "cast.",
+    )
     parser.add_argument("src", metavar="SRC",
                         help="model: a .gguf file, a named model (e.g. qwen2.5-coder-1.5b), an mlx-lm folder "
                              "or a Hugging Face repo id")
@@ -102,7 +104,9 @@ def convert(src: str, out: str | Path, *, dtype: str | None = None, requantize: 
         print(f"mlxspec convert: {out} holds an unfinished conversion ({unfinished(out)}); replacing it",
               file=sys.stderr)
     if staging.exists():
-        print(f"mlxspec convert: replacing {staging}, the unfinished output of an earlier run", file=sys.stderr)
+        print(
+            f"mlxspec convert: replacing {staging}, the unfinished output of an earlier run", file=sys.stderr
+        )
         shutil.rmtree(staging)
     model, tokenizer = load(src, dtype=dtype, requantize=requantize)
     config = {k: v for k, v in dataclasses.asdict(model.args).items() if v is not None}
@@ -141,7 +145,9 @@ def unfinished(folder: Path) -> str | None:
     for path in sorted(folder.glob("*.safetensors")):
         size, expected = path.stat().st_size, safetensors_size(path)
         if expected is None or size != expected:
-            return f"{path.name} has {size} bytes" + (f" of {expected}" if expected else ", no complete header")
+            return f"{path.name} has {size} bytes" + (
+                f" of {expected}" if expected else ", no complete header"
+            )
     if not (folder / "config.json").exists():
         return "no config.json"
     return None

@@ -23,16 +23,20 @@ def check_output_file(path: str | Path, flag: str) -> Path:
     if path.is_dir():
         raise ValueError(f"{flag} {path} is a folder; name a file, e.g. {flag} {path / 'out.json'}")
     if not parent.exists():
-        raise ValueError(f"{flag} {path}: the folder {parent} does not exist; create it (mkdir -p {parent}) or "
-                         "name a file in another folder")
+        raise ValueError(
+            f"{flag} {path}: the folder {parent} does not exist; create it (mkdir -p {parent}) or "
+            "name a file in another folder"
+        )
     if not parent.is_dir():
         raise ValueError(f"{flag} {path}: {parent} is not a folder; name a file in a folder")
     try:
         with tempfile.NamedTemporaryFile(dir=parent, prefix=".mlxspec-probe-"):
             pass
     except OSError as e:
-        raise ValueError(f"{flag} {path}: cannot write in {parent} ({e.strerror or e}); name a file in a folder "
-                         "you can write to") from None
+        raise ValueError(
+            f"{flag} {path}: cannot write in {parent} ({e.strerror or e}); name a file in a folder "
+            "you can write to"
+        ) from None
     return path
 
 
@@ -67,7 +71,10 @@ def save_or_keep(path: str | Path, text: str) -> str | None:
         return None
     except OSError as e:
         failed = f"could not write {path} ({e.strerror or e})"
-    spare = Path(tempfile.gettempdir()) / f"{path.stem}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}{path.suffix}"
+    spare = (
+        Path(tempfile.gettempdir())
+        / f"{path.stem}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}{path.suffix}"
+    )
     try:
         write_whole(spare, text)
         return f"{failed}; the results are in {spare}"

@@ -34,7 +34,8 @@ from .common import (
 def setup_arg_parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(
         prog="mlxspec generate",
-        description="Generate text with lossless speculative decoding (output distributed exactly as the target's).",
+        description="Generate text with lossless speculative decoding (output distributed exactly as the "
+        "target's).",
     )
     add_model_args(parser, allow_auto=True)
     parser.add_argument("--prompt", "-p", default=None,
@@ -55,7 +56,9 @@ def build_prompt(tokenizer, prompt: str, system: str | None, use_chat_template: 
     """The chat-templated prompt ids, or the raw text when there is no template or it is turned off."""
     if not use_chat_template or not tokenizer.has_chat_template:
         return prompt
-    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+    messages = ([{"role": "system", "content": system}] if system else []) + [
+        {"role": "user", "content": prompt}
+    ]
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
 
 
@@ -87,10 +90,11 @@ def format_stats(stats: GenerationStats, drafter=None, policy: str = AUTO) -> st
     alpha = f"{stats.alpha:.3f}" if stats.drafted else "–"
     lines = [
         "=" * 10,
-        f"Prompt: {stats.prompt_tokens} tokens" + (f", {stats.cached_tokens} reused from the cache" if stats.cached_tokens
-                                                  else "") + (f", {stats.prompt_tps:.1f} tokens/s" if stats.prompt_tps else ""),
-        f"Generation: {stats.generation_tokens} tokens, {stats.generation_tps:.1f} tokens/s "
-        f"(finish: {stats.finish_reason})",
+        f"Prompt: {stats.prompt_tokens} tokens"
+        + (f", {stats.cached_tokens} reused from the cache" if stats.cached_tokens else "")
+        + (f", {stats.prompt_tps:.1f} tokens/s" if stats.prompt_tps else ""),
+        f"Generation: {stats.generation_tokens} tokens, {stats.generation_tps:.1f} tokens/s (finish: "
+        f"{stats.finish_reason})",
         drafter_line,
         f"Acceptance: α = {alpha}, τ = {stats.tau:.2f} tokens/round",
         f"Acceptance per {'depth' if shape else 'draft position'}: {per_position}",
@@ -98,8 +102,11 @@ def format_stats(stats: GenerationStats, drafter=None, policy: str = AUTO) -> st
         f"Peak memory: {stats.peak_memory_gb:.3f} GB",
     ]
     if tree and stats.drafted:
-        lines.insert(5, "  (a tree: α = accepted / all drafted nodes, and at most one path of them can be kept; "
-                        "τ and acceptance per depth say how far the kept path reached)")
+        lines.insert(
+            5,
+            "  (a tree: α = accepted / all drafted nodes, and at most one path of them can be kept; τ and "
+            "acceptance per depth say how far the kept path reached)",
+        )
     return "\n".join(lines)
 
 
@@ -159,8 +166,9 @@ def _note_context_cap(model, tokenizer, prompt, max_tokens: int) -> None:
 
 
 def _plain_if_unfit(args, loaded) -> None:
-    """Before any cost measurement: a drafter the target's cache cannot serve (a recurrent model's state cannot
-    be rewound) is refused in one line when asked for; the default one is replaced by plain decoding, said once."""
+    """Before any cost measurement: a drafter the target's cache cannot serve (a recurrent model's state
+    cannot be rewound) is refused in one line when asked for; the default one is replaced by plain decoding,
+    said once."""
     if loaded.drafter.profile.plain or args.num_draft_tokens == 0:
         return
     try:
@@ -176,12 +184,16 @@ def _note_quantized_on_cpu(target) -> None:
     """Say on stderr when a quantized target runs on MLX's CPU backend, which has no fast kernels for
     quantized weights (docs/linux.md): there ``--dtype float32`` is the faster choice, drafting or not."""
     if target.quantized and mx.default_device().type == mx.cpu:
-        print("mlxspec: note: the target is quantized and MLX runs on the CPU here, which has no fast kernels for "
-              "quantized weights: --dtype float32 is faster (docs/linux.md)", file=sys.stderr)
+        print(
+            "mlxspec: note: the target is quantized and MLX runs on the CPU here, which has no fast kernels "
+            "for quantized weights: --dtype float32 is faster (docs/linux.md)",
+            file=sys.stderr,
+        )
 
 
 def _interrupted(num_tokens: int, json_record: bool) -> int:
-    """Ctrl+C mid-answer: end the streamed line, say so in one line on stderr; exit status 130 (128 + SIGINT)."""
+    """Ctrl+C mid-answer: end the streamed line, say so in one line on stderr; exit status 130 (128 +
+    SIGINT)."""
     if json_record:
         where = "--json prints no record of an interrupted answer"
     else:
@@ -262,18 +274,30 @@ def _run(args: argparse.Namespace, gamma: int | str, seed: int | None) -> int:
         return _interrupted(len(text), args.json)
     stats.peak_memory_gb = job_sum(loaded.model, stats.peak_memory_gb)  # the whole job's memory
     if args.json:
-        record = {"model": loaded.target.display, "draft_model": loaded.draft.display if loaded.draft else None,
-                  "text": "".join(text), "num_draft_tokens_requested": args.num_draft_tokens, "temp": args.temp,
-                  "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p,
-                  "repetition_penalty": args.repetition_penalty, "typical": typical, "seed": seed,
-                  "stop": args.stop,
-                  **stats.to_dict()}
+        record = {
+            "model": loaded.target.display,
+            "draft_model": loaded.draft.display if loaded.draft else None,
+            "text": "".join(text),
+            "num_draft_tokens_requested": args.num_draft_tokens,
+            "temp": args.temp,
+            "top_p": args.top_p,
+            "top_k": args.top_k,
+            "min_p": args.min_p,
+            "repetition_penalty": args.repetition_penalty,
+            "typical": typical,
+            "seed": seed,
+            "stop": args.stop,
+            **stats.to_dict(),
+        }
         print(json.dumps(record))
     else:
         print()
         print(format_stats(stats, loaded.drafter, str(gamma)), file=sys.stderr)
         if typical:
-            print("Verification: Medusa typical acceptance (LOSSY: not distributed as the target)", file=sys.stderr)
+            print(
+                "Verification: Medusa typical acceptance (LOSSY: not distributed as the target)",
+                file=sys.stderr,
+            )
     return 0
 
 

@@ -33,32 +33,54 @@ SERVE_PACKAGES = ("fastapi", "uvicorn", "pydantic", "prometheus_client")
 def setup_arg_parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(
         prog="mlxspec serve",
-        description="Serve a model over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models) and "
-                    "the Anthropic Messages API (/v1/messages) with lossless speculative decoding. One request "
-                    "runs at a time; the others wait in a bounded queue (docs/serve.md).",
+        description="Serve a model over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models) "
+        "and the Anthropic Messages API (/v1/messages) with lossless speculative decoding. One request runs "
+        "at a time; the others wait in a bounded queue (docs/serve.md).",
     )
     add_model_args(parser, allow_auto=True)
     add_sampling_args(parser, max_tokens=DEFAULT_MAX_TOKENS,
                       max_tokens_help="most tokens of an answer when a request names none (max_tokens)")
-    parser.add_argument("--host", default="127.0.0.1",
-                        help="address to listen on; anything but loopback should come with --api-key. Default: 127.0.0.1")
+    parser.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on; anything but loopback should come with --api-key. Default: 127.0.0.1",
+    )
     parser.add_argument("--port", type=int, default=8080, help="port to listen on. Default: 8080")
-    parser.add_argument("--api-key", default=None,
-                        help="require this key ('Authorization: Bearer KEY' or 'x-api-key: KEY'). Default: none")
-    parser.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH,
-                        help="most requests decoding together, each speculating exactly in one batched forward "
-                             f"(1: one at a time). Default: {DEFAULT_MAX_BATCH}")
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        help="require this key ('Authorization: Bearer KEY' or 'x-api-key: KEY'). Default: none",
+    )
+    parser.add_argument(
+        "--max-batch",
+        type=int,
+        default=DEFAULT_MAX_BATCH,
+        help="most requests decoding together, each speculating exactly in one batched forward "
+        f"(1: one at a time). Default: {DEFAULT_MAX_BATCH}",
+    )
     parser.add_argument("--queue-size", type=int, default=16,
                         help="most requests waiting behind the running ones; more get 503 with Retry-After. "
                              "Default: 16")
-    parser.add_argument("--request-timeout", type=float, default=600.0,
-                        help="seconds a request may take, queueing included; then its answer ends as at max_tokens. "
-                             "Default: 600")
-    parser.add_argument("--body-timeout", type=float, default=30.0,
-                        help="seconds the rest of a request body may take to arrive before the request gets 408 "
-                             "(a client that sent half a request and hangs). Default: 30")
-    parser.add_argument("--prefix-cache-slots", type=int, default=4,
-                        help="KV caches kept between requests (conversations, agents) to reuse their prefix. Default: 4")
+    parser.add_argument(
+        "--request-timeout",
+        type=float,
+        default=600.0,
+        help="seconds a request may take, queueing included; then its answer ends as at max_tokens. Default: "
+        "600",
+    )
+    parser.add_argument(
+        "--body-timeout",
+        type=float,
+        default=30.0,
+        help="seconds the rest of a request body may take to arrive before the request gets 408 (a client "
+        "that sent half a request and hangs). Default: 30",
+    )
+    parser.add_argument(
+        "--prefix-cache-slots",
+        type=int,
+        default=4,
+        help="KV caches kept between requests (conversations, agents) to reuse their prefix. Default: 4",
+    )
     parser.add_argument("--prefix-cache-gb", type=float, default=2.0,
                         help="most GB those caches may hold together. Default: 2")
     add_blas_arg(parser)
@@ -75,8 +97,8 @@ def check_serve_args(args: argparse.Namespace) -> None:
     check_args(args)
     if not 0 <= args.port < 65536:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
-    for flag, value, low in (("--queue-size", args.queue_size, 1), ("--prefix-cache-slots", args.prefix_cache_slots, 1),
-                             ("--max-batch", args.max_batch, 1)):
+    for flag, value, low in (("--queue-size", args.queue_size, 1),
+                             ("--prefix-cache-slots", args.prefix_cache_slots, 1), ("--max-batch", args.max_batch, 1)):
         if value < low:
             raise ValueError(f"{flag} must be >= {low}, got {value}")
     if not args.body_timeout > 0:
@@ -92,8 +114,11 @@ def check_serve_args(args: argparse.Namespace) -> None:
         raise ValueError(f"mlxspec serve needs the serve extra ({', '.join(missing)} missing): "
                          "pip install 'mlxspec[serve]'")
     if not args.api_key and not _loopback(args.host):
-        print(f"mlxspec serve: warning: listening on {args.host} without --api-key: anyone who can reach this "
-              "machine can use the model", file=sys.stderr)
+        print(
+            f"mlxspec serve: warning: listening on {args.host} without --api-key: anyone who can reach this "
+            "machine can use the model",
+            file=sys.stderr,
+        )
 
 
 def _loopback(host: str) -> bool:
@@ -137,14 +162,17 @@ def run(args: argparse.Namespace) -> int:
         refuse_unsharded("serve")  # under mlx.launch: said once, by rank 0
         status = serve(args, defaults, loader(args))
     else:
-        job = start(args.shard, args.model, args.num_draft_tokens, args.seed, same_seed=False)  # a seed per request
+        # a seed per request
+        job = start(args.shard, args.model, args.num_draft_tokens, args.seed, same_seed=False)
         load = loader(args, job.num_draft_tokens)
         with rank_output(job.rank):  # rank 0 prints; the others print only error lines
             try:
                 status = serve(args, defaults, load) if job.rank == 0 else follow(args, load)
-            except SystemExit as e:  # stopped by mlx.launch (rank_output): the worker thread may be inside MLX
+            # stopped by mlx.launch (rank_output): the worker thread may be inside MLX
+            except SystemExit as e:
                 status = e.code
-    exit_now(status)  # MLX's stream threads may still be winding down: skip the C++ destructors (as chat does)
+    # MLX's stream threads may still be winding down: skip the C++ destructors (as chat does)
+    exit_now(status)
 
 
 def main(argv: list[str] | None = None, *, entry: bool = False) -> int:

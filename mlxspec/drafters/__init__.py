@@ -10,7 +10,15 @@ import importlib
 import pkgutil
 
 from .base import Draft, Drafter, DraftProfile, Plan
-from .registry import DrafterContext, DrafterSpec, DrafterType, drafter_type, drafter_types, make_drafter, parse_specs
+from .registry import (
+    DrafterContext,
+    DrafterSpec,
+    DrafterType,
+    drafter_type,
+    drafter_types,
+    make_drafter,
+    parse_specs,
+)
 
 for _module in pkgutil.iter_modules(__path__):
     importlib.import_module(f"{__name__}.{_module.name}")
@@ -24,6 +32,23 @@ from .none import NoDrafter  # noqa: E402
 #: The registered drafter names, in listing order.
 DRAFTERS = tuple(drafter_types())
 
-__all__ = ["DRAFTERS", "Draft", "DraftModelDrafter", "Drafter", "DrafterContext", "DrafterSpec", "DrafterType", "DraftProfile",
-           "EagleDrafter", "MedusaDrafter", "NgramDrafter", "NoDrafter", "check_same_tokenizer", "drafter_type",
-           "drafter_types", "make_drafter", "parse_specs", "Plan"]
+__all__ = [
+    "DRAFTERS",
+    "Draft",
+    "DraftModelDrafter",
+    "Drafter",
+    "DrafterContext",
+    "DrafterSpec",
+    "DrafterType",
+    "DraftProfile",
+    "EagleDrafter",
+    "MedusaDrafter",
+    "NgramDrafter",
+    "NoDrafter",
+    "check_same_tokenizer",
+    "drafter_type",
+    "drafter_types",
+    "make_drafter",
+    "parse_specs",
+    "Plan",
+]

@@ -129,15 +129,16 @@ class DraftProfile:
     Attributes:
         max_depth: The deepest a round drafts when the drafter sizes its own rounds (a tree keeps its shape, a
             block its length), or ``None`` (any γ). Default: ``None``.
-        nodes: ``nodes[d - 1]`` = the most draft nodes a round of depth d sends to the target, d = 1..max_depth
-            (a tree verifies more than its depth), or ``None``: d, a chain. Default: ``None``.
-        per_round: Whether drafting costs the same for every γ >= 1 (one forward fills a block). Default: ``False``.
+        nodes: ``nodes[d - 1]`` = the most draft nodes a round of depth d sends to the target, d =
+            1..max_depth (a tree verifies more than its depth), or ``None``: d, a chain. Default: ``None``.
+        per_round: Whether drafting costs the same for every γ >= 1 (one forward fills a block). Default:
+            ``False``.
         confidence: Whether ``propose`` stops on its own confidence (``Plan.keep_above``). Default: ``False``.
         survival: Whether drafts carry ``Draft.survival`` (what ``scheduled`` reads). Default: ``False``.
         budget: Whether each round's tree is cut to the plan's node budget (``Plan.budget``): a tree priced on
             this machine's costs. Default: ``False``.
-        plain: Whether it never drafts (``--drafter none``: plain decoding through the round loop), so there are
-            no draft costs to measure and no target cache to rewind. Default: ``False``.
+        plain: Whether it never drafts (``--drafter none``: plain decoding through the round loop), so there
+            are no draft costs to measure and no target cache to rewind. Default: ``False``.
     """
 
     max_depth: int | None = None
@@ -155,11 +156,13 @@ class Plan:
 
     Attributes:
         gamma: The depth to draft; 0 = a plain step.
-        keep_above: For a drafter that stops on its confidence: ``keep_above[k - 1]`` = the least survival (the
-            product of its confidences over the k tokens drafted) at which token k + 1 pays for itself; ``None``:
-            draft γ. Deciding before the next token is drawn keeps the output exact (docs/acceptance.md 3.3).
-        budget: For a priced tree: ``budget(scores, draft_s) -> m``, the nodes to keep given the candidates' log
-            path probabilities best first [C] and the seconds already spent drafting; ``None``: the drafter's size.
+        keep_above: For a drafter that stops on its confidence: ``keep_above[k - 1]`` = the least survival
+            (the product of its confidences over the k tokens drafted) at which token k + 1 pays for itself;
+            ``None``: draft γ. Deciding before the next token is drawn keeps the output exact
+            (docs/acceptance.md 3.3).
+        budget: For a priced tree: ``budget(scores, draft_s) -> m``, the nodes to keep given the candidates'
+            log path probabilities best first [C] and the seconds already spent drafting; ``None``: the
+            drafter's size.
         select: What to verify of the draft (``scheduled``): ``select(draft) -> Draft``. Default: all of it.
     """
 

@@ -60,7 +60,8 @@ class DFlashDrafter(Drafter):
         # largest q, multiplied along the block (docs/acceptance.md 3.1)
         self.profile = DraftProfile(max_depth=self.max_draft_tokens, per_round=True, survival=True)
         self.embed, self.lm_head = model_body(target).embed_tokens, output_head(target)
-        self.cache, self._history = [KVCache() for _ in self.net.layers], []  # and the tokens it was built from
+        # and the tokens it was built from
+        self.cache, self._history = [KVCache() for _ in self.net.layers], []
         self.prefill([], None)
 
     @property
@@ -99,7 +100,8 @@ class DFlashDrafter(Drafter):
         _, logits = self.block_logits(history[-1], len(history) - 1)
         tokens, q = sample(logits[1 : K + 1], sampling)  # [K], [K, V] or None (greedy)
         mx.async_eval(tokens)
-        rows = (logits[1 : K + 1] if q is None else q).astype(mx.float32)  # never reads the drawn tokens (3.2)
+        # never reads the drawn tokens (3.2)
+        rows = (logits[1 : K + 1] if q is None else q).astype(mx.float32)
         survival = mx.exp(mx.cumsum(rows.max(axis=-1) - mx.logsumexp(rows, axis=-1)))
         return Draft.chain(tokens, q, survival)
 
@@ -109,9 +111,11 @@ class DFlashOptions:
     """``--drafter dflash`` (spec ``dflash:heads=PATH``). The block size, mask token and target layers
     come from the checkpoint; ``--num-draft-tokens`` caps the drafts at B − 1."""
 
-    heads: str | None = option(None, "DFlash drafter: a folder (config.json + *.safetensors, z-lab's layout) or a "
-                                     "Hugging Face repo id", default_help="the drafter shipped in models/dflash/ for "
-                                                                          "the target")
+    heads: str | None = option(
+        None,
+        "DFlash drafter: a folder (config.json + *.safetensors, z-lab's layout) or a Hugging Face repo id",
+        default_help="the drafter shipped in models/dflash/ for the target",
+    )
 
 
 def build(options: DFlashOptions, context: DrafterContext) -> DFlashDrafter:

@@ -23,7 +23,14 @@ import numpy as np
 from ..core.cache import check_rewindable, prefill, speculative_cache, trim
 from ..core.sampling import SamplingParams, process_logits, sample
 from ..core.taps import head_slice, logits_width, model_body
-from .vocab import DEFAULT_DRAFT_VOCAB, MIN_AUTO_VOCAB, draft_ids, load_ranking, sharegpt_ranking, tokenizer_digest
+from .vocab import (
+    DEFAULT_DRAFT_VOCAB,
+    MIN_AUTO_VOCAB,
+    draft_ids,
+    load_ranking,
+    sharegpt_ranking,
+    tokenizer_digest,
+)
 from .base import AUTO, Draft, Drafter, DraftProfile, Plan
 from .registry import DrafterContext, DrafterType, at_least, int_or_auto, option, register
 
@@ -45,8 +52,8 @@ def check_same_tokenizer(target_tokenizer, draft_tokenizer) -> None:
     )
     token, token_id = differing[0]
     raise ValueError(
-        f"draft model tokenizer differs from the target's ({len(draft_vocab)} vs {len(target_vocab)} "
-        f"tokens; first difference: {token!r} -> id {token_id}); use a draft model from the "
+        f"draft model tokenizer differs from the target's ({len(draft_vocab)} vs {len(target_vocab)} tokens; "
+        f"first difference: {token!r} -> id {token_id}); use a draft model from the "
         "same family as the target, or --drafter ngram"
     )
 
@@ -76,7 +83,8 @@ class DraftModelDrafter(Drafter):
 
     name = "draft"
     lazy = True
-    #: It stops each round on its confidence (``Plan.keep_above``); survival: its confidence (largest q) at each
+    #: It stops each round on its confidence (``Plan.keep_above``); survival: its confidence (largest q) at
+    #: each
     #: position, multiplied along the chain.
     profile = DraftProfile(confidence=True, survival=True)
 
@@ -91,7 +99,9 @@ class DraftModelDrafter(Drafter):
         self._num_cached = 0  # committed tokens in the cache
         self._round_start = 0  # committed tokens when the last round was proposed
         self._drafted: mx.array | None = None  # the last round's drafts [γ] (lazy)
-        self._real = mx.arange(vocab_size) < self.num_real_tokens if self.num_real_tokens < vocab_size else None
+        self._real = (
+            mx.arange(vocab_size) < self.num_real_tokens if self.num_real_tokens < vocab_size else None
+        )
         self.draft_vocab = None  # N of the draft vocabulary, or None (``describe`` says it)
         if vocab_ids is not None:
             base = np.unique(np.asarray(vocab_ids, dtype=np.int32))
@@ -136,14 +146,18 @@ class DraftModelDrafter(Drafter):
             self._in_vocab[new] = True
             self._extra += new.tolist()
             extra = mx.array(self._extra, dtype=mx.int32)
-            self._ids, self._extra_head = mx.concatenate([self._base_ids, extra]), head_slice(self.model, extra)
+            self._ids, self._extra_head = (
+                mx.concatenate([self._base_ids, extra]),
+                head_slice(self.model, extra),
+            )
 
     def _logits(self, inputs: mx.array, last: int = 1) -> mx.array:
         """The draft's next-token logits after each of the last ``last`` of ``inputs`` [T], [last, V_target]:
         -inf outside the draft vocabulary."""
         if self.draft_vocab is None:
             return self._fit_vocab(self.model(inputs[None], cache=self.cache)[0, -last:])
-        h = self._body(inputs[None], cache=self.cache)[0, -last:]  # [last, H]: the final normalised hidden states
+        # [last, H]: the final normalised hidden states
+        h = self._body(inputs[None], cache=self.cache)[0, -last:]
         rows = self._base_head(h)
         if self._extra_head is not None:
             rows = mx.concatenate([rows, self._extra_head(h)], axis=-1)
@@ -182,8 +196,9 @@ class DraftModelDrafter(Drafter):
         """Draft up to ``num_draft_tokens`` tokens, one forward each.
 
         With ``plan.keep_above``, after each token k but the last it drafts another only while the product of
-        the confidences (largest q) of the k tokens exceeds ``keep_above[k - 1]``. It costs a host read per token;
-        the decision never looks at a token it would decide about, so the output stays exact (docs/acceptance.md 3.3).
+        the confidences (largest q) of the k tokens exceeds ``keep_above[k - 1]``. It costs a host read per
+        token; the decision never looks at a token it would decide about, so the output stays exact
+        (docs/acceptance.md 3.3).
         """
         keep_above = plan.keep_above if plan is not None else None
         processors = sampling.processors()
@@ -261,8 +276,11 @@ def check_sliceable(model: nn.Module, ids: np.ndarray) -> None:
         scale = 1.0 + float(mx.abs(full).max())
         if float(mx.abs(full - sliced).max()) <= (1e-4 if full.dtype == mx.float32 else 1e-2) * scale:
             return
-    why = f"its logits go through {', '.join(transforms)}" if transforms else "its logits are not its LM head " \
-        "applied to its last hidden state"
+    why = (
+        f"its logits go through {', '.join(transforms)}"
+        if transforms
+        else "its logits are not its LM head applied to its last hidden state"
+    )
     raise ValueError(f"the draft model cannot draft from a draft vocabulary: {why}; pass --draft-vocab 0 "
                      "(the whole vocabulary)")
 
@@ -277,17 +295,22 @@ class DraftOptions:
     """
 
     vocab: int | str = option(
-        AUTO, "draft from the N most frequent tokens of the tokenizer plus every token of the prompt and "
-        "answer so far, multiplying only their rows of the draft's LM head (FR-Spec); 0 = the whole vocabulary; "
-        f"auto = {DEFAULT_DRAFT_VOCAB} when the vocabulary has at least {MIN_AUTO_VOCAB} tokens and a ranking "
-        "for its tokenizer ships or was counted before, else 0; a number counts one over ShareGPT on first use",
-        parse=int_or_auto)
+        AUTO,
+        "draft from the N most frequent tokens of the tokenizer plus every token of the prompt and answer so "
+        "far, multiplying only their rows of the draft's LM head (FR-Spec); 0 = the whole vocabulary; "
+        f"auto = {DEFAULT_DRAFT_VOCAB} when the vocabulary has at least {MIN_AUTO_VOCAB} tokens and a "
+        "ranking for its tokenizer ships or was counted before, else 0; a number counts one over ShareGPT on "
+        "first use",
+        parse=int_or_auto,
+    )
 
     def __post_init__(self):
         at_least(0, self.vocab, "--draft-vocab")
 
 
-def _vocab_ids(options: DraftOptions, context: DrafterContext, vocab_size: int, num_real: int) -> np.ndarray | None:
+def _vocab_ids(
+    options: DraftOptions, context: DrafterContext, vocab_size: int, num_real: int
+) -> np.ndarray | None:
     """The draft vocabulary ``options.vocab`` asks for, or ``None`` (the whole vocabulary)."""
     if options.vocab == 0:
         return None
@@ -301,8 +324,10 @@ def _vocab_ids(options: DraftOptions, context: DrafterContext, vocab_size: int, 
     else:
         size = options.vocab
         if size >= num_real:
-            raise ValueError(f"--draft-vocab {size} is not below the vocabulary's {num_real} tokens, so it would "
-                             "draft from the whole vocabulary; pass --draft-vocab 0 for that, or a smaller number")
+            raise ValueError(
+                f"--draft-vocab {size} is not below the vocabulary's {num_real} tokens, so it would "
+                "draft from the whole vocabulary; pass --draft-vocab 0 for that, or a smaller number"
+            )
         ranking = sharegpt_ranking(context.tokenizer, vocab_size, context.on_measure)
     return draft_ids(ranking, size, num_real)
 
@@ -312,8 +337,9 @@ PYTHON_DRAFT_ADVICE = " (in Python: make_drafter(..., draft_model=..., draft_tok
 
 
 def _with_shipped_draft(context: DrafterContext) -> DrafterContext:
-    """``context`` with the draft model shipped for its target (``models/draft/*/``, matched by the target's card
-    as heads are, so ``make_drafter("draft", target, tokenizer)`` works in Python as ``--drafter draft`` does).
+    """``context`` with the draft model shipped for its target (``models/draft/*/``, matched by the target's
+    card as heads are, so ``make_drafter("draft", target, tokenizer)`` works in Python as ``--drafter draft``
+    does).
 
     Raises:
         ValueError: no target, or no draft model ships for it.
@@ -324,16 +350,18 @@ def _with_shipped_draft(context: DrafterContext) -> DrafterContext:
 
     path = shipped_for("draft", context.target) if context.target is not None else None
     if path is None:
-        raise ValueError(f"--drafter draft needs a draft model: pass --draft-model PATH_OR_REPO ({PUBLISHED['draft']}); "
-                         f"none ships for this model{PYTHON_DRAFT_ADVICE}")
+        raise ValueError(
+            f"--drafter draft needs a draft model: pass --draft-model PATH_OR_REPO ({PUBLISHED['draft']}); "
+            f"none ships for this model{PYTHON_DRAFT_ADVICE}"
+        )
     model, tokenizer = load(str(path))
     return dataclasses.replace(context, draft_model=model, draft_tokenizer=tokenizer)
 
 
 def build(options: DraftOptions, context: DrafterContext) -> DraftModelDrafter:
-    """Without a draft model in ``context``, the one shipped for the target. Raises ``ValueError`` without a draft
-    model (none given, none ships), with one whose tokenizer differs from the target's, with
-    a draft vocabulary its head cannot take (``check_sliceable``) or one not below the vocabulary's size."""
+    """Without a draft model in ``context``, the one shipped for the target. Raises ``ValueError`` without a
+    draft model (none given, none ships), with one whose tokenizer differs from the target's, with a draft
+    vocabulary its head cannot take (``check_sliceable``) or one not below the vocabulary's size."""
     if context.draft_model is None:
         context = _with_shipped_draft(context)
     if context.draft_tokenizer is not None:

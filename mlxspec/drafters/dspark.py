@@ -55,7 +55,8 @@ class DSparkDrafter(DFlashDrafter):
         if K < 1 or (self._pending is None and self.cache[0].offset == 0):
             return Draft.empty()
         self._history = history
-        hidden, logits = self.net.proposal_rows(*self.block_logits(history[-1], len(history) - 1))  # [P, H], [P, V]
+        # [P, H], [P, V]
+        hidden, logits = self.net.proposal_rows(*self.block_logits(history[-1], len(history) - 1))
         previous = mx.array(history[-1:], dtype=mx.int32)
         tokens, qs, confidence = [], [], []
         for j in range(K):  # the serial head: one embedding row and one [r, V] product per position
@@ -83,12 +84,15 @@ def largest_probability(logits: mx.array) -> mx.array:
 
 @dataclass(frozen=True)
 class DSparkOptions:
-    """``--drafter dspark`` (spec ``dspark:heads=PATH``). Block size, mask token, target layers, Markov rank and
-    the confidence head come from the checkpoint; ``--num-draft-tokens`` caps the drafts at its P."""
+    """``--drafter dspark`` (spec ``dspark:heads=PATH``). Block size, mask token, target layers, Markov rank
+    and the confidence head come from the checkpoint; ``--num-draft-tokens`` caps the drafts at its P."""
 
-    heads: str | None = option(None, "DSpark drafter: a folder (config.json + *.safetensors, the published DSpark "
-                                     "layout) or a Hugging Face repo id",
-                               default_help="the drafter shipped in models/dspark/ for the target")
+    heads: str | None = option(
+        None,
+        "DSpark drafter: a folder (config.json + *.safetensors, the published DSpark layout) or a Hugging "
+        "Face repo id",
+        default_help="the drafter shipped in models/dspark/ for the target",
+    )
 
 
 def build(options: DSparkOptions, context: DrafterContext) -> DSparkDrafter:
@@ -96,6 +100,13 @@ def build(options: DSparkOptions, context: DrafterContext) -> DSparkDrafter:
     return DSparkDrafter(load_dspark(context.asset("dspark", options.heads), context.target), context.target)
 
 
-DRAFTER = register(DrafterType("dspark", DSparkOptions, build,
-                               "a DSpark drafter: a DFlash block forward plus a serial low-rank Markov head and a "
-                               "confidence head (DeepSpec, arXiv 2607.05147)", order=46))
+DRAFTER = register(
+    DrafterType(
+        "dspark",
+        DSparkOptions,
+        build,
+        "a DSpark drafter: a DFlash block forward plus a serial low-rank Markov head and a confidence head "
+        "(DeepSpec, arXiv 2607.05147)",
+        order=46,
+    )
+)

@@ -83,9 +83,17 @@ class EagleDrafter(Drafter):
     makes_trees = True
     needs_hidden = True
 
-    def __init__(self, head: EagleHead, target: nn.Module, *, depth: int | None = None,
-                 top_k: int | None = None, total_tokens: int | str | None = None, tree: str | list | None = None,
-                 ngram: int | None = None):
+    def __init__(
+        self,
+        head: EagleHead,
+        target: nn.Module,
+        *,
+        depth: int | None = None,
+        top_k: int | None = None,
+        total_tokens: int | str | None = None,
+        tree: str | list | None = None,
+        ngram: int | None = None,
+    ):
         shipped = head.config.draft_tree or {}
         self.choices = read_eagle_tree(tree if tree is not None else shipped.get("tree"))
         if self.choices is not None and depth is None:
@@ -95,11 +103,15 @@ class EagleDrafter(Drafter):
         self.ngram = ngram if ngram is not None else shipped.get("ngram", 0)
         if self.ngram < 0:
             raise ValueError(f"the EAGLE n-gram branch needs >= 0 tokens, got {self.ngram}")
-        total_tokens = total_tokens if total_tokens is not None else shipped.get("total_tokens", DEFAULT_TOTAL_TOKENS)
+        total_tokens = (
+            total_tokens if total_tokens is not None else shipped.get("total_tokens", DEFAULT_TOTAL_TOKENS)
+        )
         auto = total_tokens == AUTO
         if depth < 1 or top_k < 1 or not (auto or (isinstance(total_tokens, int) and total_tokens >= 2)):
-            raise ValueError(f"EAGLE needs depth >= 1, top_k >= 1 and total_tokens >= 2 or 'auto'; got depth {depth}, "
-                             f"top_k {top_k}, total_tokens {total_tokens}")
+            raise ValueError(
+                f"EAGLE needs depth >= 1, top_k >= 1 and total_tokens >= 2 or 'auto'; got depth {depth}, "
+                f"top_k {top_k}, total_tokens {total_tokens}"
+            )
         top_k = min(top_k, head.config.draft_vocab_size)
         self.head, self.depth, self.top_k = head, depth, top_k
         self.total_tokens = AUTO_MAX_TOTAL_TOKENS if auto else total_tokens
@@ -110,16 +122,23 @@ class EagleDrafter(Drafter):
         if head.config.version == 3:
             self.feature_layers = head.config.resolved_aux_layers(len(body.layers))
             if not all(0 <= i < len(body.layers) for i in self.feature_layers):
-                raise ValueError(f"the EAGLE-3 head reads layers {list(self.feature_layers)} but the target has "
-                                 f"{len(body.layers)} decoder layers; use a head trained for this target")
+                raise ValueError(
+                    f"the EAGLE-3 head reads layers {list(self.feature_layers)} but the target has "
+                    f"{len(body.layers)} decoder layers; use a head trained for this target"
+                )
         # a dynamic branching tree reads its shape on the host in propose; a chain or static tree never does
         self.lazy = ((top_k == 1 and not self.priced) or self.choices is not None) and not self.ngram
         depth_max = max(self.depth, self.ngram)  # the head's depth or the n-gram branch, whichever is longer
         # survival: the path probabilities of EAGLE-2's candidates
-        self.profile = DraftProfile(max_depth=depth_max, nodes=tuple(self._nodes(d) for d in range(1, depth_max + 1)),
-                                    survival=self.choices is None, budget=self.priced)
+        self.profile = DraftProfile(
+            max_depth=depth_max,
+            nodes=tuple(self._nodes(d) for d in range(1, depth_max + 1)),
+            survival=self.choices is None,
+            budget=self.priced,
+        )
         self._plans: dict[int, _StaticPlan] = {}
-        self.cache, self._history = [KVCache()], []  # draft cache entries, and the tokens they were built from
+        # draft cache entries, and the tokens they were built from
+        self.cache, self._history = [KVCache()], []
         self.prefill([], None)
 
     def fork(self) -> EagleDrafter:
@@ -159,7 +178,8 @@ class EagleDrafter(Drafter):
         agrees with the tokens it was built from up to position i + 1."""
         self._pending = feature_prefill(self.cache, self._history, prompt, hidden, reads_next_token=True)
         self._history = prompt
-        self.prefilled = 0 if self._pending is None else self._pending.shape[0]  # head rows the next propose runs
+        # head rows the next propose runs
+        self.prefilled = 0 if self._pending is None else self._pending.shape[0]
 
     def commit(self, num_committed, accepted, hidden=None):
         self._pending = pending_features(self._pending, self.cache[0].offset, num_committed, accepted, hidden)
@@ -178,7 +198,8 @@ class EagleDrafter(Drafter):
             attention.rope = rope
 
     def _top(self, hidden: mx.array, k: int) -> tuple[mx.array, mx.array]:
-        """Top-k draft log-probs and target ids of each row: [R, H] -> ([R, k] float32, [R, k] int32), best first.
+        """Top-k draft log-probs and target ids of each row: [R, H] -> ([R, k] float32, [R, k] int32), best
+        first.
 
         The ids come from the logits alone, so a chain (which never reads the scores) skips the
         normalisation over the vocabulary."""
@@ -188,7 +209,9 @@ class EagleDrafter(Drafter):
         else:
             ids = mx.argpartition(-logits, kth=k - 1, axis=-1)[:, :k] if k < logits.shape[-1] else \
                 mx.broadcast_to(mx.arange(logits.shape[-1]), logits.shape)
-            ids = mx.take_along_axis(ids, mx.argsort(-mx.take_along_axis(logits, ids, axis=-1), axis=-1), axis=-1)
+            ids = mx.take_along_axis(
+                ids, mx.argsort(-mx.take_along_axis(logits, ids, axis=-1), axis=-1), axis=-1
+            )
         scores = mx.take_along_axis(logits, ids, axis=-1) - mx.logsumexp(logits, axis=-1, keepdims=True)
         return scores, self.head.target_ids(ids).astype(mx.int32)
 
@@ -234,7 +257,11 @@ class EagleDrafter(Drafter):
         tokens, out = [level], None
         for e, step in enumerate(plan.steps, start=1):
             n = len(step.feed)
-            feats = mx.broadcast_to(root_out, (n, root_out.shape[-1])) if e == 1 else out[mx.array(step.feat_rows)]
+            feats = (
+                mx.broadcast_to(root_out, (n, root_out.shape[-1]))
+                if e == 1
+                else out[mx.array(step.feat_rows)]
+            )
             mask = mx.concatenate([mx.ones((n, committed), dtype=mx.bool_), mx.array(step.ancestors),
                                    mx.eye(n, dtype=mx.bool_)], axis=1)
             out = self._step(feats, level[mx.array(step.feed)], mask, position=committed + e - 1)  # [n, H]
@@ -244,7 +271,8 @@ class EagleDrafter(Drafter):
         return Draft(mx.concatenate(tokens), plan.tree)
 
     def _expand(self, root_out: mx.array, depth: int, committed: int):
-        """The candidate list of docs/heads.md 4.5 step 3: scores [C], target ids [C], parent flat index [C] (-1 = root)."""
+        """The candidate list of docs/heads.md 4.5 step 3: scores [C], target ids [C], parent flat index [C]
+        (-1 = root)."""
         k = self.top_k
         scores, ids = self._top(root_out[None], k)  # [1, k]
         all_scores, all_ids, all_parents = [scores[0]], [ids[0]], [mx.full((k,), -1, dtype=mx.int32)]
@@ -263,7 +291,8 @@ class EagleDrafter(Drafter):
             all_ids.append(child_ids)
             all_parents.append(mx.repeat(front_flat, k))
             best = mx.argpartition(-child_scores, kth=k - 1)[:k] if k > 1 else mx.array([0])
-            best = best[mx.argsort(-child_scores[best])]  # best first, as EAGLE's topk: it orders the next block
+            # best first, as EAGLE's topk: it orders the next block
+            best = best[mx.argsort(-child_scores[best])]
             parent = best // k  # [k] frontier node each new frontier node grew from
             ancestors = mx.concatenate([ancestors[parent], eye[parent]], axis=1)
             front_scores, front_ids, front_feat = child_scores[best], child_ids[best], out[parent]
@@ -279,7 +308,9 @@ class EagleDrafter(Drafter):
             chosen = mx.array(np.sort(order[:keep]).astype(np.int32))
         else:
             keep = min(self.total_tokens - 1, scores.shape[0])
-            chosen = mx.argpartition(-scores, kth=keep - 1)[:keep] if keep < scores.shape[0] else mx.arange(keep)
+            chosen = (
+                mx.argpartition(-scores, kth=keep - 1)[:keep] if keep < scores.shape[0] else mx.arange(keep)
+            )
             chosen = mx.sort(chosen)  # flat order puts parents before children
         mx.eval(chosen, parents, ids)
         flat_parents = np.array(parents)
@@ -345,23 +376,36 @@ class EagleOptions:
         ValueError, FileNotFoundError: a size below its least value, or an unknown or bad tree.
     """
 
-    heads: str | None = option(None, "EAGLE-1/2/3 head: a folder (config.json + model.safetensors or pytorch_model.bin), "
-                                     "a weights file, or a Hugging Face repo id",
-                               default_help="the head shipped in models/eagle/ for the target")
+    heads: str | None = option(
+        None,
+        "EAGLE-1/2/3 head: a folder (config.json + model.safetensors or pytorch_model.bin), a weights file, "
+        "or a Hugging Face repo id",
+        default_help="the head shipped in models/eagle/ for the target",
+    )
     depth: int | None = option(None, "deepest EAGLE draft node (the tree's γ; --num-draft-tokens caps it)",
                                parse=int, default_help=_SHIPPED + f"{DEFAULT_DEPTH} (EAGLE-2)")
     top_k: int | None = option(None, "EAGLE children per expanded node and frontier width; 1 drafts a chain",
                                parse=int, default_help=_SHIPPED + f"{DEFAULT_TOP_K} (EAGLE-2)")
     total_tokens: int | str | None = option(
-        None, "EAGLE tree nodes per verify forward, root included, or 'auto': each round keeps the nodes with the "
-              f"best predicted tokens/s from this machine's measured verify cost (at most {AUTO_MAX_TOTAL_TOKENS})",
-        parse=int_or_auto, default_help=_SHIPPED + f"{DEFAULT_TOTAL_TOKENS} (EAGLE-2)")
-    tree: str | None = option(None, "EAGLE tree: 'dynamic' (EAGLE-2), 'eagle1_25' (EAGLE-1's static tree) or a JSON "
-                                    "file of rank paths (a rank indexes the draft's top-k at the parent)",
-                              default_help=_SHIPPED + "dynamic")
-    ngram: int | None = option(None, "also merge the n-gram prompt lookup's continuation (up to N tokens, capped by "
-                                     "the depth) into each EAGLE tree as one more branch; 0 = EAGLE alone",
-                               parse=int, default_help=_SHIPPED + "0")
+        None,
+        "EAGLE tree nodes per verify forward, root included, or 'auto': each round keeps the nodes with the "
+        f"best predicted tokens/s from this machine's measured verify cost (at most {AUTO_MAX_TOTAL_TOKENS})",
+        parse=int_or_auto,
+        default_help=_SHIPPED + f"{DEFAULT_TOTAL_TOKENS} (EAGLE-2)",
+    )
+    tree: str | None = option(
+        None,
+        "EAGLE tree: 'dynamic' (EAGLE-2), 'eagle1_25' (EAGLE-1's static tree) or a JSON file of rank paths "
+        "(a rank indexes the draft's top-k at the parent)",
+        default_help=_SHIPPED + "dynamic",
+    )
+    ngram: int | None = option(
+        None,
+        "also merge the n-gram prompt lookup's continuation (up to N tokens, capped by the depth) into each "
+        "EAGLE tree as one more branch; 0 = EAGLE alone",
+        parse=int,
+        default_help=_SHIPPED + "0",
+    )
 
     def __post_init__(self):
         for name, least in (("depth", 1), ("top_k", 1), ("total_tokens", 2), ("ngram", 0)):

@@ -45,7 +45,9 @@ class MedusaDrafter(Drafter):
     makes_trees = True
     needs_hidden = True
 
-    def __init__(self, heads: MedusaHeads, lm_head, choices: list[list[int]] | None = None, *, priced: bool = False):
+    def __init__(
+        self, heads: MedusaHeads, lm_head, choices: list[list[int]] | None = None, *, priced: bool = False
+    ):
         self.heads, self.lm_head = heads, lm_head
         choices = choices if choices is not None else MC_SIM_7B_63
         # a rank at or past the vocabulary has no token (tiny vocabularies); prefixes of kept paths stay
@@ -56,12 +58,18 @@ class MedusaDrafter(Drafter):
         self._hidden = None  # [H]: hidden state at the position before the root
         depth = min(max(map(len, self.choices), default=0), heads.config.medusa_num_heads)
         # survival: the heads' probabilities of each node's token, multiplied along its path
-        self.profile = DraftProfile(max_depth=depth, nodes=tuple(self._tree(d)[0].size for d in range(1, depth + 1)),
-                                    survival=True, budget=priced)
+        self.profile = DraftProfile(
+            max_depth=depth,
+            nodes=tuple(self._tree(d)[0].size for d in range(1, depth + 1)),
+            survival=True,
+            budget=priced,
+        )
 
     def describe(self) -> str:
         size = len(self.choices)
-        preset = next((name for name, choices in TREE_PRESETS.items() if choices == self.choices), "from a file")
+        preset = next(
+            (name for name, choices in TREE_PRESETS.items() if choices == self.choices), "from a file"
+        )
         priced = ", the nodes this machine's verify cost pays for, each round" if self.priced else ""
         return f"tree {preset} ({size} nodes, depth {self.profile.max_depth}{priced})"
 
@@ -69,7 +77,8 @@ class MedusaDrafter(Drafter):
         if depth not in self._trees:
             tree, heads, ranks = tree_from_choices(self.choices, depth)
             top_k = int(ranks.max()) + 1 if tree.size else 0
-            ancestors = mx.array(tree.ancestor_mask[1:, 1:].astype("float32"))  # [N, N]: a node and its ancestors
+            # [N, N]: a node and its ancestors
+            ancestors = mx.array(tree.ancestor_mask[1:, 1:].astype("float32"))
             self._trees[depth] = (tree, mx.array(heads), mx.array(ranks), top_k, ancestors)
         return self._trees[depth]
 
@@ -126,11 +135,17 @@ class MedusaOptions:
         ValueError, FileNotFoundError: an unknown tree preset or a bad tree file.
     """
 
-    heads: str | None = option(None, "Medusa heads: a folder, a medusa_lm_head.safetensors/.pt file, or a Hugging "
-                                     "Face repo id", default_help="the heads shipped in models/medusa/ for the target")
-    tree: str = option(AUTO, f"Medusa tree: 'auto' (mc_sim_7b_63, keeping each round the nodes this machine's "
-                                  f"measured verify cost pays for, none when plain decoding is faster), a preset "
-                                  f"({', '.join(TREE_PRESETS)}) verified whole, or a JSON file of rank paths")
+    heads: str | None = option(
+        None,
+        "Medusa heads: a folder, a medusa_lm_head.safetensors/.pt file, or a Hugging Face repo id",
+        default_help="the heads shipped in models/medusa/ for the target",
+    )
+    tree: str = option(
+        AUTO,
+        f"Medusa tree: 'auto' (mc_sim_7b_63, keeping each round the nodes this machine's measured verify "
+        f"cost pays for, none when plain decoding is faster), a preset ({', '.join(TREE_PRESETS)}) verified "
+        f"whole, or a JSON file of rank paths",
+    )
 
     def __post_init__(self):
         if self.tree != AUTO:
@@ -147,6 +162,12 @@ def build(options: MedusaOptions, context: DrafterContext) -> MedusaDrafter:
     return MedusaDrafter(heads, output_head(target), read_tree(options.tree))
 
 
-DRAFTER = register(DrafterType("medusa", MedusaOptions, build,
-                               "Medusa heads on the target's last hidden state, a static tree (Cai et al. 2024)",
-                               order=30))
+DRAFTER = register(
+    DrafterType(
+        "medusa",
+        MedusaOptions,
+        build,
+        "Medusa heads on the target's last hidden state, a static tree (Cai et al. 2024)",
+        order=30,
+    )
+)

@@ -65,7 +65,8 @@ class MTPDrafter(Drafter):
             sliced = head_slice(target, ids)  # a quantized head stays quantized
             if sliced is not None:
                 self.vocab_ids, self.sub_head, self.vocab_size = ids, sliced, logits_width(target)
-        self.cache, self._history = [KVCache() for _ in self.stack.first.blocks], []  # and the tokens it was built from
+        # and the tokens it was built from
+        self.cache, self._history = [KVCache() for _ in self.stack.first.blocks], []
         self.prefill([], None)
 
     @property
@@ -99,7 +100,9 @@ class MTPDrafter(Drafter):
             if q is not None:
                 logprobs.append(q)
             if step + 1 < depth:
-                raw = module(module.chain_feature(raw, h)[None], token[None], self.embed, cache=self.cache, raw=True)[0]
+                raw = module(
+                    module.chain_feature(raw, h)[None], token[None], self.embed, cache=self.cache, raw=True
+                )[0]
                 h = module.norm(raw)
         for c in self.cache:
             c.trim(c.offset - committed)  # speculative entries go; later writes overwrite them
@@ -132,13 +135,19 @@ class MTPOptions:
         ValueError: ``depth`` < 1.
     """
 
-    weights: str | None = option(None, "folder of a checkpoint with MTP layers (DeepSeek-V3/GLM model.layers.N.*, "
-                                       "Qwen3.5 mtp.*) or of a module 'mlxspec train mtp' wrote",
-                                 default_help="the target's own folder if it has MTP layers, else the module "
-                                              "shipped in models/mtp/ for the target")
-    depth: int | None = option(None, "MTP chain depth: tokens drafted per round, the module fed its own output "
-                                     "after the first", parse=int,
-                               default_help=f"the module's draft_depth, else {DEFAULT_DEPTH}")
+    weights: str | None = option(
+        None,
+        "folder of a checkpoint with MTP layers (DeepSeek-V3/GLM model.layers.N.*, Qwen3.5 mtp.*) or of a "
+        "module 'mlxspec train mtp' wrote",
+        default_help="the target's own folder if it has MTP layers, else the module shipped in models/mtp/ "
+        "for the target",
+    )
+    depth: int | None = option(
+        None,
+        "MTP chain depth: tokens drafted per round, the module fed its own output after the first",
+        parse=int,
+        default_help=f"the module's draft_depth, else {DEFAULT_DEPTH}",
+    )
 
     def __post_init__(self):
         at_least(1, self.depth, "--mtp-depth")
@@ -159,9 +168,11 @@ def mtp_weights(context: DrafterContext, given: str | None) -> Path:
     if ships is not None:
         return ships
     name = context.target_name or "this target"
-    raise ValueError(f"no MTP layers for {name}: its checkpoint has none (no model.layers.{{N}}.eh_proj or mtp.* "
-                     f"tensors) and no module ships for it; pass --mtp-weights FOLDER ({PUBLISHED['mtp']}), "
-                     f"or train one: {TRAIN_COMMAND}")
+    raise ValueError(
+        f"no MTP layers for {name}: its checkpoint has none (no model.layers.{{N}}.eh_proj or mtp.* tensors) "
+        f"and no module ships for it; pass --mtp-weights FOLDER ({PUBLISHED['mtp']}), or train one: "
+        f"{TRAIN_COMMAND}"
+    )
 
 
 def build(options: MTPOptions, context: DrafterContext) -> MTPDrafter:
@@ -171,6 +182,13 @@ def build(options: MTPOptions, context: DrafterContext) -> MTPDrafter:
     return MTPDrafter(stack, context.target, depth)
 
 
-DRAFTER = register(DrafterType("mtp", MTPOptions, build,
-                               "the target's own multi-token-prediction layers (DeepSeek-V3, GLM, Qwen3.5) or "
-                               "one trained here, a sampled chain", order=45))
+DRAFTER = register(
+    DrafterType(
+        "mtp",
+        MTPOptions,
+        build,
+        "the target's own multi-token-prediction layers (DeepSeek-V3, GLM, Qwen3.5) or one trained here, a "
+        "sampled chain",
+        order=45,
+    )
+)

@@ -16,12 +16,14 @@ from .suffix import longest_match
 
 #: Shortest suffix matched by default. 3, not 1: a 1- or 2-token match is mostly chance (any token seen before
 #: matches), its drafts miss, and under γ auto those misses make the policy back off for 16+ rounds just when
-#: the answer starts copying. Measured on Qwen2.5-Coder-1.5B (docs/archive/results-archive.md, runs G and H), γ auto, min 3
+#: the answer starts copying. Measured on Qwen2.5-Coder-1.5B (docs/archive/results-archive.md, runs G and H),
+#: γ auto, min 3
 #: against min 1: 1.35× -> 2.18× plain decoding (median of 4 code edits), 0.98× -> 1.07× (4 open prompts).
 DEFAULT_MIN_NGRAM = 3
 #: Longest suffix matched by default. 8, not 4: the longest match picks the occurrence that continues as the
 #: answer does (an edit repeats 4-token runs all over the code; 6-8 tokens tell them apart). Replayed on
-#: Qwen2.5-Coder-1.5B's greedy answers to 4 code edits with its measured verify costs (docs/archive/results-archive.md, run N):
+#: Qwen2.5-Coder-1.5B's greedy answers to 4 code edits with its measured verify costs
+#: (docs/archive/results-archive.md, run N):
 #: γ auto 2.21 -> 2.46x plain on the rename, the others equal or better, never worse; 6 to 16 give the same.
 #: Measured in the same run: the rename 2.41 -> 2.90x, identical rounds on the other three.
 DEFAULT_MAX_NGRAM = 8
@@ -103,7 +105,8 @@ class NgramOptions:
 
     @property
     def shortest(self) -> int:
-        """``min``, or when not given ``DEFAULT_MIN_NGRAM`` capped at ``max`` (``ngram:max=2`` alone means 2..2)."""
+        """``min``, or when not given ``DEFAULT_MIN_NGRAM`` capped at ``max`` (``ngram:max=2`` alone means
+        2..2)."""
         return min(DEFAULT_MIN_NGRAM, self.max) if self.min is None else self.min
 
 
@@ -111,5 +114,12 @@ def build(options: NgramOptions, context) -> NgramDrafter:
     return NgramDrafter(options.shortest, options.max)
 
 
-DRAFTER = register(DrafterType("ngram", NgramOptions, build,
-                               "prompt lookup: drafts what followed the last n tokens earlier on; no model", order=20))
+DRAFTER = register(
+    DrafterType(
+        "ngram",
+        NgramOptions,
+        build,
+        "prompt lookup: drafts what followed the last n tokens earlier on; no model",
+        order=20,
+    )
+)

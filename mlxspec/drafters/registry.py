@@ -26,7 +26,8 @@ def option(default: Any, help: str, *, parse: Callable[[str], Any] = str, defaul
         default: The value when the option is not given.
         help: One sentence for ``--help`` (the ``Default: ...`` part is added).
         parse: Turns the text of a flag or a spec string value into the value (raises ``ValueError``).
-        default_help: What the default means when it is not a plain value (e.g. ``None`` = the head's setting).
+        default_help: What the default means when it is not a plain value (e.g. ``None`` = the head's
+            setting).
     """
     return field(default=default, metadata={"help": help, "parse": parse, "default_help": default_help})
 
@@ -66,7 +67,8 @@ class DrafterContext:
     Attributes:
         target: The target, an mlx-lm model (its width, embedding, LM head, layers).
         tokenizer: The target's tokenizer, or ``None``.
-        target_name: The target's name (``loading.models.model_name``), or ``None``; the suffix drafter keys its store by it.
+        target_name: The target's name (``loading.models.model_name``), or ``None``; the suffix drafter keys
+            its store by it.
         draft_model, draft_tokenizer: A loaded draft model and its tokenizer, or ``None``.
         on_measure: Called with a short description before a cost measurement that was not cached
             (the CLI prints it). Default: none.
@@ -106,8 +108,8 @@ class DrafterType:
         build: ``build(options, context) -> Drafter``.
         summary: One line for ``--help`` and the README's table.
         order: Position in listings (``--drafter`` choices, the chat's list). Default: ``100``.
-        plain: Whether it never drafts (plain decoding through the round loop; its drafters' ``profile.plain``):
-            γ flags do not apply to it. Default: ``False``.
+        plain: Whether it never drafts (plain decoding through the round loop; its drafters'
+            ``profile.plain``): γ flags do not apply to it. Default: ``False``.
         needs_draft_model: Whether it drafts with a second, smaller LM that is loaded before it is built
             (``--draft-model``, ``DrafterContext.draft_model``). Default: ``False``.
     """
@@ -174,7 +176,9 @@ class DrafterSpec:
         if self.options is None:
             object.__setattr__(self, "options", kind.options())
         elif not isinstance(self.options, kind.options):
-            raise ValueError(f"the {self.name} drafter takes {kind.options.__name__}, got {type(self.options).__name__}")
+            raise ValueError(
+                f"the {self.name} drafter takes {kind.options.__name__}, got {type(self.options).__name__}"
+            )
 
     @classmethod
     def parse(cls, text: str) -> DrafterSpec:
@@ -226,7 +230,8 @@ class DrafterSpec:
 
 
 def _keys(message: str, name: str, keys) -> str:
-    """An option's error as a spec's user reads it: its flags (``--draft-vocab``) named by their keys (``vocab``)."""
+    """An option's error as a spec's user reads it: its flags (``--draft-vocab``) named by their keys
+    (``vocab``)."""
     for key in keys:
         message = message.replace(f"--{name}-{key.replace('_', '-')}", key)
     return message
@@ -252,9 +257,17 @@ def parse_specs(text: str) -> list[DrafterSpec]:
     return [DrafterSpec.parse(piece) for piece in pieces]
 
 
-def make_drafter(spec: str | DrafterSpec = "none", target=None, tokenizer=None, *, target_name: str | None = None,
-                 draft_model=None, draft_tokenizer=None, on_measure: Callable[[str], None] | None = None,
-                 target_path: str | None = None) -> Drafter:
+def make_drafter(
+    spec: str | DrafterSpec = "none",
+    target=None,
+    tokenizer=None,
+    *,
+    target_name: str | None = None,
+    draft_model=None,
+    draft_tokenizer=None,
+    on_measure: Callable[[str], None] | None = None,
+    target_path: str | None = None,
+) -> Drafter:
     """Build a drafter from a spec.
 
     Args:
@@ -262,7 +275,8 @@ def make_drafter(spec: str | DrafterSpec = "none", target=None, tokenizer=None, 
             ``"eagle:heads=PATH,depth=4"``). Default: ``"none"`` (plain decoding).
         target: The target model (needed by every drafter but ``ngram`` and ``none``).
         tokenizer: The target's tokenizer (``draft``: checked against the draft model's).
-        target_name: The target's name (``loading.models.model_name``); the suffix drafter keys its store by it (heads are found by what the target is).
+        target_name: The target's name (``loading.models.model_name``); the suffix drafter keys its store by
+            it (heads are found by what the target is).
         draft_model, draft_tokenizer: A loaded draft model and its tokenizer (``draft``).
         on_measure: Told before a cost measurement that was not cached. Default: none.
         target_path: The target's folder, where ``mtp`` finds the model's own MTP layers. Default: none.
@@ -277,12 +291,18 @@ def make_drafter(spec: str | DrafterSpec = "none", target=None, tokenizer=None, 
             ``draft_model`` given to another drafter than ``draft`` (it would be ignored).
     """
     if not isinstance(spec, (str, DrafterSpec)):
-        raise TypeError(f"spec must be a drafter spec string such as 'ngram' or 'eagle:depth=4', or a DrafterSpec, "
-                        f"got {type(spec).__name__}")
+        raise TypeError(
+            f"spec must be a drafter spec string such as 'ngram' or 'eagle:depth=4', or a DrafterSpec, got "
+            f"{type(spec).__name__}"
+        )
     spec = DrafterSpec.parse(spec) if isinstance(spec, str) else spec
     if draft_model is not None and not spec.kind.needs_draft_model:
         takes = " or ".join(k.name for k in drafter_types().values() if k.needs_draft_model)
-        raise ValueError(f"draft_model is used by the {takes} drafter only, but the drafter is {spec.name}; pass "
-                         f"'{takes}', or leave draft_model out")
-    context = DrafterContext(target, tokenizer, target_name, draft_model, draft_tokenizer, on_measure, target_path)
+        raise ValueError(
+            f"draft_model is used by the {takes} drafter only, but the drafter is {spec.name}; pass "
+            f"'{takes}', or leave draft_model out"
+        )
+    context = DrafterContext(
+        target, tokenizer, target_name, draft_model, draft_tokenizer, on_measure, target_path
+    )
     return drafter_type(spec.name).build(spec.options, context)

@@ -58,7 +58,9 @@ AUTO_MAX_NODES = 32
 # --- matching and scoring ------------------------------------------------------------------
 
 
-def longest_match(tokens: np.ndarray, pattern: np.ndarray, max_match: int = MAX_MATCH) -> tuple[int, np.ndarray]:
+def longest_match(
+    tokens: np.ndarray, pattern: np.ndarray, max_match: int = MAX_MATCH
+) -> tuple[int, np.ndarray]:
     """The longest suffix of ``pattern`` that occurs in ``tokens`` with a token after it.
 
     Extends the match backwards one token at a time over the occurrences that are left, so the
@@ -190,7 +192,8 @@ class SuffixDrafter(Drafter):
 
     @property
     def profile(self) -> DraftProfile:
-        """Its depth; with ``nodes="auto"`` each round's tree is cut to the plan's budget (``Plan.budget``)."""
+        """Its depth; with ``nodes="auto"`` each round's tree is cut to the plan's budget
+        (``Plan.budget``)."""
         return DraftProfile(max_depth=self.depth, budget=self.nodes == AUTO,
                             nodes=(AUTO_MAX_NODES,) * self.depth if self.nodes == AUTO else None)
 
@@ -201,7 +204,9 @@ class SuffixDrafter(Drafter):
         return twin
 
     def prefill(self, prompt, hidden=None):
-        self.document = self.store.open(self, list(prompt[-PROMPT_CONTEXT:])) if self.store is not None else None
+        self.document = (
+            self.store.open(self, list(prompt[-PROMPT_CONTEXT:])) if self.store is not None else None
+        )
         self._recorded, self._drafted = len(prompt), []
 
     def propose(self, history, num_draft_tokens, sampling, plan=None):
@@ -252,16 +257,28 @@ class SuffixOptions:
     """
 
     depth: int = option(DEFAULT_DEPTH, "deepest node the suffix drafter drafts", parse=int)
-    nodes: int | str = option(DEFAULT_NODES, "most draft nodes per round, or 'auto': the count with the most "
-                              "expected tokens per second from this machine's measured verify costs", parse=int_or_auto)
-    factor: float = option(DEFAULT_FACTOR, "draft nodes per matched suffix token (SuffixDecoding's alpha)", parse=float)
+    nodes: int | str = option(
+        DEFAULT_NODES,
+        "most draft nodes per round, or 'auto': the count with the most expected tokens per second from this "
+        "machine's measured verify costs",
+        parse=int_or_auto,
+    )
+    factor: float = option(
+        DEFAULT_FACTOR, "draft nodes per matched suffix token (SuffixDecoding's alpha)", parse=float
+    )
     min_prob: float = option(DEFAULT_MIN_PROB, "least empirical probability of a drafted path", parse=float)
     shared: bool = option(True, "read and feed the process-wide store of earlier outputs ('false': this "
                           "request only)", parse=lambda text: _boolean(text, "--suffix-shared"))
-    store_tokens: int = option(DEFAULT_STORE_TOKENS, "tokens the process-wide store keeps before evicting its "
-                               "oldest documents (4-8 bytes each)", parse=int)
-    corpus: str | None = option(None, "a text file or folder (e.g. a source tree) added to the process-wide store",
-                                default_help="none")
+    store_tokens: int = option(
+        DEFAULT_STORE_TOKENS,
+        "tokens the process-wide store keeps before evicting its oldest documents (4-8 bytes each)",
+        parse=int,
+    )
+    corpus: str | None = option(
+        None,
+        "a text file or folder (e.g. a source tree) added to the process-wide store",
+        default_help="none",
+    )
 
     def __post_init__(self):
         at_least(1, self.depth, "--suffix-depth")
@@ -276,7 +293,9 @@ class SuffixOptions:
 
 
 def _boolean(text: str, flag: str) -> bool:
-    value = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}.get(text.strip().lower())
+    value = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}.get(
+        text.strip().lower()
+    )
     if value is None:
         raise ValueError(f"{flag} takes true or false, got {text!r}")
     return value
@@ -294,7 +313,13 @@ def build(options: SuffixOptions, context: DrafterContext) -> SuffixDrafter:
                          min_prob=options.min_prob, vocab_size=vocab_size)
 
 
-DRAFTER = register(DrafterType("suffix", SuffixOptions, build,
-                               "SuffixDecoding: frequency-scored trees of what followed the current suffix in this "
-                               "request and in earlier outputs of the process; no model (Oliaro et al. 2024)",
-                               order=25))
+DRAFTER = register(
+    DrafterType(
+        "suffix",
+        SuffixOptions,
+        build,
+        "SuffixDecoding: frequency-scored trees of what followed the current suffix in this request and in "
+        "earlier outputs of the process; no model (Oliaro et al. 2024)",
+        order=25,
+    )
+)

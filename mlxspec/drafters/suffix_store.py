@@ -1,8 +1,8 @@
 """The suffix drafter's process-wide store of earlier outputs: bounded, evictable, joined incrementally.
 
-SuffixDecoding (Oliaro et al. 2024, arXiv 2411.04975) keeps earlier outputs in a global suffix tree; the suffix
-drafter (``suffix.py``) searches this store instead, a flat token array (see its module docstring for the
-search). Documents are outputs (one per request), chat turns and corpus files, separated by ``-1``.
+SuffixDecoding (Oliaro et al. 2024, arXiv 2411.04975) keeps earlier outputs in a global suffix tree; the
+suffix drafter (``suffix.py``) searches this store instead, a flat token array (see its module docstring for
+the search). Documents are outputs (one per request), chat turns and corpus files, separated by ``-1``.
 """
 
 from __future__ import annotations
@@ -151,7 +151,12 @@ class SuffixStore:
         self._closed = []
         if closed and self._spans and closed[0] < next(reversed(self._spans)):  # out of order: rebuild
             closed = sorted([*self._spans, *closed])
-            self._spans, self._buffer, self._start, self._end = OrderedDict(), np.zeros(0, dtype=np.int32), 0, 0
+            self._spans, self._buffer, self._start, self._end = (
+                OrderedDict(),
+                np.zeros(0, dtype=np.int32),
+                0,
+                0,
+            )
         for doc in closed:
             tokens = self._docs[doc]
             self._spans[doc] = len(tokens) + 1 if len(tokens) else 0
@@ -165,8 +170,8 @@ class SuffixStore:
             self.tokens_joined += len(tokens) + 1
 
     def searchable(self, exclude: int | None = None) -> np.ndarray:
-        """Every document but ``exclude``, joined by ``-1`` separators, shape [L], int32: the closed ones in the
-        order they were opened, then the open ones (a view of the store's buffer that later changes never
+        """Every document but ``exclude``, joined by ``-1`` separators, shape [L], int32: the closed ones in
+        the order they were opened, then the open ones (a view of the store's buffer that later changes never
         write into)."""
         for doc, owner in list(self._owners.items()):
             drafter = owner()
@@ -197,7 +202,8 @@ _STORES: dict[tuple, SuffixStore] = {}
 
 
 def global_store(key: tuple = (), max_tokens: int = DEFAULT_STORE_TOKENS) -> SuffixStore:
-    """The process-wide store for one vocabulary ``key`` (created on first use, then resized to ``max_tokens``)."""
+    """The process-wide store for one vocabulary ``key`` (created on first use, then resized to
+    ``max_tokens``)."""
     store = _STORES.get(key)
     if store is None:
         store = _STORES[key] = SuffixStore(max_tokens)
@@ -229,8 +235,15 @@ def load_corpus(store: SuffixStore, path: str, tokenizer, vocab_size: int | None
         raise ValueError(f"--suffix-corpus: {path} does not exist; give a text file or a folder of them")
     if not hasattr(tokenizer, "encode"):
         raise ValueError("--suffix-corpus needs the target's tokenizer to read text files")
-    files = [root] if root.is_file() else sorted(
-        f for f in root.rglob("*") if f.is_file() and not any(p.startswith(".") for p in f.relative_to(root).parts))
+    files = (
+        [root]
+        if root.is_file()
+        else sorted(
+            f
+            for f in root.rglob("*")
+            if f.is_file() and not any(p.startswith(".") for p in f.relative_to(root).parts)
+        )
+    )
     added, texts = 0, 0
     for file in files:
         key = (str(file.resolve()), file.stat().st_mtime_ns)

@@ -74,7 +74,9 @@ def save_ranking(path: str | Path, ids: np.ndarray, metadata: dict[str, str]) ->
     return path
 
 
-def rank_tokens(tokenizer, texts: Iterable[str], vocab_size: int, *, max_chars: int = RANKING_CHARS) -> np.ndarray:
+def rank_tokens(
+    tokenizer, texts: Iterable[str], vocab_size: int, *, max_chars: int = RANKING_CHARS
+) -> np.ndarray:
     """The ids that occur in ``texts``, most frequent first (ties: smaller id first).
 
     Args:
@@ -84,7 +86,8 @@ def rank_tokens(tokenizer, texts: Iterable[str], vocab_size: int, *, max_chars: 
         max_chars: Most characters read. Default: ``RANKING_CHARS``.
 
     Returns:
-        np.ndarray: [V'] int32, V' <= V the ids seen (``draft_ids`` adds unseen ones in id order if asked for more).
+        np.ndarray: [V'] int32, V' <= V the ids seen (``draft_ids`` adds unseen ones in id order if asked for
+            more).
     """
     counts, read, batch = np.zeros(vocab_size, dtype=np.int64), 0, []
     encode = _batch_encoder(tokenizer)
@@ -132,7 +135,9 @@ def _batch_encoder(tokenizer) -> Callable[[list[str]], list[list[int]]]:
     return lambda texts: [tokenizer.encode(t, add_special_tokens=False) for t in texts]
 
 
-def sharegpt_ranking(tokenizer, vocab_size: int, on_measure: Callable[[str], None] | None = None) -> np.ndarray:
+def sharegpt_ranking(
+    tokenizer, vocab_size: int, on_measure: Callable[[str], None] | None = None
+) -> np.ndarray:
     """The tokenizer's ranking: shipped or cached, else counted over ShareGPT's assistant turns and cached.
 
     Args:
@@ -150,7 +155,9 @@ def sharegpt_ranking(tokenizer, vocab_size: int, on_measure: Callable[[str], Non
     from ..loading.data import load_sharegpt  # only on first use: it reads 126 MB
 
     if on_measure is not None:
-        on_measure("the draft vocabulary: counting tokens over ShareGPT's answers (first use for this tokenizer)")
+        on_measure(
+            "the draft vocabulary: counting tokens over ShareGPT's answers (first use for this tokenizer)"
+        )
     conversations, _ = load_sharegpt()
     texts = (turn.text for c in conversations for turn in c.turns if turn.role == "assistant")
     ids = rank_tokens(tokenizer, texts, vocab_size)

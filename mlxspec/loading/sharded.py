@@ -55,8 +55,10 @@ def shard(model: nn.Module, kind: str, group) -> Sharding:
         for _, weight in tree_flatten(model.parameters()):  # one at a time: one whole tensor decoded at once
             mx.eval(weight)
     except RuntimeError as e:  # a lazily loaded file is read here
-        raise ValueError(f"reading this rank's share of the weights failed ({str(e).strip()}); check that the model's "
-                         "files are complete on every machine") from e
+        raise ValueError(
+            f"reading this rank's share of the weights failed ({str(e).strip()}); check that the model's "
+            "files are complete on every machine"
+        ) from e
     mx.eval(mx.distributed.all_sum(mx.array(1.0), group=group, stream=mx.cpu))  # every rank is ready
     return mark_sharded(model, Sharding(kind, group))
 
@@ -108,10 +110,14 @@ def _problems(model: nn.Module, ranks: int) -> dict[str, str | None]:
 
 
 def _indivisible(layers: list, ranks: int, name: str) -> str | None:
-    """Tensor parallelism splits heads and widths evenly: what of the first layer does not divide by ``ranks``."""
+    """Tensor parallelism splits heads and widths evenly: what of the first layer does not divide by
+    ``ranks``."""
     for layer in layers:
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        sizes = {"attention heads": getattr(attn, "n_heads", 0), "key/value heads": getattr(attn, "n_kv_heads", 0)}
+        sizes = {
+            "attention heads": getattr(attn, "n_heads", 0),
+            "key/value heads": getattr(attn, "n_kv_heads", 0),
+        }
         if mlp is not None and hasattr(mlp, "up_proj"):
             sizes["MLP width"] = mlp.up_proj.weight.shape[0]
         bad = {k: v for k, v in sizes.items() if v % ranks}

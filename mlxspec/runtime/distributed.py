@@ -78,27 +78,35 @@ def init_group():
         ValueError: not started by ``mlx.launch`` (one process cannot shard a model), or a group of one.
     """
     if not launched():
-        raise ValueError("--shard needs several processes: start the command with mlx.launch, e.g. mlx.launch "
-                         "--backend ring --hosts 127.0.0.1,127.0.0.1 -- mlxspec generate|serve --shard tensor ...")
+        raise ValueError(
+            "--shard needs several processes: start the command with mlx.launch, e.g. mlx.launch --backend "
+            "ring --hosts 127.0.0.1,127.0.0.1 -- mlxspec generate|serve --shard tensor ..."
+        )
     try:
         group = mx.distributed.init(strict=True)
     except RuntimeError as e:
-        raise ValueError(f"MLX's distributed backend did not start ({str(e).strip()}); check the hostfile and that "
-                         "every host can reach the others (docs/distributed.md)") from e
+        raise ValueError(
+            f"MLX's distributed backend did not start ({str(e).strip()}); check the hostfile and that "
+            "every host can reach the others (docs/distributed.md)"
+        ) from e
     if group.size() < 2:
         raise ValueError("--shard needs at least two ranks; mlx.launch started one")
     return group
 
 
 def mark_sharded(model: nn.Module, split: Sharding) -> Sharding:
-    """Record on ``model`` how it was split (``loading.sharded.shard`` calls it); ``sharding(model)`` reads it."""
-    model.sharding = split  # a plain attribute: mlx's Module keeps arrays, lists and dicts as parameters, not this
+    """Record on ``model`` how it was split (``loading.sharded.shard`` calls it); ``sharding(model)`` reads
+    it."""
+    # a plain attribute: mlx's Module keeps arrays, lists and dicts as parameters, not this
+    model.sharding = split
     return split
 
 
 def sharding(model: nn.Module) -> Sharding | None:
     """How ``model`` was split by ``shard``, or ``None`` for a whole model."""
-    return getattr(model, "sharding", None) if isinstance(getattr(model, "sharding", None), Sharding) else None
+    return (
+        getattr(model, "sharding", None) if isinstance(getattr(model, "sharding", None), Sharding) else None
+    )
 
 
 def check_measured(model: nn.Module) -> None:
@@ -111,9 +119,11 @@ def check_measured(model: nn.Module) -> None:
         ValueError: naming the fixed settings to pass instead.
     """
     if sharding(model) is not None:
-        raise ValueError("a sharded target does not measure costs per machine (each rank could choose another γ or "
-                         "tree size): pass an integer --num-draft-tokens, and a fixed tree size where the drafter "
-                         "has one (e.g. eagle:total_tokens=32, suffix:nodes=16)")
+        raise ValueError(
+            "a sharded target does not measure costs per machine (each rank could choose another γ or tree "
+            "size): pass an integer --num-draft-tokens, and a fixed tree size where the drafter has one "
+            "(e.g. eagle:total_tokens=32, suffix:nodes=16)"
+        )
 
 
 def random_seed() -> int:
@@ -122,7 +132,8 @@ def random_seed() -> int:
 
 
 def share_json(group, value=None):
-    """Rank 0's ``value`` (anything ``json`` writes) on every rank; the others pass nothing. All ranks must call it.
+    """Rank 0's ``value`` (anything ``json`` writes) on every rank; the others pass nothing. All ranks must
+    call it.
 
     Two all-sums, as mlx-lm's server shares a request: the length, then the UTF-8 bytes (rank 0 adds
     its bytes to the others' zeros). JSON, not pickle: a rank never unpickles what the network sent.
@@ -143,7 +154,8 @@ def any_rank(group, flag: bool) -> bool:
 
 
 def job_sum(model: nn.Module, value: float) -> float:
-    """``value`` summed over the ranks of ``model``'s job (itself for a whole model); every rank must call it."""
+    """``value`` summed over the ranks of ``model``'s job (itself for a whole model); every rank must call
+    it."""
     s = sharding(model)
     if s is None:
         return value
@@ -161,8 +173,12 @@ def rank_output(rank: int):
     neither waits forever (tests/test_distributed.py kills a rank to check).
     """
     def stopped(signum, frame):
-        print(f"mlxspec: error: rank {rank} was stopped (SIGTERM): another rank of the job ended first, and "
-              "mlx.launch stops the rest; its message, or mlx.launch's warning, says which", file=sys.stderr, flush=True)
+        print(
+            f"mlxspec: error: rank {rank} was stopped (SIGTERM): another rank of the job ended first, and "
+            "mlx.launch stops the rest; its message, or mlx.launch's warning, says which",
+            file=sys.stderr,
+            flush=True,
+        )
         raise SystemExit(143)
 
     previous = signal.signal(signal.SIGTERM, stopped)

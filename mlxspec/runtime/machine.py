@@ -1,9 +1,9 @@
 """What this machine is: CPU, cores, BLAS, memory and library versions.
 
 Measured costs are cached per machine (``pacing.costs.machine_fingerprint``, from ``cpu_name`` and
-``blas_in_use``); a benchmark header records ``machine_info()``. On Linux, MLX's CPU matmuls run on whichever BLAS the
-process resolves ``cblas_sgemm`` to (``blas_in_use``); ``find_fast_blas`` finds an
-installed multithreaded OpenBLAS to preload.
+``blas_in_use``); a benchmark header records ``machine_info()``. On Linux, MLX's CPU matmuls run on whichever
+BLAS the process resolves ``cblas_sgemm`` to (``blas_in_use``); ``find_fast_blas`` finds an installed
+multithreaded OpenBLAS to preload.
 """
 
 from __future__ import annotations
@@ -32,8 +32,15 @@ FAST_BLAS_CANDIDATES = (
 
 def machine_info() -> dict:
     """Everything a benchmark header should say about this machine."""
-    info = {"system": platform.system(), "arch": platform.machine(), "cpu": cpu_name(), "cores": os.cpu_count(),
-            "mlx": mx.__version__, "device": str(mx.default_device()), "blas": blas_in_use()}
+    info = {
+        "system": platform.system(),
+        "arch": platform.machine(),
+        "cpu": cpu_name(),
+        "cores": os.cpu_count(),
+        "mlx": mx.__version__,
+        "device": str(mx.default_device()),
+        "blas": blas_in_use(),
+    }
     info["memory_gb"] = _memory_gb()
     info["platform"] = platform.platform()
     info["python"] = platform.python_version()

@@ -2,9 +2,9 @@
 drafter, and measure drafters.
 
 One subcommand per module (``corpus``, ``medusa``, ``eagle``, ``draft``, ``mtp``, ``dflash``, ``dspark``,
-``measure``), each with ``HELP``, ``DESCRIPTION``, ``add_flags(parser)`` and ``run(args) -> int``; the training
-methods share their run flags, progress loop and evaluation line through ``shared``. Every training command resumes when run
-again with the same settings.
+``measure``), each with ``HELP``, ``DESCRIPTION``, ``add_flags(parser)`` and ``run(args) -> int``; the
+training methods share their run flags, progress loop and evaluation line through ``shared``. Every training
+command resumes when run again with the same settings.
 """
 
 from __future__ import annotations

@@ -28,9 +28,11 @@ from ...train.corpus import DEFAULT_TOPK, build_corpus
 from .shared import TRAIN, VALIDATION, add_data_flag, add_model_flag, heldout_split, say
 
 HELP = "the target's own greedy answers + features, for training heads and drafts"
-DESCRIPTION = ("Answer training prompts greedily with the target (batched) -- or, with --answers data, read the "
-               "dataset's own answers -- and store its hidden states, layer features and top-k log-probabilities; "
-               "run again to resume.")
+DESCRIPTION = (
+    "Answer training prompts greedily with the target (batched) -- or, with --answers data, read the "
+    "dataset's own answers -- and store its hidden states, layer features and top-k log-probabilities; run "
+    "again to resume."
+)
 
 
 def add_flags(p: argparse.ArgumentParser) -> None:
@@ -38,26 +40,42 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     add_model_flag(p)
     add_data_flag(p)
     p.add_argument("--output", "-o", required=True, help="corpus folder (resumable)")
-    p.add_argument("--answers", choices=("target", "data"), default="target",
-                   help="'target': the target answers each prompt greedily (self-distillation); 'data': the target "
-                        "reads the dataset's own first answer in one forward, several times cheaper on a CPU "
-                        "(for large targets). Default: target")
+    p.add_argument(
+        "--answers",
+        choices=("target", "data"),
+        default="target",
+        help="'target': the target answers each prompt greedily (self-distillation); 'data': the target "
+        "reads the dataset's own first answer in one forward, several times cheaper on a CPU (for large "
+        "targets). Default: target",
+    )
     p.add_argument("--max-new-tokens", type=int, default=192,
                    help="longest answer, tokens (--answers data: answers are cut there). Default: 192")
-    p.add_argument("--max-prompt-tokens", type=int, default=256,
-                   help="skip training prompts longer than this (tokens, chat template included). Default: 256")
-    p.add_argument("--max-prompts", type=int, default=2000, help="training prompts to answer at most. Default: 2000")
+    p.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        default=256,
+        help="skip training prompts longer than this (tokens, chat template included). Default: 256",
+    )
+    p.add_argument(
+        "--max-prompts", type=int, default=2000, help="training prompts to answer at most. Default: 2000"
+    )
     p.add_argument("--validation-prompts", type=int, default=32,
                    help="prompts (not trained on) answered into OUTPUT/validation. Default: 32")
     p.add_argument("--batch-size", type=int, default=32, help="prompts decoded together. Default: 32")
     p.add_argument("--topk", type=int, default=DEFAULT_TOPK,
                    help=f"soft labels (target log-probabilities) kept per position. Default: {DEFAULT_TOPK}")
     p.add_argument("--time-budget", type=float, default=None,
-                   help="minutes after which no new batch starts (the corpus is usable as it is then; "
-                        "the same command resumes it). Default: none")
-    p.add_argument("--num-heldout", type=int, default=50,
-                   help="conversations held out exactly as mlxspec train medusa does (same seed). Default: 50")
-    p.add_argument("--seed", type=int, default=0, help="seed of the split and of the prompt order. Default: 0")
+                   help="minutes after which no new batch starts (the corpus is usable as it is then; the "
+                        "same command resumes it). Default: none")
+    p.add_argument(
+        "--num-heldout",
+        type=int,
+        default=50,
+        help="conversations held out exactly as mlxspec train medusa does (same seed). Default: 50",
+    )
+    p.add_argument(
+        "--seed", type=int, default=0, help="seed of the split and of the prompt order. Default: 0"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -72,7 +90,9 @@ def run(args: argparse.Namespace) -> int:
     train_convs, heldout = heldout_split(conversations, tokenizer, args.data, args.num_heldout, args.seed)
     held = {dataset.first_prompt(c) for c in heldout}
     with_answers = args.answers == "data"
-    pairs = training_prompts(tokenizer, train_convs, args.data, args.max_prompt_tokens, held, with_answers=with_answers)
+    pairs = training_prompts(
+        tokenizer, train_convs, args.data, args.max_prompt_tokens, held, with_answers=with_answers
+    )
     random.Random(args.seed).shuffle(pairs)
     validation = pairs[: args.validation_prompts]
     train = order_for_batching(pairs[args.validation_prompts :][: args.max_prompts], args.batch_size)
@@ -119,7 +139,9 @@ def training_prompts(tokenizer, conversations, data: str, max_tokens: int, exclu
         if data == dataset.SHAREGPT and not dataset.starts_a_conversation(conversation):
             continue
         seen.add(text)
-        ids = list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True))
+        ids = list(
+            tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        )
         if len(ids) > max_tokens:
             continue
         if not with_answers:

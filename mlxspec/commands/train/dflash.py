@@ -14,9 +14,11 @@ from ...train.dflash import DFlashEvalRecord, DFlashTrainConfig, train_dflash
 from .shared import add_run_flags, chain_scores, corpus_help, run_on_corpus
 
 HELP = "a DFlash block drafter on the frozen target, from a corpus"
-DESCRIPTION = ("Train a DFlash drafter (a few layers on the target's layer features that predict a whole block "
-               "of masked tokens at once) on a self-distillation corpus (mlxspec train corpus); run the same "
-               "command again to resume.")
+DESCRIPTION = (
+    "Train a DFlash drafter (a few layers on the target's layer features that predict a whole block of "
+    "masked tokens at once) on a self-distillation corpus (mlxspec train corpus); run the same command again "
+    "to resume."
+)
 #: The drafter's flags: config field → help (see ``shared.add_config_flags``).
 FLAGS = {
     "num_layers": "drafter decoder layers (each as wide as the target's)",
@@ -26,17 +28,21 @@ FLAGS = {
     "max_seq_length": "cut examples to this many tokens",
     "mask_token_id": "the id whose embedding fills the masked positions (-1: the last id of the vocabulary)",
     "position_decay": "loss weight of block position j is DECAY**(j-1)",
-    "context_window": "each block sees only the last W context positions before its anchor, in training and at "
-                      "inference (0: all); 1 learns on a CPU budget where the full context stalls",
+    "context_window": "each block sees only the last W context positions before its anchor, in training and "
+    "at inference (0: all); 1 learns on a CPU budget where the full context stalls",
 }
 
 
 def add_flags(p: argparse.ArgumentParser) -> None:
     """The ``mlxspec train dflash`` flags: the shared run flags and the drafter's."""
-    add_run_flags(p, DFlashTrainConfig(), FLAGS,
-                  output_help="folder for the drafter (config.json + model.safetensors, z-lab's DFlash layout), "
-                              "checkpoints and training.json",
-                  corpus_help=corpus_help("layer features and top-k log-probabilities"))
+    add_run_flags(
+        p,
+        DFlashTrainConfig(),
+        FLAGS,
+        output_help="folder for the drafter (config.json + model.safetensors, z-lab's DFlash layout), "
+        "checkpoints and training.json",
+        corpus_help=corpus_help("layer features and top-k log-probabilities"),
+    )
 
 
 def run(args: argparse.Namespace) -> int:

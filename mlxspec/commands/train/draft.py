@@ -33,27 +33,32 @@ FLAGS = {
     "hidden": "hidden size of the draft; the target's embeddings are projected to it (SVD)",
     "heads": ("attention heads. Default: hidden / the target's head size", {"type": int}),
     "kv_heads": ("key/value heads. Default: the target's query/KV ratio where it divides", {"type": int}),
-    "intermediate_size": ("MLP width. Default: the target's ratio to the hidden size, a multiple of 64",
-                          {"type": int}),
+    "intermediate_size": (
+        "MLP width. Default: the target's ratio to the hidden size, a multiple of 64",
+        {"type": int},
+    ),
     "batch_tokens": "tokens per step, padding included",
     "max_seq_length": "cut examples (prompt + answer) to this many tokens",
     "heldout_examples": "with no validation corpus, hold out this many examples from the end of the corpus",
-    "train_vocab": "normalise the training loss over only the N tokens most frequent among the soft labels (0: the "
-                   "full vocabulary); the 49k-wide LM head and softmax dominate a CPU step. The draft keeps its "
-                   "full LM head and the held-out scores use it",
+    "train_vocab": "normalise the training loss over only the N tokens most frequent among the soft labels "
+    "(0: the full vocabulary); the 49k-wide LM head and softmax dominate a CPU step. The draft keeps its "
+    "full LM head and the held-out scores use it",
     "negatives": "with --train-vocab: tokens sampled from the rest of the vocabulary each step, whose logits "
-                 "stand for the rest in the softmax (sampled softmax)",
+    "stand for the rest in the softmax (sampled softmax)",
 }
 
 
 def add_flags(p: argparse.ArgumentParser) -> None:
     """The ``mlxspec train draft`` flags: the shared run flags and the draft's shape."""
-    add_run_flags(p, DraftTrainConfig(), FLAGS,
-                  output_help="folder for checkpoints (itself an mlx-lm model folder, float32), epoch-N/ copies "
-                              "and run info",
-                  corpus_help="a corpus from 'mlxspec train corpus' (its train/ part is trained on, its "
-                              "validation/ part scores each epoch), or one corpus folder (the last "
-                              "--heldout-examples are held out)")
+    add_run_flags(
+        p,
+        DraftTrainConfig(),
+        FLAGS,
+        output_help="folder for checkpoints (itself an mlx-lm model folder, float32), epoch-N/ copies and "
+        "run info",
+        corpus_help="a corpus from 'mlxspec train corpus' (its train/ part is trained on, its validation/ "
+        "part scores each epoch), or one corpus folder (the last --heldout-examples are held out)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:

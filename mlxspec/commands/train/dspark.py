@@ -16,19 +16,22 @@ from . import dflash
 from .shared import add_run_flags, chain_scores, corpus_help, fmt, run_on_corpus
 
 HELP = "a DSpark drafter (DFlash backbone, Markov and confidence heads) on the frozen target, from a corpus"
-DESCRIPTION = ("Train a DSpark drafter (a DFlash block backbone, a serial low-rank Markov head and a confidence head "
-               "for --num-draft-tokens scheduled) on a self-distillation corpus (mlxspec train corpus); run the same "
-               "command again to resume.")
+DESCRIPTION = (
+    "Train a DSpark drafter (a DFlash block backbone, a serial low-rank Markov head and a confidence head "
+    "for --num-draft-tokens scheduled) on a self-distillation corpus (mlxspec train corpus); run the same "
+    "command again to resume."
+)
 #: The drafter's flags: DFlash's and these (config field → help, see ``shared.add_config_flags``).
 FLAGS = {
     **dflash.FLAGS,
-    "block_size": "positions per block, the anchor included: a fresh drafter proposes BLOCK_SIZE tokens a round, "
-                  "one initialised from DFlash BLOCK_SIZE - 1",
+    "block_size": "positions per block, the anchor included: a fresh drafter proposes BLOCK_SIZE tokens a "
+    "round, one initialised from DFlash BLOCK_SIZE - 1",
     "markov_rank": "rank r of the Markov head's transition bias W2 W1[previous token]",
-    "confidence_lr_scale": "the confidence head (trained by binary cross-entropy on whether each draft agrees with "
-                           "the target's greedy token) learns at the learning rate times this",
-    "init_dflash": "a trained DFlash drafter folder (mlxspec train dflash, same corpus, --num-layers and --block-size) "
-                   "whose backbone this one starts from, keeping DFlash's block rows. Default: a fresh backbone",
+    "confidence_lr_scale": "the confidence head (trained by binary cross-entropy on whether each draft "
+    "agrees with the target's greedy token) learns at the learning rate times this",
+    "init_dflash": "a trained DFlash drafter folder (mlxspec train dflash, same corpus, --num-layers and "
+    "--block-size) whose backbone this one starts from, keeping DFlash's block rows. Default: a fresh "
+    "backbone",
 }
 
 
@@ -46,7 +49,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def scores(record: DSparkEvalRecord) -> str:
-    """Held-out agreement per draft position, chain acceptance and τ, then the confidence head's calibration."""
+    """Held-out agreement per draft position, chain acceptance and τ, then the confidence head's
+    calibration."""
     return (f"{chain_scores(record, 'draft position')}; confidence per position {fmt(record.confidence)}, "
             f"Brier {record.brier:.3f}, calibration error {record.calibration_error:.3f}, predicted survival "
             f"{fmt(record.survival)} (Brier {record.survival_brier:.3f})")

@@ -19,10 +19,13 @@ DESCRIPTION = ("Train an EAGLE-1 or EAGLE-3 draft head on a self-distillation co
                "run the same command again to resume.")
 #: The head's flags: config field → help (see ``shared.add_config_flags``).
 FLAGS = {
-    "version": ("1: EAGLE-1 (final-norm feature, target LM head, feature regression + 0.1 soft CE); "
-                "3: EAGLE-3 (three target layers, reduced vocabulary, training-time test)", {"choices": (1, 3)}),
-    "draft_vocab_size": "EAGLE-3 draft vocabulary: the most frequent answer tokens of the corpus (0: the whole "
-                        "target vocabulary)",
+    "version": (
+        "1: EAGLE-1 (final-norm feature, target LM head, feature regression + 0.1 soft CE); 3: EAGLE-3 "
+        "(three target layers, reduced vocabulary, training-time test)",
+        {"choices": (1, 3)},
+    ),
+    "draft_vocab_size": "EAGLE-3 draft vocabulary: the most frequent answer tokens of the corpus (0: the "
+    "whole target vocabulary)",
     "ttt_steps": "EAGLE-3 training-time-test steps (the head's own outputs fed back)",
     "step_decay": "weight of unrolled step k is DECAY**k",
     "eval_steps": "unrolled steps scored on the held-out corpus",
@@ -35,10 +38,14 @@ FLAGS = {
 
 def add_flags(p: argparse.ArgumentParser) -> None:
     """The ``mlxspec train eagle`` flags: the shared run flags and the head."""
-    add_run_flags(p, EagleTrainConfig(), FLAGS,
-                  output_help="folder for the head (config.json + model.safetensors, EAGLE layout), checkpoints "
-                              "and training.json",
-                  corpus_help=corpus_help("features, EAGLE-3 layer inputs and top-k log-probabilities"))
+    add_run_flags(
+        p,
+        EagleTrainConfig(),
+        FLAGS,
+        output_help="folder for the head (config.json + model.safetensors, EAGLE layout), checkpoints and "
+        "training.json",
+        corpus_help=corpus_help("features, EAGLE-3 layer inputs and top-k log-probabilities"),
+    )
 
 
 def run(args: argparse.Namespace) -> int:

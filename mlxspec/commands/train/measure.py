@@ -30,8 +30,8 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default",
                    help="target (any spec 'mlxspec generate' takes); loaded in float32. Default: default")
     p.add_argument("--contender", "-c", action="append", default=None, metavar="'NAME=FLAGS'",
-                   help="a drafter configuration as 'mlxspec generate' flags, e.g. "
-                        "'medusa small_15=--drafter medusa --medusa-tree small_15 --num-draft-tokens 4'; "
+                   help="a drafter configuration as 'mlxspec generate' flags, e.g. 'medusa "
+                        "small_15=--drafter medusa --medusa-tree small_15 --num-draft-tokens 4'; "
                         "repeat for each. Default: " + "; ".join(DEFAULT_CONTENDERS))
     p.add_argument("--prompts", required=True,
                    help=f'JSONL of {{"prompt": ...}} lines, e.g. the {HELDOUT_PROMPTS} written by training')
@@ -40,16 +40,24 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                    help="sampling temperatures. Default: 0 0.7")
     p.add_argument("--max-tokens", "-m", type=int, default=128, help="new tokens per run. Default: 128")
     p.add_argument("--seed", type=int, default=0, help="prompt i is run with seed SEED + i. Default: 0")
-    p.add_argument("--engine-prompts", type=int, default=None,
-                   help="generate with the drafters (for tokens/s) on the first N prompts only; τ and acceptance "
-                        "are replayed from the plain runs on every prompt. Default: all")
+    p.add_argument(
+        "--engine-prompts",
+        type=int,
+        default=None,
+        help="generate with the drafters (for tokens/s) on the first N prompts only; τ and acceptance are "
+        "replayed from the plain runs on every prompt. Default: all",
+    )
     p.add_argument("--replay-only", nargs="+", default=[], metavar="NAME",
                    help="contenders to replay but never time (e.g. trees too wide for this machine)")
-    p.add_argument("--plain-runs", default=None, metavar="JSONL",
-                   help="reuse the plain runs (their tokens) of an earlier --output of the same prompts, "
-                        "temperatures, --max-tokens and --seed instead of generating them again: replaying "
-                        "new drafters then costs one target forward per prompt (prompts with engine runs still "
-                        "get a fresh plain run, for a fair speed-up). Default: generate them")
+    p.add_argument(
+        "--plain-runs",
+        default=None,
+        metavar="JSONL",
+        help="reuse the plain runs (their tokens) of an earlier --output of the same prompts, temperatures, "
+        "--max-tokens and --seed instead of generating them again: replaying new drafters then costs one "
+        "target forward per prompt (prompts with engine runs still get a fresh plain run, for a fair "
+        "speed-up). Default: generate them",
+    )
     p.add_argument("--output", "-o", default=None,
                    help="write every run as JSONL here and the table beside it (.md). Default: print only")
 
@@ -68,8 +76,9 @@ def run(args: argparse.Namespace) -> int:
     records = []
     out = open(args.output, "w", encoding="utf-8") if args.output else None  # noqa: SIM115
     try:
-        for record in measure(model, tokenizer, contenders, prompts, temps=args.temps, max_tokens=args.max_tokens,
-                              seed=args.seed, engine_prompts=args.engine_prompts, plain_runs=plain_runs):
+        for record in measure(model, tokenizer, contenders, prompts, temps=args.temps,
+                              max_tokens=args.max_tokens, seed=args.seed, engine_prompts=args.engine_prompts,
+                              plain_runs=plain_runs):
             records.append(record)
             s = record.stats
             speed = f", {s.generation_tps:.1f} tok/s" if record.mode == "engine" else ""
@@ -102,7 +111,9 @@ def _contender_args(spec: str) -> tuple[str, argparse.Namespace]:
     args = parser.parse_args(shlex.split(flags))
     check_drafter_args(args)
     if args.typical_threshold is not None or args.typical_alpha is not None:
-        raise ValueError(f"--contender {name!r}: typical acceptance is lossy; the table measures exact drafters only")
+        raise ValueError(
+            f"--contender {name!r}: typical acceptance is lossy; the table measures exact drafters only"
+        )
     if args.drafter is None or args.drafter.kind.plain or args.num_draft_tokens < 1:
         raise ValueError(f"--contender {name!r}: name a drafter (--drafter ...) and a γ >= 1 "
                          "(plain decoding is always measured)")

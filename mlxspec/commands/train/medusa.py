@@ -58,10 +58,15 @@ FLAGS = {
 
 def add_flags(p: argparse.ArgumentParser) -> None:
     """The ``mlxspec train medusa`` flags: the shared run flags, the heads and the data."""
-    add_run_flags(p, MedusaTrainConfig(), FLAGS,
-                  output_help="folder for checkpoints (published Medusa layout), held-out prompts and run info",
-                  corpus_help="train on a corpus from 'mlxspec train corpus' (the target's own answers) instead "
-                              "of --data; its validation part scores each epoch", corpus_required=False)
+    add_run_flags(
+        p,
+        MedusaTrainConfig(),
+        FLAGS,
+        output_help="folder for checkpoints (published Medusa layout), held-out prompts and run info",
+        corpus_help="train on a corpus from 'mlxspec train corpus' (the target's own answers) instead of "
+        "--data; its validation part scores each epoch",
+        corpus_required=False,
+    )
     add_data_flag(p)
     _data_flags(p)
 
@@ -76,10 +81,14 @@ def _data_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-heldout", type=int, default=DEFAULT_NUM_HELDOUT,
                    help="conversations held out (never trained on); their first prompts are written to "
                         f"OUTPUT/{HELDOUT_PROMPTS} for benchmarks. Default: {DEFAULT_NUM_HELDOUT}")
-    p.add_argument("--max-prompt-tokens", type=int, default=DEFAULT_MAX_PROMPT_TOKENS,
-                   help="held-out conversations are picked among those whose first prompt has at most "
-                        "this many tokens (keeps benchmarks short) and, for ShareGPT, that open a conversation "
-                        f"(ids ending in _0). Default: {DEFAULT_MAX_PROMPT_TOKENS}")
+    p.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        default=DEFAULT_MAX_PROMPT_TOKENS,
+        help="held-out conversations are picked among those whose first prompt has at most this many tokens "
+        "(keeps benchmarks short) and, for ShareGPT, that open a conversation "
+        f"(ids ending in _0). Default: {DEFAULT_MAX_PROMPT_TOKENS}",
+    )
     p.add_argument("--heldout-tokens", type=int, default=DEFAULT_HELDOUT_TOKENS,
                    help="token budget of the held-out conversations used for per-epoch accuracy. "
                         f"Default: {DEFAULT_HELDOUT_TOKENS}")
@@ -116,8 +125,9 @@ def _features(model, tokenizer, output: Path, args: argparse.Namespace, info: di
     """Split, tokenize and extract: ``(train, held-out or None)`` feature caches."""
     conversations, note = dataset.read_conversations(args.data)
     say(note)
-    train_convs, heldout_convs = heldout_split(conversations, tokenizer, args.data, args.num_heldout, args.seed,
-                                               args.max_prompt_tokens)
+    train_convs, heldout_convs = heldout_split(
+        conversations, tokenizer, args.data, args.num_heldout, args.seed, args.max_prompt_tokens
+    )
     prompts = dataset.heldout_prompts(heldout_convs)
     dataset.write_heldout_prompts(output / HELDOUT_PROMPTS, prompts)
     say(f"held out {len(prompts)} conversations (prompts in {output / HELDOUT_PROMPTS}); "
@@ -152,7 +162,9 @@ def _extract(model, examples, name: str, args) -> FeatureCache:
     with tqdm(total=total, desc=f"features ({name})", unit="tok", file=sys.stderr) as bar:
         for progress in extract_features(model, examples, directory, chunk_tokens=args.chunk_tokens):
             bar.update(progress.done - bar.n)
-            bar.set_postfix(chunk=f"{progress.chunk + 1}/{progress.num_chunks}", tok_s=f"{progress.tokens_per_s:.0f}")
+            bar.set_postfix(
+                chunk=f"{progress.chunk + 1}/{progress.num_chunks}", tok_s=f"{progress.tokens_per_s:.0f}"
+            )
     return FeatureCache(directory)
 
 

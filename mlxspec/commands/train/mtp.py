@@ -23,8 +23,8 @@ FLAGS = {
     "step_decay": "weight of depth k is DECAY**k",
     "eval_steps": "depths scored on the held-out corpus",
     "draft_vocab_size": "draft vocabulary saved with the module (draft_vocab.safetensors): the most frequent "
-                        "answer tokens of the corpus, which drafting samples from, so a draft step reads that "
-                        "many rows of the LM head instead of all (0: the whole vocabulary)",
+    "answer tokens of the corpus, which drafting samples from, so a draft step reads that many rows of the "
+    "LM head instead of all (0: the whole vocabulary)",
     "batch_tokens": "padded tokens per step (whole examples of similar length)",
     "max_seq_length": "cut examples to this many tokens",
 }
@@ -32,10 +32,14 @@ FLAGS = {
 
 def add_flags(p: argparse.ArgumentParser) -> None:
     """The ``mlxspec train mtp`` flags: the shared run flags and the module's."""
-    add_run_flags(p, MTPTrainConfig(), FLAGS,
-                  output_help="folder for the module (config.json + model.safetensors in the DeepSeek MTP layout, "
-                              "which --mtp-weights loads), checkpoints and training.json",
-                  corpus_help=corpus_help("final hidden states and top-k log-probabilities"))
+    add_run_flags(
+        p,
+        MTPTrainConfig(),
+        FLAGS,
+        output_help="folder for the module (config.json + model.safetensors in the DeepSeek MTP layout, "
+        "which --mtp-weights loads), checkpoints and training.json",
+        corpus_help=corpus_help("final hidden states and top-k log-probabilities"),
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,4 +1,5 @@
-"""What every ``mlxspec train`` method shares: the run flags, the config they build, corpora, the progress loop.
+"""What every ``mlxspec train`` method shares: the run flags, the config they build, corpora, the progress
+loop.
 
 The optimiser and run flags (``--model``, ``--output``, ``--epochs``, ``--max-steps``, ``--time-budget``,
 ``--learning-rate``, ``--warmup-steps``, ``--weight-decay``, ``--grad-clip``, ``--seed``, ``--save-every``,
@@ -35,8 +36,8 @@ FLAG_NAMES = {"max_eval_positions": "eval_positions", "time_budget_s": "time_bud
 def add_model_flag(p: argparse.ArgumentParser) -> None:
     """``--model``: the target, as every method loads it."""
     p.add_argument("--model", default="default",
-                   help="target: an mlx-lm folder, a Hugging Face repo id, a .gguf file or 'default'; "
-                        "always loaded in float32. Default: default")
+                   help="target: an mlx-lm folder, a Hugging Face repo id, a .gguf file or 'default'; always "
+                        "loaded in float32. Default: default")
 
 
 def add_data_flag(p: argparse.ArgumentParser) -> None:
@@ -51,23 +52,33 @@ def add_data_flag(p: argparse.ArgumentParser) -> None:
 RUN_FLAGS = {
     "epochs": "passes over the training data",
     "max_steps": "stop after this many steps in all (the last epoch ends early, is scored and saved; the "
-                 "learning-rate schedule spans these steps); 0: the epochs decide",
-    "time_budget_s": ("minutes of training after which no new step starts (the epoch is then scored and saved; "
-                      "the same command continues). Default: none", {"type": float}),
+    "learning-rate schedule spans these steps); 0: the epochs decide",
+    "time_budget_s": (
+        "minutes of training after which no new step starts (the epoch is then scored and saved; the same "
+        "command continues). Default: none",
+        {"type": float},
+    ),
     "learning_rate": "peak AdamW learning rate (cosine decay to 0)",
     "warmup_steps": "linear warm-up steps",
     "weight_decay": "AdamW weight decay",
     "grad_clip": "clip the gradient's global norm (0: off)",
     "seed": "seed of the batch order, per-step randomness and initial weights (and of the train/held-out "
-            "split where there is one)",
+    "split where there is one)",
     "save_every": "also checkpoint every N steps of an epoch (0: after each epoch only)",
     "max_eval_positions": "held-out positions scored per evaluation",
     "save_dtype": ("dtype of the per-epoch copies in OUTPUT/epoch-N", {"choices": SAVE_DTYPES}),
 }
 
 
-def add_run_flags(p: argparse.ArgumentParser, d: TrainConfig, flags: dict, *, output_help: str, corpus_help: str,
-                  corpus_required: bool = True) -> None:
+def add_run_flags(
+    p: argparse.ArgumentParser,
+    d: TrainConfig,
+    flags: dict,
+    *,
+    output_help: str,
+    corpus_help: str,
+    corpus_required: bool = True,
+) -> None:
     """A training method's flags: the model, output, corpus, the shared run flags, then the method's own.
 
     Args:
@@ -85,8 +96,9 @@ def add_run_flags(p: argparse.ArgumentParser, d: TrainConfig, flags: dict, *, ou
 
 
 def add_config_flags(p: argparse.ArgumentParser, d: TrainConfig, flags: dict) -> None:
-    """One flag per entry of ``flags``: ``--kebab-name`` of the config field (``FLAG_NAMES`` where it differs),
-    its type and default from ``d`` (a bool field is a switch), and its help followed by the default.
+    """One flag per entry of ``flags``: ``--kebab-name`` of the config field (``FLAG_NAMES`` where it
+    differs), its type and default from ``d`` (a bool field is a switch), and its help followed by the
+    default.
 
     Args:
         p: The parser.
@@ -141,7 +153,8 @@ def open_corpus(path: str) -> tuple[FeatureCache, FeatureCache | None]:
 
 
 def corpus_help(records: str) -> str:
-    """``--corpus`` help of a method that reads a ``mlxspec train corpus`` folder whose chunks hold ``records``."""
+    """``--corpus`` help of a method that reads a ``mlxspec train corpus`` folder whose chunks hold
+    ``records``."""
     return (f"corpus folder from 'mlxspec train corpus' (the target's own answers with its {records}); its "
             "validation part scores each epoch")
 
@@ -154,7 +167,8 @@ def run_on_corpus(args: argparse.Namespace, config_cls: type[TrainConfig], train
     Args:
         args: The parsed flags (``--model``, ``--corpus``, ``--output`` and the config's).
         config_cls: The method's config dataclass (``make_config``).
-        train: ``train(target, train_cache, heldout_cache, output, config)``, a generator of the loop's records.
+        train: ``train(target, train_cache, heldout_cache, output, config)``, a generator of the loop's
+            records.
         scores: The method's held-out line (``train_with_progress``).
         what: What the output folder holds, for the closing note (``"drafter"``).
         top_fields: Config fields also recorded at the top of ``training.json`` (EAGLE's ``version``).
@@ -187,9 +201,9 @@ def run_on_corpus(args: argparse.Namespace, config_cls: type[TrainConfig], train
 
 
 def chain_scores(record, unit: str) -> str:
-    """The held-out line of a chain drafter: agreement with the target's greedy token per ``unit`` (``"step"``,
-    ``"block position"``), the chain acceptance and τ (``record``: ``acceptance``, ``chain_acceptance``, ``tau``,
-    ``positions``)."""
+    """The held-out line of a chain drafter: agreement with the target's greedy token per ``unit``
+    (``"step"``, ``"block position"``), the chain acceptance and τ (``record``: ``acceptance``,
+    ``chain_acceptance``, ``tau``, ``positions``)."""
     return (f"held-out agreement with the target's greedy token per {unit}: {fmt(record.acceptance)}; "
             f"chain {fmt(record.chain_acceptance)}; τ ≈ {record.tau:.2f} [{record.positions} positions]")
 
@@ -209,7 +223,9 @@ def heldout_split(conversations, tokenizer, data: str, num_heldout: int, seed: i
             return False  # a later part's first prompt ("continue") needs context it does not have
         return len(tokenizer.encode(dataset.first_prompt(conversation))) <= max_prompt_tokens
 
-    return dataset.split_conversations(conversations, num_heldout=num_heldout, seed=seed, heldout_ok=heldout_ok)
+    return dataset.split_conversations(
+        conversations, num_heldout=num_heldout, seed=seed, heldout_ok=heldout_ok
+    )
 
 
 def train_with_progress(records: Iterable[StepRecord | EvalRecord], scores: Callable[[EvalRecord], str]
@@ -226,8 +242,13 @@ def train_with_progress(records: Iterable[StepRecord | EvalRecord], scores: Call
             print(eval_line(record, scores), flush=True)
             continue
         if bar is None:
-            bar = tqdm(total=record.steps_per_epoch, initial=record.step - 1, desc=f"epoch {record.epoch + 1}",
-                       unit="step", file=sys.stderr)
+            bar = tqdm(
+                total=record.steps_per_epoch,
+                initial=record.step - 1,
+                desc=f"epoch {record.epoch + 1}",
+                unit="step",
+                file=sys.stderr,
+            )
         bar.update(1)
         bar.set_postfix(loss=f"{record.loss:.3f}", pos_s=f"{record.positions / record.step_s:.0f}",
                         tok_s=f"{record.tokens / record.step_s:.0f}")
@@ -237,7 +258,8 @@ def train_with_progress(records: Iterable[StepRecord | EvalRecord], scores: Call
 
 
 def eval_line(record: EvalRecord, scores: Callable[[EvalRecord], str]) -> str:
-    """``"epoch N: train loss L; <the method's scores>"``; a bare ``EvalRecord`` says there was no held-out data."""
+    """``"epoch N: train loss L; <the method's scores>"``; a bare ``EvalRecord`` says there was no held-out
+    data."""
     when = "before training" if record.epoch == 0 else f"epoch {record.epoch}"
     loss = f"train loss {record.train_loss:.3f}; " if record.train_loss is not None else ""
     body = "no held-out data" if type(record) is EvalRecord else scores(record)
