@@ -97,8 +97,9 @@ def check_serve_args(args: argparse.Namespace) -> None:
     check_args(args)
     if not 0 <= args.port < 65536:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
-    for flag, value, low in (("--queue-size", args.queue_size, 1),
-                             ("--prefix-cache-slots", args.prefix_cache_slots, 1), ("--max-batch", args.max_batch, 1)):
+    minimums = (("--queue-size", args.queue_size, 1), ("--prefix-cache-slots", args.prefix_cache_slots, 1),
+                ("--max-batch", args.max_batch, 1))
+    for flag, value, low in minimums:
         if value < low:
             raise ValueError(f"{flag} must be >= {low}, got {value}")
     if not args.body_timeout > 0:

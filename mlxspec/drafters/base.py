@@ -199,9 +199,9 @@ class Drafter(ABC):
         return None
 
     def fork(self) -> Drafter | None:
-        """A drafter of this kind, with the same weights and settings and its own per-generation state, for another
-        row of the runner's batch (``engine.runner``); ``None`` (the default) when this kind cannot run beside
-        itself: the runner then runs its generations one at a time."""
+        """A drafter of this kind, with the same weights and settings and its own per-generation state, for
+        another row of the runner's batch (``engine.runner``); ``None`` (the default) when this kind cannot
+        run beside itself: the runner then runs its generations one at a time."""
         return None
 
     def vocab_summary(self) -> str | None:
