@@ -456,3 +456,113 @@ def test_ctrl_c_while_the_model_loads_is_one_line_and_exit_130():
         process.kill()  # a child that ignored the signal would otherwise spin on after the test
     assert process.returncode == 130 and "Traceback" not in err and "terminate" not in err, (process.returncode, err)
     assert err.strip().splitlines() == ["mlxspec: interrupted (Ctrl+C) while loading the model; nothing was served"]
+
+
+def test_api_edges_are_refused_or_honoured_as_the_apis_do(server, chat_model):
+    name, user = model_id(server), [{"role": "user", "content": "hi"}]
+    for path, body in (("/v1/chat/completions", {"messages": user}),
+                       ("/v1/messages", {"messages": user, "max_tokens": 4})):
+        got, answer = post(server, path, {"model": name, "temperature": 1e-30, **body})
+        message = answer["error"]["message"]
+        assert got == 400 and message.startswith("temperature: must be 0") and "--temp" not in message, answer
+    got, answer = post(server, "/v1/chat/completions", {"model": name, "messages": user, "max_tokens": 5,
+                                                        "max_completion_tokens": 6})
+    assert got == 400 and answer["error"]["param"] == "max_completion_tokens", answer
+    assert post(server, "/v1/chat/completions", {"model": name, "messages": user, "max_tokens": 2,
+                                                 "max_completion_tokens": 2})[0] == 200
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{city: Paris"}}
+    history = [user[0], {"role": "assistant", "content": None, "tool_calls": [call]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    got, answer = post(server, "/v1/chat/completions", {"model": name, "messages": history})
+    assert got == 400 and answer["error"]["param"] == "messages.1.tool_calls.0.function.arguments", answer
+    history[1]["tool_calls"][0]["function"]["arguments"] = '{"city": "Paris"}'
+    del history[2]["tool_call_id"]
+    got, answer = post(server, "/v1/chat/completions", {"model": name, "messages": history})
+    assert got == 400 and answer["error"]["param"] == "messages.2.tool_call_id", answer
+    # an Anthropic prefill: the answer continues the assistant's text, from the prompt that ends with it
+    turns = [{"role": "user", "content": "Write a list"}, {"role": "assistant", "content": "Sure, here"}]
+    message = anthropic_client(server).messages.create(model=name, max_tokens=12, messages=turns)
+    model, tokenizer = mlxspec.load(str(chat_model))
+    prompt = tokenizer.apply_chat_template(turns, continue_final_message=True)
+    assert message.usage.input_tokens + message.usage.cache_read_input_tokens == len(prompt)
+    expected = mlxspec.generate(model, tokenizer, prompt, drafter="ngram", num_draft_tokens=3, max_tokens=12)
+    assert message.content[0].text == expected.text
+    got, answer = post(server, "/v1/messages", {"model": name, "max_tokens": 4, "messages": [
+        turns[0], {"role": "assistant", "content": "Sure "}]})
+    assert got == 400 and "whitespace" in answer["error"]["message"], answer
+
+
+def test_responses_api_answers_as_generate_streamed_and_not(server, chat_model, capsys):
+    client, name = openai_client(server), model_id(server)
+    reply = client.responses.create(model=name, input="Hello there", max_output_tokens=24, temperature=0)
+    expected = generate_json(chat_model, "Hello there", 24, capsys)
+    assert reply.output_text == expected["text"]
+    assert reply.status == ("incomplete" if expected["finish_reason"] == "length" else "completed")
+    assert (reply.usage.input_tokens, reply.usage.output_tokens) == (expected["prompt_tokens"],
+                                                                     expected["generation_tokens"])
+    stats = reply.model_extra["speculative"]
+    assert (stats["drafted"], stats["accepted"], stats["rounds"]) == (expected["drafted"], expected["accepted"],
+                                                                      expected["rounds"])
+    events = list(client.responses.create(model=name, input="Hello there", max_output_tokens=24, temperature=0,
+                                          stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          f"response.{reply.status}"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == reply.output_text
+    assert events[-1].response.output_text == reply.output_text
+    assert SPECULATIVE_KEYS <= set(events[-1].response.model_extra["speculative"])
+    # instructions and input items render as the chat's system and user messages
+    items = [{"role": "user", "content": [{"type": "input_text", "text": "Hello there"}]}]
+    instructed = client.responses.create(model=name, instructions="Be brief", input=items, max_output_tokens=12)
+    chat = client.chat.completions.create(model=name, max_tokens=12, messages=[
+        {"role": "system", "content": "Be brief"}, {"role": "user", "content": "Hello there"}])
+    assert instructed.output_text == chat.choices[0].message.content
+
+
+def test_responses_api_function_tools(tool_server):
+    client, name = openai_client(tool_server, "sekret"), model_id_with_key(tool_server)
+    tool = {"type": "function", "name": "get_weather", "description": "The weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
+    question = "What is the weather in Paris?"
+    reply = client.responses.create(model=name, input=question, tools=[tool], max_output_tokens=10)
+    calls = [item for item in reply.output if item.type == "function_call"]
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"})]
+    assert reply.status == "completed" and reply.output_text == ""
+    events = list(client.responses.create(model=name, input=question, tools=[tool], max_output_tokens=10,
+                                          stream=True))
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert [(i.type, i.name, json.loads(i.arguments)) for i in done] == [("function_call", "get_weather",
+                                                                         {"city": "Paris"})]
+    assert [e.arguments for e in events if e.type == "response.function_call_arguments.done"] == [done[0].arguments]
+    assert events[-1].type == "response.completed" and events[-1].response.output[0].call_id == done[0].call_id
+    # the call and its output go back as input items
+    follow = [{"role": "user", "content": question}, calls[0].model_dump(exclude_none=True),
+              {"type": "function_call_output", "call_id": calls[0].call_id, "output": "sunny"}]
+    assert client.responses.create(model=name, input=follow, tools=[tool], max_output_tokens=4).usage.input_tokens
+
+
+RESPONSES_REFUSED = [  # (what, extra body, param)
+    ("store true", {"store": True}, "store"),
+    ("a previous response", {"previous_response_id": "resp_1"}, "previous_response_id"),
+    ("an image", {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+     "input.0.content.0.type"),
+    ("a built-in tool", {"tools": [{"type": "web_search"}]}, "tools.0.type"),
+    ("an unknown item", {"input": [{"type": "reasoning", "summary": []}]}, "input.0"),
+    ("arguments that are not JSON", {"input": [{"type": "function_call", "call_id": "c", "name": "f",
+                                                "arguments": "{x"}]}, "input.0.arguments"),
+    ("a tiny temperature", {"temperature": 1e-30}, "temperature"),
+    ("a forced tool", {"tool_choice": "required"}, "tool_choice"),
+    ("no input", {"input": None}, "input"),
+]
+
+
+def test_responses_api_refuses_state_and_bad_input_in_openais_shape(server):
+    name = model_id(server)
+    for what, extra, param in RESPONSES_REFUSED:
+        got, answer = post(server, "/v1/responses", {"model": name, "input": "hi", **extra})
+        assert got == 400 and set(answer["error"]) == {"message", "type", "param", "code"}, (what, answer)
+        assert answer["error"]["param"] == param, (what, answer)
+    assert post(server, "/v1/responses", {"model": name, "input": "hi", "store": False, "max_output_tokens": 2})[0] == 200

@@ -53,7 +53,20 @@ def _tools(body: MessagesRequest) -> list[dict] | None:
 
 
 def _prompt(request: Request, body: MessagesRequest) -> list[int]:
-    return render(state(request).served.tokenizer, anthropic_messages(body), _tools(body))
+    """The prompt; a last ``assistant`` message is a prefill the answer continues (an empty one is dropped).
+
+    Raises:
+        ApiError: 400 for a prefill ending in whitespace (as Anthropic refuses it), or what ``render`` raises.
+    """
+    messages = anthropic_messages(body)
+    prefill = body.messages[-1].role == "assistant"
+    if prefill and not messages[-1]["content"] and "tool_calls" not in messages[-1]:
+        messages, prefill = messages[:-1], False
+    if prefill and messages[-1]["content"] != messages[-1]["content"].rstrip():
+        where = f"messages.{len(body.messages) - 1}.content"
+        raise ApiError(400, f"{where}: a final assistant message (a prefill) cannot end with whitespace; strip it",
+                       param=where)
+    return render(state(request).served.tokenizer, messages, _tools(body), prefill=prefill)
 
 
 async def messages(request: Request, body: MessagesRequest):

@@ -69,7 +69,7 @@ class CountRequests:
             if message["type"] == "http.response.start":
                 path = scope.get("path", "")
                 known = path if path in ("/v1/chat/completions", "/v1/completions", "/v1/messages",
-                                         "/v1/messages/count_tokens", "/v1/models",
+                                         "/v1/messages/count_tokens", "/v1/models", "/v1/responses",
                                          "/health", "/metrics") else "other"
                 self.metrics.requests.labels(known, str(message["status"])).inc()
             await send(message)

@@ -1,8 +1,8 @@
-"""Messages of either API → the token ids of one prompt, through the model's chat template.
+"""Messages of every API → the token ids of one prompt, through the model's chat template.
 
-Both APIs' messages become the ``role``/``content`` dicts Hugging Face chat templates take (OpenAI's
+Each API's messages become the ``role``/``content`` dicts Hugging Face chat templates take (OpenAI's
 form: assistant ``tool_calls`` with their arguments as objects, ``tool`` messages for results), so
-one template renders both. Tools are passed to the template as OpenAI function tools.
+one template renders them all. Tools are passed to the template as OpenAI function tools.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from ..engine.generate import encode_prompt
 from .errors import ApiError
 from .schemas.anthropic import AnthropicTool, MessagesRequest
 from .schemas.openai import ChatMessage, Tool
+from .schemas.responses import ResponsesRequest
 
 
 def text_of(content) -> str:
@@ -21,30 +22,72 @@ def text_of(content) -> str:
         return ""
     if isinstance(content, str):
         return content
-    return "".join(part.text for part in content if getattr(part, "type", "text") == "text")
+    return "".join(part.text for part in content)
 
 
-def _arguments(text: str):
+def arguments(text: str, param: str):
+    """A call's ``arguments`` text, parsed (what templates render); empty text is no arguments.
+
+    Raises:
+        ApiError: 400 naming ``param`` when the text is not JSON (as OpenAI refuses it).
+    """
+    if not text.strip():
+        return {}
     try:
         return json.loads(text)
-    except ValueError:
-        return text
+    except ValueError as e:
+        raise ApiError(400, f"{param} is not valid JSON ({e}); send the call's arguments as a JSON object "
+                            "in text", param=param, code="invalid_value") from None
 
 
 def openai_messages(messages: list[ChatMessage]) -> list[dict]:
-    """OpenAI chat messages as template dicts (``developer`` is a ``system`` message)."""
+    """OpenAI chat messages as template dicts (``developer`` is a ``system`` message).
+
+    Raises:
+        ApiError: 400 for a call whose arguments are not JSON, or a ``tool`` message without ``tool_call_id``.
+    """
     out = []
-    for m in messages:
+    for i, m in enumerate(messages):
         item = {"role": "system" if m.role == "developer" else m.role, "content": text_of(m.content)}
         if m.tool_calls:
-            item["tool_calls"] = [{"id": c.id, "type": "function",
-                                   "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
-                                  for c in m.tool_calls]
+            item["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name,
+                "arguments": arguments(c.function.arguments, f"messages.{i}.tool_calls.{j}.function.arguments")}}
+                for j, c in enumerate(m.tool_calls)]
+        if m.role == "tool" and m.tool_call_id is None:
+            raise ApiError(400, f"messages.{i}.tool_call_id is required: a tool message answers the call of "
+                                "that id", param=f"messages.{i}.tool_call_id", code="missing_field")
         if m.tool_call_id is not None:
             item["tool_call_id"] = m.tool_call_id
         if m.name is not None:
             item["name"] = m.name
         out.append(item)
+    return out
+
+
+def responses_messages(request: ResponsesRequest) -> list[dict]:
+    """A Responses request's ``instructions`` and ``input`` items as template dicts: ``function_call`` items
+    become the assistant's ``tool_calls`` (joined to the assistant message before them), their outputs
+    ``tool`` messages.
+
+    Raises:
+        ApiError: 400 for a call whose arguments are not JSON.
+    """
+    out = [{"role": "system", "content": request.instructions}] if request.instructions else []
+    if isinstance(request.input, str):
+        return out + [{"role": "user", "content": request.input}]
+    for i, item in enumerate(request.input):
+        if item.type == "message":
+            role = "system" if item.role == "developer" else item.role
+            out.append({"role": role, "content": text_of(item.content)})
+        elif item.type == "function_call":
+            call = {"id": item.call_id, "type": "function", "function": {
+                "name": item.name, "arguments": arguments(item.arguments, f"input.{i}.arguments")}}
+            if not (out and out[-1]["role"] == "assistant"):
+                out.append({"role": "assistant", "content": ""})
+            out[-1].setdefault("tool_calls", []).append(call)
+        else:
+            out.append({"role": "tool", "tool_call_id": item.call_id, "content": text_of(item.output)})
     return out
 
 
@@ -92,9 +135,11 @@ def takes_tools(tokenizer) -> bool:
     return isinstance(template, str) and "tools" in template
 
 
-def render(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+def render(tokenizer, messages: list[dict], tools: list[dict] | None = None, prefill: bool = False) -> list[int]:
     """The prompt ids for ``messages``: the chat template with ``add_generation_prompt`` (as ``mlxspec
-    generate`` applies it), or the contents joined by blank lines for a model without one.
+    generate`` applies it), or the contents joined by blank lines for a model without one. With
+    ``prefill``, the last (assistant) message is left open for the answer to continue
+    (``continue_final_message``).
 
     Raises:
         ApiError: 400 when tools are given to a template that takes none, or the template refuses the
@@ -104,12 +149,14 @@ def render(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> 
         raise ApiError(400, "this model's chat template takes no tools; leave tools out or serve a model whose "
                             "template renders them (Qwen2.5, Hermes-style)", param="tools")
     if not getattr(tokenizer, "has_chat_template", False):
-        return encode_prompt(tokenizer, "\n\n".join(m["content"] for m in messages) + "\n\n")
+        text = "\n\n".join(m["content"] for m in messages)
+        return encode_prompt(tokenizer, text if prefill else text + "\n\n")
+    turn = {"continue_final_message": True} if prefill else {"add_generation_prompt": True}
     try:
         if tools:
-            prompt = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True)
+            prompt = tokenizer.apply_chat_template(messages, tools=tools, **turn)
         else:
-            prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            prompt = tokenizer.apply_chat_template(messages, **turn)
     except Exception as e:  # jinja2's TemplateError, or a template's raise_exception
         raise ApiError(400, f"the model's chat template refused the messages: {' '.join(str(e).split())}",
                        param="messages") from None

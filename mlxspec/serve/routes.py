@@ -9,11 +9,13 @@ from pydantic import BaseModel, Field
 from starlette.requests import Request
 from starlette.responses import Response
 
-from . import anthropic_api, openai_api
+from . import anthropic_api, openai_api, responses_api
 from .errors import ApiError
 from .jobs import accept, state
 from .schemas.anthropic import CountTokensRequest, Message, MessagesRequest, TokenCount
 from .schemas.openai import ChatCompletion, ChatRequest, Completion, CompletionRequest, ModelCard, ModelList
+from .schemas.responses import Response as ResponseObject
+from .schemas.responses import ResponsesRequest
 
 router = APIRouter()
 
@@ -85,3 +87,12 @@ async def count_tokens(request: Request, body: CountTokensRequest):
     """The prompt's token count as the template renders it (Claude Code asks before sending)."""
     accept(request, body)
     return anthropic_api.count_tokens(request, body)
+
+
+@router.post("/v1/responses", response_model=ResponseObject, tags=["openai"],
+             responses=streamed("response.created, response.output_item.added, response.output_text.delta, ..., "
+                                "response.completed (or response.incomplete)"))
+async def responses(request: Request, body: ResponsesRequest):
+    """OpenAI's Responses API, stateless (no ``store``, no ``previous_response_id``)."""
+    accept(request, body)
+    return await responses_api.respond(request, body)

@@ -10,7 +10,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from .base import ApiModel, Reply, Speculative, Text, omitted
+from .base import ApiModel, Reply, Speculative, Temperature, Text, omitted
 
 # --- requests ------------------------------------------------------------------------------------
 
@@ -59,7 +59,7 @@ class MessagesRequest(ApiModel):
     messages: list[AnthropicMessage] = Field(min_length=1)
     system: str | list[TextBlock] | None = None
     stop_sequences: list[Text] | None = None
-    temperature: float | None = Field(None, ge=0, le=1, description="0: greedy (default: serve's --temp)")
+    temperature: Temperature | None = Field(None, le=1, description="0: greedy (default: serve's --temp)")
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=0, description="0: off")
     stream: bool = Field(False, description="answer as server-sent events")

@@ -5,9 +5,23 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic_core import PydanticCustomError
+
+from ...core.sampling import MIN_TEMP
 
 Text = Annotated[str, Field(min_length=1)]
+
+
+def _greedy_or_hot_enough(value: float) -> float:
+    if 0 < value < MIN_TEMP:
+        raise PydanticCustomError("temperature_too_small", f"must be 0 (greedy) or at least {MIN_TEMP:g} (below it "
+                                  "1/temperature overflows the float32 logits), got {value}", {"value": value})
+    return value
+
+
+#: A sampling temperature (its upper bound is each API's): 0 is greedy; values in (0, 1e-6) are refused.
+Temperature = Annotated[float, Field(ge=0), AfterValidator(_greedy_or_hot_enough)]
 
 
 def is_none(value) -> bool:

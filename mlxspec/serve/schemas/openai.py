@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from .base import ApiModel, Reply, Speculative, Text, omitted
+from .base import ApiModel, Reply, Speculative, Temperature, Text, omitted
 
 # --- requests ------------------------------------------------------------------------------------
 
@@ -62,7 +62,7 @@ class Sampling(ApiModel):
 
     model: str = Field(description="the served model's name (GET /v1/models) or `default`")
     max_tokens: int | None = Field(None, ge=1, description="most tokens to generate (default: serve's --max-tokens)")
-    temperature: float | None = Field(None, ge=0, le=2, description="0: greedy (default: serve's --temp)")
+    temperature: Temperature | None = Field(None, le=2, description="0: greedy (default: serve's --temp)")
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=0, description="0: off")
     min_p: float | None = Field(None, ge=0, lt=1)
@@ -99,6 +99,10 @@ class ChatRequest(Sampling):
     top_logprobs: int | None = Field(None, description="not supported")
 
     def unsupported(self) -> tuple[str, str] | None:
+        given = (self.max_tokens, self.max_completion_tokens)
+        if None not in given and given[0] != given[1]:
+            return "max_completion_tokens", (f"max_tokens ({given[0]}) and max_completion_tokens ({given[1]}) "
+                                             "differ; send one of them")
         if self.logprobs:
             return "logprobs", "logprobs is not supported; leave it out or false"
         if self.top_logprobs is not None:
