@@ -157,7 +157,8 @@ class Setup:
     Attributes:
         model, tokenizer: The target and its tokenizer.
         drafter: The drafter; each batched generation runs a ``fork`` of it.
-        pacer: The γ policy (``pacing.make_pacer``); each generation runs a copy of it.
+        pacer: The γ policy (``pacing.make_pacer``); a batched generation runs a copy of it, and the copy of the
+            generation that ended last becomes it (what γ auto learned carries over, as in one-at-a-time runs).
         prefix_cache: Slots of earlier prompts to reuse (``serve.prefix_cache.PrefixCache``-like: ``take``,
             ``release``), or ``None`` (a fresh cache per request).
     """
@@ -355,6 +356,7 @@ class Runner:
                 self._wake.clear()
                 continue
             self._tick(wait=True)
+        self._run_calls()  # what was asked before the close (the chat releases its models here)
         if self._group is not None and self._group.rank() == 0 and not self._followers_told:
             share_json(self._group, None)  # the other ranks stop too
 
@@ -565,6 +567,8 @@ class Runner:
                 self._leave(row, row.output.snapshot(), None)
 
     def _leave(self, row: Row, stats: GenerationStats, stopped: str | None) -> None:
+        if row.pacer.adaptive:  # what it learned carries to the next generation, as one-at-a-time's shared pacer
+            self.setup.pacer = row.pacer
         self._batch.remove(row)
         self._running.remove(row.request)
         self._release_slot(row.request, row.store)
