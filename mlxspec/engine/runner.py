@@ -336,6 +336,9 @@ class Runner:
         tap = HiddenTap(model, layers=drafter.feature_layers) if batched and drafter.needs_hidden else None
         self._batch = Batch(model, tap) if batched else None
         self._pending = []
+        # drafters free for the next row, most recently used last: a drafter keeps what it holds of the prompt it
+        # last ran (a draft model's cache), so the next prompt re-reads only what differs, as one-at-a-time runs do
+        self._idle = [drafter] if batched else []
 
     @property
     def batched(self) -> bool:
@@ -520,7 +523,7 @@ class Runner:
     def _join(self, pending: _Pending) -> None:
         """Make the prefilled request a row of the batch."""
         setup, request = self.setup, pending.request
-        drafter = setup.drafter.fork()
+        drafter = self._idle.pop() if self._idle else setup.drafter.fork()
         pacer = copy.deepcopy(setup.pacer)
         if pacer.max_gamma > 0:
             (check_compactable if drafter.makes_trees else check_rewindable)(pending.store.layers)
@@ -569,6 +572,7 @@ class Runner:
     def _leave(self, row: Row, stats: GenerationStats, stopped: str | None) -> None:
         if row.pacer.adaptive:  # what it learned carries to the next generation, as one-at-a-time's shared pacer
             self.setup.pacer = row.pacer
+        self._idle = (self._idle + [row.drafter])[-self.max_batch :]
         self._batch.remove(row)
         self._running.remove(row.request)
         self._release_slot(row.request, row.store)
