@@ -19,10 +19,11 @@ from conftest import byte_tokenizer, save_tiny_model, tiny_llama
 #: Qwen2.5's template, cut down: tools go in the system message, calls come back in <tool_call> blocks.
 TOOLS_TEMPLATE = (
     "{%- if tools %}<|im_start|>system\n"
-    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}{% else %}You are a helpful assistant."
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}"
+    "{% else %}You are a helpful assistant."
     "{% endif %}\n\n# Tools\n\nYou may call functions. Their signatures are within <tools></tools>:\n<tools>"
     "{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n</tools>\n\nFor each call, return "
-    "<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n"
+    '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n'
     "{%- elif messages[0]['role'] == 'system' %}<|im_start|>system\n{{ messages[0]['content'] }}<|im_end|>\n"
     "{%- endif %}"
     "{%- for m in messages %}"
@@ -30,7 +31,8 @@ TOOLS_TEMPLATE = (
     "{%- elif m['role'] == 'assistant' and m['tool_calls'] %}<|im_start|>assistant\n{{ m['content'] or '' }}"
     "{% for c in m['tool_calls'] %}<tool_call>\n{{ {'name': c['function']['name'], "
     "'arguments': c['function']['arguments']} | tojson }}\n</tool_call>{% endfor %}<|im_end|>\n"
-    "{%- elif m['role'] == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m['content'] }}\n</tool_response><|im_end|>\n"
+    "{%- elif m['role'] == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m['content'] }}\n"
+    "</tool_response><|im_end|>\n"
     "{%- else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
     "{%- endif %}{%- endfor %}"
     "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -80,13 +82,30 @@ class ServerProcess:
     def __init__(self, args: list[str], timeout_s: float = 60.0):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        command = [sys.executable, "-m", "mlxspec", "serve", "--port", str(self.port), "--blas", "keep", *args]
-        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        command = [
+            sys.executable,
+            "-m",
+            "mlxspec",
+            "serve",
+            "--port",
+            str(self.port),
+            "--blas",
+            "keep",
+            *args,
+        ]
+        self.process = subprocess.Popen(
+            command,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"the server exited ({self.process.returncode}): {self.process.stdout.read()}")
+                raise RuntimeError(
+                    f"the server exited ({self.process.returncode}): {self.process.stdout.read()}"
+                )
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=1) as r:
                     if r.status == 200:
@@ -111,5 +130,7 @@ class ServerProcess:
 
     def rss_kb(self) -> int:
         """Resident memory of the server process, KB (``ps``: Linux and macOS)."""
-        out = subprocess.run(["ps", "-o", "rss=", "-p", str(self.process.pid)], capture_output=True, text=True)
+        out = subprocess.run(
+            ["ps", "-o", "rss=", "-p", str(self.process.pid)], capture_output=True, text=True
+        )
         return int(out.stdout.strip())

@@ -1,6 +1,6 @@
-"""Malformed input through the Python API (issue 46): each case is refused with a ``TypeError`` or ``ValueError``
-whose message names the argument, or gives the correct output (checked against plain greedy decoding) — never
-a crash, never garbage. Tiny random models only."""
+"""Malformed input through the Python API (issue 46): each case is refused with a ``TypeError`` or
+``ValueError`` whose message names the argument, or gives the correct output (checked against plain greedy
+decoding) — never a crash, never garbage. Tiny random models only."""
 
 from __future__ import annotations
 
@@ -90,7 +90,9 @@ SAMPLING = [  # SamplingParams(**kwargs) is refused at construction, naming the 
 
 
 @pytest.mark.parametrize("label, kwargs, error, names", REFUSED, ids=[c[0] for c in REFUSED])
-def test_malformed_generate_arguments_are_refused_naming_the_argument(target, tokenizer, label, kwargs, error, names):
+def test_malformed_generate_arguments_are_refused_naming_the_argument(
+    target, tokenizer, label, kwargs, error, names
+):
     kwargs = {"prompt": PROMPT, "max_tokens": 4, **kwargs}
     prompt = kwargs.pop("prompt")
     with pytest.raises(error, match=names):
@@ -118,29 +120,48 @@ def test_odd_but_meaningful_input_gives_the_correct_output(target, tokenizer):
     assert generate(target, tokenizer, np.array(PROMPT, dtype=np.int64), **same).tokens == reference
     assert generate(target, tokenizer, mx.array(PROMPT), **same).tokens == reference
     assert generate(target, tokenizer, tuple(PROMPT), **same).tokens == reference
-    assert generate(target, tokenizer, PROMPT, drafter="ngram", num_draft_tokens=64, **same).tokens == reference
+    assert (
+        generate(target, tokenizer, PROMPT, drafter="ngram", num_draft_tokens=64, **same).tokens == reference
+    )
     assert generate(target, tokenizer, PROMPT, prefill_step_size=1, **same).tokens == reference
     assert generate(target, tokenizer, PROMPT, stop=(), **same).tokens == reference
     assert generate(target, tokenizer, PROMPT, stop_tokens=[], max_tokens=6).tokens == reference
     assert generate(target, tokenizer, PROMPT, seed=2**64 - 1, **same).tokens == reference
-    assert generate(target, tokenizer, PROMPT, sampling=SamplingParams(temp=0.0, top_k=1), **same).tokens == reference
+    assert (
+        generate(target, tokenizer, PROMPT, sampling=SamplingParams(temp=0.0, top_k=1), **same).tokens
+        == reference
+    )
     text = generate(target, tokenizer, PROMPT, **same).text
     first = text[:1]
     if first:
-        assert generate(target, tokenizer, PROMPT, stop=first, **same).text == ""  # one stop string, not chars
+        assert (
+            generate(target, tokenizer, PROMPT, stop=first, **same).text == ""
+        )  # one stop string, not chars
 
 
-@pytest.mark.parametrize("spec, error, names", [(5, TypeError, "spec"), ("nonsense", ValueError, "drafter"),
-                                                ("eagle:depth=0", ValueError, "depth"),
-                                                ("ngram:min=5,max=2", ValueError, "min")])
+@pytest.mark.parametrize(
+    "spec, error, names",
+    [
+        (5, TypeError, "spec"),
+        ("nonsense", ValueError, "drafter"),
+        ("eagle:depth=0", ValueError, "depth"),
+        ("ngram:min=5,max=2", ValueError, "min"),
+    ],
+)
 def test_make_drafter_refuses_malformed_specs(target, tokenizer, spec, error, names):
     with pytest.raises(error, match=names):
         make_drafter(spec, target, tokenizer)
 
 
-@pytest.mark.parametrize("args, error, names", [((5,), TypeError, "model"), (("",), ValueError, "model"),
-                                                (("/no/such/model",), (ValueError, FileNotFoundError), "no/such"),
-                                                (("default",), ValueError, "dtype")])
+@pytest.mark.parametrize(
+    "args, error, names",
+    [
+        ((5,), TypeError, "model"),
+        (("",), ValueError, "model"),
+        (("/no/such/model",), (ValueError, FileNotFoundError), "no/such"),
+        (("default",), ValueError, "dtype"),
+    ],
+)
 def test_load_refuses_malformed_specs(args, error, names):
     kwargs = {"dtype": "float8"} if args == ("default",) else {}
     with pytest.raises(error, match=names):

@@ -32,18 +32,26 @@ def one(server, kind: int, n: int) -> str:
     messages = [{"role": "user", "content": f"Request {n}: tell me something"}]
     try:
         if kind == 0:
-            reply = openai_client(server).chat.completions.create(model="default", messages=messages, max_tokens=24)
+            reply = openai_client(server).chat.completions.create(
+                model="default", messages=messages, max_tokens=24
+            )
             assert reply.choices[0].finish_reason in ("stop", "length") and reply.usage.completion_tokens > 0
         elif kind == 1:
-            chunks = list(openai_client(server).chat.completions.create(model="default", messages=messages,
-                                                                        max_tokens=24, stream=True))
+            chunks = list(
+                openai_client(server).chat.completions.create(
+                    model="default", messages=messages, max_tokens=24, stream=True
+                )
+            )
             assert chunks[-1].choices[0].finish_reason in ("stop", "length")
         elif kind == 2:
-            message = anthropic_client(server).messages.create(model="default", max_tokens=24, messages=messages)
+            message = anthropic_client(server).messages.create(
+                model="default", max_tokens=24, messages=messages
+            )
             assert message.stop_reason in ("end_turn", "max_tokens", "stop_sequence")
         elif kind == 3:
-            stream = openai_client(server).chat.completions.create(model="default", messages=messages, max_tokens=500,
-                                                                   stream=True)
+            stream = openai_client(server).chat.completions.create(
+                model="default", messages=messages, max_tokens=500, stream=True
+            )
             for _ in zip(range(2), stream):
                 pass
             stream.close()
@@ -90,8 +98,19 @@ def test_load(server):
     print(f"\nload: {counts}; latency of whole answers p50 {p50:.3f} s, p99 {p99:.3f} s")
     wave(100 // CLIENTS + 1, 3)  # up to 200 requests in all, well-formed
     rss_200 = server.rss_kb()
-    print(f"resident memory after 20 requests {rss_20 / 1024:.0f} MB, after {20 + len(outcomes)}: {rss_200 / 1024:.0f} MB")
+    print(
+        f"resident memory after 20 requests {rss_20 / 1024:.0f} MB, "
+        f"after {20 + len(outcomes)}: {rss_200 / 1024:.0f} MB"
+    )
     assert 20 + len(outcomes) >= 200
     assert abs(rss_200 - rss_20) <= 0.10 * rss_20
-    assert post(server, "/health", b"", method="GET") == (200, {"status": "ok", "model": post(
-        server, "/v1/models", b"", method="GET")[1]["data"][0]["id"], "drafter": "ngram", "queued": 0, "busy": False})
+    assert post(server, "/health", b"", method="GET") == (
+        200,
+        {
+            "status": "ok",
+            "model": post(server, "/v1/models", b"", method="GET")[1]["data"][0]["id"],
+            "drafter": "ngram",
+            "queued": 0,
+            "busy": False,
+        },
+    )

@@ -14,10 +14,28 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from .errors import ApiError, error_body
-from .jobs import EventStream, collect, events, first_event, new_id, sampling, speculative, state, submit, watch
+from .jobs import (
+    EventStream,
+    collect,
+    events,
+    first_event,
+    new_id,
+    sampling,
+    speculative,
+    state,
+    submit,
+    watch,
+)
 from .prompts import anthropic_messages, anthropic_tools, render
-from .schemas.anthropic import (AnthropicUsage, CountTokensRequest, Message, MessagesRequest, TextOut, TokenCount,
-                                ToolUseOut)
+from .schemas.anthropic import (
+    AnthropicUsage,
+    CountTokensRequest,
+    Message,
+    MessagesRequest,
+    TextOut,
+    TokenCount,
+    ToolUseOut,
+)
 from .tools import ToolCall, ToolCallParser, split
 from .worker import Delta, Done
 
@@ -28,8 +46,9 @@ def event(kind: str, data: dict) -> str:
 
 
 def usage(prompt: list[int], cached: int, output_tokens: int) -> AnthropicUsage:
-    return AnthropicUsage(input_tokens=len(prompt) - cached, output_tokens=output_tokens,
-                          cache_read_input_tokens=cached)
+    return AnthropicUsage(
+        input_tokens=len(prompt) - cached, output_tokens=output_tokens, cache_read_input_tokens=cached
+    )
 
 
 def stop_reason(done: Done, stops: list[str], calls: int) -> tuple[str, str | None]:
@@ -64,8 +83,11 @@ def _prompt(request: Request, body: MessagesRequest) -> list[int]:
         messages, prefill = messages[:-1], False
     if prefill and messages[-1]["content"] != messages[-1]["content"].rstrip():
         where = f"messages.{len(body.messages) - 1}.content"
-        raise ApiError(400, f"{where}: a final assistant message (a prefill) cannot end with whitespace; strip it",
-                       param=where)
+        raise ApiError(
+            400,
+            f"{where}: a final assistant message (a prefill) cannot end with whitespace; strip it",
+            param=where,
+        )
     return render(state(request).served.tokenizer, messages, _tools(body), prefill=prefill)
 
 
@@ -86,9 +108,14 @@ async def messages(request: Request, body: MessagesRequest):
     content, calls = split(text, server.tool_format, tools) if tools else (text, [])
     blocks = ([TextOut(text=content)] if content or not calls else []) + [tool_use(c) for c in calls]
     reason, sequence = stop_reason(done, stops, len(calls))
-    message = Message(**meta, content=blocks, stop_reason=reason, stop_sequence=sequence,
-                      usage=usage(prompt, done.stats.cached_tokens, done.stats.generation_tokens),
-                      speculative=speculative(done.stats))
+    message = Message(
+        **meta,
+        content=blocks,
+        stop_reason=reason,
+        stop_sequence=sequence,
+        usage=usage(prompt, done.stats.cached_tokens, done.stats.generation_tokens),
+        speculative=speculative(done.stats),
+    )
     return JSONResponse(message.model_dump(mode="json"))
 
 
@@ -97,8 +124,9 @@ def count_tokens(request: Request, body: CountTokensRequest) -> TokenCount:
     return TokenCount(input_tokens=len(_prompt(request, body)))
 
 
-async def _stream(request, job, first, meta: dict, parser: ToolCallParser | None, prompt: list[int],
-                  stops: list[str]):
+async def _stream(
+    request, job, first, meta: dict, parser: ToolCallParser | None, prompt: list[int], stops: list[str]
+):
     cached = first.cached if isinstance(first, Delta) else first.stats.cached_tokens
     start = Message(**meta, content=[], stop_reason=None, stop_sequence=None, usage=usage(prompt, cached, 0))
     yield event("message_start", {"message": start.model_dump(mode="json")})
@@ -117,28 +145,47 @@ async def _stream(request, job, first, meta: dict, parser: ToolCallParser | None
                         yield event("content_block_stop", {"index": index})
                         index, text_open = index + 1, False
                     block = tool_use(piece).model_dump(mode="json")
-                    yield event("content_block_start", {"index": index, "content_block": {**block, "input": {}}})
-                    yield event("content_block_delta", {"index": index, "delta": {"type": "input_json_delta",
-                                                                                  "partial_json": piece.arguments}})
+                    yield event(
+                        "content_block_start", {"index": index, "content_block": {**block, "input": {}}}
+                    )
+                    yield event(
+                        "content_block_delta",
+                        {
+                            "index": index,
+                            "delta": {"type": "input_json_delta", "partial_json": piece.arguments},
+                        },
+                    )
                     yield event("content_block_stop", {"index": index})
                     index, calls = index + 1, calls + 1
                 elif piece:
                     if not text_open:
-                        yield event("content_block_start", {"index": index, "content_block": {"type": "text",
-                                                                                              "text": ""}})
+                        yield event(
+                            "content_block_start",
+                            {"index": index, "content_block": {"type": "text", "text": ""}},
+                        )
                         text_open = True
-                    yield event("content_block_delta", {"index": index, "delta": {"type": "text_delta", "text": piece}})
+                    yield event(
+                        "content_block_delta",
+                        {"index": index, "delta": {"type": "text_delta", "text": piece}},
+                    )
             if isinstance(item, Done):
                 if not text_open and index == 0:  # an empty answer is one empty text block
-                    yield event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
+                    yield event(
+                        "content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}}
+                    )
                     text_open = True
                 if text_open:
                     yield event("content_block_stop", {"index": index})
                 reason, sequence = stop_reason(item, stops, calls)
                 final = usage(prompt, item.stats.cached_tokens, item.stats.generation_tokens)
-                yield event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence},
-                                              "usage": final.model_dump(mode="json"),
-                                              "speculative": speculative(item.stats).model_dump(mode="json")})
+                yield event(
+                    "message_delta",
+                    {
+                        "delta": {"stop_reason": reason, "stop_sequence": sequence},
+                        "usage": final.model_dump(mode="json"),
+                        "speculative": speculative(item.stats).model_dump(mode="json"),
+                    },
+                )
                 yield event("message_stop", {})
     except ApiError as e:
         body = error_body(request.url.path, e)

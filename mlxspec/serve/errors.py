@@ -48,10 +48,14 @@ def is_anthropic(path: str) -> bool:
 
 def error_body(path: str, error: ApiError) -> dict:
     """The JSON body of ``error`` for a request to ``path``."""
-    openai_type, anthropic_type = ERROR_TYPES.get(error.status, ERROR_TYPES[500 if error.status >= 500 else 400])
+    openai_type, anthropic_type = ERROR_TYPES.get(
+        error.status, ERROR_TYPES[500 if error.status >= 500 else 400]
+    )
     if is_anthropic(path):
         return {"type": "error", "error": {"type": anthropic_type, "message": error.message}}
-    return {"error": {"message": error.message, "type": openai_type, "param": error.param, "code": error.code}}
+    return {
+        "error": {"message": error.message, "type": openai_type, "param": error.param, "code": error.code}
+    }
 
 
 def error_response(path: str, error: ApiError) -> JSONResponse:
@@ -70,14 +74,21 @@ def from_validation(errors: list[dict]) -> ApiError:
     first = max(errors, key=lambda e: sum(map(_field, e["loc"])))  # the first of the deepest
     parts = list(first["loc"])[1:] if tuple(first["loc"][:1]) == ("body",) else list(first["loc"])
     if first["type"] == "json_invalid":
-        return ApiError(400, f"the body is not valid JSON ({first.get('ctx', {}).get('error', 'parse error')}); "
-                             "send a JSON object", code="invalid_json")
+        return ApiError(
+            400,
+            f"the body is not valid JSON ({first.get('ctx', {}).get('error', 'parse error')}); "
+            "send a JSON object",
+            code="invalid_json",
+        )
     loc = ".".join(str(part) for part in parts if _field(part))
     if not loc and first["type"] == "missing":
         return ApiError(400, "the body is empty; send a JSON object", code="invalid_body")
     if not loc and isinstance(first.get("input"), bytes | str):
-        return ApiError(400, "the body is not JSON; send a JSON object with 'Content-Type: application/json'",
-                        code="invalid_body")
+        return ApiError(
+            400,
+            "the body is not JSON; send a JSON object with 'Content-Type: application/json'",
+            code="invalid_body",
+        )
     if first["type"] == "missing":
         return ApiError(400, f"{loc} is required", param=loc, code="missing_field")
     if not loc:
@@ -136,8 +147,11 @@ class BodyGuard:
             try:
                 message = await asyncio.wait_for(receive(), self.timeout_s)
             except asyncio.TimeoutError:
-                raise ApiError(408, f"the request body stopped arriving for {self.timeout_s:g} s; "
-                                    "send the whole body at once") from None
+                raise ApiError(
+                    408,
+                    f"the request body stopped arriving for {self.timeout_s:g} s; "
+                    "send the whole body at once",
+                ) from None
             if message["type"] != "http.request":
                 return message
             parts.append(message.get("body", b""))
@@ -148,12 +162,22 @@ class BodyGuard:
                 return {"type": "http.request", "body": b"".join(parts), "more_body": False}
 
     def _too_large(self, size: int) -> ApiError:
-        return ApiError(413, f"the request body is over {self.max_bytes // 2**20} MiB ({size} bytes); send less")
+        return ApiError(
+            413, f"the request body is over {self.max_bytes // 2**20} MiB ({size} bytes); send less"
+        )
 
     @staticmethod
     async def _answer(path: str, send, error: ApiError) -> None:
         body = json.dumps(error_body(path, error)).encode()
-        await send({"type": "http.response.start", "status": error.status,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                                (b"connection", b"close")]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": error.status,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                    (b"connection", b"close"),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": body})

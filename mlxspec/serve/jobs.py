@@ -87,9 +87,13 @@ def sampling(server: ServerState, temperature, top_p, top_k, min_p=None) -> Samp
     """
     d = server.defaults.sampling
     try:
-        return SamplingParams(temp=d.temp if temperature is None else temperature, top_p=d.top_p if top_p is None else top_p,
-                              top_k=d.top_k if top_k is None else top_k, min_p=d.min_p if min_p is None else min_p,
-                              repetition_penalty=d.repetition_penalty)
+        return SamplingParams(
+            temp=d.temp if temperature is None else temperature,
+            top_p=d.top_p if top_p is None else top_p,
+            top_k=d.top_k if top_k is None else top_k,
+            min_p=d.min_p if min_p is None else min_p,
+            repetition_penalty=d.repetition_penalty,
+        )
     except ValueError as e:
         raise ApiError(400, str(e), code="invalid_value") from None
 
@@ -97,12 +101,23 @@ def sampling(server: ServerState, temperature, top_p, top_k, min_p=None) -> Samp
 def check_context(served: Served, prompt: list[int]) -> None:
     """Refuse a prompt that leaves no room in the model's context (400, ``context_length_exceeded``)."""
     if served.context and len(prompt) >= served.context:
-        raise ApiError(400, f"the prompt has {len(prompt)} tokens but the model's context is {served.context}; "
-                            "shorten the conversation", param="messages", code="context_length_exceeded")
+        raise ApiError(
+            400,
+            f"the prompt has {len(prompt)} tokens but the model's context is {served.context}; "
+            "shorten the conversation",
+            param="messages",
+            code="context_length_exceeded",
+        )
 
 
-def submit(request: Request, prompt: list[int], params: SamplingParams, max_tokens: int | None,
-           seed: int | None, stop: list[str]) -> Job:
+def submit(
+    request: Request,
+    prompt: list[int],
+    params: SamplingParams,
+    max_tokens: int | None,
+    seed: int | None,
+    stop: list[str],
+) -> Job:
     """Queue a job for the worker.
 
     Raises:
@@ -110,19 +125,31 @@ def submit(request: Request, prompt: list[int], params: SamplingParams, max_toke
     """
     server = state(request)
     check_context(server.served, prompt)
-    job = Job(prompt, max_tokens or server.defaults.max_tokens, params, server.defaults.seed if seed is None else seed,
-              stop or list(server.defaults.stop), time.monotonic() + server.timeout_s, asyncio.get_running_loop())
+    job = Job(
+        prompt,
+        max_tokens or server.defaults.max_tokens,
+        params,
+        server.defaults.seed if seed is None else seed,
+        stop or list(server.defaults.stop),
+        time.monotonic() + server.timeout_s,
+        asyncio.get_running_loop(),
+    )
     try:
         server.worker.submit(job)
     except QueueFull:
         server.metrics.rejected.inc()
-        raise ApiError(503, f"the server is busy ({server.worker.queued} queued); retry in "
-                            f"{RETRY_AFTER_S} s", code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        raise ApiError(
+            503,
+            f"the server is busy ({server.worker.queued} queued); retry in {RETRY_AFTER_S} s",
+            code="queue_full",
+            headers={"Retry-After": str(RETRY_AFTER_S)},
+        ) from None
     return job
 
 
 def watch(request: Request, job: Job) -> asyncio.Task:
     """A task that cancels ``job`` when the client disconnects (the worker stops after its current round)."""
+
     async def run():
         while (await request.receive())["type"] != "http.disconnect":
             pass
@@ -174,8 +201,11 @@ class EventStream(StreamingResponse):
     """Server-sent events whose job is cancelled when the client goes away or the stream ends."""
 
     def __init__(self, content, job: Job, watcher: asyncio.Task):
-        super().__init__(content, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        super().__init__(
+            content,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
         self.job, self.watcher = job, watcher
 
     async def __call__(self, scope, receive, send):
@@ -196,7 +226,9 @@ def speculative(stats: GenerationStats) -> Speculative:
     return Speculative(
         drafter=stats.drafter,
         gamma=stats.num_draft_tokens if stats.drafted else None,
-        gamma_mean=round(sum(g * n for g, n in enumerate(stats.gamma_rounds)) / rounds, 3) if rounds else None,
+        gamma_mean=round(sum(g * n for g, n in enumerate(stats.gamma_rounds)) / rounds, 3)
+        if rounds
+        else None,
         rounds=stats.rounds,
         drafted=stats.drafted,
         accepted=stats.accepted,

@@ -85,8 +85,8 @@ class PrefixCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by every kept slot; for a sharded target, by every rank's slots (one collective), so that
-        every rank drops the same slots and the ranks' caches stay alike."""
+        """Bytes held by every kept slot; for a sharded target, by every rank's slots (one collective), so
+        that every rank drops the same slots and the ranks' caches stay alike."""
         return int(job_sum(self.model, sum(cache_bytes(slot) for slot in self._lru)))
 
     def __len__(self) -> int:

@@ -50,13 +50,26 @@ def openai_messages(messages: list[ChatMessage]) -> list[dict]:
     for i, m in enumerate(messages):
         item = {"role": "system" if m.role == "developer" else m.role, "content": text_of(m.content)}
         if m.tool_calls:
-            item["tool_calls"] = [{"id": c.id, "type": "function", "function": {
-                "name": c.function.name,
-                "arguments": arguments(c.function.arguments, f"messages.{i}.tool_calls.{j}.function.arguments")}}
-                for j, c in enumerate(m.tool_calls)]
+            item["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {
+                        "name": c.function.name,
+                        "arguments": arguments(
+                            c.function.arguments, f"messages.{i}.tool_calls.{j}.function.arguments"
+                        ),
+                    },
+                }
+                for j, c in enumerate(m.tool_calls)
+            ]
         if m.role == "tool" and m.tool_call_id is None:
-            raise ApiError(400, f"messages.{i}.tool_call_id is required: a tool message answers the call of "
-                                "that id", param=f"messages.{i}.tool_call_id", code="missing_field")
+            raise ApiError(
+                400,
+                f"messages.{i}.tool_call_id is required: a tool message answers the call of that id",
+                param=f"messages.{i}.tool_call_id",
+                code="missing_field",
+            )
         if m.tool_call_id is not None:
             item["tool_call_id"] = m.tool_call_id
         if m.name is not None:
@@ -81,8 +94,14 @@ def responses_messages(request: ResponsesRequest) -> list[dict]:
             role = "system" if item.role == "developer" else item.role
             out.append({"role": role, "content": text_of(item.content)})
         elif item.type == "function_call":
-            call = {"id": item.call_id, "type": "function", "function": {
-                "name": item.name, "arguments": arguments(item.arguments, f"input.{i}.arguments")}}
+            call = {
+                "id": item.call_id,
+                "type": "function",
+                "function": {
+                    "name": item.name,
+                    "arguments": arguments(item.arguments, f"input.{i}.arguments"),
+                },
+            }
             if not (out and out[-1]["role"] == "assistant"):
                 out.append({"role": "assistant", "content": ""})
             out[-1].setdefault("tool_calls", []).append(call)
@@ -105,10 +124,17 @@ def anthropic_messages(request: MessagesRequest) -> list[dict]:
             if block.type == "text":
                 texts.append(block.text)
             elif block.type == "tool_use":
-                calls.append({"id": block.id, "type": "function",
-                              "function": {"name": block.name, "arguments": block.input}})
+                calls.append(
+                    {
+                        "id": block.id,
+                        "type": "function",
+                        "function": {"name": block.name, "arguments": block.input},
+                    }
+                )
             else:
-                out.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": text_of(block.content)})
+                out.append(
+                    {"role": "tool", "tool_call_id": block.tool_use_id, "content": text_of(block.content)}
+                )
         if texts or calls or not m.content:
             item = {"role": m.role, "content": "".join(texts)}
             if calls:
@@ -125,8 +151,13 @@ def anthropic_tools(tools: list[AnthropicTool] | None) -> list[dict] | None:
     """Anthropic tools as OpenAI function tools (what chat templates render)."""
     if not tools:
         return None
-    return [{"type": "function", "function": {"name": t.name, "description": t.description or "",
-                                              "parameters": t.input_schema}} for t in tools]
+    return [
+        {
+            "type": "function",
+            "function": {"name": t.name, "description": t.description or "", "parameters": t.input_schema},
+        }
+        for t in tools
+    ]
 
 
 def takes_tools(tokenizer) -> bool:
@@ -135,7 +166,9 @@ def takes_tools(tokenizer) -> bool:
     return isinstance(template, str) and "tools" in template
 
 
-def render(tokenizer, messages: list[dict], tools: list[dict] | None = None, prefill: bool = False) -> list[int]:
+def render(
+    tokenizer, messages: list[dict], tools: list[dict] | None = None, prefill: bool = False
+) -> list[int]:
     """The prompt ids for ``messages``: the chat template with ``add_generation_prompt`` (as ``mlxspec
     generate`` applies it), or the contents joined by blank lines for a model without one. With
     ``prefill``, the last (assistant) message is left open for the answer to continue
@@ -146,8 +179,12 @@ def render(tokenizer, messages: list[dict], tools: list[dict] | None = None, pre
             messages (e.g. roles that do not alternate).
     """
     if tools and not takes_tools(tokenizer):
-        raise ApiError(400, "this model's chat template takes no tools; leave tools out or serve a model whose "
-                            "template renders them (Qwen2.5, Hermes-style)", param="tools")
+        raise ApiError(
+            400,
+            "this model's chat template takes no tools; leave tools out or serve a model whose "
+            "template renders them (Qwen2.5, Hermes-style)",
+            param="tools",
+        )
     if not getattr(tokenizer, "has_chat_template", False):
         text = "\n\n".join(m["content"] for m in messages)
         return encode_prompt(tokenizer, text if prefill else text + "\n\n")
@@ -158,8 +195,11 @@ def render(tokenizer, messages: list[dict], tools: list[dict] | None = None, pre
         else:
             prompt = tokenizer.apply_chat_template(messages, **turn)
     except Exception as e:  # jinja2's TemplateError, or a template's raise_exception
-        raise ApiError(400, f"the model's chat template refused the messages: {' '.join(str(e).split())}",
-                       param="messages") from None
+        raise ApiError(
+            400,
+            f"the model's chat template refused the messages: {' '.join(str(e).split())}",
+            param="messages",
+        ) from None
     return encode_prompt(tokenizer, prompt)
 
 

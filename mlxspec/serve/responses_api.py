@@ -16,26 +16,59 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from .errors import ApiError, error_body
-from .jobs import EventStream, collect, events, first_event, new_id, sampling, speculative, state, submit, watch
+from .jobs import (
+    EventStream,
+    collect,
+    events,
+    first_event,
+    new_id,
+    sampling,
+    speculative,
+    state,
+    submit,
+    watch,
+)
 from .prompts import render, responses_messages
-from .schemas.responses import (FunctionCallItem, IncompleteDetails, InputTokensDetails, OutputMessage, OutputText,
-                                Response, ResponsesRequest, ResponseUsage)
+from .schemas.responses import (
+    FunctionCallItem,
+    IncompleteDetails,
+    InputTokensDetails,
+    OutputMessage,
+    OutputText,
+    Response,
+    ResponsesRequest,
+    ResponseUsage,
+)
 from .tools import ToolCall, ToolCallParser, split
 from .worker import Delta, Done
 
 
 def _tools(body: ResponsesRequest) -> list[dict] | None:
-    """The request's function tools as chat templates take them, or ``None`` (none, or ``tool_choice`` none)."""
+    """The request's function tools as chat templates take them, or ``None`` (none given, or
+    ``tool_choice`` none)."""
     if not body.tools or body.tool_choice == "none":
         return None
-    return [{"type": "function", "function": {"name": t.name, "description": t.description or "",
-                                              "parameters": t.parameters or {"type": "object", "properties": {}}}}
-            for t in body.tools]
+    return [
+        {
+            "type": "function",
+            "function": {
+                "name": t.name,
+                "description": t.description or "",
+                "parameters": t.parameters or {"type": "object", "properties": {}},
+            },
+        }
+        for t in body.tools
+    ]
 
 
 def function_call(call: ToolCall, status: str = "completed") -> FunctionCallItem:
-    return FunctionCallItem(id="fc_" + call.id.removeprefix("call_"), call_id=call.id, name=call.name,
-                            arguments=call.arguments, status=status)
+    return FunctionCallItem(
+        id="fc_" + call.id.removeprefix("call_"),
+        call_id=call.id,
+        name=call.name,
+        arguments=call.arguments,
+        status=status,
+    )
 
 
 def message(text: str, status: str = "completed") -> OutputMessage:
@@ -46,11 +79,20 @@ def finished(meta: dict, prompt: list[int], done: Done, output: list) -> Respons
     """The whole response once ``done``: ``incomplete`` when ``max_output_tokens`` (or the timeout) cut it."""
     cut = done.finish_reason != "stop"
     n = done.stats.generation_tokens
-    usage = ResponseUsage(input_tokens=len(prompt), input_tokens_details=InputTokensDetails(
-        cached_tokens=done.stats.cached_tokens), output_tokens=n, total_tokens=len(prompt) + n)
-    return Response(**meta, status="incomplete" if cut else "completed", output=output,
-                    incomplete_details=IncompleteDetails() if cut else None, usage=usage,
-                    speculative=speculative(done.stats))
+    usage = ResponseUsage(
+        input_tokens=len(prompt),
+        input_tokens_details=InputTokensDetails(cached_tokens=done.stats.cached_tokens),
+        output_tokens=n,
+        total_tokens=len(prompt) + n,
+    )
+    return Response(
+        **meta,
+        status="incomplete" if cut else "completed",
+        output=output,
+        incomplete_details=IncompleteDetails() if cut else None,
+        usage=usage,
+        speculative=speculative(done.stats),
+    )
 
 
 async def respond(request: Request, body: ResponsesRequest):
@@ -62,10 +104,17 @@ async def respond(request: Request, body: ResponsesRequest):
     job = submit(request, prompt, params, body.max_output_tokens, None, [])
     watcher = watch(request, job)
     first = await first_event(job, watcher)
-    meta = {"id": new_id("resp_"), "created_at": int(time.time()), "model": server.served.model_id,
-            "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
-            "temperature": body.temperature, "top_p": body.top_p, "tools": body.tools or [],
-            "tool_choice": body.tool_choice or "auto"}
+    meta = {
+        "id": new_id("resp_"),
+        "created_at": int(time.time()),
+        "model": server.served.model_id,
+        "instructions": body.instructions,
+        "max_output_tokens": body.max_output_tokens,
+        "temperature": body.temperature,
+        "top_p": body.top_p,
+        "tools": body.tools or [],
+        "tool_choice": body.tool_choice or "auto",
+    }
     if body.stream:
         parser = ToolCallParser(server.tool_format, tools) if tools else None
         return EventStream(_stream(request, job, first, meta, parser, prompt), job, watcher)
@@ -92,13 +141,28 @@ class _Output:
         lines, index = [], len(self.items)
         if self.open is None:
             self.open, self.texts = message("", "in_progress").model_copy(update={"content": []}), []
-            lines += [self.event("response.output_item.added", output_index=index, item=_json(self.open)),
-                      self.event("response.content_part.added", item_id=self.open.id, output_index=index,
-                                 content_index=0, part=_json(OutputText(text="")))]
+            lines += [
+                self.event("response.output_item.added", output_index=index, item=_json(self.open)),
+                self.event(
+                    "response.content_part.added",
+                    item_id=self.open.id,
+                    output_index=index,
+                    content_index=0,
+                    part=_json(OutputText(text="")),
+                ),
+            ]
         if piece:
             self.texts.append(piece)
-            lines.append(self.event("response.output_text.delta", item_id=self.open.id, output_index=index,
-                                    content_index=0, delta=piece, logprobs=[]))
+            lines.append(
+                self.event(
+                    "response.output_text.delta",
+                    item_id=self.open.id,
+                    output_index=index,
+                    content_index=0,
+                    delta=piece,
+                    logprobs=[],
+                )
+            )
         return lines
 
     def call(self, call: ToolCall) -> list[str]:
@@ -107,11 +171,21 @@ class _Output:
         self.items.append(item)
         return lines + [
             self.event("response.output_item.added", output_index=index, item=_json(added)),
-            self.event("response.function_call_arguments.delta", item_id=item.id, output_index=index,
-                       delta=item.arguments),
-            self.event("response.function_call_arguments.done", item_id=item.id, output_index=index,
-                       name=item.name, arguments=item.arguments),
-            self.event("response.output_item.done", output_index=index, item=_json(item))]
+            self.event(
+                "response.function_call_arguments.delta",
+                item_id=item.id,
+                output_index=index,
+                delta=item.arguments,
+            ),
+            self.event(
+                "response.function_call_arguments.done",
+                item_id=item.id,
+                output_index=index,
+                name=item.name,
+                arguments=item.arguments,
+            ),
+            self.event("response.output_item.done", output_index=index, item=_json(item)),
+        ]
 
     def close(self, status: str = "completed") -> list[str]:
         """End the open message item, if any."""
@@ -121,11 +195,24 @@ class _Output:
         item = self.open.model_copy(update={"status": status, "content": [part]})
         self.items.append(item)
         self.open = None
-        return [self.event("response.output_text.done", item_id=item.id, output_index=index, content_index=0,
-                           text=part.text, logprobs=[]),
-                self.event("response.content_part.done", item_id=item.id, output_index=index, content_index=0,
-                           part=_json(part)),
-                self.event("response.output_item.done", output_index=index, item=_json(item))]
+        return [
+            self.event(
+                "response.output_text.done",
+                item_id=item.id,
+                output_index=index,
+                content_index=0,
+                text=part.text,
+                logprobs=[],
+            ),
+            self.event(
+                "response.content_part.done",
+                item_id=item.id,
+                output_index=index,
+                content_index=0,
+                part=_json(part),
+            ),
+            self.event("response.output_item.done", output_index=index, item=_json(item)),
+        ]
 
 
 def _json(model) -> dict:
@@ -144,7 +231,9 @@ async def _stream(request, job, first, meta: dict, parser: ToolCallParser | None
             else:
                 pieces = parser.finish() if parser else []
             for piece in pieces:
-                for line in out.call(piece) if isinstance(piece, ToolCall) else out.text(piece) if piece else []:
+                for line in (
+                    out.call(piece) if isinstance(piece, ToolCall) else out.text(piece) if piece else []
+                ):
                     yield line
             if isinstance(item, Done):
                 status = "completed" if item.finish_reason == "stop" else "incomplete"

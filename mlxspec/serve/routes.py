@@ -56,27 +56,43 @@ async def models(request: Request):
 async def model(request: Request, model_id: str):
     served = state(request).served
     if model_id != served.model_id:
-        raise ApiError(404, f"the model {model_id!r} is not served here; use {served.model_id!r}", param="model",
-                       code="model_not_found")
+        raise ApiError(
+            404,
+            f"the model {model_id!r} is not served here; use {served.model_id!r}",
+            param="model",
+            code="model_not_found",
+        )
     return ModelCard(id=served.model_id)
 
 
-@router.post("/v1/chat/completions", response_model=ChatCompletion, tags=["openai"],
-             responses=streamed("chat.completion.chunk objects (ChatCompletionChunk), then [DONE]"))
+@router.post(
+    "/v1/chat/completions",
+    response_model=ChatCompletion,
+    tags=["openai"],
+    responses=streamed("chat.completion.chunk objects (ChatCompletionChunk), then [DONE]"),
+)
 async def chat_completions(request: Request, body: ChatRequest):
     accept(request, body)
     return await openai_api.chat(request, body)
 
 
-@router.post("/v1/completions", response_model=Completion, tags=["openai"],
-             responses=streamed("text_completion objects, then [DONE]"))
+@router.post(
+    "/v1/completions",
+    response_model=Completion,
+    tags=["openai"],
+    responses=streamed("text_completion objects, then [DONE]"),
+)
 async def completions(request: Request, body: CompletionRequest):
     accept(request, body)
     return await openai_api.complete(request, body)
 
 
-@router.post("/v1/messages", response_model=Message, tags=["anthropic"],
-             responses=streamed("message_start, content_block_start/delta/stop, message_delta, message_stop"))
+@router.post(
+    "/v1/messages",
+    response_model=Message,
+    tags=["anthropic"],
+    responses=streamed("message_start, content_block_start/delta/stop, message_delta, message_stop"),
+)
 async def messages(request: Request, body: MessagesRequest):
     accept(request, body)
     return await anthropic_api.messages(request, body)
@@ -89,9 +105,15 @@ async def count_tokens(request: Request, body: CountTokensRequest):
     return anthropic_api.count_tokens(request, body)
 
 
-@router.post("/v1/responses", response_model=ResponseObject, tags=["openai"],
-             responses=streamed("response.created, response.output_item.added, response.output_text.delta, ..., "
-                                "response.completed (or response.incomplete)"))
+@router.post(
+    "/v1/responses",
+    response_model=ResponseObject,
+    tags=["openai"],
+    responses=streamed(
+        "response.created, response.output_item.added, response.output_text.delta, ..., "
+        "response.completed (or response.incomplete)"
+    ),
+)
 async def responses(request: Request, body: ResponsesRequest):
     """OpenAI's Responses API, stateless (no ``store``, no ``previous_response_id``)."""
     accept(request, body)

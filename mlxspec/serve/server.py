@@ -38,8 +38,10 @@ def bind(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as e:
         sock.close()
-        raise ValueError(f"could not listen on {_shown(host)}:{port} ({e.strerror or e}); stop what holds it or "
-                         "choose another --port or --host") from None
+        raise ValueError(
+            f"could not listen on {_shown(host)}:{port} ({e.strerror or e}); stop what holds it or "
+            "choose another --port or --host"
+        ) from None
     sock.set_inheritable(True)
     return sock
 
@@ -67,29 +69,55 @@ def serve(args: argparse.Namespace, defaults: Defaults, load: Callable[[], tuple
     """
     sock = bind(args.host, args.port)
     metrics = None
-    worker = Worker(load, args.queue_size, (args.prefix_cache_slots, int(args.prefix_cache_gb * 2**30)),
-                    on_done=lambda job, done: metrics.finished(job, done), max_batch=args.max_batch)
-    metrics = Metrics(lambda: worker.queued, lambda: worker.busy, lambda: worker.rows,
-                      lambda: worker.runner.tokens_per_forward)
+    worker = Worker(
+        load,
+        args.queue_size,
+        (args.prefix_cache_slots, int(args.prefix_cache_gb * 2**30)),
+        on_done=lambda job, done: metrics.finished(job, done),
+        max_batch=args.max_batch,
+    )
+    metrics = Metrics(
+        lambda: worker.queued,
+        lambda: worker.busy,
+        lambda: worker.rows,
+        lambda: worker.runner.tokens_per_forward,
+    )
     try:
         served = worker.start()
-    except KeyboardInterrupt:  # the worker thread is mid-load in MLX: a normal exit would tear MLX down under it
-        print("\nmlxspec: interrupted (Ctrl+C) while loading the model; nothing was served", file=sys.stderr, flush=True)
+    except (
+        KeyboardInterrupt
+    ):  # the worker thread is mid-load in MLX: a normal exit would tear MLX down under it
+        print(
+            "\nmlxspec: interrupted (Ctrl+C) while loading the model; nothing was served",
+            file=sys.stderr,
+            flush=True,
+        )
         os._exit(130)  # (std::terminate, exit -6); nothing is open yet that needs closing
     state = ServerState(worker, served, defaults, args.request_timeout, metrics, args.api_key)
-    config = uvicorn.Config(create_app(state, body_timeout_s=args.body_timeout), host=args.host, port=args.port, log_level="warning",
-                            access_log=False, h11_max_incomplete_event_size=MAX_HEADER_BYTES,
-                            timeout_keep_alive=KEEP_ALIVE_S, timeout_graceful_shutdown=GRACEFUL_S)
+    config = uvicorn.Config(
+        create_app(state, body_timeout_s=args.body_timeout),
+        host=args.host,
+        port=args.port,
+        log_level="warning",
+        access_log=False,
+        h11_max_incomplete_event_size=MAX_HEADER_BYTES,
+        timeout_keep_alive=KEEP_ALIVE_S,
+        timeout_graceful_shutdown=GRACEFUL_S,
+    )
     server = _Server(config)
     server.worker = worker
     worker.on_failure = lambda e: setattr(server, "should_exit", True)  # a sharded job lost a rank
     _check_alive(worker)
     for sig in (signal.SIGINT, signal.SIGTERM):  # uvicorn re-raises the signal it caught after shutting down:
-        signal.signal(sig, lambda *_: None)     # land it here, so a requested stop exits 0
+        signal.signal(sig, lambda *_: None)  # land it here, so a requested stop exits 0
     port = sock.getsockname()[1]  # --port 0: the one the system chose
-    print(f"mlxspec serve: {served.model_id} with the {served.drafter} drafter on http://{_shown(args.host)}:{port}/v1 "
-          "(OpenAI: /v1/chat/completions, /v1/completions; Anthropic: /v1/messages); Ctrl+C stops", file=sys.stderr,
-          flush=True)
+    print(
+        f"mlxspec serve: {served.model_id} with the {served.drafter} drafter on "
+        f"http://{_shown(args.host)}:{port}/v1 (OpenAI: /v1/chat/completions, /v1/completions, "
+        "/v1/responses; Anthropic: /v1/messages; API docs: /docs); Ctrl+C stops",
+        file=sys.stderr,
+        flush=True,
+    )
     server.run(sockets=[sock])
     worker.close()
     _check_alive(worker)
@@ -108,8 +136,12 @@ def follow(args: argparse.Namespace, load: Callable[[], tuple]) -> int:
     Raises:
         ValueError, FileNotFoundError: the model or drafter cannot be loaded; the job lost a rank.
     """
-    worker = Worker(load, args.queue_size, (args.prefix_cache_slots, int(args.prefix_cache_gb * 2**30)),
-                    max_batch=args.max_batch)
+    worker = Worker(
+        load,
+        args.queue_size,
+        (args.prefix_cache_slots, int(args.prefix_cache_gb * 2**30)),
+        max_batch=args.max_batch,
+    )
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     worker.start()
     worker.wait()

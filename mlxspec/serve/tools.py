@@ -41,7 +41,8 @@ class ToolCall:
 @dataclass(frozen=True)
 class ToolFormat:
     """A model's tool-call markup: text between ``start`` and ``end`` (``""``: the end of the answer) is
-    parsed by ``parse(text, tools)``, an mlx-lm parser returning ``{"name", "arguments"}`` or a list of them."""
+    parsed by ``parse(text, tools)``, an mlx-lm parser returning ``{"name", "arguments"}`` or a list of
+    them."""
 
     name: str
     start: str
@@ -142,14 +143,14 @@ class ToolCallParser:
                 return False
             at, marker = min(found)
             self._emit(out, at)
-            self._buffer = self._buffer[len(marker):]
+            self._buffer = self._buffer[len(marker) :]
             self._mode = "fence" if marker == FENCE else "call"
             return True
         if self._mode == "call":
             end = b.find(self.fmt.end) if self.fmt.end else -1
             if end < 0:
                 return False
-            body, self._buffer, self._mode = b[:end], b[end + len(self.fmt.end):], "text"
+            body, self._buffer, self._mode = b[:end], b[end + len(self.fmt.end) :], "text"
             out.extend(self._template_calls(body) or [self.fmt.start + body + self.fmt.end])
             return True
         if self._mode == "code":  # pass a fenced block that is not a call through to its closing fence
@@ -179,7 +180,7 @@ class ToolCallParser:
         close = content.find(FENCE)
         if close < 0:
             return False
-        body, self._buffer, self._mode = content[:close], content[close + len(FENCE):], "text"
+        body, self._buffer, self._mode = content[:close], content[close + len(FENCE) :], "text"
         out.extend(self._fenced(body) or [FENCE + info + "\n" + body + FENCE])
         return True
 

@@ -2,5 +2,6 @@
 serves them as the OpenAPI schema (``/openapi.json``, ``/docs``).
 
 ``base`` (the strict request base, the response base, the ``speculative`` extension object),
-``openai`` (chat completions, completions, models), ``anthropic`` (Messages), ``responses`` (the Responses API).
+``openai`` (chat completions, completions, models), ``anthropic`` (Messages), ``responses`` (the
+Responses API).
 """

@@ -68,8 +68,9 @@ class MessagesRequest(ApiModel):
 
     def unsupported(self) -> tuple[str, str] | None:
         if self.tool_choice is not None and self.tool_choice.get("type") not in ("auto", "none"):
-            return "tool_choice", ("tool_choice must be {'type': 'auto'} or {'type': 'none'} (a forced tool is "
-                                   "not supported)")
+            return "tool_choice", (
+                "tool_choice must be {'type': 'auto'} or {'type': 'none'} (a forced tool is not supported)"
+            )
         return None
 
 

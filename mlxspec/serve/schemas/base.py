@@ -15,8 +15,12 @@ Text = Annotated[str, Field(min_length=1)]
 
 def _greedy_or_hot_enough(value: float) -> float:
     if 0 < value < MIN_TEMP:
-        raise PydanticCustomError("temperature_too_small", f"must be 0 (greedy) or at least {MIN_TEMP:g} (below it "
-                                  "1/temperature overflows the float32 logits), got {value}", {"value": value})
+        raise PydanticCustomError(
+            "temperature_too_small",
+            f"must be 0 (greedy) or at least {MIN_TEMP:g} (below it "
+            "1/temperature overflows the float32 logits), got {value}",
+            {"value": value},
+        )
     return value
 
 
@@ -49,10 +53,12 @@ class Speculative(Reply):
     """The speculation stats of one answer (mlxspec's extension object, ``speculative``)."""
 
     drafter: str = Field(description="the drafter's name (`none`: plain decoding)")
-    gamma: int | None = Field(description="γ, draft tokens per round (with `auto`: the most); null when "
-                                          "nothing was drafted")
-    gamma_mean: float | None = Field(description="mean γ over the rounds (with `auto`); else, or when nothing "
-                                                 "was drafted, null")
+    gamma: int | None = Field(
+        description="γ, draft tokens per round (with `auto`: the most); null when nothing was drafted"
+    )
+    gamma_mean: float | None = Field(
+        description="mean γ over the rounds (with `auto`); else, or when nothing was drafted, null"
+    )
     rounds: int = Field(description="verify rounds")
     drafted: int = Field(description="draft tokens proposed")
     accepted: int = Field(description="draft tokens the target accepted")

@@ -61,7 +61,9 @@ class Sampling(ApiModel):
     """What both OpenAI endpoints take besides the prompt."""
 
     model: str = Field(description="the served model's name (GET /v1/models) or `default`")
-    max_tokens: int | None = Field(None, ge=1, description="most tokens to generate (default: serve's --max-tokens)")
+    max_tokens: int | None = Field(
+        None, ge=1, description="most tokens to generate (default: serve's --max-tokens)"
+    )
     temperature: Temperature | None = Field(None, le=2, description="0: greedy (default: serve's --temp)")
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=0, description="0: off")
@@ -84,7 +86,10 @@ class Sampling(ApiModel):
             return "n", "n must be 1: one choice is generated per request"
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name):
-                return name, f"{name} is not supported (the output follows the target exactly); leave it out or 0"
+                return (
+                    name,
+                    f"{name} is not supported (the output follows the target exactly); leave it out or 0",
+                )
         return None
 
 
@@ -93,7 +98,9 @@ class ChatRequest(Sampling):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, description="the same as max_tokens")
-    tools: list[Tool] | None = Field(None, description="function tools, rendered by the model's chat template")
+    tools: list[Tool] | None = Field(
+        None, description="function tools, rendered by the model's chat template"
+    )
     tool_choice: str | dict | None = Field(None, description="`auto` (default) or `none`")
     logprobs: bool | None = Field(None, description="must be false")
     top_logprobs: int | None = Field(None, description="not supported")
@@ -101,8 +108,9 @@ class ChatRequest(Sampling):
     def unsupported(self) -> tuple[str, str] | None:
         given = (self.max_tokens, self.max_completion_tokens)
         if None not in given and given[0] != given[1]:
-            return "max_completion_tokens", (f"max_tokens ({given[0]}) and max_completion_tokens ({given[1]}) "
-                                             "differ; send one of them")
+            return "max_completion_tokens", (
+                f"max_tokens ({given[0]}) and max_completion_tokens ({given[1]}) differ; send one of them"
+            )
         if self.logprobs:
             return "logprobs", "logprobs is not supported; leave it out or false"
         if self.top_logprobs is not None:
@@ -130,7 +138,12 @@ class CompletionRequest(Sampling):
             return "suffix", "suffix (fill-in-the-middle) is not supported; leave it out"
         if self.best_of != 1:
             return "best_of", "best_of must be 1: one choice is generated per request"
-        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str) and len(self.prompt) != 1:
+        if (
+            isinstance(self.prompt, list)
+            and self.prompt
+            and isinstance(self.prompt[0], str)
+            and len(self.prompt) != 1
+        ):
             return "prompt", "one prompt per request: give a string (or a list of one)"
         return super().unsupported()
 
