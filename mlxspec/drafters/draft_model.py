@@ -154,10 +154,22 @@ class DraftModelDrafter(Drafter):
     def _logits(self, inputs: mx.array, last: int = 1) -> mx.array:
         """The draft's next-token logits after each of the last ``last`` of ``inputs`` [T], [last, V_target]:
         -inf outside the draft vocabulary."""
+        return self.to_logits(self.forward(inputs[None], self.cache)[0, -last:])
+
+    def forward(self, inputs: mx.array, cache: list) -> mx.array:
+        """The draft model on ``inputs`` [B, T] through ``cache`` (its own, or a batch's): logits
+        [B, T, V_draft], or with a draft vocabulary the final normalised hidden states [B, T, H];
+        ``to_logits`` finishes a row."""
         if self.draft_vocab is None:
-            return self._fit_vocab(self.model(inputs[None], cache=self.cache)[0, -last:])
-        # [last, H]: the final normalised hidden states
-        h = self._body(inputs[None], cache=self.cache)[0, -last:]
+            return self.model(inputs, cache=cache)
+        return self._body(inputs, cache=cache)
+
+    def to_logits(self, out: mx.array) -> mx.array:
+        """One row's ``forward`` output [T, V_draft or H] → next-token logits [T, V_target], -inf outside
+        the draft vocabulary (its frequent ids plus this generation's own)."""
+        if self.draft_vocab is None:
+            return self._fit_vocab(out)
+        h, last = out, out.shape[0]
         rows = self._base_head(h)
         if self._extra_head is not None:
             rows = mx.concatenate([rows, self._extra_head(h)], axis=-1)
@@ -202,10 +214,8 @@ class DraftModelDrafter(Drafter):
         """
         keep_above = plan.keep_above if plan is not None else None
         processors = sampling.processors()
-        if self.draft_vocab is not None:
-            self._take_in(history)
+        inputs = mx.array(self.unseen(history), dtype=mx.int32)
         context = mx.array(history, dtype=mx.int32)
-        inputs = context[self._num_cached :]
         tokens, logprobs, confidence = [], [], []
         log_survival = 0.0
         for k in range(1, num_draft_tokens + 1):
@@ -216,20 +226,34 @@ class DraftModelDrafter(Drafter):
             mx.async_eval(token)
             tokens.append(token)
             logprobs.append(token_logprobs)
-            confidence.append(_confidence(logits if token_logprobs is None else token_logprobs))
+            confidence.append(log_confidence(logits if token_logprobs is None else token_logprobs))
             inputs = token
             if keep_above is not None and k < num_draft_tokens:
                 log_survival += confidence[-1].item()
                 if math.exp(log_survival) <= keep_above[k - 1]:
                     break
-        self._tokens += history[len(self._tokens) :]
-        self._round_start = len(history)
-        self._drafted = mx.concatenate(tokens) if tokens else None
+        self.proposed(history, mx.concatenate(tokens) if tokens else None)
         if not tokens:
             return Draft.empty()
         q = None if sampling.greedy else mx.concatenate(logprobs, axis=0)
         survival = mx.exp(mx.cumsum(mx.concatenate(confidence)))  # lazy: only scheduling reads it
         return Draft.chain(mx.concatenate(tokens), q, survival)
+
+    def unseen(self, history: list[int]) -> list[int]:
+        """The committed tokens of ``history`` its cache lacks, to feed before drafting (the root; also the
+        last draft when all were accepted; more after plain rounds), once ``history``'s ids are in the draft
+        vocabulary."""
+        if self.draft_vocab is not None:
+            self._take_in(history)
+        return history[self._num_cached :]
+
+    def proposed(self, history: list[int], drafted: mx.array | None) -> None:
+        """Note a round's proposal: the cache now holds ``history`` and ``drafted`` [γ] int32 (lazy) follows
+        it; ``commit`` keeps what the target accepted (``engine.batch_draft`` drafts rows together and tells
+        each fork this)."""
+        self._tokens += history[len(self._tokens) :]
+        self._round_start = len(history)
+        self._drafted = drafted
 
     def describe(self):
         return f"draft vocabulary of {self.draft_vocab} ids" if self.draft_vocab is not None else None
@@ -247,7 +271,7 @@ class DraftModelDrafter(Drafter):
         self._round_start = valid  # a round without a propose (plain) keeps what is cached
 
 
-def _confidence(logits: mx.array) -> mx.array:
+def log_confidence(logits: mx.array) -> mx.array:
     """log max_x q(x) of each row [T] (greedy: under the unwarped softmax). Not q of the drawn token:
     a sampled position's survival estimate must not depend on its own token (docs/acceptance.md 3.2)."""
     logits = logits.astype(mx.float32)

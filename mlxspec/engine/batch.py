@@ -31,6 +31,7 @@ from ..core.stops import StopStrings
 from ..core.tree import Tree
 from ..drafters import Draft, Drafter, Plan
 from ..pacing import Auto, Pacer
+from .batch_draft import DraftRows
 from .generate import accepted_path, cut_round, judge
 
 #: Rounds between two shifts of the batch's cache past the padding every row shares.
@@ -155,6 +156,7 @@ class Batch:
         self.rows: list[Row] = []
         self.layers: list[BatchKVCache] | None = None
         self.gate = BatchGate()
+        self.draft_rows = DraftRows()
         self._rounds = 0
 
     def __len__(self) -> int:
@@ -174,6 +176,7 @@ class Batch:
         """Let ``row`` leave; its store gets its layer caches back (for a prefix cache to keep)."""
         i = self.rows.index(row)
         row.store.layers[:] = [_extract(layer, i) for layer in self.layers]
+        self.draft_rows.leave(row.drafter)
         self.rows.pop(i)
         if not self.rows:
             self.layers = None
@@ -185,14 +188,7 @@ class Batch:
     def round(self) -> list[RowRound]:
         """One round for every row: plan → propose → one target forward → each row's rule → one sync → commit."""
         plans = self.gate.admit(self.rows, [row.plan() for row in self.rows])
-        drafts, draft_s = [], []
-        for row, plan in zip(self.rows, plans):
-            start = time.perf_counter()
-            row.reseed()
-            draft = Draft.empty() if plan.gamma == 0 else plan.select(
-                row.drafter.propose(row.history, plan.gamma, row.sampling, plan))
-            drafts.append(draft)
-            draft_s.append(time.perf_counter() - start)
+        drafts, draft_s = self.propose(plans)
         t1 = time.perf_counter()
         width = 1 + max(draft.size for draft in drafts)  # T: the widest row's root + draft
         tokens = mx.stack([_padded(row.history[-1], draft, width) for row, draft in zip(self.rows, drafts)])
@@ -234,6 +230,26 @@ class Batch:
         if self._rounds % 64 == 0:
             mx.clear_cache()
         return out
+
+    def propose(self, plans: list[Plan]) -> tuple[list[Draft], list[float]]:
+        """Each row's draft for its plan, and its seconds of drafting. Draft-model rows draft together, one forward
+        per draft token for all (``batch_draft.DraftRows``; each a share of that time); the others one by one."""
+        start = time.perf_counter()
+        together = self.draft_rows.propose(self.rows, plans)
+        shared_s = (time.perf_counter() - start) / max(len(together), 1)
+        drafts, draft_s = [], []
+        for b, (row, plan) in enumerate(zip(self.rows, plans)):
+            if b in together:
+                drafts.append(plan.select(together[b]))
+                draft_s.append(shared_s)
+                continue
+            start = time.perf_counter()
+            row.reseed()
+            draft = Draft.empty() if plan.gamma == 0 else plan.select(
+                row.drafter.propose(row.history, plan.gamma, row.sampling, plan))
+            drafts.append(draft)
+            draft_s.append(time.perf_counter() - start)
+        return drafts, draft_s
 
     def outcomes(self, drafts: list[Draft], judged: list, logits: mx.array) -> list[tuple]:
         """Each row's own outcome, ``generate.accepted_path`` of its own rule's choice: ``(path, tokens, kinds)``.
