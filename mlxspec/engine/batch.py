@@ -51,15 +51,18 @@ class BatchGate:
     a compute-bound device): the expected tokens Σ_r τ_r (each row's own acceptance estimate) per second of
     drafting plus that forward, against R tokens per V(R), a plain batched step. When the drafts do not pay by
     ``MARGIN``, the batch decodes plainly for 16 rounds, then 32, … 256 (reset when one pays), then lets one round
-    draft as planned, so the estimates see new evidence. The decision reads only past rounds, never this round's
-    draws, so every row stays exact. A fixed γ (or a priced tree) is the user's choice and is never overridden.
+    draft as planned, so the estimates see new evidence. Rows drafting ``together`` (``batch_draft.DraftRows``: one
+    draft forward per token for all) are priced as one row drafting their deepest γ, times the target's cost of a
+    forward over as many tokens as rows (the same memory-bound curve). The decision reads only past rounds, never
+    this round's draws, so every row stays exact. A fixed γ (or a priced tree) is the user's choice and is never overridden.
     """
 
     def __init__(self):
         self.wait, self.next_wait = 0, FIRST_WAIT
 
-    def admit(self, rows: list[Row], plans: list[Plan]) -> list[Plan]:
-        """The plans to run: ``plans``, or every row plain this round."""
+    def admit(self, rows: list[Row], plans: list[Plan], together: list[bool] | None = None) -> list[Plan]:
+        """The plans to run: ``plans``, or every row plain this round. ``together[b]``: row b drafts with the others
+        that do (default: none does)."""
         if len(rows) < 2 or not any(plan.gamma for plan in plans):
             return plans
         if not all(isinstance(row.pacer, Auto) for row in rows):
@@ -71,7 +74,11 @@ class BatchGate:
         tokens = sum(1.0 + sum(row.pacer.estimate.reach(plan.gamma)[: plan.gamma])
                      for row, plan in zip(rows, plans))
         width = sum(plan.gamma + 1 for plan in plans)
-        seconds = sum(costs.draft(plan.gamma) for plan in plans) + costs.verify(width)
+        together = together or [False] * len(plans)
+        shared = [plan.gamma for plan, t in zip(plans, together) if t and plan.gamma]
+        seconds = sum(costs.draft(plan.gamma) for plan, t in zip(plans, together) if not t) + costs.verify(width)
+        if shared:
+            seconds += costs.draft(max(shared)) * costs.verify(len(shared)) / costs.verify(1)
         if tokens / seconds > (1.0 + MARGIN) * len(rows) / costs.verify(len(rows)):
             self.next_wait = FIRST_WAIT
             return plans
@@ -187,7 +194,8 @@ class Batch:
 
     def round(self) -> list[RowRound]:
         """One round for every row: plan → propose → one target forward → each row's rule → one sync → commit."""
-        plans = self.gate.admit(self.rows, [row.plan() for row in self.rows])
+        plans = self.gate.admit(self.rows, [row.plan() for row in self.rows],
+                                [self.draft_rows.takes(row.drafter) for row in self.rows])
         drafts, draft_s = self.propose(plans)
         t1 = time.perf_counter()
         width = 1 + max(draft.size for draft in drafts)  # T: the widest row's root + draft
