@@ -1,10 +1,10 @@
-"""Draft-model rows drafted together (``engine.batch_draft``): each row drafts exactly what its drafter would alone.
+"""Draft-model rows drafted together (``engine.batch_draft``): each drafts what its drafter would alone.
 
 Tiny float32 models. Round after round of a batch (rows of different lengths, greedy and sampled, a repetition
-penalty, γ auto's confidence stop, a draft vocabulary), each row's draft (tokens, q, survival) equals a lone fork's
-for the same history and the same random stream, and its draft cache holds what a fresh prefill of its tokens would;
-greedy answers of the runner equal ``generate``'s with rows joining later; (slow) sampled answers at T 0.8 follow
-the target by chi-square, and the same test still rejects the known batch bug.
+penalty, γ auto's confidence stop, a draft vocabulary), each row's draft (tokens, q, survival) equals a lone
+fork's for the same history and the same random stream, and its draft cache holds what a fresh prefill of its
+tokens would; greedy answers of the runner equal ``generate``'s with rows joining later; (slow) sampled
+answers at T 0.8 follow the target by chi-square, and the same test still rejects the known batch bug.
 """
 
 from __future__ import annotations
@@ -28,14 +28,16 @@ from mlxspec.engine.generate import make_verifier
 from mlxspec.engine.output import Committed
 from mlxspec.engine.runner import Request
 from mlxspec.pacing import Fixed
-from test_runner import ROW_PROMPTS, SAMPLES, T08, V, Collect, CutAtTheShortest, _exact_joint, _near_tie, _runner
+from test_runner import (ROW_PROMPTS, SAMPLES, T08, V, Collect, CutAtTheShortest, _exact_joint, _near_tie,
+                         _runner)
 
 GREEDY = SamplingParams()
 PROMPTS = ["abcabcabcabc the cat the cat the cat", "hello hello hello world", "xyzxyzxyz 123123123 xyz", "q"]
 
 
 class KeepAbove(Fixed):
-    """γ with a confidence stop (as γ auto plans it): draft token k + 1 only while the survival exceeds ``bar``."""
+    """γ with a confidence stop (as γ auto plans it): draft token k + 1 only while the survival exceeds
+    ``bar``."""
 
     def __init__(self, gamma: int, bar: float):
         super().__init__(gamma)
@@ -65,7 +67,8 @@ def _row(target, ids, drafter, sampling, pacer, max_tokens=200, seed=0):
     prefill(target, store.layers, ids[:-1])
     store.add(ids[:-1], None)
     drafter.prefill(ids)
-    return Row(list(ids), drafter, pacer, sampling, make_verifier(sampling), set(), None, max_tokens, store, seed)
+    verifier = make_verifier(sampling)
+    return Row(list(ids), drafter, pacer, sampling, verifier, set(), None, max_tokens, store, seed)
 
 
 SETTINGS = {
@@ -87,9 +90,9 @@ def _base(models, vocab):
 @pytest.mark.parametrize("vocab", [False, True], ids=["whole vocabulary", "draft vocabulary"])
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_each_row_drafts_what_its_drafter_alone_would(models, setting, vocab):
-    """Every round, each row's draft equals a lone fork's prefilled with the row's history, drawn from the row's
-    own stream: tokens equal, q and survival to float32 rounding; afterwards each row's draft cache holds a fresh
-    prefill of its tokens (the per-row trims and padding drops)."""
+    """Every round, each row's draft equals a lone fork's prefilled with the row's history, drawn from the
+    row's own stream: tokens equal, q and survival to float32 rounding; afterwards each row's draft cache
+    holds a fresh prefill of its tokens (the per-row trims and padding drops)."""
     target, _, tokenizer = models
     base = _base(models, vocab)
     batch = Batch(target)
@@ -117,7 +120,8 @@ def test_each_row_drafts_what_its_drafter_alone_would(models, setting, vocab):
             want = alone.propose(history, plans[b].gamma, members[b].sampling, plans[b])
             drafted += draft.size
             assert draft.tokens.tolist() == want.tokens.tolist(), (r, b)
-            np.testing.assert_allclose(np.array(draft.survival), np.array(want.survival), rtol=1e-4, atol=1e-5)
+            np.testing.assert_allclose(np.array(draft.survival), np.array(want.survival),
+                                       rtol=1e-4, atol=1e-5)
             if want.logprobs is None:
                 assert draft.logprobs is None
             else:
@@ -135,7 +139,8 @@ def _assert_caches_hold_their_tokens(batch, base):
     for row in list(batch.rows):
         i = draft_rows._index(row.drafter)
         keys = [np.array(layer.keys[i, :, : layer._idx]) for layer in draft_rows.layers]
-        length = row.drafter.cache[0].offset  # what its commits kept (the roll of what they dropped is pending)
+        # what its commits kept (the roll of what they dropped is pending)
+        length = row.drafter.cache[0].offset
         assert 0 < length == len(row.drafter._tokens)
         fresh = base.fork()
         fresh.prefill(row.drafter._tokens + [0])
@@ -147,8 +152,8 @@ def _assert_caches_hold_their_tokens(batch, base):
 
 
 def test_greedy_answers_equal_generates_with_rows_joining_later(models):
-    """A runner of 4 rows on the draft model: rows of different lengths, two joining a running batch; every answer
-    is generate's (or differs only at a float32 near-tie), and the rows drafted together."""
+    """A runner of 4 rows on the draft model: rows of different lengths, two joining a running batch; every
+    answer is generate's (or differs only at a float32 near-tie), and the rows drafted together."""
     target, draft, tokenizer = models
     ids = [tokenizer.encode(p) for p in PROMPTS]
     lengths = [40, 12, 50, 30]
@@ -156,8 +161,8 @@ def test_greedy_answers_equal_generates_with_rows_joining_later(models):
     def make():
         return make_drafter("draft", target, tokenizer, draft_model=draft, draft_tokenizer=tokenizer)
 
-    want = [generate(target, tokenizer, p, drafter=make(), num_draft_tokens=3, max_tokens=n, stop_tokens=set()).tokens
-            for p, n in zip(ids, lengths)]
+    want = [generate(target, tokenizer, p, drafter=make(), num_draft_tokens=3, max_tokens=n,
+                     stop_tokens=set()).tokens for p, n in zip(ids, lengths)]
     runner = _runner(target, tokenizer, make, gamma=3)
     sinks = [Collect() for _ in ids]
     try:
@@ -182,7 +187,8 @@ def test_greedy_answers_equal_generates_with_rows_joining_later(models):
 
 
 def test_rows_draft_one_by_one_when_disabled(models, monkeypatch):
-    """The switch the benchmark uses: with ``DraftRows.enabled`` off, no row drafts in the batch's draft cache."""
+    """The switch the benchmark uses: with ``DraftRows.enabled`` off, no row drafts in the batch's draft
+    cache."""
     target, _, tokenizer = models
     monkeypatch.setattr(DraftRows, "enabled", False)
     base = _base(models, False)
@@ -194,23 +200,23 @@ def test_rows_draft_one_by_one_when_disabled(models, monkeypatch):
 
 
 def test_the_batch_gate_prices_rows_drafting_together_as_one_batched_draft():
-    """Four rows of γ 4 whose drafting costs a step per token each: one by one that cannot pay at batch 4, drafted
-    together (one forward per token for all, priced on the memory-bound curve) it does."""
+    """Four rows of γ 4 whose drafting costs a step per token each: one by one that cannot pay at batch 4,
+    drafted together (one forward per token for all, priced on the memory-bound curve) it does."""
     from mlxspec.drafters import DraftProfile
     from mlxspec.engine.batch import BatchGate
     from mlxspec.pacing import AcceptanceEstimate, Auto, Costs
 
     costs = Costs([0.1 + 0.002 * k for k in range(16)], draft_s=0.03)
     estimate = AcceptanceEstimate(kept=[80.0] * 4, reached=[100.0] * 4)
-    rows = [Row([1, 2], None, Auto(costs, DraftProfile(), estimate=estimate), GREEDY, None, set(), None, 10, None, 0)
-            for _ in range(4)]
+    rows = [Row([1, 2], None, Auto(costs, DraftProfile(), estimate=estimate), GREEDY, None, set(), None, 10,
+                None, 0) for _ in range(4)]
     plans = [Plan(4)] * 4
     assert BatchGate().admit(rows, plans) == [Plan(0)] * 4
     assert BatchGate().admit(rows, plans, [True] * 4) == plans
     assert BatchGate().admit(rows, plans, [True, True, False, False]) == [Plan(0)] * 4
 
 
-# --- exactness at temperature > 0 (statistical) ------------------------------------------------------------------
+# --- exactness at temperature > 0 (statistical) ----------------------------------------------------------
 
 ROW_PACERS = [lambda: Fixed(3), lambda: KeepAbove(3, 0.6), lambda: Fixed(2), lambda: KeepAbove(3, 0.3)]
 

@@ -51,18 +51,19 @@ class BatchGate:
     a compute-bound device): the expected tokens Σ_r τ_r (each row's own acceptance estimate) per second of
     drafting plus that forward, against R tokens per V(R), a plain batched step. When the drafts do not pay by
     ``MARGIN``, the batch decodes plainly for 16 rounds, then 32, … 256 (reset when one pays), then lets one round
-    draft as planned, so the estimates see new evidence. Rows drafting ``together`` (``batch_draft.DraftRows``: one
-    draft forward per token for all) are priced as one row drafting their deepest γ, times the target's cost of a
-    forward over as many tokens as rows (the same memory-bound curve). The decision reads only past rounds, never
-    this round's draws, so every row stays exact. A fixed γ (or a priced tree) is the user's choice and is never overridden.
+    draft as planned, so the estimates see new evidence. Rows drafting ``together``
+    (``batch_draft.DraftRows``: one draft forward per token for all) are priced as one row drafting their
+    deepest γ, times the target's cost of a forward over as many tokens as rows (the same memory-bound
+    curve). The decision reads only past rounds, never this round's draws, so every row stays exact. A fixed
+    γ (or a priced tree) is the user's choice and is never overridden.
     """
 
     def __init__(self):
         self.wait, self.next_wait = 0, FIRST_WAIT
 
     def admit(self, rows: list[Row], plans: list[Plan], together: list[bool] | None = None) -> list[Plan]:
-        """The plans to run: ``plans``, or every row plain this round. ``together[b]``: row b drafts with the others
-        that do (default: none does)."""
+        """The plans to run: ``plans``, or every row plain this round. ``together[b]``: row b drafts with
+        the others that do (default: none does)."""
         if len(rows) < 2 or not any(plan.gamma for plan in plans):
             return plans
         if not all(isinstance(row.pacer, Auto) for row in rows):
@@ -76,7 +77,8 @@ class BatchGate:
         width = sum(plan.gamma + 1 for plan in plans)
         together = together or [False] * len(plans)
         shared = [plan.gamma for plan, t in zip(plans, together) if t and plan.gamma]
-        seconds = sum(costs.draft(plan.gamma) for plan, t in zip(plans, together) if not t) + costs.verify(width)
+        alone = sum(costs.draft(plan.gamma) for plan, t in zip(plans, together) if not t)
+        seconds = alone + costs.verify(width)
         if shared:
             seconds += costs.draft(max(shared)) * costs.verify(len(shared)) / costs.verify(1)
         if tokens / seconds > (1.0 + MARGIN) * len(rows) / costs.verify(len(rows)):
@@ -240,8 +242,9 @@ class Batch:
         return out
 
     def propose(self, plans: list[Plan]) -> tuple[list[Draft], list[float]]:
-        """Each row's draft for its plan, and its seconds of drafting. Draft-model rows draft together, one forward
-        per draft token for all (``batch_draft.DraftRows``; each a share of that time); the others one by one."""
+        """Each row's draft for its plan, and its seconds of drafting. Draft-model rows draft together, one
+        forward per draft token for all (``batch_draft.DraftRows``; each a share of that time); the others one
+        by one."""
         start = time.perf_counter()
         together = self.draft_rows.propose(self.rows, plans)
         shared_s = (time.perf_counter() - start) / max(len(together), 1)

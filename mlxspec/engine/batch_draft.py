@@ -1,24 +1,25 @@
 """Draft-model rows drafted together: one draft-model forward per draft token for every row of a batch.
 
-Each row of ``engine.batch`` drafts with its own fork of a ``DraftModelDrafter``; one by one that is R single-row
-forwards per draft token, R times what one batched forward costs on a memory-bound device. ``DraftRows`` keeps the
-forks' caches as the rows of one mlx-lm ``BatchKVCache`` per draft layer (left padding, per-row offsets) and drafts
-every row's k-th token in one forward.
+Each row of ``engine.batch`` drafts with its own fork of a ``DraftModelDrafter``; one by one that is R
+single-row forwards per draft token, R times what one batched forward costs on a memory-bound device.
+``DraftRows`` keeps the forks' caches as the rows of one mlx-lm ``BatchKVCache`` per draft layer (left
+padding, per-row offsets) and drafts every row's k-th token in one forward.
 
-A round: rows new to the target batch bring their prefilled caches (``extend``); each row drops what its ``commit``
-rejected last round (its last positions: one roll per layer, mlx-lm's ``prepare(right_padding=...)`` and
-``finalize``, as a right-padded prompt is rolled); each row feeds the committed tokens its cache lacks (the root, the
-last draft when all were accepted, more after plain rounds), right-padded to the longest, the padding rolled out the
-same way; then one forward per draft token. A row leaves when it leaves the target batch (``leave``).
+A round: rows new to the target batch bring their prefilled caches (``extend``); each row drops what its
+``commit`` rejected last round (its last positions: one roll per layer, mlx-lm's
+``prepare(right_padding=...)`` and ``finalize``, as a right-padded prompt is rolled); each row feeds the
+committed tokens its cache lacks (the root, the last draft when all were accepted, more after plain rounds),
+right-padded to the longest, the padding rolled out the same way; then one forward per draft token. A row
+leaves when it leaves the target batch (``leave``).
 
-Why each row stays exact: its logits are its logits alone (its own keys, its own RoPE offsets; padding is never
-attended by a real position, then dropped); its k-th token is drawn from its own q (its sampling, logits processors
-and draft vocabulary) with the key the single-row drafter's k-th draw would use under its own stream
-(``Row.reseed``), and q is returned as that drafter returns it. Rows are drafted to the deepest plan, then each is
-cut to its own γ and, with ``Plan.keep_above`` (γ auto), where its own confidence rule stops: the rule decides on
-token k + 1 from the confidences of tokens 1..k, never from the token it decides about, so drafting further and
-cutting gives the same draft as stopping. Rows of another drafter, or of a draft model whose caches are not all
-plain ``KVCache``s (sliding windows), draft one by one as before.
+Why each row stays exact: its logits are its logits alone (its own keys, its own RoPE offsets; padding is
+never attended by a real position, then dropped); its k-th token is drawn from its own q (its sampling, logits
+processors and draft vocabulary) with the key the single-row drafter's k-th draw would use under its own
+stream (``Row.reseed``), and q is returned as that drafter returns it. Rows are drafted to the deepest plan,
+then each is cut to its own γ and, with ``Plan.keep_above`` (γ auto), where its own confidence rule stops: the
+rule decides on token k + 1 from the confidences of tokens 1..k, never from the token it decides about, so
+drafting further and cutting gives the same draft as stopping. Rows of another drafter, or of a draft model
+whose caches are not all plain ``KVCache``s (sliding windows), draft one by one as before.
 """
 
 from __future__ import annotations
@@ -37,9 +38,9 @@ SHIFT_EVERY = 32
 
 
 class RowCache:
-    """One row of the batch's draft cache, standing in as its fork's ``cache`` while the fork drafts in the batch:
-    ``offset`` is the row's length, and ``trim(n)`` (what ``DraftModelDrafter.commit`` calls) marks the row's last
-    ``n`` positions dropped; ``DraftRows`` drops every row's at once before its next forward."""
+    """One row of the batch's draft cache, standing in as its fork's ``cache`` while the fork drafts in the
+    batch: ``offset`` is the row's length, and ``trim(n)`` (what ``DraftModelDrafter.commit`` calls) marks the
+    row's last ``n`` positions dropped; ``DraftRows`` drops every row's at once before its next forward."""
 
     def __init__(self, offset: int):
         self.offset, self.dropped = offset, 0
@@ -72,8 +73,8 @@ class DraftRows:
         self._proposals = 0
 
     def takes(self, drafter) -> bool:
-        """Whether ``drafter`` drafts here: a ``DraftModelDrafter`` fork of the draft model already here (the first
-        one fixes it), whose layer caches are plain ``KVCache``s."""
+        """Whether ``drafter`` drafts here: a ``DraftModelDrafter`` fork of the draft model already here (the
+        first one fixes it), whose layer caches are plain ``KVCache``s."""
         if not self.enabled or type(drafter) is not DraftModelDrafter:
             return False
         if self.model is None and all(type(c) is KVCache for c in make_prompt_cache(drafter.model)):
@@ -84,10 +85,12 @@ class DraftRows:
         """Draft together every row of ``rows`` (``batch.Row``s) that plans γ > 0 and whose drafter ``takes``.
 
         Returns:
-            dict: index in ``rows`` → that row's ``Draft`` (tokens [γ_r] int32, q [γ_r, V] float32 or ``None`` when
-            greedy, survival [γ_r]), as its drafter's own ``propose`` would return it; empty when none drafts here.
+            dict: index in ``rows`` → that row's ``Draft`` (tokens [γ_r] int32, q [γ_r, V] float32 or ``None``
+            when greedy, survival [γ_r]), as its drafter's own ``propose`` would return it; empty when none
+            drafts here.
         """
-        chosen = [b for b, (row, plan) in enumerate(zip(rows, plans)) if plan.gamma > 0 and self.takes(row.drafter)]
+        chosen = [b for b, (row, plan) in enumerate(zip(rows, plans))
+                  if plan.gamma > 0 and self.takes(row.drafter)]
         if not chosen:
             return {}
         for b in chosen:
@@ -165,8 +168,8 @@ class DraftRows:
         return self.members[0].forward(tokens, self.layers)
 
     def _feed(self, fed: list[list[int]]) -> mx.array:
-        """Feed row b's ``fed[b]`` (right-padded to the longest, the padding then dropped); each row's output after
-        its last fed token [B, V_draft or H] (a row fed nothing gets its padding's, unused)."""
+        """Feed row b's ``fed[b]`` (right-padded to the longest, the padding then dropped); each row's output
+        after its last fed token [B, V_draft or H] (a row fed nothing gets its padding's, unused)."""
         width = max(len(tokens) for tokens in fed)
         inputs = mx.array([tokens + [0] * (width - len(tokens)) for tokens in fed], dtype=mx.int32)  # [B, T]
         out = self._forward(inputs)
@@ -182,8 +185,8 @@ class DraftRows:
         return out
 
     def _drop(self, drops: list[int]) -> None:
-        """Drop row b's last ``drops[b]`` positions: what every row drops is trimmed, the rest rolled out per row
-        (each row stays right-aligned; what it dropped becomes left padding)."""
+        """Drop row b's last ``drops[b]`` positions: what every row drops is trimmed, the rest rolled out per
+        row (each row stays right-aligned; what it dropped becomes left padding)."""
         common = min(drops)
         rest = [d - common for d in drops]
         for layer in self.layers:
@@ -193,12 +196,13 @@ class DraftRows:
                 layer.finalize()
 
     def _draft(self, row, plan: Plan, tokens: list, logprobs: list, confidence: list) -> Draft:
-        """Row ``row``'s draft: cut to its γ and, with ``plan.keep_above``, where its single-row ``propose`` would
-        have stopped (the same rule on the same confidences; one host read)."""
+        """Row ``row``'s draft: cut to its γ and, with ``plan.keep_above``, where its single-row ``propose``
+        would have stopped (the same rule on the same confidences; one host read)."""
         size = plan.gamma
         if plan.keep_above is not None:
             log_survival = 0.0
-            for k, c in enumerate(mx.concatenate(confidence[: size - 1]).tolist() if size > 1 else [], start=1):
+            known = mx.concatenate(confidence[: size - 1]).tolist() if size > 1 else []
+            for k, c in enumerate(known, start=1):
                 log_survival += c
                 if math.exp(log_survival) <= plan.keep_above[k - 1]:
                     size = k
@@ -222,7 +226,8 @@ def _keys(row, n: int) -> list[mx.array]:
 
 
 def _draw(logits: mx.array, sampling: SamplingParams, key: mx.array) -> tuple[mx.array, mx.array | None]:
-    """``sampling.sample`` with the draw's key: token [1] int32 and log q [1, V] float32 (``None`` when greedy)."""
+    """``sampling.sample`` with the draw's key: token [1] int32 and log q [1, V] float32 (``None`` when
+    greedy)."""
     if sampling.greedy:
         return mx.argmax(logits, axis=-1).astype(mx.int32), None
     logprobs = warp(logits, sampling)
