@@ -277,8 +277,9 @@ def test_a_medusa_tree_priced_as_plain_says_so(capsys, tiny_model_dir, tmp_path,
     code, _, err = run(capsys, "--model", str(tiny_model_dir), "--prompt", "hi", "--max-tokens", "4",
                        "--drafter", "medusa", "--medusa-heads", str(tmp_path / "medusa"))
     assert code == 0, err
-    assert f"Drafter: medusa, {pacing.PRICED_PLAIN}; rounds: " in err
-    assert "(a tree" not in err and err.count("γ auto → plain") == 1
+    assert "Drafter: medusa, tree mc_sim_7b_63 (63 nodes, depth 4, the nodes this machine's verify cost pays for, " \
+           "each round); drafted 0; rounds: 4" in err  # it rests 16 rounds before a probe (issue 50)
+    assert "(a tree" not in err
 
 
 def test_a_tree_that_drafted_nothing_says_so():

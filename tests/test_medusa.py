@@ -198,7 +198,8 @@ def test_tree_budget_may_choose_plain_decoding():
 @pytest.mark.parametrize("machine", ["flat", "steep"])
 def test_priced_tree_is_lossless_and_sized_by_the_verify_cost(machine):
     """Where 64 tokens cost what one does, the priced tree keeps many nodes; where k tokens cost k
-    steps, it drafts nothing and the answer comes from plain steps; greedy output is plain greedy's."""
+    steps, it rests 16 rounds, then probes with at least one node (the costs may have been measured under
+    load: never dropped for the session); greedy output is plain greedy's."""
     costs = {"flat": Costs([0.01] * 16), "steep": Costs([0.01 * k for k in range(1, 17)])}[machine]
     target, tokenizer = tiny_llama(seed=0, sharpen=4.0), byte_tokenizer()
     plain = generate(target, tokenizer, PROMPT, drafter="none", max_tokens=80, stop_tokens=set())
@@ -206,13 +207,13 @@ def test_priced_tree_is_lossless_and_sized_by_the_verify_cost(machine):
     assert not drafter.lazy and drafter.profile.budget
     sizes, propose = [], drafter.propose
     drafter.propose = lambda *a: sizes.append((d := propose(*a)).size) or d
-    pacer = make_pacer(4, target, drafter, costs=costs)
+    pacer = make_pacer(4, target, drafter, costs=costs, learn=False)  # the costs as given: no wall-clock here
     spec = generate(target, tokenizer, PROMPT, drafter=drafter, num_draft_tokens=pacer, max_tokens=80, stop_tokens=set())
     assert spec.tokens == plain.tokens
     if machine == "flat":
         assert max(sizes) > 15 and spec.stats.drafted > 0
-    else:
-        assert pacer.priced_plain and sizes == [] and spec.stats.drafted == 0
+    else:  # a probe after 16 rounds (1 node), then 2 rounds priced plain and a rest of 32, ...
+        assert pacer.priced_out and sizes[0] == 1 and 0 < spec.stats.drafted < 5
 
 
 def test_tree_budget_knows_before_any_round_when_no_tree_can_pay():
@@ -224,7 +225,6 @@ def test_tree_budget_knows_before_any_round_when_no_tree_can_pay():
     two_rows = TreeBudget(Costs([0.1, 0.185] + [0.1 * k for k in range(3, 17)]), allow_plain=True)
     assert two_rows.can_win(max_depth=4, draft_s=0.0)  # 2 tokens in 1.85 steps
     assert not two_rows.can_win(max_depth=4, draft_s=0.1)  # ... unless the heads cost a step
-    assert TreeBudget(steep.costs, allow_plain=False).can_win(max_depth=4, draft_s=1.0)  # one that keeps a node
 
 
 def count_head_runs(drafter: MedusaDrafter) -> list:
@@ -244,29 +244,30 @@ def count_head_runs(drafter: MedusaDrafter) -> list:
 
 @pytest.mark.parametrize("machine", ["flat", "steep"])
 def test_a_tree_priced_as_plain_runs_no_heads(machine):
-    """Where no tree can pay for its verify, the heads are never run: every round is a plain step."""
+    """Where no tree can pay for its verify, the heads are not run for the first 16 rounds: plain steps."""
     costs = {"flat": Costs([0.01] * 16), "steep": Costs([0.01 * k for k in range(1, 17)])}[machine]
     target, tokenizer = tiny_llama(seed=0, sharpen=4.0), byte_tokenizer()
     drafter = MedusaDrafter(random_heads(shared=True), output_head(target), MC_SIM_7B_63, priced=True)
-    pacer = make_pacer(4, target, drafter, costs=costs)
-    assert pacer.priced_plain == (machine == "steep")
+    pacer = make_pacer(4, target, drafter, costs=costs, learn=False)
+    assert pacer.priced_out == (machine == "steep")
     calls = count_head_runs(drafter)
-    spec = generate(target, tokenizer, PROMPT, drafter=drafter, num_draft_tokens=pacer, max_tokens=20, stop_tokens=set())
+    spec = generate(target, tokenizer, PROMPT, drafter=drafter, num_draft_tokens=pacer, max_tokens=16, stop_tokens=set())
     assert (len(calls) == 0) == (machine == "steep") and (spec.stats.drafted == 0) == (machine == "steep")
 
 
 def test_heads_rest_while_the_budget_keeps_pricing_rounds_as_plain():
     """A perfect tree could pay on this curve (so the heads are not ruled out at load), but these heads are
     never sure enough for any node to pay: after 2 rounds priced as plain the heads rest 16 rounds, then
-    each plain-priced probe doubles the rest (a round with no tree then costs a plain step, not the heads
-    too); a kept node resets it. The output stays plain greedy's."""
+    a probe verifies one node (the costs may be off, issue 50) and each probe that keeps nothing doubles the
+    rest (a round with no tree then costs a plain step, not the heads too); a kept node resets it. The
+    output stays plain greedy's."""
     costs = Costs([0.1, 0.185] + [0.1 * k for k in range(3, 17)])  # 2 tokens in 1.85 steps: only a sure node pays
     target, tokenizer = tiny_llama(seed=0, sharpen=4.0), byte_tokenizer()
     drafter = MedusaDrafter(random_heads(shared=True, scale=0.01), output_head(target), MC_SIM_7B_63, priced=True)
-    pacer = make_pacer(4, target, drafter, costs=costs)
-    assert isinstance(pacer, Fixed) and not pacer.priced_plain
+    pacer = make_pacer(4, target, drafter, costs=costs, learn=False)
+    assert isinstance(pacer, Fixed) and not pacer.priced_out
     calls = count_head_runs(drafter)
     plain = generate(target, tokenizer, PROMPT, drafter="none", max_tokens=60, stop_tokens=set())
     spec = generate(target, tokenizer, PROMPT, drafter=drafter, num_draft_tokens=pacer, max_tokens=60, stop_tokens=set())
-    assert spec.tokens == plain.tokens and spec.stats.drafted == 0
-    assert len(calls) == 4  # rounds 1, 2; the probe after a rest of 16 (round 19); after 32 more (round 52)
+    assert spec.tokens == plain.tokens and spec.stats.drafted == 2  # the two probes' one node each
+    assert len(calls) == 4  # rounds 0, 1; the probe after a rest of 16 (round 18); after 32 more (round 51)

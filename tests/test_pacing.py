@@ -1,5 +1,5 @@
 """The pacer (``mlxspec.pacing``): predicted speed-up, the acceptance estimate, γ auto's choices, replays against
-every fixed γ, the cost cache, and auto through the loop and the CLI."""
+every fixed γ, costs that learn from the rounds they price, the cost cache, and auto through the loop and the CLI."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ from mlxspec.commands.cli import main
 from mlxspec.commands.generate import format_stats
 from mlxspec.drafters import DraftProfile, Plan
 from mlxspec.core.metrics import RoundStats, GenerationStats, TokenEvent
-from mlxspec.pacing import AcceptanceEstimate, Auto, Costs, Fixed, expected_tau, load_or_calibrate, make_pacer
+from mlxspec.pacing import (PRICED_PLAIN, AcceptanceEstimate, Auto, Costs, Fixed, LearnedCosts, expected_tau,
+                            load_or_calibrate, make_pacer, tree_summary)
 from mlxspec.pacing import costs as pacing_costs
 
 #: A memory-bound target: verifying k tokens costs 1 + 0.1 (k - 1) plain steps.
@@ -104,28 +105,32 @@ def test_make_pacer_chooses_once_per_generation():
     target, drafter = tiny_llama(), make_drafter("ngram")
     assert make_pacer(0, target, drafter) == make_pacer(3, target, make_drafter("none")) == Fixed(0)
     assert make_pacer(4, target, drafter) == Fixed(4)
-    assert make_pacer("auto", target, drafter, costs=COMPUTE_BOUND) == Fixed(0, priced_plain=True)  # cannot win
+    priced_out = make_pacer("auto", target, drafter, costs=COMPUTE_BOUND)  # the costs say no draft could win:
+    assert isinstance(priced_out, Auto) and priced_out.priced_out and tree_summary(drafter, priced_out) == PRICED_PLAIN
+    assert [i for i, g in enumerate(rounds(priced_out, 60)) if g] == [16, 50]  # not dropped: it waits, then probes
     pacer = make_pacer("auto", target, drafter, costs=RUN_N)
     assert isinstance(pacer, Auto) and make_pacer(pacer, target, drafter) is pacer  # reused: it keeps what it learned
     with pytest.raises(ValueError, match="'auto'"):
         generate(target, byte_tokenizer(), [1, 2], drafter="ngram", num_draft_tokens="fast")
 
 
-def test_a_draft_model_slower_than_its_target_never_runs():
+def test_a_draft_model_slower_than_its_target_waits_then_probes_and_stays_lossless():
+    """Costs that price a drafter out never drop it for the session (issue 50): it is prefilled, waits 16 plain
+    rounds, then probes; the output is plain greedy's."""
     target, tokenizer = tiny_llama(seed=0), byte_tokenizer()
     drafter = make_drafter("draft", target=target, tokenizer=tokenizer, draft_model=tiny_llama(seed=3))
     pacer = make_pacer("auto", target, drafter, costs=Costs(MEMORY_BOUND.verify_s, draft_s=2.0))
-    ran = []
-    drafter.prefill = drafter.propose = lambda *a: ran.append(a)
-    result = generate(target, tokenizer, REPETITIVE, drafter=drafter, num_draft_tokens=pacer, max_tokens=8)
-    assert pacer.priced_plain and ran == [] and result.stats.priced_plain and result.stats.drafted == 0
+    result = generate(target, tokenizer, REPETITIVE, drafter=drafter, num_draft_tokens=pacer, max_tokens=24)
+    assert result.tokens == generate(target, tokenizer, REPETITIVE, drafter="none", max_tokens=24).tokens
+    assert not result.stats.priced_plain and result.stats.gamma_rounds[0] >= 16 and result.stats.drafted > 0
 
 
 # --- replays: at temperature 0 a round's outcome is fixed by the answer, so the pacer's choices replay exactly
 
 
-def replay_lookup(prompt: list[int], answer: list[int], pacer, costs: Costs) -> float:
-    """Speed-up over plain decoding of the n-gram drafter under ``pacer`` (or a fixed γ) on a greedy answer."""
+def replay_lookup(prompt: list[int], answer: list[int], pacer, costs: Costs, planned: list | None = None) -> float:
+    """Speed-up over plain decoding of the n-gram drafter under ``pacer`` (or a fixed γ) on a greedy answer, each
+    round taking (and telling the pacer) what ``costs`` say; ``planned`` collects what each round drafted."""
     drafter, pos, seconds, index = make_drafter("ngram"), 0, 0.0, 0
     while pos < len(answer):
         room = len(answer) - pos
@@ -134,26 +139,30 @@ def replay_lookup(prompt: list[int], answer: list[int], pacer, costs: Costs) -> 
         kept = next((i for i, t in enumerate(draft) if t != answer[pos + i]), len(draft))
         seconds += costs.verify(len(draft) + 1)
         if not isinstance(pacer, int):
-            pacer.observe(RoundStats(index, len(draft), kept, min(kept + 1, room), 0.0, 0.0, len(draft), (), gamma))
+            pacer.observe(RoundStats(index, len(draft), kept, min(kept + 1, room), 0.0, costs.verify(len(draft) + 1),
+                                     len(draft), (), gamma))
+        planned is not None and planned.append(len(draft))
         pos, index = pos + min(kept + 1, room), index + 1
     return len(answer) * costs.verify(1) / seconds
 
 
 def test_auto_with_lookup_is_within_5_percent_of_the_best_fixed_gamma_on_the_15b_answers():
-    """The n-gram drafter on Qwen2.5-Coder-1.5B's greedy answers to the 8 bench prompts, run N's verify curve."""
+    """The n-gram drafter on Qwen2.5-Coder-1.5B's greedy answers to the 8 bench prompts, run N's verify curve: within
+    6% of the best fixed γ on each answer (edit-rename-py 0.946: the pooled survival's shrinkage toward α, which
+    keeps one deep rejection from pinning γ at 1), 1% in the geometric mean."""
     answers = json.loads((BENCH / "greedy-answers.json").read_text())["answers"]
     ratios = []
     for a in answers:
         best = max(replay_lookup(a["prompt"], a["answer"], g, RUN_N) for g in (1, 2, 3, 4, 6, 8, 12, 15))
         auto = replay_lookup(a["prompt"], a["answer"], Auto(RUN_N), RUN_N)
         ratios.append(auto / best)
-        assert auto >= 0.95 * best and (auto > 1.2 or a["kind"] != "grounded"), a["id"]
+        assert auto >= 0.94 * best and (auto > 1.2 or a["kind"] != "grounded"), a["id"]
     assert np.exp(np.mean(np.log(ratios))) > 0.99
 
 
-def replay_draft(kept_at: np.ndarray, confidence: np.ndarray, pacer, costs: Costs) -> float:
+def replay_draft(kept_at: np.ndarray, confidence: np.ndarray, pacer, costs: Costs, planned: list | None = None) -> float:
     """Speed-up of a draft model at temperature 0 whose draft at position t is kept iff ``kept_at[t]``, with its
-    confidence there ``confidence[t]``, under ``pacer`` (or a fixed γ)."""
+    confidence there ``confidence[t]``, under ``pacer`` (or a fixed γ), each round taking what ``costs`` say."""
     n, pos, seconds, index = len(kept_at), 0, 0.0, 0
     while pos < n:
         plan = Plan(pacer) if isinstance(pacer, int) else pacer.plan()
@@ -164,7 +173,9 @@ def replay_draft(kept_at: np.ndarray, confidence: np.ndarray, pacer, costs: Cost
         kept = int(np.argmin(np.append(kept_at[pos : pos + k], False)))
         seconds += costs.draft(k) + costs.verify(k + 1)
         if not isinstance(pacer, int):
-            pacer.observe(RoundStats(index, k, kept, kept + 1, 0.0, 0.0, k, (), k), SimpleNamespace(survival=survival[:k]))
+            pacer.observe(RoundStats(index, k, kept, kept + 1, costs.draft(k), costs.verify(k + 1), k, (), k),
+                          SimpleNamespace(survival=survival[:k]))
+        planned is not None and planned.append(k)
         pos, index = pos + kept + 1, index + 1
     return n * costs.verify(1) / seconds
 
@@ -186,6 +197,94 @@ def test_auto_with_a_draft_model_is_within_5_percent_of_the_best_fixed_gamma(alp
     assert auto > 1.1 * best if alpha == 0.9 else auto > 0.985 if alpha == 0.0 else True
 
 
+# --- costs that learn from the rounds they price (issue 50)
+
+
+def off(costs: Costs, factor: float) -> Costs:
+    """``costs`` with what verifying more than one token adds over a plain step ``factor`` times too dear."""
+    one = costs.verify_s[0]
+    return Costs([one + factor * (v - one) for v in costs.verify_s], costs.draft_s, costs.context_tokens)
+
+
+DRAFT_MODEL = Costs(RUN_N.verify_s, draft_s=0.47 * RUN_N.verify_s[0])  # the 0.5B drafting for the 1.5B, run N
+
+
+def trace(alpha: float, n: int = 400, seed: int = 0):
+    """A draft model's synthetic trace: kept at each position with probability ``alpha``, confident where kept."""
+    rng = np.random.default_rng(seed)
+    kept = rng.random(n) < alpha
+    return kept, np.where(kept, rng.uniform(0.8, 1.0, n), rng.uniform(0.2, 0.7, n))
+
+
+@pytest.mark.parametrize("factor", [3, 10])
+def test_a_cost_cache_too_pessimistic_drafts_again_within_the_bound(factor):
+    """A cache 3× or 10× too dear about verifying several tokens (as measured beside busy processes): the first
+    drafting round timed after a plain one refits the cache's extra cost, so on the 1.5B's grounded answers
+    (n-gram) γ auto keeps 90% of what it gets on the true costs (for 3×, the first rounds draft 1 before that
+    round), and a draft model at α 0.9 drafts on from round 19 (3×: its round-0 probe teaches no costs, the round
+    after prices plain, a wait of 16, a probe at 18) or 17 (10× prices it out from the start: a wait of 16, a
+    probe at 16), within 15% of the true costs' speed-up over 400 tokens (one factor scales the draft and verify
+    extras together, and only the verify part was off). Before: the cache was trusted for the session."""
+    answers = json.loads((BENCH / "greedy-answers.json").read_text())["answers"]
+    for a in (a for a in answers if a["kind"] == "grounded"):
+        true = replay_lookup(a["prompt"], a["answer"], Auto(RUN_N), RUN_N)
+        assert replay_lookup(a["prompt"], a["answer"], Auto(LearnedCosts(off(RUN_N, factor))), RUN_N) >= 0.9 * true, a["id"]
+    kept, confidence = trace(0.9)
+    pacer, planned = Auto(LearnedCosts(off(DRAFT_MODEL, factor)), DraftProfile(confidence=True)), []
+    speedup = replay_draft(kept, confidence, pacer, DRAFT_MODEL, planned)
+    assert speedup >= 0.85 * replay_draft(kept, confidence, Auto(DRAFT_MODEL, DraftProfile(confidence=True)), DRAFT_MODEL)
+    start = 17 if factor == 10 else 19
+    assert all(planned[start:start + 30]) and not any(planned[1:start - 1]) and speedup > 1.2
+
+
+def test_a_cost_cache_too_optimistic_stops_drafting_where_it_loses():
+    """Verifying k tokens truly costs k plain steps (the reference BLAS), the cache says a third of that extra: on
+    the grounded answers (every draft looks worth it) the first timed drafting round corrects the cache, and from
+    then on γ auto only probes 2 tokens (1 at the end) after each wait, within 5% of plain decoding."""
+    answers = json.loads((BENCH / "greedy-answers.json").read_text())["answers"]
+    for a in (a for a in answers if a["kind"] == "grounded"):
+        pacer, planned = Auto(LearnedCosts(off(COMPUTE_BOUND, 1 / 3))), []
+        speedup = replay_lookup(a["prompt"], a["answer"], pacer, COMPUTE_BOUND, planned)
+        first = next(i for i, g in enumerate(planned) if g and i)  # round 0 teaches no costs (warm-ups)
+        probes = [g for g in planned[first + 1 :] if g]
+        assert pacer.costs.extra == pytest.approx(3.0) and set(probes) <= {1, 2} and speedup > 0.95, a["id"]
+        assert len(probes) <= len(planned[first:]) / 16 + 1
+
+
+def test_a_busy_minute_does_not_spoil_a_quiet_curve():
+    """Quiet costs, then 200 rounds in which verifying costs 5× its extra and everything 2× (busy siblings), then
+    quiet again: γ auto falls back while it loses, and drafts again within 40 rounds of the load ending."""
+    busy = Costs([2 * v for v in off(DRAFT_MODEL, 5).verify_s], draft_s=2 * DRAFT_MODEL.draft_s)
+    pacer, kept, confidence = Auto(LearnedCosts(DRAFT_MODEL), DraftProfile(confidence=True)), *trace(0.9, n=2000)
+    planned, index = [], 0
+    for index in range(600):
+        costs = busy if 100 <= index < 300 else DRAFT_MODEL
+        plan = pacer.plan()
+        k = min(plan.gamma, 1 if plan.keep_above is None else next(
+            (k for k in range(1, plan.gamma) if np.prod(confidence[index : index + k]) <= plan.keep_above[k - 1]),
+            plan.gamma))
+        n = int(np.argmin(np.append(kept[index : index + k], False)))
+        pacer.observe(RoundStats(index, k, n, n + 1, costs.draft(k), costs.verify(k + 1), k, (), k),
+                      SimpleNamespace(survival=np.cumprod(confidence[index : index + k])))
+        planned.append(k)
+    assert sum(map(bool, planned[200:300])) < 20  # priced out while verifying is dear
+    back = next(i for i in range(300, 600) if all(planned[i : i + 10]))
+    assert back <= 340 and sum(map(bool, planned[back:])) > 0.95 * len(planned[back:])  # a plain step each 64
+
+
+def test_learned_costs_fit_plain_steps_and_the_extra_cost():
+    """P (a plain step now) from rounds that drafted nothing, ρ from drafting rounds; an answer's first round, and
+    a round that planned a draft and drafted nothing, teach ρ nothing."""
+    costs = LearnedCosts(MEMORY_BOUND)  # T(k) = 1 + 0.1 (k − 1): a 4-token round's extra is 0.3
+    costs.observe(RoundStats(0, 3, 0, 1, 0.0, 9.0, 3, (), 3))  # round 0: warm-ups
+    assert costs.extra == 1.0 and costs.plain_s is None and costs.verify(4) == pytest.approx(1.3)
+    costs.observe(RoundStats(1, 0, 0, 1, 0.0, 2.0, 0, (), 0))  # a plain step takes 2 s now
+    costs.observe(RoundStats(2, 0, 0, 1, 0.5, 2.0, 0, (), 3))  # a lookup that found nothing: its verify is a step
+    costs.observe(RoundStats(3, 3, 3, 4, 0.0, 2.9, 3, (), 3))  # 0.9 s over a plain step where the cache says 0.3
+    assert costs.plain_s == 2.0 and costs.extra == pytest.approx(3.0) and costs.verify(4) == pytest.approx(2.9)
+    assert costs.speedup(3, 1.0) == pytest.approx(4 * 2.0 / 2.9)
+
+
 # --- the cost cache
 
 
@@ -201,23 +300,23 @@ def test_costs_are_measured_once_per_model_and_machine(tmp_path):
     assert len(measured) == 3  # another architecture is measured anew
 
 
-def test_a_stale_or_damaged_cached_curve_is_measured_again(tmp_path):
-    """A cached curve a one-token timing now contradicts (written at 10 s a forward, as under another job's load) is
-    measured again with the draft cost, saying why; so is a damaged file, never a crash."""
+def test_a_damaged_cached_curve_is_measured_again_and_a_stale_one_is_kept(tmp_path):
+    """A damaged file is measured again, never a crash; a curve written under another job's load (10 s a forward)
+    is kept: the pacer corrects it with the rounds it prices (``LearnedCosts``), so a busy minute at start-up can
+    no longer overwrite a quiet curve."""
     target, tokenizer = tiny_llama(seed=0), byte_tokenizer()
     drafter = make_drafter("draft", target=target, tokenizer=tokenizer, draft_model=tiny_llama(seed=3, num_layers=1))
     measured = []
     first = load_or_calibrate(target, drafter, cache_dir=tmp_path, context_tokens=32, on_measure=measured.append)
     (verify_file,) = tmp_path.glob("verify-*.json")
     record = json.loads(verify_file.read_text())
-    for value in ([10.0] * 16, "x", [1.0] * 3):
+    for value in ("x", [1.0] * 3):
         verify_file.write_text(json.dumps({**record, "value": value}))
-        pacing_costs._CHECKED.clear()  # as a new process
         again = load_or_calibrate(target, drafter, cache_dir=tmp_path, context_tokens=32, on_measure=measured.append)
         assert again.verify_s[0] == pytest.approx(first.verify_s[0], abs=0.05)
-    assert "stale" in measured[2] and "10000 ms then" in measured[2] and "drafter" in measured[3]
-    assert pacing_costs.is_stale(0.314, 0.122) and not pacing_costs.is_stale(0.100, 0.120)
-    assert not pacing_costs.is_stale(0.0001, 0.002)  # a tiny model: 20x, but 2 ms of timer noise
+    assert len(measured) == 4 and all("verify cost" in m for m in measured[2:])
+    verify_file.write_text(json.dumps({**record, "value": [10.0] * 16}))
+    assert load_or_calibrate(target, drafter, cache_dir=tmp_path, context_tokens=32).verify_s == [10.0] * 16
 
 
 def test_a_drafters_cost_is_keyed_by_its_weights_and_settings_and_a_blocks_is_per_round(tmp_path):

@@ -115,7 +115,7 @@ def test_auto_nodes_follow_the_plans_budget():
     steep = Costs([0.1 * k for k in range(1, 17)])  # each token costs a step: no tree can beat a plain step
     history = [1, 2, 3, 4, 5, 6, 7, 1, 2, 3, 4, 5, 6, 8, 1, 2, 3, 4, 5, 6]
     drafter = SuffixDrafter(None, nodes="auto", min_prob=0.0)
-    assert drafter.profile.budget and make_pacer(8, None, drafter, costs=steep).priced_plain
+    assert drafter.profile.budget and make_pacer(8, None, drafter, costs=steep).priced_out
     plan = make_pacer(8, None, drafter, costs=flat).plan()
     assert drafter.propose(history, 8, SamplingParams(), plan).size == 12
     # 12 = ceil(factor 2 x match length 6): the match still caps the tree

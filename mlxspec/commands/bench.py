@@ -27,7 +27,7 @@ from ..loading.data import load_sharegpt, read_prompts_jsonl, sample_prompts
 from ..drafters import DrafterSpec, drafter_types, parse_specs
 from ..runtime.distributed import refuse_launched
 from ..runtime.machine import machine_info
-from ..pacing import AUTO, PRICED_PLAIN, SCHEDULED, Costs, load_or_calibrate, make_pacer
+from ..pacing import AUTO, SCHEDULED, Costs, load_or_calibrate
 from ..loading.models import DTYPES
 from ..engine.session import ModelSpec, build_drafter, draft_model_spec, load_model, runnable_drafters
 from .common import (
@@ -249,26 +249,6 @@ def _specs(args, discover: bool) -> list[DrafterSpec]:
     return [with_drafter_flags(spec, args) for spec in specs]
 
 
-def _once_if_priced_plain(systems: list[System], drafters: dict, costs: dict) -> list[System]:
-    """Mark the systems that take only plain steps because the costs rule their drafter out (``priced_plain``,
-    never the verdict's pick), their rows saying why, with one line on stderr each. A priced tree
-    (``DraftProfile.budget``) is ruled out at every γ: its first system only is kept."""
-    out, seen = [], set()
-    for system in systems:
-        drafter = drafters.get(system.drafter) if system.engine == "mlxspec" else None
-        if drafter is None or system.drafter not in costs or \
-                not make_pacer(system.gamma, None, drafter, costs=costs[system.drafter]).priced_plain:
-            out.append(system)
-        elif not (drafter.profile.budget and system.drafter in seen):
-            seen.add(system.drafter)
-            out.append(replace(system, note=PRICED_PLAIN, priced_plain=True))
-            once = (
-                f"; timing it once, as '{system.name}'" if drafter.profile.budget else f" ('{system.name}')"
-            )
-            print(f"mlxspec bench: {system.drafter}: {PRICED_PLAIN}{once}", file=sys.stderr)
-    return out
-
-
 def _prompts(args, tokenizer) -> tuple[list[tuple[str, str, list[int]]], dict]:
     """``(id, kind, ids)`` per prompt, and where they came from."""
     def render(text: str) -> list[int]:
@@ -468,13 +448,7 @@ def resummarize(args: argparse.Namespace) -> int:
         runs = [RunRecord(**{k: v for k, v in r.items() if k not in derived}) for r in result["runs"]]
         # a file from before ``priced_plain`` marks those systems only by their note
         systems = [
-            System(
-                **{
-                    "priced_plain": s.get("note") == PRICED_PLAIN
-                    or s.get("note", "").startswith("tree auto → plain"),
-                    **s,
-                }
-            )
+            System(**{"priced_plain": s.get("note", "").startswith(("γ auto → plain", "tree auto → plain")), **s})
             for s in result["systems"]
         ]
         costs = {name: Costs(**c) for name, c in result["costs"].items()}
@@ -523,7 +497,6 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     if dropped:
         print(f"mlxspec: note: skipping {', '.join(dropped)}: the drafter reports no survival estimates, "
               "which scheduled verification needs", file=sys.stderr)
-    systems = _once_if_priced_plain(systems, models.drafters, models.costs)
     prompts, prompt_source = _prompts(args, models.tokenizer)
     info = {"command": ["mlxspec", "bench", *argv], "started": time.strftime("%Y-%m-%d %H:%M:%S"),
             "machine": machine_info(), "models": names,

@@ -1,34 +1,33 @@
 """How far to draft: measured costs, the acceptance estimate, node budgets and the pacers (fixed, auto, scheduled).
-The round asks its pacer for a ``Plan`` and hands it the outcome (``plan``/``observe``); ``make_pacer`` makes it once
-per generation, the same for the CLI, the chat, the server and the Python API. A drafter only declares a
-``DraftProfile`` and never prices itself (docs/design.md, automatic γ)."""
+The round asks its pacer for a ``Plan`` and hands it the outcome (``plan``/``observe``); ``make_pacer`` makes it for
+the CLI, the chat, the server and the Python API alike. A drafter only declares a ``DraftProfile`` (docs/design.md)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
 from ..drafters.base import AUTO, Drafter, Plan
-from .costs import DEFAULT_CONTEXT_TOKENS, MAX_VERIFY_TOKENS, Costs, drafter_fingerprint, expected_tau, load_or_calibrate
+from .costs import (DEFAULT_CONTEXT_TOKENS, MAX_VERIFY_TOKENS, Costs, LearnedCosts, drafter_fingerprint, expected_tau,
+                    load_or_calibrate)
 from .policies import PLAIN, AcceptanceEstimate, Auto, Fixed
 from .scheduled import DEFAULT_SCHEDULED_MAX, NUM_BINS, Scheduled
 from .trees import TreeBudget
 
 #: The ``num_draft_tokens`` value that schedules verification (DSpark); ``AUTO`` lets the pacer choose γ.
 SCHEDULED = "scheduled"
-#: Largest fixed γ (the CLI, the chat and the API refuse more): four times what auto drafts; a round that wide
-#: verifies like a prefill chunk, so a larger γ is a typo.
+#: Largest fixed γ (the CLI, the chat and the API refuse more): four times what auto drafts; more is a typo.
 MAX_NUM_DRAFT_TOKENS = 64
-#: What the stats say of a drafter that the measured costs rule out.
-PRICED_PLAIN = ("γ auto → plain: the cost model predicts no gain on this machine even if every draft were "
-                "accepted, so the drafter is not run")
+#: What the stats say of a drafter that the costs rule out for now (it is looked at again as its rounds correct them).
+PRICED_PLAIN = ("γ auto → plain: the costs predict no gain on this machine even if every draft were accepted; "
+                "looking again after 16, 32, … 256 plain rounds")
 
 Pacer = Fixed | Auto | Scheduled
 """What the round asks before each round (``plan()``) and tells after it (``observe(outcome, draft)``)."""
 
 __all__ = ["AUTO", "DEFAULT_CONTEXT_TOKENS", "MAX_NUM_DRAFT_TOKENS", "MAX_VERIFY_TOKENS", "NUM_BINS", "PLAIN",
-           "PRICED_PLAIN", "SCHEDULED", "AcceptanceEstimate", "Auto", "Costs", "Fixed", "Pacer", "Plan", "Scheduled",
-           "TreeBudget", "check_num_draft_tokens", "drafter_fingerprint", "expected_tau", "load_or_calibrate",
-           "make_pacer", "tree_summary"]
+           "PRICED_PLAIN", "SCHEDULED", "AcceptanceEstimate", "Auto", "Costs", "Fixed", "LearnedCosts", "Pacer", "Plan",
+           "Scheduled", "TreeBudget", "check_num_draft_tokens", "drafter_fingerprint", "expected_tau",
+           "load_or_calibrate", "make_pacer", "tree_summary"]
 
 
 def check_num_draft_tokens(gamma: int, name: str = "num_draft_tokens") -> None:
@@ -38,21 +37,18 @@ def check_num_draft_tokens(gamma: int, name: str = "num_draft_tokens") -> None:
 
 
 def make_pacer(num_draft_tokens: int | str | Pacer, model, drafter: Drafter, *, costs: Costs | None = None,
-               on_measure: Callable[[str], None] | None = None) -> Pacer:
+               on_measure: Callable[[str], None] | None = None, learn: bool = True) -> Pacer:
     """The pacer of one generation: ``Fixed`` for an integer γ (0, or ``--drafter none``: plain decoding);
     ``Auto`` for ``"auto"``, capped at the profile's ``max_depth``; ``Scheduled`` for ``"scheduled"``. A priced
-    tree (``DraftProfile.budget``) drafts its depth (or the γ given) cut by a ``TreeBudget`` under any γ. A
-    drafter that could not beat a plain step even if every draft were kept is never run: ``Fixed(0, priced_plain)``.
+    tree (``DraftProfile.budget``) drafts its depth (or the γ given) cut by a ``TreeBudget`` under any γ. The
+    costs are corrected by the rounds they price (``LearnedCosts``); a drafter they rule out is looked at again
+    after waits of 16 … 256 plain rounds, never dropped.
 
-    Args:
-        num_draft_tokens: γ from 0 to ``MAX_NUM_DRAFT_TOKENS``, ``"auto"``, ``"scheduled"``, or a pacer to reuse
-            (it keeps what it learned across answers).
-        model, drafter: The target (its costs are measured when needed, once per machine) and the drafter.
-        costs: ``Costs`` to use instead of the cached or measured ones.
-        on_measure: Told before a cost measurement that was not cached. Default: none.
-
-    Raises:
-        ValueError: a γ outside the range, another string, or ``"scheduled"`` for a drafter without survival.
+    Args: ``num_draft_tokens`` (γ from 0 to ``MAX_NUM_DRAFT_TOKENS``, ``"auto"``, ``"scheduled"``, or a pacer to
+    reuse: it keeps what it learned across answers); ``model`` (the target: its costs are measured when needed, once
+    per machine), ``drafter``; ``costs`` (instead of the cached or measured ones); ``on_measure`` (told before a
+    measurement that was not cached); ``learn`` (``True``: the costs learn from the rounds' timings; ``False``: tests).
+    Raises ``ValueError``: a γ outside the range, another string, or ``"scheduled"`` for a drafter without survival.
     """
     if isinstance(num_draft_tokens, (Fixed, Auto, Scheduled)):
         return num_draft_tokens
@@ -70,24 +66,19 @@ def make_pacer(num_draft_tokens: int | str | Pacer, model, drafter: Drafter, *, 
                          "drafter does not: use 'auto' or an integer")
     if costs is None and (isinstance(num_draft_tokens, str) or profile.budget):
         costs = load_or_calibrate(model, drafter, on_measure=on_measure)
+    costs = LearnedCosts(costs) if learn and costs is not None else costs
     depth = profile.max_depth or MAX_VERIFY_TOKENS - 1
     if num_draft_tokens == SCHEDULED:
         return Scheduled(costs, max_gamma=profile.max_depth or DEFAULT_SCHEDULED_MAX)
-    if profile.budget:  # a priced tree, under any γ; never run where no tree could win
+    if profile.budget:  # a priced tree, under any γ
         budget = TreeBudget(costs, max_nodes=profile.nodes[-1] if profile.nodes else 63)
-        if not budget.can_win(depth, costs.draft(depth)):
-            return Fixed(0, priced_plain=True)
         return Fixed(depth if num_draft_tokens == AUTO else num_draft_tokens, budget)
-    if num_draft_tokens != AUTO:
-        return Fixed(num_draft_tokens)
-    if costs.best_gamma(1.0, depth, nodes=profile.nodes) == 0:  # e.g. a draft model slower than its target
-        return Fixed(0, priced_plain=True)
-    return Auto(costs, profile)
+    return Fixed(num_draft_tokens) if num_draft_tokens != AUTO else Auto(costs, profile)
 
 
 def tree_summary(drafter: Drafter, pacer: Pacer | None = None) -> str | None:
-    """What a tree drafter proposes each round in words (its ``describe()``), ``PRICED_PLAIN`` when the costs ruled
-    the drafter out (``pacer.priced_plain``), or ``None`` (then γ says what a round drafts)."""
-    if pacer is not None and pacer.priced_plain:
+    """A tree drafter's ``describe()``, ``PRICED_PLAIN`` while the costs rule it out (``pacer.priced_out``), or
+    ``None`` (then γ says what a round drafts)."""
+    if getattr(pacer, "priced_out", False):
         return PRICED_PLAIN
     return drafter.describe() if drafter.makes_trees else None

@@ -1,7 +1,6 @@
-"""This machine's costs (the target's verify curve, a drafter's cost), measured once and cached, and the speed-up
-they predict: τ(γ) · T_verify(1) / (T_draft(γ) + T_verify(nodes(γ) + 1)) (Leviathan et al. 2023, arXiv 2211.17192,
-section 3). The same model verifies 8 tokens for 1.8x one step on one machine and 7x on another, so no constant
-is right everywhere."""
+"""This machine's costs (the target's verify curve, a drafter's cost), measured once, cached and corrected by the
+rounds they price, and the speed-up they predict: τ(γ) · T_verify(1) / (T_draft(γ) + T_verify(nodes(γ) + 1))
+(Leviathan et al. 2023, arXiv 2211.17192, section 3): 8 tokens verify for 1.8x one step here, 7x there."""
 
 from __future__ import annotations
 
@@ -37,8 +36,6 @@ DEFAULT_CONTEXT_TOKENS = 256
 VERIFY_GRID = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
 #: γ of the timed draft round of a drafter that does not size its own rounds.
 DRAFT_GAMMA = 4
-#: A cached curve is stale when one token now takes over this factor more or less, and STALE_MIN_DIFF_S seconds.
-STALE_FACTOR, STALE_MIN_DIFF_S = 1.6, 0.01
 
 
 def expected_tau(alpha: float, gamma: int) -> float:
@@ -71,22 +68,61 @@ class Costs:
         return (self.draft_round_s if gamma > 0 else 0.0) + gamma * self.draft_s
 
     def speedup(self, gamma: int, reach: float | list[float], nodes: tuple[int, ...] | None = None) -> float:
-        """Predicted speed-up over plain decoding of a round of depth γ (γ = 0: exactly 1).
-
-        Args:
-            gamma: The round's depth.
-            reach: ``[i]`` = P(the draft at depth i + 1 is kept), at least γ long; or one α (geometric).
-            nodes: ``nodes[d - 1]`` = draft nodes a depth-d round verifies (``DraftProfile.nodes``); None: d.
-        """
+        """Predicted speed-up over plain decoding of a round of depth γ (γ = 0: exactly 1). ``reach[i]`` = P(the draft
+        at depth i + 1 is kept), at least γ long, or one α (geometric); ``nodes[d - 1]`` = draft nodes a depth-d
+        round verifies (``DraftProfile.nodes``; None: d)."""
         reach = [reach ** (i + 1) for i in range(gamma)] if isinstance(reach, (int, float)) else reach
         width = (nodes[min(gamma, len(nodes)) - 1] if nodes and gamma else gamma) + 1
         return (1.0 + sum(reach[:gamma])) * self.verify(1) / (self.draft(gamma) + self.verify(width))
+
+    def observe(self, stats) -> None:
+        """Told each round's ``RoundStats``; measured costs as given learn nothing (``LearnedCosts`` do)."""
 
     def best_gamma(self, reach: float | list[float], max_gamma: int, margin: float = 0.0,
                    nodes: tuple[int, ...] | None = None) -> int:
         """The γ in 1..max_gamma with the best predicted speed-up, or 0 when none beats plain by ``margin``."""
         best = max(range(1, max_gamma + 1), key=lambda g: self.speedup(g, reach, nodes), default=0)
         return best if best and self.speedup(best, reach, nodes) > 1.0 + margin else 0
+
+
+class LearnedCosts(Costs):
+    """``Costs`` kept honest by the rounds they price (a curve measured under load corrects itself).
+
+    A round's seconds are P + ρ · E, E = T_draft(depth) + T(nodes + 1) − T(1) the extra the cache predicts over a
+    plain step: P (a plain step now) is the running mean of rounds that drafted nothing (weight 1/2; the cache's T(1)
+    before one), ρ the least-squares fit of seconds − P = ρ · E over drafting rounds, forgetting by 1/8 a round (1
+    before one). ``verify(k)`` = P + ρ (T(k) − T(1)), ``draft(γ)`` = ρ T_draft(γ): one drafting round timed after a
+    plain one fixes ρ whatever factor the cache was off. An answer's first round (warm-ups) teaches nothing."""
+
+    def __init__(self, costs: Costs):
+        super().__init__(list(costs.verify_s), costs.draft_s, costs.context_tokens, costs.draft_round_s)
+        self.plain_s, self.fit = None, [0.0, 0.0]  # P, and the decayed Σ (seconds − P) · E and Σ E²
+
+    def __eq__(self, other) -> bool:  # as the measured costs it corrects
+        return isinstance(other, Costs) and dataclasses.astuple(self) == dataclasses.astuple(other)
+
+    @property
+    def extra(self) -> float:
+        """ρ: the seconds a drafting round took beyond a plain step per second of it the cache predicted."""
+        return max(self.fit[0] / self.fit[1], 0.0) if self.fit[1] > 0 else 1.0
+
+    def verify(self, num_tokens: int) -> float:
+        return (self.plain_s or self.verify_s[0]) + self.extra * (super().verify(num_tokens) - self.verify_s[0])
+
+    def draft(self, gamma: int) -> float:
+        return self.extra * super().draft(gamma)
+
+    def observe(self, stats) -> None:
+        """Fold in one ``RoundStats``: ``verify_s`` of a round that drafted nothing, else ``draft_s + verify_s``."""
+        if stats.round == 0 or stats.verify_s <= 0:
+            return
+        one, self.fit = self.verify_s[0], [self.fit[0] * 7 / 8, self.fit[1] * 7 / 8]
+        if not stats.num_drafted:
+            self.plain_s = stats.verify_s if self.plain_s is None else (self.plain_s + stats.verify_s) / 2
+            return
+        extra = max(super().draft(stats.depth) + super().verify(stats.num_drafted + 1) - one, 0.01 * one)
+        seconds = stats.draft_s + stats.verify_s - (self.plain_s or one)
+        self.fit = [self.fit[0] + seconds * extra, self.fit[1] + extra**2]
 
 
 # ---------------------------------------------------------------- measuring
@@ -115,22 +151,6 @@ def calibrate_verify(model: nn.Module, *, context_tokens: int = DEFAULT_CONTEXT_
     return np.maximum.accumulate(curve).tolist()  # noise must not make k + 1 tokens cheaper than k
 
 
-def spot_check_verify(model: nn.Module, *, reps: int = 3) -> float:
-    """Seconds of one one-token forward now (median of ``reps`` after a warm-up, after a 16-token prefix)."""
-    tokens = np.random.default_rng(0).integers(0, _vocab_size(model), size=17).tolist()
-    cache = speculative_cache(model)
-    prefill(model, cache, tokens[:-1])
-    _time_forward(model, cache, tokens[-1:])
-    return statistics.median(_time_forward(model, cache, tokens[-1:]) for _ in range(reps))
-
-
-def is_stale(cached_s: float, now_s: float) -> bool:
-    """Whether a cached one-token time ``cached_s`` no longer describes this machine, timed ``now_s`` (seconds)."""
-    if cached_s <= 0 or now_s <= 0:
-        return True
-    return max(now_s / cached_s, cached_s / now_s) > STALE_FACTOR and abs(now_s - cached_s) > STALE_MIN_DIFF_S
-
-
 def calibrate_draft(drafter, history: list[int], *, num_draft_tokens: int = DRAFT_GAMMA, reps: int = 3,
                     hidden_size: int | None = None) -> float:
     """Seconds per drafted token: ``drafter.propose`` of γ tokens, timed to the sync (a feature reader gets zeros
@@ -157,9 +177,9 @@ def load_or_calibrate(model: nn.Module, drafter=None, *, cache_dir: Path | None 
     """``Costs`` for ``model`` and ``drafter`` on this machine, measured once and then cached.
 
     Keyed by the target and the machine (``machine_fingerprint``), the draft cost also by the drafter
-    (``drafter_fingerprint``; timed at its ``DraftProfile.max_depth``, per round when ``per_round``). A cached
-    curve a one-token timing now contradicts (``is_stale``, checked once per process) is measured again with the
-    draft cost. A cache folder that cannot be written is said once on stderr; the costs then live in the process.
+    (``drafter_fingerprint``; timed at its ``DraftProfile.max_depth``, per round when ``per_round``). Measured again
+    when damaged, never for the machine's load (``LearnedCosts`` correct that). A cache folder that cannot be written
+    is said once on stderr; the costs then live in the process.
 
     Args: ``model``, ``drafter`` (or ``None``: draft cost 0), ``cache_dir`` (default ``$MLXSPEC_CACHE/costs``),
     ``context_tokens`` (256, the measurements' prefix), ``refresh`` (measure again), ``on_measure`` (told before
@@ -171,22 +191,13 @@ def load_or_calibrate(model: nn.Module, drafter=None, *, cache_dir: Path | None 
     machine = machine_fingerprint()
     target_key = {"what": "verify", "model": model_fingerprint(model), "machine": machine,
                   "context": context_tokens, "grid": VERIFY_GRID}
-    checked_key, stale = json.dumps(target_key, sort_keys=True, default=str) + str(cache_dir), []
 
-    def still_valid(curve) -> bool:
-        if not (isinstance(curve, list) and len(curve) == MAX_VERIFY_TOKENS
-                and all(isinstance(v, (int, float)) for v in curve)):
-            return False  # a damaged file is measured again
-        if checked_key in _CHECKED:
-            return True
-        now = spot_check_verify(model)
-        if is_stale(curve[0], now):
-            stale.append(f"the cached one is stale: one token takes {1e3 * now:.0f} ms now, {1e3 * curve[0]:.0f} ms then")
-        return not stale
+    def valid(curve) -> bool:  # a damaged file is measured again
+        return (isinstance(curve, list) and len(curve) == MAX_VERIFY_TOKENS
+                and all(isinstance(v, (int, float)) for v in curve))
 
     verify_s = _cached(cache_dir, target_key, refresh, on_measure, "the target's verify cost for 1..16 tokens",
-                       lambda: calibrate_verify(model, context_tokens=context_tokens), still_valid, stale)
-    _CHECKED.add(checked_key)
+                       lambda: calibrate_verify(model, context_tokens=context_tokens), valid)
     if drafter is None or drafter.name == "none":
         return Costs(verify_s, 0.0, context_tokens)
     profile = drafter.profile
@@ -195,17 +206,14 @@ def load_or_calibrate(model: nn.Module, drafter=None, *, cache_dir: Path | None 
            "context": context_tokens, "num_draft_tokens": gamma, "per": per}
     history = np.random.default_rng(1).integers(0, _vocab_size(model), size=context_tokens).tolist()
     hidden_size = getattr(getattr(model, "args", None), "hidden_size", None)
-    draft_s = _cached(cache_dir, key, refresh or bool(stale), on_measure, f"the {drafter.name} drafter's cost per {per}",
+    draft_s = _cached(cache_dir, key, refresh, on_measure, f"the {drafter.name} drafter's cost per {per}",
                       lambda: calibrate_draft(drafter, history, num_draft_tokens=gamma, hidden_size=hidden_size)
                       * (gamma if profile.per_round else 1))
     return Costs(verify_s, 0.0, context_tokens, draft_s) if profile.per_round else Costs(verify_s, draft_s, context_tokens)
 
 
-#: Verify-curve cache entries already checked against the machine in this process; cache folders said unwritable,
-#: and the values measured there (kept for this process).
-_CHECKED: set[str] = set()
-_UNWRITABLE: set[str] = set()
-_UNWRITTEN: dict[str, object] = {}
+#: Cache folders said unwritable, and the values measured there (kept for this process).
+_UNWRITABLE, _UNWRITTEN = set(), {}
 
 
 def _time_forward(model, cache, tokens: list[int]) -> float:
@@ -220,8 +228,7 @@ def _vocab_size(model) -> int:
     return int(getattr(getattr(model, "args", None), "vocab_size", None) or 256)
 
 
-def _cached(cache_dir: Path, key: dict, refresh: bool, on_measure, what: str, measure,
-            still_valid: Callable | None = None, why: list[str] | None = None):
+def _cached(cache_dir: Path, key: dict, refresh: bool, on_measure, what: str, measure, valid: Callable | None = None):
     """The cached value for ``key``, else ``measure()``, stored when the folder takes it."""
     blob = json.dumps(key, sort_keys=True, default=str)
     path = cache_dir / f"{key['what']}-{hashlib.sha256(blob.encode()).hexdigest()[:16]}.json"
@@ -232,10 +239,10 @@ def _cached(cache_dir: Path, key: dict, refresh: bool, on_measure, what: str, me
             value = json.loads(path.read_text())["value"]
         except (ValueError, KeyError, OSError):
             value = None  # a damaged cache file is measured again
-        if value is not None and (still_valid is None or still_valid(value)):
+        if value is not None and (valid is None or valid(value)):
             return value
     if on_measure is not None:
-        on_measure(f"{what} ({why[-1]})" if why else what)
+        on_measure(what)
     value = measure()
     partial = path.with_suffix(".part")
     try:

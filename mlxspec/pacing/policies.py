@@ -14,6 +14,8 @@ from .costs import MAX_VERIFY_TOKENS, Costs
 PLAIN = Plan(0)
 #: Plain rounds before the first look again after a fall-back, and the longest wait (doubling in between).
 FIRST_WAIT, MAX_WAIT = 16, 256
+#: γ auto drafting this many rounds in a row takes one plain step, so the costs know what a plain step takes now.
+REFERENCE_EVERY = 64
 
 
 @dataclass
@@ -22,12 +24,10 @@ class AcceptanceEstimate:
 
     A round that drafted K and kept n counts, at each depth i <= min(n + 1, K), one *reach* (the draft there was
     judged, its parent being kept) and, for i <= n, one keep. ``reach(m)[i]`` = h_1 · … · h_{i+1}, h_i = keeps /
-    reaches at depth i shrunk toward α (depth 1) or the pooled h of all deeper depths: the product-limit
-    (Kaplan–Meier) estimate, in which drafts behind a rejection count nowhere (the per-depth ratio it replaced left
-    a lookup 15% short of the best fixed γ, docs/design.md). Counts decay by ``1 − 1/window`` a drafting round.
-
-    ``prior_alpha`` (0.5) is α before any round, with ``prior_weight`` (2) pseudo-rounds behind it and behind each
-    depth's shrinkage; ``window`` (16) the rounds the memory spans; ``kept``, ``reached`` the counts per depth.
+    reaches at depth i shrunk toward α (depth 1) or the pooled h of all deeper depths (itself shrunk toward α): the
+    product-limit (Kaplan–Meier) estimate; drafts behind a rejection count nowhere (docs/design.md). Counts decay by
+    ``1 − 1/window`` (16) a drafting round; ``prior_alpha`` (0.5) is α before any, ``prior_weight`` (2) the
+    pseudo-rounds behind it and behind each shrinkage; ``kept``, ``reached`` the counts per depth.
     """
 
     prior_alpha: float = 0.5
@@ -56,8 +56,7 @@ class AcceptanceEstimate:
     def reach(self, num_depths: int) -> list[float]:
         """``[i]`` = estimated P(the draft at depth i + 1 is kept), non-increasing in i."""
         alpha, w, out, above = self.alpha, self.prior_weight, [], 1.0
-        deep = sum(self.reached[1:])
-        pooled = sum(self.kept[1:]) / deep if deep > 0 else alpha  # the survival of all depths below the first
+        pooled = (sum(self.kept[1:]) + w * alpha) / (sum(self.reached[1:]) + w)  # all depths below the first
         for i in range(num_depths):
             kept, reached = (self.kept[i], self.reached[i]) if i < len(self.reached) else (0.0, 0.0)
             above *= (kept + w * (alpha if i == 0 else pooled)) / (reached + w)
@@ -67,61 +66,71 @@ class AcceptanceEstimate:
 
 class Fixed:
     """The same depth ``gamma`` every round (0 = plain decoding). ``budget``: a priced tree's ``TreeBudget``, which
-    sizes each tree and may price a round plain; after 2 such rounds in a row the drafter rests 16, 32, … 256
-    rounds, reset by a kept node. ``priced_plain``: the costs ruled the drafter out, so it never runs."""
+    may price a round plain; after 2 such rounds (or from the start, if the costs rule out every tree) the drafter
+    rests 16, 32, … 256 rounds (reset by a kept node), then a probe keeps at least one node."""
 
-    adaptive = False
+    adaptive = priced_plain = False
 
-    def __init__(self, gamma: int, budget=None, *, priced_plain: bool = False):
+    def __init__(self, gamma: int, budget=None):
         self.gamma = self.max_gamma = gamma
-        self.budget, self.priced_plain = budget, priced_plain
+        self.budget = budget
         self._plan = Plan(gamma, budget=budget.choose if budget is not None else None)
-        self._wait, self._next_wait, self._plain_run = 0, FIRST_WAIT, 0
+        self._wait, self._next_wait, self._plain_run, self._probe = 0, FIRST_WAIT, 0, False
+        if self.priced_out:
+            self._wait, self._next_wait, self._probe = FIRST_WAIT, 2 * FIRST_WAIT, True
+
+    @property
+    def priced_out(self) -> bool:
+        """Whether the costs now rule out every tree, even one whose every node is kept."""
+        return self.budget is not None and not self.budget.can_win(self.gamma, self.budget.costs.draft(self.gamma))
 
     def plan(self) -> Plan:
         if self._wait > 0:
             self._wait -= 1
             return PLAIN
+        if self.budget is not None:
+            self.budget.allow_plain = not self._probe
         return self._plan
 
     def observe(self, outcome: RoundStats, draft: Draft | None = None) -> None:
-        """Learn from one round: the budget's calibration, and its rests."""
-        if self.budget is None or outcome.gamma == 0:
+        """Learn from one round: the costs, the budget's calibration, and its rests."""
+        if self.budget is None:
             return
+        self.budget.costs.observe(outcome)
+        if outcome.gamma == 0:
+            return
+        probe, self._probe = self._probe, False
         self.budget.update(outcome.num_accepted)
-        if outcome.num_drafted:
-            self._plain_run, self._next_wait = 0, FIRST_WAIT
-        if outcome.num_drafted or not self.budget.said_plain:
-            return
-        self._plain_run += 1
-        if self._plain_run >= 2:  # the budget priced 2 rounds in a row as plain: rest, then one round decides again
-            self._wait, self._next_wait, self._plain_run = self._next_wait, min(2 * self._next_wait, MAX_WAIT), 1
+        if outcome.num_accepted:
+            self._next_wait = FIRST_WAIT
+        if outcome.num_accepted or (outcome.num_drafted and not probe):
+            self._plain_run = 0
+        elif probe or self.budget.said_plain:
+            self._plain_run += 1
+            if probe or self._plain_run >= 2:  # priced plain twice in a row, or a probe kept nothing: rest
+                self._wait, self._next_wait = self._next_wait, min(2 * self._next_wait, MAX_WAIT)
+                self._plain_run, self._probe = 1, True
 
     def __eq__(self, other) -> bool:
-        return type(other) is Fixed and (other.gamma, other.priced_plain) == (self.gamma, self.priced_plain)
-
-    def __repr__(self) -> str:
-        return f"Fixed({self.gamma}{', priced_plain=True' if self.priced_plain else ''})"
+        return type(other) is Fixed and (other.gamma, other.budget is None) == (self.gamma, self.budget is None)
 
 
 class Auto:
     """γ auto: before each round, the depth with the best predicted speed-up at the running acceptance.
 
-    γ maximises τ(γ) · T_verify(1) / (T_draft(γ) + T_verify(nodes(γ) + 1)) (``Costs.speedup``) on the
-    ``AcceptanceEstimate``; when no γ beats plain decoding by ``margin`` the round is a plain step, and the pacer
-    decodes plainly for 16, then 32, … up to 256 rounds (reset by a kept token) before a ``probe_gamma`` probe
-    looks again; the first round is such a probe too, so the estimate starts from evidence. A drafter that stops on
-    its confidence (``DraftProfile.confidence``) is priced at one token, and a round that drafts is given the
-    whole depth with ``Plan.keep_above``: token k + 1 is drafted while the survival s of the first k, scaled by the
-    drafter's calibration c (kept tokens per unit of survival it claimed, capped at 1), pays for itself,
-    s · c · T_verify(1) > T_draft(1) + T_verify(k + 2) − T_verify(k + 1).
+    γ maximises τ(γ) · T_verify(1) / (T_draft(γ) + T_verify(nodes(γ) + 1)) (``Costs.speedup``, told every round)
+    on the ``AcceptanceEstimate``; when no γ beats plain by ``margin`` the pacer decodes plainly for 16, then 32, …
+    256 rounds (reset by a kept token) before a ``probe_gamma`` probe; the first round probes too, unless the costs
+    rule out even a draft kept whole (then it waits first); every ``REFERENCE_EVERY``-th round in a row that drafts
+    is a plain step (the costs' reference). A drafter that stops on its confidence (``DraftProfile.confidence``) is
+    priced at one token and drafts on (``Plan.keep_above``) while the survival s of its first k tokens, times its
+    calibration c (kept per survival claimed, ≤ 1), pays: s · c · T(1) > T_draft(1) + T(k + 2) − T(k + 1).
 
     Args: ``costs`` (this machine's), ``profile`` (the drafter's; default: a chain), ``margin`` (0.03: the predicted
     gain a γ > 0 needs), ``probe_gamma`` (2), ``estimate`` (an ``AcceptanceEstimate`` to continue; default: fresh).
     """
 
-    adaptive = True
-    priced_plain = False
+    adaptive, priced_plain = True, False
 
     def __init__(self, costs: Costs, profile: DraftProfile = DraftProfile(), *, margin: float = 0.03,
                  probe_gamma: int = 2, estimate: AcceptanceEstimate | None = None):
@@ -131,12 +140,19 @@ class Auto:
         self.estimate = estimate or AcceptanceEstimate()
         self._priced = 1 if profile.confidence else self.max_gamma  # the deepest round a choice is priced at
         self._kept_claimed = [2.0, 2.0]  # decayed tokens kept and survival claimed (prior: 2 tokens, calibrated)
-        self._wait, self._next_wait, self._probe, self.probing = 0, FIRST_WAIT, True, False
+        self._wait, self._next_wait, self._probe, self.probing, self._drafting = 0, FIRST_WAIT, True, False, 0
+        if self.priced_out:
+            self._wait, self._next_wait = FIRST_WAIT, 2 * FIRST_WAIT
+
+    @property
+    def priced_out(self) -> bool:
+        """Whether the costs now predict no gain even if every draft were kept."""
+        return self.costs.best_gamma(1.0, self.max_gamma, nodes=self.profile.nodes) == 0
 
     def plan(self) -> Plan:
-        self.probing = False
-        if self._wait > 0:
-            self._wait -= 1
+        self.probing = False  # a plain step while waiting, and for the costs' reference:
+        if self._wait > 0 or self._drafting >= REFERENCE_EVERY:
+            self._wait = max(self._wait - 1, 0)
             return PLAIN
         gamma = self.costs.best_gamma(self.estimate.reach(self._priced), self._priced, self.margin, self.profile.nodes)
         if gamma == 0 and self._probe:
@@ -150,10 +166,12 @@ class Auto:
         calibration = min(1.0, self._kept_claimed[0] / self._kept_claimed[1])
         verify = self.costs.verify
         return Plan(self.max_gamma, keep_above=tuple(
-            (self.costs.draft_s + verify(k + 2) - verify(k + 1)) / (calibration * verify(1)) for k in range(1, self.max_gamma)))
+            (self.costs.draft(1) + verify(k + 2) - verify(k + 1)) / (calibration * verify(1)) for k in range(1, self.max_gamma)))
 
     def observe(self, outcome: RoundStats, draft: Draft | None = None) -> None:
-        """Learn from one round (a plain round, or a lookup that found nothing, teaches nothing)."""
+        """Learn from one round: the costs from every round; acceptance not from a plain one or an empty lookup."""
+        self.costs.observe(outcome)
+        self._drafting = self._drafting + 1 if outcome.gamma else 0
         depth = outcome.depth or outcome.num_drafted
         if depth <= 0:
             return

@@ -1,8 +1,7 @@
 """Confidence-scheduled verification (DSpark, arXiv 2607.05147; docs/acceptance.md 3.1): a drafter with survival
 estimates (``Draft.survival``) drafts its full length and the target verifies the node set S maximising
 τ(S) / (T_draft + T_verify(|S| + 1)), τ(S) = 1 + Σ_{n ∈ S} ŝ(n), ŝ the survival recalibrated on this generation's
-acceptance (histogram binning, Zadrozny & Elkan 2001). Every kept node is verified by the unchanged exact rule, so
-the output distribution is untouched (docs/acceptance.md 3.2)."""
+acceptance (histogram binning, Zadrozny & Elkan 2001). Kept nodes meet the unchanged exact rule (acceptance.md 3.2)."""
 
 from __future__ import annotations
 
@@ -23,13 +22,10 @@ NUM_BINS = 10
 
 @dataclass
 class SurvivalCalibration:
-    """Predicted vs observed survival: the scheduler's recalibration and the reliability diagram.
-
-    ``calibrate`` maps a node's predicted survival s to (kept + w·s) / (seen + w) of its bin (counts decaying by
-    ``1 − 1/window`` a round); a node without one (NaN: an n-gram branch in an EAGLE tree) gets its depth's
-    observed rate, prior 0.5 a level. ``totals``: undecayed ``"bins"`` and ``"depths"`` tallies for display, each
-    ``[nodes, sum of predicted survival, kept]``.
-    """
+    """Predicted vs observed survival: the scheduler's recalibration and the reliability diagram. ``calibrate`` maps
+    a node's predicted survival s to (kept + w·s) / (seen + w) of its bin (counts decaying by ``1 − 1/window`` a
+    round); a node without one (NaN: an EAGLE tree's n-gram branch) gets its depth's rate, prior 0.5 a level.
+    ``totals``: undecayed ``"bins"`` and ``"depths"`` tallies, each ``[nodes, sum of predicted survival, kept]``."""
 
     window: float = 64.0
     prior_weight: float = 2.0
@@ -46,26 +42,21 @@ class SurvivalCalibration:
         out = (self.bin_kept[bins] + w * np.nan_to_num(survival)) / (self.bin_seen[bins] + w)
         for i in np.flatnonzero(np.isnan(survival)):
             d = int(depths[i]) - 1
-            seen = self.depth_seen[d] if d < len(self.depth_seen) else 0.0
-            kept = self.depth_kept[d] if d < len(self.depth_kept) else 0.0
+            seen, kept = (self.depth_seen[d], self.depth_kept[d]) if d < len(self.depth_seen) else (0.0, 0.0)
             out[i] = (kept + w * 0.5 ** (d + 1)) / (seen + w)
         return out
 
     def observe(self, survival: np.ndarray, depths: np.ndarray, kept: np.ndarray) -> None:
         """Fold in one round's verified nodes: raw survival [N], depths [N] and kept [N] bool."""
-        decay = 1.0 - 1.0 / self.window
-        self.bin_seen *= decay
-        self.bin_kept *= decay
-        self.depth_seen = [c * decay for c in self.depth_seen]
-        self.depth_kept = [c * decay for c in self.depth_kept]
-        known = ~np.isnan(survival)
+        decay, known = 1.0 - 1.0 / self.window, ~np.isnan(survival)
+        self.bin_seen, self.bin_kept = self.bin_seen * decay, self.bin_kept * decay
+        self.depth_seen, self.depth_kept = [c * decay for c in self.depth_seen], [c * decay for c in self.depth_kept]
         np.add.at(self.bin_seen, _bins(survival[known]), 1.0)
         np.add.at(self.bin_kept, _bins(survival[known]), kept[known].astype(float))
         for s, d, k in zip(survival, depths.tolist(), kept.tolist()):
             if np.isnan(s):
-                grow = d - len(self.depth_seen)
-                self.depth_seen += [0.0] * max(grow, 0)
-                self.depth_kept += [0.0] * max(grow, 0)
+                self.depth_seen += [0.0] * max(d - len(self.depth_seen), 0)
+                self.depth_kept += [0.0] * max(d - len(self.depth_kept), 0)
                 self.depth_seen[d - 1] += 1.0
                 self.depth_kept[d - 1] += k
                 continue
@@ -88,10 +79,8 @@ def closed_survival(calibrated: np.ndarray, tree) -> np.ndarray:
     out = calibrated.astype(np.float64).copy()
     previous: dict[int, int] = {}  # parent -> its latest child so far
     for n, parent in enumerate(tree.parents):
-        if parent >= 0:
-            out[n] = min(out[n], out[parent])
-        if parent in previous:
-            out[n] = min(out[n], out[previous[parent]])
+        for above in (parent if parent >= 0 else None, previous.get(parent)):  # the parent, the previous sibling
+            out[n] = out[n] if above is None else min(out[n], out[above])
         previous[parent] = n
     return out
 
@@ -126,8 +115,7 @@ class Scheduled:
     every position. ``max_gamma``: the depth drafted (default 8). Raises ``ValueError`` for ``max_gamma < 1``.
     """
 
-    adaptive = True
-    priced_plain = False
+    adaptive, priced_plain = True, False
 
     def __init__(self, costs: Costs, *, max_gamma: int = DEFAULT_SCHEDULED_MAX, probe_every: int = 16,
                  calibration: SurvivalCalibration | None = None):
@@ -135,8 +123,7 @@ class Scheduled:
             raise ValueError(f"the scheduled draft length must be >= 1, got {max_gamma}")
         self.costs, self.max_gamma, self.probe_every = costs, max_gamma, probe_every
         self.calibration = calibration or SurvivalCalibration()
-        self.kept_nodes, self.predicted_speedup = 0, 1.0
-        self._plain_left, self._pending, self._probe = 0, None, True
+        self.kept_nodes, self.predicted_speedup, self._plain_left, self._pending, self._probe = 0, 1.0, 0, None, True
 
     def plan(self) -> Plan:
         """Draft ``max_gamma`` and verify what ``schedule`` keeps, or a plain step while pausing."""
@@ -161,7 +148,7 @@ class Scheduled:
         if sampled:
             m = stopping_length(value, self.costs, spent)
             nodes = list(range(m))
-        else:
+        else:  # the best m by calibrated survival
             order = sorted(range(draft.size), key=lambda n: (-value[n], n))
             m = best_count(value[order], self.costs, spent)
             nodes = sorted(order[:m])
@@ -171,16 +158,14 @@ class Scheduled:
             self._plain_left = self.probe_every
         if self._probe:  # decided before the draft was seen, so exact for any draft
             m, nodes, self._probe = draft.size, list(range(draft.size)), False
-        self._pending = (raw[nodes], depths[nodes])
-        self.kept_nodes = m
+        self._pending, self.kept_nodes = (raw[nodes], depths[nodes]), m
         return draft.select(nodes)
 
     def observe(self, outcome: RoundStats, draft: Draft | None = None) -> None:
-        """Learn which verified nodes were on the accepted path (``outcome.path``)."""
+        """Learn the costs, and which verified nodes were on the accepted path (``outcome.path``)."""
+        self.costs.observe(outcome)
         if self._pending is None or not self.kept_nodes:
             return
-        raw, depths = self._pending
-        kept = np.zeros(len(raw), dtype=bool)
+        (raw, depths), kept, self._pending = self._pending, np.zeros(len(self._pending[0]), dtype=bool), None
         kept[list(outcome.path)] = True
         self.calibration.observe(raw, depths, kept)
-        self._pending = None

@@ -10,16 +10,14 @@ from .costs import Costs
 
 
 class TreeBudget:
-    """The nodes to verify each round (``Plan.budget`` is ``choose``), 0 (a plain step) when no m beats plain.
-
-    Args: ``costs`` (the verify curve), ``max_nodes`` (63, root excluded), ``window`` (32 rounds the calibration c
-    remembers), ``prior_weight`` (2 pseudo-nodes behind c = 1), ``allow_plain`` (``True``: ``choose`` may return 0).
-    """
+    """The nodes to verify each round (``Plan.budget`` is ``choose``), 0 (a plain step) when no m beats plain. Args:
+    ``costs`` (the verify curve), ``max_nodes`` (63, root excluded), ``window`` (32 rounds the calibration c remembers),
+    ``prior_weight`` (2 pseudo-nodes behind c = 1), ``allow_plain`` (``True``: ``choose`` may return 0)."""
 
     def __init__(self, costs: Costs, *, max_nodes: int = 63, window: float = 32.0, prior_weight: float = 2.0,
                  allow_plain: bool = True):
         self.costs, self.max_nodes, self.decay, self.prior = costs, max_nodes, 1.0 - 1.0 / window, prior_weight
-        self.allow_plain = allow_plain
+        self.allow_plain = allow_plain  # Fixed clears it for a probe round
         self.draft_s, self.predicted, self.accepted, self.pending, self.said_plain = None, 0.0, 0.0, None, False
 
     @property
@@ -44,11 +42,11 @@ class TreeBudget:
     def can_win(self, max_depth: int, draft_s: float) -> bool:
         """Whether ``choose`` could ever keep a node: some m beats a plain step with every path probability 1
         (siblings of one distribution sum to at most 1 per depth, so m nodes add at most min(m, ``max_depth``)
-        tokens), ``draft_s`` the least a round's drafting costs. Always ``True`` without ``allow_plain``."""
+        tokens), ``draft_s`` the least a round's drafting costs."""
         nodes = np.arange(1, self.max_nodes + 1)
         cost = draft_s + np.array([self.costs.verify(int(m) + 1) for m in nodes])
         wins = (1.0 + np.minimum(nodes, max_depth)) / cost > 1.0 / self.costs.verify(1)
-        return not self.allow_plain or bool(np.any(wins))
+        return bool(np.any(wins))
 
     def update(self, num_accepted: int) -> None:
         """Fold in the round ``choose`` sized last: it accepted ``num_accepted`` nodes."""
