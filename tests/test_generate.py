@@ -99,7 +99,7 @@ def test_auto_lets_the_draft_model_end_its_rounds_and_stays_greedy(target, token
     rounds of many lengths, kept whole or rejected early, leave the output plain greedy decoding's."""
     draft_model = tiny_llama(seed=0, sharpen=8.0) if draft_kind == "same-argmax" else tiny_llama(seed=3, sharpen=10.0)
     cheap = Costs([1.0 + 0.005 * k for k in range(16)], draft_s=0.01)  # another token pays while survival > 0.015
-    policy = make_pacer("auto", target, _draft(target, tokenizer, draft_model), costs=cheap)
+    policy = make_pacer("auto", target, _draft(target, tokenizer, draft_model), costs=cheap, learn=False)  # as given
     assert isinstance(policy, Auto) and policy.plan().keep_above is not None
     result = generate(target, tokenizer, PROMPT, drafter=_draft(target, tokenizer, draft_model),
                       num_draft_tokens=policy, max_tokens=120, stop_tokens=set())

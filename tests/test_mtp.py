@@ -261,7 +261,7 @@ def test_auto_falls_back_to_plain_decoding_when_the_chain_keeps_missing(target):
     drafter = MTPDrafter(MTPStack(init_mtp(target).chain, init_mtp(target).config, np.array([never], np.int32)),
                          target, depth=3)
     costs = Costs([0.01 * (1 + 0.1 * k) for k in range(16)], draft_s=0.0005)
-    policy = make_pacer("auto", target, drafter, costs=costs)
+    policy = make_pacer("auto", target, drafter, costs=costs, learn=False)  # as given: no wall-clock in the test
     assert isinstance(policy, Auto) and policy.max_gamma == 3
     result = generate(target, byte_tokenizer(), PROMPT, drafter=drafter, num_draft_tokens=policy, max_tokens=60,
                       stop_tokens=set())

@@ -82,7 +82,7 @@ def test_every_registered_drafter_is_greedy_identical(name):
     drafter = build(name, target, tokenizer, tiny_llama(seed=3), "tiny")
     # γ 4 on a fixed memory-bound cost curve: a priced tree (Medusa's default) drafts on any machine, however
     # loaded
-    pacer = make_pacer(4, target, drafter, costs=MEMORY_BOUND)
+    pacer = make_pacer(4, target, drafter, costs=MEMORY_BOUND, learn=False)
     result = generate(
         target, tokenizer, PROMPT, drafter=drafter, num_draft_tokens=pacer, max_tokens=80, stop_tokens=set()
     )

@@ -105,7 +105,7 @@ def test_the_trained_drafter_loads_and_is_greedy_identical(tiny, trained):
         plain = generate(model, tok, prompt, drafter="none", max_tokens=40)
         for scheduled in (False, True):
             drafter = make_drafter(f"dspark:heads={output / 'epoch-3'}", model, tok)
-            gamma = make_pacer("scheduled", model, drafter, costs=linear_costs(1.0)) if scheduled else 4
+            gamma = make_pacer("scheduled", model, drafter, costs=linear_costs(1.0), learn=False) if scheduled else 4
             run = generate(model, tok, prompt, drafter=drafter, num_draft_tokens=gamma, max_tokens=40)
             assert run.tokens == plain.tokens
             accepted += run.stats.accepted
