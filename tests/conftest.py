@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 import sys
 
 #: MLX's CPU matmuls call the BLAS that is in the process's global symbol scope when MLX loads
@@ -20,6 +21,24 @@ import mlx.nn as nn  # noqa: E402
 import pytest  # noqa: E402
 from mlx_lm.models import llama, qwen2  # noqa: E402
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, TokenizerWrapper  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def session_cache(tmp_path_factory):
+    """This session's ``MLXSPEC_CACHE``: measured costs, unpacked wheels (none of the caller's)."""
+    return tmp_path_factory.mktemp("mlxspec-cache")
+
+
+@pytest.fixture(autouse=True)
+def hermetic(request, monkeypatch, session_cache):
+    """A test sees none of the caller's ``MLXSPEC_*`` or ``LD_PRELOAD`` (this process's BLAS is chosen above, at
+    import) and a cache folder of this session's, so no cost measured elsewhere (under load, say) steers it. Tests
+    of the caller's real models (``real_model``, ``large_model``) keep the caller's wheels and cache."""
+    if request.node.get_closest_marker("real_model") or request.node.get_closest_marker("large_model"):
+        return
+    for name in [name for name in os.environ if name.startswith("MLXSPEC_")] + ["LD_PRELOAD"]:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MLXSPEC_CACHE", str(session_cache))
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest's own -m deselection sees the markers

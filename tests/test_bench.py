@@ -194,6 +194,23 @@ def test_the_rerun_line_is_a_shell_command(monkeypatch, capsys):
     assert words == ["LD_PRELOAD=/opt/open blas/libblas.so.3", sys.executable, "-m", "mlxspec", "bench", *flags]
 
 
+def test_a_prompt_over_the_context_is_refused_before_the_first_run(tmp_path, tiny_model_dir, capsys, monkeypatch):
+    """Every prompt's length is checked before the first run (issue 50: a prompt over the context ran the mlx-lm
+    baseline for minutes, then failed): one line naming the prompt and the context, exit 2, nothing run."""
+    import mlxspec.commands.bench as command
+
+    ran = []
+    monkeypatch.setattr(command, "iter_runs", lambda *a, **k: ran.append(a) or iter(()))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "Say hi.", "kind": "open"}) + "\n"
+                       + json.dumps({"prompt": "ab" * 2100, "kind": "open", "id": "long"}) + "\n")
+    assert main(["bench", "--model", str(tiny_model_dir), "--drafters", "ngram", "--prompts", str(prompts),
+                 "--max-tokens", "4", "--blas", "keep", "--output", str(tmp_path / "out.json")]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("mlxspec: error")]
+    assert ran == [] and errors == ["mlxspec: error: prompt long: the prompt has 4219 tokens but the model's context "
+                                    "is 4096; shorten the prompt"]
+
+
 def test_bad_flags_are_one_line_errors(capsys):
     assert main(["bench", "--num-draft-tokens", "0,2", "--blas", "keep"]) == 2
     assert "--num-draft-tokens takes 'auto', 'scheduled' and integers >= 1" in capsys.readouterr().err

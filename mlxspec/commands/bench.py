@@ -29,6 +29,7 @@ from ..runtime.distributed import refuse_launched
 from ..runtime.machine import machine_info
 from ..pacing import AUTO, SCHEDULED, Costs, load_or_calibrate
 from ..loading.models import DTYPES
+from ..engine.generate import check_context
 from ..engine.session import ModelSpec, build_drafter, draft_model_spec, load_model, runnable_drafters
 from .common import (
     ArgumentParser,
@@ -498,6 +499,11 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         print(f"mlxspec: note: skipping {', '.join(dropped)}: the drafter reports no survival estimates, "
               "which scheduled verification needs", file=sys.stderr)
     prompts, prompt_source = _prompts(args, models.tokenizer)
+    for name, _, ids in prompts:  # before the first run (the mlx-lm baseline would take minutes, then fail)
+        try:
+            check_context(models.model, len(ids))
+        except ValueError as e:
+            raise ValueError(f"prompt {name}: {e}") from None
     info = {"command": ["mlxspec", "bench", *argv], "started": time.strftime("%Y-%m-%d %H:%M:%S"),
             "machine": machine_info(), "models": names,
             "dtypes": {"target": args.dtype, "draft": args.draft_dtype},
