@@ -72,8 +72,10 @@ def rewindable(c):
     if type(c) is not RotatingKVCache:
         return c
     if c.keep:
-        raise ValueError(f"a sliding-window cache that keeps its first {c.keep} tokens (attention sinks) cannot "
-                         "be rewound exactly; use --drafter none with this model")
+        raise ValueError(
+            f"a sliding-window cache that keeps its first {c.keep} tokens (attention sinks) cannot "
+            "be rewound exactly; use --drafter none with this model"
+        )
     if c.offset:
         raise ValueError("a sliding-window cache that already holds tokens cannot be made rewindable; "
                          "pass an empty cache (or a PromptCache)")
@@ -228,8 +230,9 @@ def tree_attention(model: nn.Module, cache: Sequence, tree: Tree):
 
 @contextmanager
 def patched_attention(model: nn.Module, cache: Sequence, make_mask: Callable, wrap_rope: Callable):
-    """Inside the block, every layer cache hands mlx-lm ``make_mask(...)``'s mask and every attention's RoPE module
-    is ``wrap_rope(original)``; both are restored after (``tree_attention``, ``engine.batch``'s batched trees)."""
+    """Inside the block, every layer cache hands mlx-lm ``make_mask(...)``'s mask and every attention's RoPE
+    module is ``wrap_rope(original)``; both are restored after (``tree_attention``, ``engine.batch``'s batched
+    trees)."""
     owners = [m for _, m in model.named_modules() if isinstance(getattr(m, "rope", None), nn.Module)]
     originals = [m.rope for m in owners]
     for c in cache:
@@ -295,7 +298,8 @@ class PromptCache:
         return common
 
     def add(self, tokens: list[int], features: mx.array | None) -> None:
-        """Record ``tokens`` (and their features [len(tokens), F], when features are kept) as now in the cache."""
+        """Record ``tokens`` (and their features [len(tokens), F], when features are kept) as now in the
+        cache."""
         self.tokens += tokens
         if self.feature_layers is not None and features is not None and features.shape[0]:
             self.features = features if self.features is None else mx.concatenate([self.features, features])
@@ -318,8 +322,10 @@ def as_prompt_cache(model: nn.Module, prompt_cache) -> PromptCache:
         return PromptCache(model)
     if isinstance(prompt_cache, PromptCache):
         if prompt_cache.model is not model:
-            raise ValueError("prompt_cache was made for another model (a PromptCache holds one model's keys and "
-                             "values); make one for this target with mlxspec.PromptCache(model)")
+            raise ValueError(
+                "prompt_cache was made for another model (a PromptCache holds one model's keys and "
+                "values); make one for this target with mlxspec.PromptCache(model)"
+            )
         check_layers(model, prompt_cache.layers)
         return prompt_cache
     if not isinstance(prompt_cache, list):
@@ -327,8 +333,10 @@ def as_prompt_cache(model: nn.Module, prompt_cache) -> PromptCache:
                         f"{type(prompt_cache).__name__}")
     check_layers(model, prompt_cache)
     if any(getattr(c, "offset", 0) or not _is_empty(c) for c in prompt_cache):
-        raise ValueError("prompt_cache already holds tokens from an earlier request; pass an empty cache, or a "
-                         "mlxspec.PromptCache, which remembers its tokens and reuses the common prefix")
+        raise ValueError(
+            "prompt_cache already holds tokens from an earlier request; pass an empty cache, or a "
+            "mlxspec.PromptCache, which remembers its tokens and reuses the common prefix"
+        )
     prompt_cache[:] = [rewindable(c) for c in prompt_cache]
     return PromptCache(model, prompt_cache)
 
@@ -351,14 +359,18 @@ def check_layers(model: nn.Module, layers: Sequence) -> None:
         raise TypeError(f"prompt_cache must hold mlx-lm layer caches (make_prompt_cache(model)), got a "
                         f"{type(bad).__name__}")
     if len(layers) != len(expected):
-        raise ValueError(f"prompt_cache has {len(layers)} layer caches but the target has {len(expected)} layers: "
-                         "it was made for another model; use make_prompt_cache(model) or mlxspec.PromptCache(model)")
+        raise ValueError(
+            f"prompt_cache has {len(layers)} layer caches but the target has {len(expected)} layers: "
+            "it was made for another model; use make_prompt_cache(model) or mlxspec.PromptCache(model)"
+        )
     for i, (c, e) in enumerate(zip(layers, expected)):
         same = type(c) is type(e) or (isinstance(c, _ATTENTION_CACHES) and isinstance(e, _ATTENTION_CACHES))
         if not same:
-            raise ValueError(f"prompt_cache's layer {i} is a {type(c).__name__} but the target's is a "
-                             f"{type(e).__name__}: it was made for another model; use make_prompt_cache(model) or "
-                             "mlxspec.PromptCache(model)")
+            raise ValueError(
+                f"prompt_cache's layer {i} is a {type(c).__name__} but the target's is a "
+                f"{type(e).__name__}: it was made for another model; use make_prompt_cache(model) or "
+                "mlxspec.PromptCache(model)"
+            )
 
 
 def _is_empty(c) -> bool:

@@ -79,20 +79,28 @@ class SamplingParams:
                         else "an integer" if name in ("top_k", "repetition_context_size") else "a number")
                 raise TypeError(f"{name} must be {what}, got {getattr(self, name)!r}")
         checks = [
-            (math.isfinite(self.temp) and self.temp >= 0,
-             f"temp must be >= 0 and finite (--temp; 0 = greedy), got {self.temp}"),
-            (self.temp == 0 or self.temp >= MIN_TEMP,
-             f"temp must be 0 (greedy) or at least {MIN_TEMP:g} (--temp; below it 1/temp overflows the float32 "
-             f"logits), got {self.temp}"),
+            (
+                math.isfinite(self.temp) and self.temp >= 0,
+                f"temp must be >= 0 and finite (--temp; 0 = greedy), got {self.temp}",
+            ),
+            (
+                self.temp == 0 or self.temp >= MIN_TEMP,
+                f"temp must be 0 (greedy) or at least {MIN_TEMP:g} (--temp; below it 1/temp overflows the "
+                f"float32 logits), got {self.temp}",
+            ),
             (0 < self.top_p <= 1, f"top_p must be in (0, 1] (--top-p; 1 = off), got {self.top_p}"),
-            (self.top_k >= 0,
-             f"top_k must be an integer >= 0 (--top-k; 0 = off), got {self.top_k}"),
+            (self.top_k >= 0, f"top_k must be an integer >= 0 (--top-k; 0 = off), got {self.top_k}"),
             (0 <= self.min_p < 1, f"min_p must be in [0, 1) (--min-p; 0 = off), got {self.min_p}"),
-            (self.repetition_penalty is None or (self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty)),
-             f"repetition_penalty must be > 0 and finite (--repetition-penalty; 1 = off), got "
-             f"{self.repetition_penalty}"),
-            (self.repetition_context_size >= 1,
-             f"repetition_context_size must be >= 1, got {self.repetition_context_size}"),
+            (
+                self.repetition_penalty is None
+                or (self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty)),
+                f"repetition_penalty must be > 0 and finite (--repetition-penalty; 1 = off), got "
+                f"{self.repetition_penalty}",
+            ),
+            (
+                self.repetition_context_size >= 1,
+                f"repetition_context_size must be >= 1, got {self.repetition_context_size}",
+            ),
         ]
         for ok, message in checks:
             if not ok:

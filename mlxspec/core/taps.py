@@ -142,7 +142,9 @@ def head_slice(model: nn.Module, ids: mx.array):
         biases = head["biases"][ids] if "biases" in head else None
         mx.eval(weight, scales, *([] if biases is None else [biases]))
         settings = {"group_size": head.group_size, "bits": head.bits, "mode": getattr(head, "mode", "affine")}
-        return lambda h: mx.quantized_matmul(h, weight, scales=scales, biases=biases, transpose=True, **settings)
+        return lambda h: mx.quantized_matmul(
+            h, weight, scales=scales, biases=biases, transpose=True, **settings
+        )
     if isinstance(head, (nn.Linear, nn.Embedding)):
         weight = head.weight[ids]
         mx.eval(weight)

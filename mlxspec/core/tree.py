@@ -84,7 +84,8 @@ class Tree:
         return table
 
     def path_to(self, node: int) -> list[int]:
-        """Draft-node indices (0-based) from the root's first child down to ``node`` (root-first numbering)."""
+        """Draft-node indices (0-based) from the root's first child down to ``node`` (root-first
+        numbering)."""
         path = []
         while node > 0:
             path.append(node - 1)
@@ -213,15 +214,16 @@ def read_tree(spec: str) -> list[list[int]]:
 #: docs/heads.md 4.4): 25 nodes, depth 5; a rank indexes the draft's top-k at the PARENT node.
 EAGLE1_TREE = [
     [0], [1], [2], [3], [0, 0], [0, 1], [0, 2], [1, 0], [1, 1], [2, 0], [2, 1], [3, 0], [0, 0, 0], [0, 0, 1],
-    [0, 0, 2], [0, 1, 0], [0, 1, 1], [0, 2, 0], [0, 2, 1], [1, 0, 0], [0, 0, 0, 0], [0, 0, 0, 1], [0, 0, 0, 2],
-    [0, 0, 0, 0, 0], [0, 0, 0, 0, 1],
+    [0, 0, 2], [0, 1, 0], [0, 1, 1], [0, 2, 0], [0, 2, 1], [1, 0, 0], [0, 0, 0, 0], [0, 0, 0, 1],
+    [0, 0, 0, 2], [0, 0, 0, 0, 0], [0, 0, 0, 0, 1],
 ]  # fmt: skip
 #: ``--eagle-tree`` values besides a JSON file of rank paths.
 EAGLE_TREES = {"dynamic": None, "eagle1_25": EAGLE1_TREE}
 
 
 def read_eagle_tree(spec: str | list | None) -> list[list[int]] | None:
-    """``None``/``"dynamic"`` (EAGLE-2's dynamic tree), a preset name, a list of rank paths, or a JSON file of them.
+    """``None``/``"dynamic"`` (EAGLE-2's dynamic tree), a preset name, a list of rank paths, or a JSON file of
+    them.
 
     Raises:
         ValueError: an unknown name or a malformed file.

@@ -30,7 +30,9 @@ def _check_shapes(tree: Tree, tokens: mx.array, target: mx.array, draft_logprobs
     if target.ndim != 2 or target.shape[0] != N + 1:
         raise ValueError(f"target scores must have shape [N + 1, V] = [{N + 1}, V], got {target.shape}")
     if draft_logprobs is not None and draft_logprobs.shape != (N, target.shape[1]):
-        raise ValueError(f"draft log-probs must have shape [N, V] = [{N}, {target.shape[1]}], got {draft_logprobs.shape}")
+        raise ValueError(
+            f"draft log-probs must have shape [N, V] = [{N}, {target.shape[1]}], got {draft_logprobs.shape}"
+        )
 
 
 def _first_true(mask: mx.array, children: np.ndarray) -> mx.array:
@@ -76,7 +78,9 @@ def _without(logprobs: mx.array, sib: mx.array, valid: mx.array) -> mx.array:
     return mx.where(mx.isinf(total), logprobs, out - total)
 
 
-def verify_deterministic(tokens: mx.array, tree: Tree, target_logprobs: mx.array) -> tuple[mx.array, mx.array]:
+def verify_deterministic(
+    tokens: mx.array, tree: Tree, target_logprobs: mx.array
+) -> tuple[mx.array, mx.array]:
     """Exact verification of deterministic drafts (q one-hot): n-gram, greedy or top-k children.
 
     docs/acceptance.md 2.4 (EAGLE-2 arXiv 2406.16858; SpecInfer arXiv 2305.09781, section 4.2 with
@@ -145,7 +149,9 @@ def verify_sampled(
         q_j = q_rows[child]  # [N + 1, V]
         active = valid[:, j] & ~done
         u = mx.random.uniform(shape=(tree.size + 1,))
-        accept = active & (u * mx.take_along_axis(q_j, x, axis=1)[:, 0] < mx.take_along_axis(r, x, axis=1)[:, 0])
+        accept = active & (
+            u * mx.take_along_axis(q_j, x, axis=1)[:, 0] < mx.take_along_axis(r, x, axis=1)[:, 0]
+        )
         choice = mx.where(accept, child, choice)
         done = done | accept
         residual = mx.maximum(r - q_j, 0.0)
@@ -190,7 +196,9 @@ def verify_typical(
     ok = (mx.exp(node_logprob) > cutoff) | (mx.arange(tree.size + 1) == 0)  # the root needs no test
     ancestors = mx.array(tree.ancestor_mask)
     on_path = mx.all(mx.where(ancestors, ok[None, :], True), axis=1)  # the whole path is accepted
-    path_logprob = mx.where(ancestors, mx.where(mx.arange(tree.size + 1) == 0, 0.0, node_logprob)[None, :], 0.0).sum(1)
+    path_logprob = mx.where(
+        ancestors, mx.where(mx.arange(tree.size + 1) == 0, 0.0, node_logprob)[None, :], 0.0
+    ).sum(1)
     score = mx.where(on_path, mx.array(tree.depths) * 1e4 + path_logprob, -mx.inf)
     best = mx.argmax(score)
     kept = ancestors[best]  # [N + 1]: nodes on the winning path

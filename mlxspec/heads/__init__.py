@@ -1,1 +1,2 @@
-"""Draft-head models and their checkpoint formats (EAGLE, Medusa); drafting with them is in ``mlxspec.drafters``."""
+"""Draft-head models and their checkpoint formats (EAGLE, Medusa); drafting with them is in
+``mlxspec.drafters``."""

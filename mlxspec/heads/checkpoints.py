@@ -21,7 +21,8 @@ from ..core.taps import model_body
 
 
 def local_or_hub(spec: str, allow_patterns: list[str], missing: str) -> Path:
-    """A local folder or file, or a Hugging Face repo id fetched with ``huggingface_hub`` (``allow_patterns`` only).
+    """A local folder or file, or a Hugging Face repo id fetched with ``huggingface_hub`` (``allow_patterns``
+    only).
 
     Args:
         spec: A path or a repo id.
@@ -49,14 +50,17 @@ def load_safetensors(path: Path) -> dict:
     try:
         return mx.load(str(path))
     except (RuntimeError, OSError):  # MLX's own message names its reader, not the problem
-        raise ValueError(f"{path} is not a readable safetensors file: it is cut off or another kind of file") from None
+        raise ValueError(
+            f"{path} is not a readable safetensors file: it is cut off or another kind of file"
+        ) from None
 
 
 def read_config(path: Path) -> dict:
     """A checkpoint's ``config.json`` (or another JSON object, such as a safetensors index) as a dict.
 
     Raises:
-        ValueError: a file that is not JSON (cut off, or another kind of file) or not a JSON object, naming it.
+        ValueError: a file that is not JSON (cut off, or another kind of file) or not a JSON object,
+            naming it.
     """
     try:
         config = json.loads(path.read_text())
@@ -71,14 +75,17 @@ def _names(keys: list[str], most: int) -> str:
     return ", ".join(keys[:most]) + (" ..." if len(keys) > most else "")
 
 
-def check_tensors(module: nn.Module, weights: dict, source: str, *, lacks: str, extra: str, most: int = 3) -> None:
+def check_tensors(
+    module: nn.Module, weights: dict, source: str, *, lacks: str, extra: str, most: int = 3
+) -> None:
     """Refuse weights whose names or shapes differ from ``module``'s parameters (one line each).
 
     Args:
         module: The freshly built head; its parameters are the layout.
         weights: Name -> array, as read from the checkpoint.
         source: The checkpoint, as the error names it (``"DFlash drafter PATH"``).
-        lacks: Completes ``"{source} lacks {names} …"`` (e.g. ``"of the EAGLE-3 layout; is it an EAGLE head?"``).
+        lacks: Completes ``"{source} lacks {names} …"`` (e.g. ``"of the EAGLE-3 layout; is it an EAGLE
+            head?"``).
         extra: Completes ``"{source} has unexpected {names} …"``.
         most: Names listed before `` ...``. Default: ``3``.
 
@@ -94,12 +101,15 @@ def check_tensors(module: nn.Module, weights: dict, source: str, *, lacks: str, 
         raise ValueError(f"{source} has unexpected {_names(unexpected, most)} {extra}")
     for key, value in weights.items():
         if tuple(value.shape) != tuple(expected[key].shape):
-            raise ValueError(f"{source}: tensor {key} has shape {tuple(value.shape)} but its config.json implies "
-                             f"{tuple(expected[key].shape)}; the config and weights disagree")
+            raise ValueError(
+                f"{source}: tensor {key} has shape {tuple(value.shape)} but its config.json implies "
+                f"{tuple(expected[key].shape)}; the config and weights disagree"
+            )
 
 
 def embedding_dtype(target: nn.Module | None) -> mx.Dtype:
-    """The float dtype a head takes by default: the target's embedding (its scales when quantized), else float32."""
+    """The float dtype a head takes by default: the target's embedding (its scales when quantized), else
+    float32."""
     if target is None:
         return mx.float32
     emb = model_body(target).embed_tokens

@@ -32,12 +32,21 @@ from mlx_lm.models.rope_utils import initialize_rope
 
 from ..core.taps import logits_width, model_body
 from ..loading.weights import one_line
-from .checkpoints import check_tensors, embedding_dtype, load_safetensors, local_or_hub, read_config, write_checkpoint
+from .checkpoints import (
+    check_tensors,
+    embedding_dtype,
+    load_safetensors,
+    local_or_hub,
+    read_config,
+    write_checkpoint,
+)
 
 DEFAULT_BLOCK_SIZE = 16
 #: How an error about a file that holds no usable DFlash drafter ends: what to pass instead.
-PASS_DFLASH = ("pass a DFlash drafter instead: a folder with config.json and model.safetensors (as 'mlxspec train "
-               "dflash' writes) or a Hugging Face repo id")
+PASS_DFLASH = (
+    "pass a DFlash drafter instead: a folder with config.json and model.safetensors (as 'mlxspec train "
+    "dflash' writes) or a Hugging Face repo id"
+)
 #: Sizes a config must give as whole numbers of at least 1 (when it gives them).
 _SIZES = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
           "num_target_layers", "block_size", "num_key_value_heads", "head_dim", "max_position_embeddings")
@@ -131,8 +140,10 @@ class DFlashConfig:
         if "rope_theta" not in config and "rope_theta" in rope:
             flat["rope_theta"] = rope["rope_theta"]
         if any(t != "full_attention" for t in config.get("layer_types") or ()) or extra.get("causal"):
-            raise ValueError("this DFlash drafter has sliding-window or causal layers, which mlxspec does not run; "
-                             "use a drafter with full bidirectional attention (z-lab's first layout)")
+            raise ValueError(
+                "this DFlash drafter has sliding-window or causal layers, which mlxspec does not run; "
+                "use a drafter with full bidirectional attention (z-lab's first layout)"
+            )
         if extra.get("projector_type", "dflash") != "dflash" or extra.get("selector_rank"):
             raise ValueError(f"DFlash variant {extra.get('projector_type') or 'DFlash2'!r} is not supported; "
                              "use a plain DFlashDraftModel checkpoint")
@@ -141,21 +152,27 @@ class DFlashConfig:
         missing = [k for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                                "vocab_size", "num_target_layers", "mask_token_id") if k not in kwargs]
         if missing:
-            raise ValueError(f"DFlash config lacks {', '.join(missing)}; is this a DFlash drafter's config.json?")
+            raise ValueError(
+                f"DFlash config lacks {', '.join(missing)}; is this a DFlash drafter's config.json?"
+            )
         _check_numbers(kwargs)
         return cls(**kwargs)
 
     def to_dict(self) -> dict:
         """``config.json`` in z-lab's first layout (what their loaders and ours read)."""
         out = {f.name: getattr(self, f.name) for f in fields(self)}
-        extra = {"mask_token_id": out.pop("mask_token_id"), "target_layer_ids": list(out.pop("target_layer_ids"))}
+        extra = {
+            "mask_token_id": out.pop("mask_token_id"),
+            "target_layer_ids": list(out.pop("target_layer_ids")),
+        }
         window = out.pop("context_window")
         extra.update({"context_window": window} if window else {})
         return {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", **out, "dflash_config": extra}
 
 
 def _check_numbers(kwargs: dict) -> None:
-    """Refuse sizes and ids that are not whole numbers (``"big"``, ``0``, ``2.5``) before they reach a layer."""
+    """Refuse sizes and ids that are not whole numbers (``"big"``, ``0``, ``2.5``) before they reach a
+    layer."""
     whole = lambda v, least: isinstance(v, int) and not isinstance(v, bool) and v >= least  # noqa: E731
     for key, value in kwargs.items():
         least = 0 if key in ("mask_token_id", "context_window") else 1
@@ -183,8 +200,13 @@ class DFlashAttention(nn.Module):
         self.o_proj = nn.Linear(nh * hd, H, bias=bias)
         self.q_norm = nn.RMSNorm(hd, eps=config.rms_norm_eps)
         self.k_norm = nn.RMSNorm(hd, eps=config.rms_norm_eps)
-        self.rope = initialize_rope(hd, base=config.rope_theta, traditional=False, scaling_config=config.rope_scaling,
-                                    max_position_embeddings=config.max_position_embeddings)
+        self.rope = initialize_rope(
+            hd,
+            base=config.rope_theta,
+            traditional=False,
+            scaling_config=config.rope_scaling,
+            max_position_embeddings=config.max_position_embeddings,
+        )
 
     def _heads(self, x: mx.array, proj, n: int, norm=None) -> mx.array:
         B, T, _ = x.shape
@@ -211,9 +233,11 @@ class DFlashAttention(nn.Module):
                 k_ctx, v_ctx = cache.update_and_fetch(k_ctx, v_ctx)  # committed context only
         if self.window and cache is not None:
             k_ctx, v_ctx = k_ctx[..., -self.window :, :], v_ctx[..., -self.window :, :]
-        keys = mx.concatenate([mx.broadcast_to(k_ctx, (Nb, *k_ctx.shape[1:])), k], axis=2)  # [Nb, nkv, S + B, hd]
+        # [Nb, nkv, S + B, hd]
+        keys = mx.concatenate([mx.broadcast_to(k_ctx, (Nb, *k_ctx.shape[1:])), k], axis=2)
         values = mx.concatenate([mx.broadcast_to(v_ctx, (Nb, *v_ctx.shape[1:])), v], axis=2)
-        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)  # [Nb, nh, B, hd]
+        # [Nb, nh, B, hd]
+        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(Nb, B, -1))
 
 
@@ -252,13 +276,16 @@ class DFlashNet(nn.Module):
         """The fused context: hidden_norm(fc(f)), [..., K H] -> [..., H] (K target layers concatenated)."""
         return self.hidden_norm(self.fc(features.astype(self.fc.weight.dtype)))
 
-    def __call__(self, embeds: mx.array, context: mx.array, cache=None, block_offset=0, mask=None) -> mx.array:
+    def __call__(
+        self, embeds: mx.array, context: mx.array, cache=None, block_offset=0, mask=None
+    ) -> mx.array:
         """The drafter layers over blocks: final-normed hidden states.
 
         Args:
             embeds (mx.array): The blocks' token embeddings (the target's), [Nb, B, H].
             context (mx.array | None): Fused features (``fuse``), [1, S, H], at positions ``cache.offset``
-                (0 without a cache) onwards; with a cache they are appended to it. ``None``: the cache's alone.
+                (0 without a cache) onwards; with a cache they are appended to it. ``None``: the cache's
+                alone.
             cache: One mlx-lm ``KVCache`` per drafter layer (context keys/values only), or ``None``.
             block_offset: Position of each block's anchor, an int or [Nb] int32.
             mask: Bool [Nb, 1, B, S_total + B]: which context positions and block positions each block
@@ -338,12 +365,16 @@ def check_fits(config: DFlashConfig, target: nn.Module, source: str = "DFlash dr
     if config.vocab_size != V:
         raise ValueError(f"{source} has vocabulary {config.vocab_size} but the target's is {V}; {fix}")
     if config.num_target_layers != N:
-        raise ValueError(f"{source} was trained for a target of {config.num_target_layers} decoder layers but this "
-                         f"target has {N}; {fix}")
+        raise ValueError(
+            f"{source} was trained for a target of {config.num_target_layers} decoder layers but this "
+            f"target has {N}; {fix}"
+        )
     bad = [i for i in config.target_layer_ids if not 0 <= i < N]
     if bad:
-        raise ValueError(f"{source} reads target layers {list(config.target_layer_ids)} but the target has layers "
-                         f"0..{N - 1}; {fix}")
+        raise ValueError(
+            f"{source} reads target layers {list(config.target_layer_ids)} but the target has layers "
+            f"0..{N - 1}; {fix}"
+        )
     if not 0 <= config.mask_token_id < rows:
         raise ValueError(f"{source} masks with token id {config.mask_token_id} but the target embeds ids "
                          f"0..{rows - 1}; {fix}")
@@ -365,9 +396,19 @@ def load_dflash(spec: str | Path, target: nn.Module | None = None, dtype=None) -
         ValueError: an unsupported variant, config and tensors that disagree, or a drafter that does
             not fit the target (both sizes named).
     """
-    return load_block_drafter(spec, target, dtype, DFlashConfig.from_dict, DFlashNet, "DFlash drafter",
-                              lambda c: f"for a {c.num_hidden_layers}-layer DFlashDraftModel; are its config.json and "
-                                        "weights from the same checkpoint?", PASS_DFLASH)
+    return load_block_drafter(
+        spec,
+        target,
+        dtype,
+        DFlashConfig.from_dict,
+        DFlashNet,
+        "DFlash drafter",
+        lambda c: (
+            f"for a {c.num_hidden_layers}-layer DFlashDraftModel; are its config.json and "
+            "weights from the same checkpoint?"
+        ),
+        PASS_DFLASH,
+    )
 
 
 def load_block_drafter(spec: str | Path, target: nn.Module | None, dtype, parse_config, make_net, name: str,
@@ -413,4 +454,6 @@ def save_dflash(net: DFlashNet, folder: str | Path, extra_config: dict | None = 
         folder: Created if missing.
         extra_config: More ``config.json`` entries (e.g. a training record). Default: none.
     """
-    write_checkpoint(folder, dict(tree_flatten(net.parameters())), {**net.config.to_dict(), **(extra_config or {})})
+    write_checkpoint(
+        folder, dict(tree_flatten(net.parameters())), {**net.config.to_dict(), **(extra_config or {})}
+    )

@@ -31,12 +31,15 @@ from .checkpoints import write_checkpoint
 from .dflash import DFlashConfig, DFlashNet, load_block_drafter
 
 #: How an error about a file that holds no usable DSpark drafter ends: what to pass instead.
-PASS_DSPARK = ("pass a DSpark drafter instead: a folder with config.json and model.safetensors (as 'mlxspec train "
-               "dspark' writes) or a Hugging Face repo id")
+PASS_DSPARK = (
+    "pass a DSpark drafter instead: a folder with config.json and model.safetensors (as 'mlxspec train "
+    "dspark' writes) or a Hugging Face repo id"
+)
 
 
 #: DSpark fields DeepSpec's ``build_draft_config`` puts at the top of ``config.json`` (the published layout
-#: nests them in ``dflash_config``); DeepSpec's row layout is ``sample_from_anchor``'s (row j − 1 scores draft j).
+#: nests them in ``dflash_config``); DeepSpec's row layout is ``sample_from_anchor``'s (row j − 1 scores draft
+#: j).
 _DEEPSPEC_FIELDS = ("block_size", "mask_token_id", "target_layer_ids", "markov_rank", "markov_head_type",
                     "enable_confidence_head", "confidence_head_with_markov")
 
@@ -76,36 +79,57 @@ class DSparkConfig:
         """
         extra = config.get("dflash_config") or {}
         if not isinstance(extra, dict):
-            raise ValueError("DSpark config's dflash_config must be a JSON object; is this a DSpark drafter's config.json?")
-        if "markov_rank" not in extra and "markov_rank" in config:  # DeepSpec's own save: the fields at the top
+            raise ValueError(
+                "DSpark config's dflash_config must be a JSON object; is this a DSpark drafter's config.json?"
+            )
+        # DeepSpec's own save: the fields at the top
+        if "markov_rank" not in extra and "markov_rank" in config:
             extra = {**{k: config[k] for k in _DEEPSPEC_FIELDS if k in config}, **extra}
-        if extra.get("projector_type") != "dspark" and not any("DSpark" in a for a in config.get("architectures") or ()):
-            raise ValueError("this config.json is not a DSpark drafter's (no dflash_config.projector_type 'dspark'); "
-                             "for a DFlash drafter use --drafter dflash")
+        if extra.get("projector_type") != "dspark" and not any(
+            "DSpark" in a for a in config.get("architectures") or ()
+        ):
+            raise ValueError(
+                "this config.json is not a DSpark drafter's (no dflash_config.projector_type 'dspark'); "
+                "for a DFlash drafter use --drafter dflash"
+            )
         if extra.get("markov_head_type", "vanilla") != "vanilla":
-            raise ValueError(f"DSpark Markov head {extra['markov_head_type']!r} is not supported; use a 'vanilla' one")
+            raise ValueError(
+                f"DSpark Markov head {extra['markov_head_type']!r} is not supported; use a 'vanilla' one"
+            )
         if config.get("dspark_bonus_anchor") or extra.get("dspark_bonus_anchor"):
             raise ValueError("DSpark checkpoints with the bonus anchor inside the block are not supported")
         if "markov_rank" not in extra:
             raise ValueError("DSpark config lacks dflash_config.markov_rank")
         rank = extra["markov_rank"]
         if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
-            raise ValueError(f"DSpark config gives dflash_config.markov_rank = {rank!r}, not a whole number of at "
-                             "least 1; is this a DSpark drafter's config.json?")
+            raise ValueError(
+                f"DSpark config gives dflash_config.markov_rank = {rank!r}, not a whole number of at "
+                "least 1; is this a DSpark drafter's config.json?"
+            )
         backbone = copy.deepcopy(config)
         backbone["dflash_config"] = {k: v for k, v in extra.items() if k not in ("projector_type",)}
-        return cls(DFlashConfig.from_dict(backbone), rank,
-                   bool(extra.get("enable_confidence_head", False)),
-                   bool(extra.get("confidence_head_with_markov", True)), bool(extra.get("sample_from_anchor", True)))
+        return cls(
+            DFlashConfig.from_dict(backbone),
+            rank,
+            bool(extra.get("enable_confidence_head", False)),
+            bool(extra.get("confidence_head_with_markov", True)),
+            bool(extra.get("sample_from_anchor", True)),
+        )
 
     def to_dict(self) -> dict:
         """``config.json`` in the published layout."""
         out = self.backbone.to_dict()
         out["architectures"] = ["DSparkDraftModel"]
-        out["dflash_config"].update({
-            "projector_type": "dspark", "markov_rank": self.markov_rank, "markov_head_type": "vanilla",
-            "enable_confidence_head": self.confidence, "confidence_head_with_markov": self.confidence_with_markov,
-            "sample_from_anchor": self.sample_from_anchor})
+        out["dflash_config"].update(
+            {
+                "projector_type": "dspark",
+                "markov_rank": self.markov_rank,
+                "markov_head_type": "vanilla",
+                "enable_confidence_head": self.confidence,
+                "confidence_head_with_markov": self.confidence_with_markov,
+                "sample_from_anchor": self.sample_from_anchor,
+            }
+        )
         return out
 
 
@@ -132,7 +156,8 @@ class ConfidenceHead(nn.Module):
         self.proj = nn.Linear(hidden_size + (rank if with_markov else 0), 1, bias=True)
 
     def logits(self, hidden: mx.array, markov: mx.array) -> mx.array:
-        """The logit of c: hidden [.., H] and W1[x_prev] [.., r] -> [..] float32 (training uses it for a stable BCE)."""
+        """The logit of c: hidden [.., H] and W1[x_prev] [.., r] -> [..] float32 (training uses it for a
+        stable BCE)."""
         x = mx.concatenate([hidden, markov.astype(hidden.dtype)], axis=-1) if self.with_markov else hidden
         return self.proj(x)[..., 0].astype(mx.float32)
 
@@ -178,9 +203,19 @@ def load_dspark(spec: str | Path, target: nn.Module | None = None, dtype=None) -
         ValueError: not a DSpark config, an unsupported variant, config and tensors that disagree, or
             a drafter that does not fit the target (both sizes named).
     """
-    return load_block_drafter(spec, target, dtype, DSparkConfig.from_dict, DSparkNet, "DSpark drafter",
-                              lambda c: f"for its config.json (markov_rank {c.markov_rank}, confidence head "
-                                        f"{'on' if c.confidence else 'off'}); are they from the same checkpoint?", PASS_DSPARK)
+    return load_block_drafter(
+        spec,
+        target,
+        dtype,
+        DSparkConfig.from_dict,
+        DSparkNet,
+        "DSpark drafter",
+        lambda c: (
+            f"for its config.json (markov_rank {c.markov_rank}, confidence head "
+            f"{'on' if c.confidence else 'off'}); are they from the same checkpoint?"
+        ),
+        PASS_DSPARK,
+    )
 
 
 def save_dspark(net: DSparkNet, folder: str | Path) -> None:

@@ -63,8 +63,9 @@ class EagleConfig:
         norm_before_residual: EAGLE-3 variant whose residual is hidden_norm(h) instead of h.
         aux_layers: EAGLE-3 target layers whose INPUT residual stream is the feature (docs/heads.md 5.1
             convention "input to decoder layer idx"); ``None`` = (2, N // 2, N - 3) for N target layers.
-        draft_tree: The tree this head drafts by default, ``{"depth", "top_k", "total_tokens", "tree", "ngram"}``
-            (any subset; measured by whoever ships the head); flags override it. ``None`` = EAGLE-2's.
+        draft_tree: The tree this head drafts by default, ``{"depth", "top_k", "total_tokens", "tree",
+            "ngram"}`` (any subset; measured by whoever ships the head); flags override it. ``None`` =
+            EAGLE-2's.
     """
 
     hidden_size: int
@@ -143,10 +144,16 @@ class EagleConfig:
             kwargs["rope_theta"] = rope["rope_theta"]
         scaling = rope.get("rope_type") if isinstance(rope, dict) else None
         if scaling not in (None, "default"):
-            raise ValueError(f"EAGLE head with {scaling!r} RoPE scaling is not supported (mlxspec runs the draft "
-                             "layer with plain RoPE); use a head whose config has no rope scaling")
+            raise ValueError(
+                f"EAGLE head with {scaling!r} RoPE scaling is not supported (mlxspec runs the draft "
+                "layer with plain RoPE); use a head whose config has no rope scaling"
+            )
         kwargs.setdefault("rope_theta", DEFAULT_ROPE_THETA)
-        missing = [k for k in ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size") if k not in kwargs]
+        missing = [
+            k
+            for k in ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size")
+            if k not in kwargs
+        ]
         if missing:
             raise ValueError(f"EAGLE config lacks {', '.join(missing)}; is this an EAGLE head's config.json?")
         return cls(**kwargs)
@@ -301,7 +308,9 @@ def _read_weights(path: Path) -> tuple[dict, Path]:
         shards = sorted(path.glob("*.safetensors"))
         if shards:
             return {k: v for s in shards for k, v in load_safetensors(s).items()}, path
-        raise FileNotFoundError(f"no EAGLE weights in {path}: expected model.safetensors or pytorch_model.bin")
+        raise FileNotFoundError(
+            f"no EAGLE weights in {path}: expected model.safetensors or pytorch_model.bin"
+        )
     if not path.is_file():
         raise FileNotFoundError(f"no such EAGLE checkpoint: {path}")
     if path.suffix == ".safetensors":
@@ -337,7 +346,9 @@ def _infer_config(weights: dict, version: int, config: dict | None) -> EagleConf
     base.setdefault("intermediate_size", weights[f"{layer}.mlp.gate_proj.weight"].shape[0])
     if "t2d" in weights:
         base["vocab_size"] = weights["t2d"].shape[0]
-    if "num_attention_heads" not in base and "num_attention_heads" not in base.get("transformer_layer_config", {}):
+    if "num_attention_heads" not in base and "num_attention_heads" not in base.get(
+        "transformer_layer_config", {}
+    ):
         raise ValueError("the EAGLE checkpoint has no config.json giving num_attention_heads; "
                          "put the head's config.json beside its weights")
     if version == 3:
@@ -351,7 +362,9 @@ def _infer_config(weights: dict, version: int, config: dict | None) -> EagleConf
     return EagleConfig.from_dict(base, version=version)
 
 
-def check_fits(config: EagleConfig, target_hidden: int, target_vocab: int, source: str = "EAGLE head") -> None:
+def check_fits(
+    config: EagleConfig, target_hidden: int, target_vocab: int, source: str = "EAGLE head"
+) -> None:
     """Refuse a head whose hidden size or vocabulary does not fit the target.
 
     Raises:
@@ -452,4 +465,6 @@ def eagle_folder(spec: str) -> Path:
         FileNotFoundError: a path that does not exist and does not look like a repo id.
         ValueError: a repo that cannot be fetched.
     """
-    return local_or_hub(spec, ["*.json", "*.safetensors", "pytorch_model.bin"], "no such EAGLE head folder or file")
+    return local_or_hub(
+        spec, ["*.json", "*.safetensors", "pytorch_model.bin"], "no such EAGLE head folder or file"
+    )

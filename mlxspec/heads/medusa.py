@@ -21,8 +21,10 @@ from ..loading.weights import one_line
 from .checkpoints import load_safetensors, local_or_hub, write_checkpoint
 
 #: How every error about a file that holds no usable Medusa heads ends: what to pass instead.
-PASS_HEADS = ("pass Medusa heads instead: a folder with medusa_lm_head.safetensors (as 'mlxspec train medusa' "
-              "writes), that file, or a Hugging Face repo id")
+PASS_HEADS = (
+    "pass Medusa heads instead: a folder with medusa_lm_head.safetensors (as 'mlxspec train medusa' "
+    "writes), that file, or a Hugging Face repo id"
+)
 
 
 @dataclass(frozen=True)
@@ -118,7 +120,9 @@ def config_from_weights(weights: dict, *, hidden_size: int, vocab_size: int) -> 
     Raises:
         ValueError: if no Medusa tensors are present.
     """
-    blocks = {tuple(map(int, m.groups())) for k in weights if (m := re.match(r"^(\d+)\.(\d+)\.linear\.weight$", k))}
+    blocks = {
+        tuple(map(int, m.groups())) for k in weights if (m := re.match(r"^(\d+)\.(\d+)\.linear\.weight$", k))
+    }
     if not blocks:
         raise ValueError("no Medusa head tensors ('{k}.{l}.linear.weight') found in the checkpoint")
     num_heads = 1 + max(k for k, _ in blocks)
@@ -152,17 +156,23 @@ def load_medusa(path: str | Path, *, hidden_size: int, vocab_size: int) -> Medus
     # keep the head tensors only: training checkpoints may carry other entries
     weights = {k: v for k, v in _from_vllm(raw).items() if re.match(r"^\d+\.\d+\.", k)}
     if not weights:
-        raise ValueError(f"{path} holds no Medusa head tensors (names such as '0.0.linear.weight'); {PASS_HEADS}")
+        raise ValueError(
+            f"{path} holds no Medusa head tensors (names such as '0.0.linear.weight'); {PASS_HEADS}"
+        )
     config = config_from_weights(weights, hidden_size=hidden_size, vocab_size=vocab_size)
     found_h = weights["0.0.linear.weight"].shape[1]
     if found_h != hidden_size:
-        raise ValueError(f"Medusa heads in {path} have hidden size {found_h} but the target has {hidden_size}; "
-                         "use heads trained for this target")
+        raise ValueError(
+            f"Medusa heads in {path} have hidden size {found_h} but the target has {hidden_size}; "
+            "use heads trained for this target"
+        )
     if not config.shared_lm_head:
         found_v = weights[f"0.{config.medusa_num_layers}.weight"].shape[0]
         if found_v != vocab_size:
-            raise ValueError(f"Medusa heads in {path} have vocabulary {found_v} but the target has {vocab_size}; "
-                             "use heads trained for this target")
+            raise ValueError(
+                f"Medusa heads in {path} have vocabulary {found_v} but the target has {vocab_size}; "
+                "use heads trained for this target"
+            )
     heads = MedusaHeads(config)
     heads.load_weights([(f"heads.{k}", v.astype(mx.float32)) for k, v in weights.items()], strict=True)
     mx.eval(heads.parameters())
@@ -190,7 +200,12 @@ def medusa_folder(spec: str) -> Path:
 
 def _read_weights(path: Path) -> dict:
     if path.is_dir():
-        for name in ("medusa_lm_head.safetensors", "model.safetensors", "medusa_lm_head.pt", "pytorch_model.bin"):
+        for name in (
+            "medusa_lm_head.safetensors",
+            "model.safetensors",
+            "medusa_lm_head.pt",
+            "pytorch_model.bin",
+        ):
             if (path / name).is_file():
                 return _read_weights(path / name)
         raise FileNotFoundError(f"no Medusa weights in {path}: expected medusa_lm_head.safetensors "

@@ -39,7 +39,9 @@ from .checkpoints import load_safetensors, read_config
 
 TRAIN_COMMAND = "mlxspec train mtp --model TARGET --corpus CORPUS -o DIR"
 #: How an error about a file that holds no usable MTP layers ends: what to pass instead.
-PASS_MTP = "pass --mtp-weights with the folder of a model that ships MTP layers or of one 'mlxspec train mtp' wrote"
+PASS_MTP = (
+    "pass --mtp-weights with the folder of a model that ships MTP layers or of one 'mlxspec train mtp' wrote"
+)
 #: ``config.json`` fields that must be whole numbers when given.
 _COUNTS = ("num_hidden_layers", "num_nextn_predict_layers", "mtp_num_hidden_layers", "draft_depth")
 
@@ -94,7 +96,9 @@ class MTPModule(nn.Module):
         if vocab_size is not None:
             self.head = nn.Linear(hidden_size, vocab_size, bias=False)
 
-    def __call__(self, hidden: mx.array, tokens: mx.array, embed, cache=None, mask=None, raw: bool = False) -> mx.array:
+    def __call__(
+        self, hidden: mx.array, tokens: mx.array, embed, cache=None, mask=None, raw: bool = False
+    ) -> mx.array:
         """Normed output [B, T, H] (``raw``: before the final norm) for features ``hidden`` [B, T, H] and the
         next tokens [B, T] int32.
 
@@ -167,7 +171,9 @@ def new_block(target: nn.Module) -> nn.Module:
     layers = [layer.inner if isinstance(layer, _Recorder) else layer for layer in body.layers]
     cls, args = type(layers[-1]), getattr(target, "args", None)
     if args is None:
-        raise ValueError(f"{type(target).__name__} has no mlx-lm args; MTP drafting needs an mlx-lm decoder model")
+        raise ValueError(
+            f"{type(target).__name__} has no mlx-lm args; MTP drafting needs an mlx-lm decoder model"
+        )
     index = len(layers)
     if not all(hasattr(layer, "self_attn") for layer in layers):  # hybrid (Qwen3-Next/3.5): the MTP block is
         index = max(i for i, layer in enumerate(layers) if hasattr(layer, "self_attn"))  # full attention
@@ -256,14 +262,17 @@ def _read(folder: Path, wanted) -> dict[str, mx.array]:
 
 
 def _deepseek_prefixes(config: dict, keys, folder: Path) -> list[str]:
-    """``model.layers.{N + i}.`` for each MTP layer present (``num_nextn_predict_layers`` of them when set)."""
+    """``model.layers.{N + i}.`` for each MTP layer present (``num_nextn_predict_layers`` of them when
+    set)."""
     N, count = config.get("num_hidden_layers"), int(config.get("num_nextn_predict_layers") or 0)
     found = []
     while N is not None and f"model.layers.{N + len(found)}.eh_proj.weight" in keys:
         found.append(f"model.layers.{N + len(found)}.")
     if 0 < len(found) < count:
-        raise ValueError(f"{folder}/config.json says num_nextn_predict_layers = {count} but the safetensors hold "
-                         f"{len(found)} MTP layer(s); is the download complete?")
+        raise ValueError(
+            f"{folder}/config.json says num_nextn_predict_layers = {count} but the safetensors hold "
+            f"{len(found)} MTP layer(s); is the download complete?"
+        )
     return found[:count] if count else found
 
 
@@ -277,7 +286,9 @@ def _canonical(raw: dict[str, mx.array], layout: str, prefix: str, num_blocks: i
                     "pre_fc_norm_hidden.weight": "hnorm.weight"}.get(rest, rest)
             rest = re.sub(r"^layers\.(\d+)\.", r"blocks.\1.", rest)
         else:
-            rest = {"shared_head.norm.weight": "norm.weight", "shared_head.head.weight": "head.weight"}.get(rest, rest)
+            rest = {"shared_head.norm.weight": "norm.weight", "shared_head.head.weight": "head.weight"}.get(
+                rest, rest
+            )
             if not re.match(r"(enorm|hnorm|eh_proj|norm|head|embed_tokens)\.", rest):
                 rest = "blocks.0." + rest
         out[rest] = value
@@ -296,8 +307,11 @@ def _sanitize_blocks(target: nn.Module, weights: dict[str, mx.array], num_blocks
             if k.startswith("model.layers.0."):
                 out[head + k[len("model.layers.0."):]] = v
     # the module's own norms as the target's final norm: a family whose checkpoints store zero-centred norms
-    # (Qwen3-Next: w - 1) has its sanitize add the 1 back, to these as to the block's (found by test_parity_mtp)
-    first = {"model.layers.0." + k[len("blocks.0."):]: v for k, v in weights.items() if k.startswith("blocks.0.")}
+    # (Qwen3-Next: w - 1) has its sanitize add the 1 back, to these as to the block's (found by
+    # test_parity_mtp)
+    first = {
+        "model.layers.0." + k[len("blocks.0.") :]: v for k, v in weights.items() if k.startswith("blocks.0.")
+    }
     for name in ("enorm.weight", "hnorm.weight", "norm.weight"):
         if name in out:
             out[name] = target.sanitize({**first, "model.norm.weight": out[name]})["model.norm.weight"]
@@ -305,8 +319,10 @@ def _sanitize_blocks(target: nn.Module, weights: dict[str, mx.array], num_blocks
 
 
 def _missing_error(source: str) -> ValueError:
-    return ValueError(f"{source} holds no MTP layers (no model.layers.{{num_hidden_layers}}.eh_proj or mtp.* "
-                      f"tensors); pass --mtp-weights with a checkpoint that has them, or train a module: {TRAIN_COMMAND}")
+    return ValueError(
+        f"{source} holds no MTP layers (no model.layers.{{num_hidden_layers}}.eh_proj or mtp.* "
+        f"tensors); pass --mtp-weights with a checkpoint that has them, or train a module: {TRAIN_COMMAND}"
+    )
 
 
 def load_mtp(path: str | Path, target: nn.Module, dtype=None) -> MTPStack:
@@ -328,8 +344,10 @@ def load_mtp(path: str | Path, target: nn.Module, dtype=None) -> MTPStack:
     """
     folder = Path(path).expanduser()
     if not (folder / "config.json").is_file():
-        raise FileNotFoundError(f"{folder} has no config.json; pass the folder of a model with MTP layers or one "
-                                f"'mlxspec train mtp' wrote")
+        raise FileNotFoundError(
+            f"{folder} has no config.json; pass the folder of a model with MTP layers or one "
+            f"'mlxspec train mtp' wrote"
+        )
     try:
         config = _config(folder)
         raw = _read(folder, _is_mtp_key(config))
@@ -344,11 +362,20 @@ def load_mtp(path: str | Path, target: nn.Module, dtype=None) -> MTPStack:
     if not prefixes or num_blocks < 1:
         raise _missing_error(str(folder))
     own_head = all(f"{p}shared_head.head.weight" in raw for p in prefixes) and layout == "deepseek"
-    stack_config = MTPConfig(layout, len(prefixes), num_blocks, target.args.hidden_size, own_head, str(folder),
-                             config.get("draft_depth"))
+    stack_config = MTPConfig(
+        layout,
+        len(prefixes),
+        num_blocks,
+        target.args.hidden_size,
+        own_head,
+        str(folder),
+        config.get("draft_depth"),
+    )
     modules = []
     for prefix in prefixes:
-        weights = _canonical({k: v for k, v in raw.items() if k.startswith(prefix)}, layout, prefix, num_blocks)
+        weights = _canonical(
+            {k: v for k, v in raw.items() if k.startswith(prefix)}, layout, prefix, num_blocks
+        )
         weights.pop("embed_tokens.weight", None)  # DeepSeek/GLM duplicate the target's embedding
         weights = _sanitize_blocks(target, weights, num_blocks)
         published = layout == "deepseek" and not config.get("mlxspec_mtp", False)  # save_mtp marks ours
@@ -363,10 +390,13 @@ def load_mtp(path: str | Path, target: nn.Module, dtype=None) -> MTPStack:
 
 
 def _fill(module: MTPModule, weights: dict[str, mx.array], prefix: str, folder: Path) -> MTPModule:
-    """Load ``weights`` into ``module`` (quantized first where the checkpoint is), naming what does not fit."""
+    """Load ``weights`` into ``module`` (quantized first where the checkpoint is), naming what does not
+    fit."""
     if any(k.endswith("_scale_inv") for k in weights):
-        raise ValueError(f"the MTP layer {prefix}* in {folder} is FP8 and this target's mlx-lm class does not "
-                         "dequantize it; convert the checkpoint to bfloat16 first")
+        raise ValueError(
+            f"the MTP layer {prefix}* in {folder} is FP8 and this target's mlx-lm class does not "
+            "dequantize it; convert the checkpoint to bfloat16 first"
+        )
     quantized = {k[: -len(".scales")] for k in weights if k.endswith(".scales")}
     if quantized:
         bits_groups = _quantization(folder)
@@ -378,8 +408,10 @@ def _fill(module: MTPModule, weights: dict[str, mx.array], prefix: str, folder: 
                          f"{' ...' if len(missing) > 4 else ''}; is the checkpoint complete?")
     for name, value in have.items():
         if weights[name].shape != value.shape:
-            raise ValueError(f"MTP tensor {prefix}{name} in {folder} has shape {tuple(weights[name].shape)} but this "
-                             f"target needs {tuple(value.shape)}; use MTP layers made for this target")
+            raise ValueError(
+                f"MTP tensor {prefix}{name} in {folder} has shape {tuple(weights[name].shape)} but this "
+                f"target needs {tuple(value.shape)}; use MTP layers made for this target"
+            )
     module.update(tree_unflatten([(k, weights[k]) for k in have]))
     return module
 
@@ -435,8 +467,10 @@ def read_draft_vocab(folder: Path, vocab_size: int) -> np.ndarray | None:
     ids = np.array(ids).astype(np.int64) if ids is not None else None
     if ids is None or ids.ndim != 1 or len(ids) == 0 or ids[0] < 0 or ids[-1] >= vocab_size \
             or np.any(np.diff(ids) <= 0):
-        raise ValueError(f"{path} must hold 'ids', distinct sorted token ids below this target's vocabulary of "
-                         f"{vocab_size}; delete it to draft from the whole vocabulary")
+        raise ValueError(
+            f"{path} must hold 'ids', distinct sorted token ids below this target's vocabulary of "
+            f"{vocab_size}; delete it to draft from the whole vocabulary"
+        )
     return ids.astype(np.int32)
 
 
@@ -462,15 +496,22 @@ def save_mtp(stack: MTPStack, folder: str | Path, target: nn.Module, extra: dict
     for i, module in enumerate(stack.chain):
         prefix = f"model.layers.{N + i}."
         for name, value in tree_flatten(module.parameters()):
-            name = {"norm.weight": "shared_head.norm.weight", "head.weight": "shared_head.head.weight"}.get(name, name)
+            name = {"norm.weight": "shared_head.norm.weight", "head.weight": "shared_head.head.weight"}.get(
+                name, name
+            )
             name = re.sub(r"^blocks\.0\.", "", name)
             weights[prefix + name] = value
     mx.save_safetensors(str(folder / "model.safetensors"), weights, metadata={"format": "mlx"})
-    args = {k: v for k, v in asdict(target.args).items() if isinstance(v, (int, float, str, bool, type(None)))} \
-        if hasattr(target.args, "__dataclass_fields__") else {}
+    args = (
+        {k: v for k, v in asdict(target.args).items() if isinstance(v, (int, float, str, bool, type(None)))}
+        if hasattr(target.args, "__dataclass_fields__")
+        else {}
+    )
     config = {**args, "num_hidden_layers": N, "num_nextn_predict_layers": len(stack.chain),
               "mlxspec_mtp": True, **(extra or {})}
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     draft_ids = draft_ids if draft_ids is not None else stack.draft_ids
     if draft_ids is not None:
-        mx.save_safetensors(str(folder / DRAFT_VOCAB_FILE), {"ids": mx.array(np.asarray(draft_ids), dtype=mx.int32)})
+        mx.save_safetensors(
+            str(folder / DRAFT_VOCAB_FILE), {"ids": mx.array(np.asarray(draft_ids), dtype=mx.int32)}
+        )

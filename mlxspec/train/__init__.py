@@ -23,7 +23,15 @@ from .dataset import (
 )
 from .features import Batch, FeatureCache, cache_dir_for, extract_features
 from .loop import EvalRecord, StepRecord, Task, TrainConfig, fit
-from .medusa import MedusaEvalRecord, MedusaTask, MedusaTrainConfig, evaluate, init_heads, medusa_loss, train_medusa
+from .medusa import (
+    MedusaEvalRecord,
+    MedusaTask,
+    MedusaTrainConfig,
+    evaluate,
+    init_heads,
+    medusa_loss,
+    train_medusa,
+)
 from .store import StoreProgress
 
 __all__ = [

@@ -128,8 +128,16 @@ def build_corpus(model: nn.Module, tokenizer, prompts: list[list[int]], director
             return
 
 
-def _answer_batch(model, tap: HiddenTap, lm_head, prompts: list[list[int]], eos: list[int], max_new_tokens: int,
-                  topk: int, aux_layers: tuple[int, ...]) -> dict[str, np.ndarray]:
+def _answer_batch(
+    model,
+    tap: HiddenTap,
+    lm_head,
+    prompts: list[list[int]],
+    eos: list[int],
+    max_new_tokens: int,
+    topk: int,
+    aux_layers: tuple[int, ...],
+) -> dict[str, np.ndarray]:
     """Greedy answers for one batch; returns the chunk's arrays."""
     B, longest = len(prompts), max(len(p) for p in prompts)
     padding = [longest - len(p) for p in prompts]
@@ -170,7 +178,8 @@ def _topk(logits: mx.array, k: int) -> tuple[mx.array, mx.array]:
         ids [..., k] (uint32) and log-probabilities [..., k] (float32), sorted by decreasing log-probability.
     """
     logits = logits.astype(mx.float32)
-    # log_softmax = logits - logsumexp; selecting on the logits is ~8x faster on a CPU than on log_softmax's output
+    # log_softmax = logits - logsumexp; selecting on the logits is ~8x faster on a CPU than on log_softmax's
+    # output
     best = mx.argpartition(-logits, kth=k - 1, axis=-1)[..., :k]
     best_logp = mx.take_along_axis(logits, best, axis=-1) - mx.logsumexp(logits, axis=-1, keepdims=True)
     order = mx.argsort(-best_logp, axis=-1)
@@ -189,7 +198,9 @@ def _read_batch(model, tap: HiddenTap, lm_head, prompts: list[list[int]], answer
         ids, logps = _topk(lm_head(hidden[L - 1 : n - 1]), topk)  # position L-1+s predicts answer[s]
         hidden, aux, logps = hidden.astype(mx.float16), aux.astype(mx.float16), logps.astype(mx.float16)
         mx.eval(hidden, aux, ids, logps)
-        examples.append(_example(prompt, answer, np.array(hidden), np.array(aux), np.array(ids), np.array(logps)))
+        examples.append(
+            _example(prompt, answer, np.array(hidden), np.array(aux), np.array(ids), np.array(logps))
+        )
     return _concatenate(examples)
 
 
@@ -228,7 +239,9 @@ def _pack(prompts, padding, eos, steps, hidden, aux, ids, logps) -> dict[str, np
             if int(token) in eos:
                 break
         n = len(prompt) + len(answer)
-        examples.append(_example(prompt, answer, hidden[i, pad : pad + n], aux[i, pad : pad + n], ids[i], logps[i]))
+        examples.append(
+            _example(prompt, answer, hidden[i, pad : pad + n], aux[i, pad : pad + n], ids[i], logps[i])
+        )
     return _concatenate(examples)
 
 

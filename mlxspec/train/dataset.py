@@ -63,7 +63,8 @@ class DataReport:
     skipped: Counter = field(default_factory=Counter)
 
     def summary(self) -> str:
-        """One line, e.g. ``"412 conversations, 200123 tokens (121000 assistant); 40 truncated; skipped: ..."``."""
+        """One line, e.g.
+        ``"412 conversations, 200123 tokens (121000 assistant); 40 truncated; skipped: ..."``."""
         skipped = ", ".join(f"{n} {why}" for why, n in self.skipped.most_common()) or "nothing"
         return (f"{self.conversations} conversations, {self.tokens} tokens ({self.masked_tokens} assistant); "
                 f"{self.truncated} truncated; skipped: {skipped}")
@@ -107,8 +108,10 @@ def _jsonl_conversation(line: str, where: str) -> Conversation:
         for m in record["messages"]:
             role = ROLES.get(m.get("role")) if isinstance(m, dict) else None
             if role is None or not isinstance(m.get("content"), str):
-                raise ValueError(f"{where}: each message needs a known 'role' ({', '.join(sorted(set(ROLES)))}) "
-                                 "and a string 'content'")
+                raise ValueError(
+                    f"{where}: each message needs a known 'role' ({', '.join(sorted(set(ROLES)))}) "
+                    "and a string 'content'"
+                )
             turns.append(Turn(role, m["content"]))
         return Conversation(str(record.get("id", where)), tuple(turns))
     conversation, problem = conversation_from_record(record)

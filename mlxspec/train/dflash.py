@@ -10,9 +10,10 @@ log-softmax (the distribution of token t + 1).
 
 - **Batches.** Whole examples are packed end to end into one context of at most ``batch_tokens``
   positions (RoPE is relative, so packing changes nothing once each block sees only its own
-  example, or only its last ``context_window`` positions); each example contributes up to ``anchors_per_example`` anchors, drawn by a generator
-  seeded with (seed, epoch, chunk, example), so a resumed run replays the same blocks. A block at
-  anchor a sees the context positions of its example before a, and its own B positions.
+  example, or only its last ``context_window`` positions); each example contributes up to
+  ``anchors_per_example`` anchors, drawn by a generator seeded with (seed, epoch, chunk, example), so a
+  resumed run replays the same blocks. A block at anchor a sees the context positions of its example before a,
+  and its own B positions.
 - **Loss.** Soft cross-entropy at every block position whose token is an answer token, against the
   target's stored top-K distribution renormalised; the drafter's softmax runs over the union of the
   batch's top-K ids (a sampled softmax, as for EAGLE-1 in ``train/eagle.py``: the 49k-wide LM head
@@ -40,12 +41,29 @@ import numpy as np
 from ..heads.dflash import DFlashConfig, DFlashNet, load_dflash, save_dflash
 from ..core.taps import logits_width, model_body, output_head
 from .eagle import lm_head_matrix, soft_ce
-from .features import FeatureCache, check_corpus_arrays, chunk_batches, chunk_spans, feature_scale, fold_feature_scale, folded_copy
+from .features import (
+    FeatureCache,
+    check_corpus_arrays,
+    chunk_batches,
+    chunk_spans,
+    feature_scale,
+    fold_feature_scale,
+    folded_copy,
+)
 from .loop import EpochPlans, EvalRecord, StepRecord, TrainConfig, fit
 
 #: Settings that must match to resume a run (with the loop's own).
-RESUME_KEYS = ("num_layers", "block_size", "anchors_per_example", "batch_tokens", "max_seq_length", "mask_token_id",
-               "position_decay", "max_steps", "context_window")
+RESUME_KEYS = (
+    "num_layers",
+    "block_size",
+    "anchors_per_example",
+    "batch_tokens",
+    "max_seq_length",
+    "mask_token_id",
+    "position_decay",
+    "max_steps",
+    "context_window",
+)
 
 
 @dataclass(frozen=True)
@@ -80,8 +98,15 @@ class DFlashTrainConfig(TrainConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        for name, least in (("num_layers", 1), ("block_size", 2), ("anchors_per_example", 1), ("batch_tokens", 1),
-                            ("max_seq_length", 3), ("mask_token_id", -1), ("context_window", 0)):
+        for name, least in (
+            ("num_layers", 1),
+            ("block_size", 2),
+            ("anchors_per_example", 1),
+            ("batch_tokens", 1),
+            ("max_seq_length", 3),
+            ("mask_token_id", -1),
+            ("context_window", 0),
+        ):
             if getattr(self, name) < least:
                 raise ValueError(f"{name.replace('_', '-')} must be >= {least}, got {getattr(self, name)}")
         if not 0 < self.position_decay <= 1:
@@ -114,11 +139,14 @@ def check_corpus(cache: FeatureCache, target: nn.Module | None = None) -> None:
         ValueError: another model made it, it lacks the layer features or soft labels, or one of its
             feature layers is the embedding (no target layer output).
     """
-    check_corpus_arrays(cache, target, {"tokens", "mask", "offsets", "greedy", "aux", "topk_ids", "topk_logprobs"},
-                        "DFlash")
+    check_corpus_arrays(
+        cache, target, {"tokens", "mask", "offsets", "greedy", "aux", "topk_ids", "topk_logprobs"}, "DFlash"
+    )
     if min(cache.manifest.get("aux_layers") or [0]) < 1:
-        raise ValueError(f"the corpus in {cache.directory} records the input of layer 0 (the embedding), which is "
-                         "no target layer's output; build it from a target with at least 4 layers")
+        raise ValueError(
+            f"the corpus in {cache.directory} records the input of layer 0 (the embedding), which is "
+            "no target layer's output; build it from a target with at least 4 layers"
+        )
 
 
 # --- batches of blocks -------------------------------------------------------------------------
@@ -206,8 +234,12 @@ def make_batch(arrays: dict, spans: list[tuple[int, int]], config: DFlashTrainCo
         for i in _anchors(arrays["mask"], s, length, config.anchors_per_example, rng):
             blocks.append([tokens[s + i]] + [mask_token_id] * (B - 1))
             anchors.append(packed + i)
-            visible.append((max(packed, packed + i - config.context_window) if config.context_window else packed,
-                            packed + i))
+            visible.append(
+                (
+                    max(packed, packed + i - config.context_window) if config.context_window else packed,
+                    packed + i,
+                )
+            )
             t, ok, target_greedy = _drafted(arrays, s + i, s + length, P)
             greedy.append(pad + np.where(ok & (target_greedy >= 0), target_greedy, -1).tolist())
             previous.append([0] * first_row + tokens[np.minimum(t, s + length) - 1].tolist())
@@ -220,9 +252,15 @@ def make_batch(arrays: dict, spans: list[tuple[int, int]], config: DFlashTrainCo
     labels = _soft_labels(arrays, np.array(label_at).reshape(Nb, P), first_row, B, config.position_decay)
     features = np.concatenate(feats).astype(np.float32)
     features = features / scale if scale is not None else features
-    return BlockBatch(mx.array(features[None]), mx.array(np.array(blocks, np.int32)),
-                      mx.array(np.array(anchors, np.int32)), mx.array(mask), *labels,
-                      np.array(greedy, np.int32).reshape(Nb, B), mx.array(np.array(previous, np.int32).reshape(Nb, B)))
+    return BlockBatch(
+        mx.array(features[None]),
+        mx.array(np.array(blocks, np.int32)),
+        mx.array(np.array(anchors, np.int32)),
+        mx.array(mask),
+        *labels,
+        np.array(greedy, np.int32).reshape(Nb, B),
+        mx.array(np.array(previous, np.int32).reshape(Nb, B)),
+    )
 
 
 def _drafted(arrays: dict, anchor: int, end: int, P: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -239,7 +277,10 @@ def _soft_labels(arrays: dict, label_at: np.ndarray, first_row: int, B: int, dec
     Nb, P = label_at.shape
     rows_grid = np.arange(Nb * B).reshape(Nb, B)[:, first_row:]
     sel = label_at >= 0
-    ids, probs = arrays["topk_ids"][label_at[sel]], np.exp(arrays["topk_logprobs"][label_at[sel]].astype(np.float32))
+    ids, probs = (
+        arrays["topk_ids"][label_at[sel]],
+        np.exp(arrays["topk_logprobs"][label_at[sel]].astype(np.float32)),
+    )
     ok = probs.sum(-1) > 0
     ids, probs = ids[ok], probs[ok] / probs[ok].sum(-1, keepdims=True)
     rows, position = rows_grid[sel][ok], np.nonzero(sel)[1][ok]  # position: j - 1
@@ -250,8 +291,17 @@ def _soft_labels(arrays: dict, label_at: np.ndarray, first_row: int, B: int, dec
             mx.array((decay**position).astype(np.float32)), mx.array(onehot)]
 
 
-def block_batches(cache: FeatureCache, plan, config: DFlashTrainConfig, mask_token_id: int, *, epoch: int,
-                  start: int = 0, first_row: int = 1, scale: np.ndarray | None = None) -> Iterator[BlockBatch]:
+def block_batches(
+    cache: FeatureCache,
+    plan,
+    config: DFlashTrainConfig,
+    mask_token_id: int,
+    *,
+    epoch: int,
+    start: int = 0,
+    first_row: int = 1,
+    scale: np.ndarray | None = None,
+) -> Iterator[BlockBatch]:
     """Materialise ``plan[start:]``, one chunk in memory at a time; anchors keyed by (seed, epoch, chunk)."""
     return chunk_batches(cache, plan[start:], lambda arrays, c, spans: make_batch(
         arrays, spans, config, mask_token_id, key=(config.seed, epoch, c), first_row=first_row, scale=scale))
@@ -326,15 +376,22 @@ def backbone_config(target: nn.Module, config: DFlashTrainConfig, aux_layers: li
     corpus's ``aux_layers`` (the inputs it recorded), with ``config``'s block size and mask id."""
     args, vocab = target.args, int(logits_width(target))
     return DFlashConfig(
-        hidden_size=args.hidden_size, intermediate_size=args.intermediate_size, num_hidden_layers=config.num_layers,
+        hidden_size=args.hidden_size,
+        intermediate_size=args.intermediate_size,
+        num_hidden_layers=config.num_layers,
         num_attention_heads=args.num_attention_heads,
         num_key_value_heads=getattr(args, "num_key_value_heads", None) or args.num_attention_heads,
-        head_dim=getattr(args, "head_dim", None), vocab_size=vocab, num_target_layers=len(model_body(target).layers),
-        target_layer_ids=tuple(int(i) - 1 for i in aux_layers), block_size=config.block_size,
+        head_dim=getattr(args, "head_dim", None),
+        vocab_size=vocab,
+        num_target_layers=len(model_body(target).layers),
+        target_layer_ids=tuple(int(i) - 1 for i in aux_layers),
+        block_size=config.block_size,
         mask_token_id=config.mask_token_id if config.mask_token_id >= 0 else vocab - 1,
-        rms_norm_eps=args.rms_norm_eps, rope_theta=float(getattr(args, "rope_theta", 10000.0)),
+        rms_norm_eps=args.rms_norm_eps,
+        rope_theta=float(getattr(args, "rope_theta", 10000.0)),
         max_position_embeddings=int(getattr(args, "max_position_embeddings", None) or 32768),
-        context_window=config.context_window)
+        context_window=config.context_window,
+    )
 
 
 class DFlashTask(EpochPlans):
@@ -367,11 +424,14 @@ class DFlashTask(EpochPlans):
         self.scale = feature_scale(train)
 
     def init(self) -> DFlashNet:
-        mx.random.seed(self.config.seed)  # the initial weights are a function of the settings, like the batches
+        # the initial weights are a function of the settings, like the batches
+        mx.random.seed(self.config.seed)
         return init_net(self.target, self.config, self.train.manifest["aux_layers"])
 
     def load(self, folder: Path) -> DFlashNet:
-        net = fold_feature_scale(load_dflash(folder, target=self.target, dtype=mx.float32), self.scale, unfold=True)
+        net = fold_feature_scale(
+            load_dflash(folder, target=self.target, dtype=mx.float32), self.scale, unfold=True
+        )
         net.train()
         return net
 
@@ -379,8 +439,15 @@ class DFlashTask(EpochPlans):
         save_dflash(folded_copy(net, lambda: DFlashNet(net.config), self.scale, dtype), folder)
 
     def batches(self, net, epoch: int, start: int) -> Iterator[BlockBatch]:
-        return block_batches(self.train, self._plan(epoch), self.config, self.mask_token_id, epoch=epoch, start=start,
-                             scale=self.scale)
+        return block_batches(
+            self.train,
+            self._plan(epoch),
+            self.config,
+            self.mask_token_id,
+            epoch=epoch,
+            start=start,
+            scale=self.scale,
+        )
 
     def loss(self, net: DFlashNet):
         return lambda batch: dflash_loss(net, batch, self.embed, self.lm_weight)
@@ -394,7 +461,9 @@ class DFlashTask(EpochPlans):
     def evaluate(self, net: DFlashNet) -> DFlashEvalRecord | None:
         if self.heldout is None:
             return None
-        return evaluate(net, self.embed, self.lm_head, self.heldout, self.config, self.mask_token_id, self.scale)
+        return evaluate(
+            net, self.embed, self.lm_head, self.heldout, self.config, self.mask_token_id, self.scale
+        )
 
 
 def train_dflash(target: nn.Module, train: FeatureCache, heldout: FeatureCache | None, output: str | Path,
@@ -410,7 +479,8 @@ def train_dflash(target: nn.Module, train: FeatureCache, heldout: FeatureCache |
 
     Yields:
         ``DFlashEvalRecord`` before training (fresh runs with held-out data) and after each epoch (a bare
-        ``EvalRecord`` without held-out data); ``StepRecord`` per step (``parts``: mean CE per block position).
+        ``EvalRecord`` without held-out data); ``StepRecord`` per step (``parts``: mean CE per block
+        position).
 
     Raises:
         ValueError: as ``DFlashTask`` and ``loop.fit``.

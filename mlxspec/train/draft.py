@@ -95,11 +95,16 @@ def draft_model_config(target: nn.Module, config: DraftTrainConfig) -> dict:
     if heads % kv_heads:
         raise ValueError(f"heads ({heads}) must be a multiple of kv-heads ({kv_heads})")
     if config.heads is not None and "head_dim" not in base and config.hidden % heads:
-        raise ValueError(f"hidden ({config.hidden}) must be a multiple of heads ({heads}) for {base['model_type']}")
+        raise ValueError(
+            f"hidden ({config.hidden}) must be a multiple of heads ({heads}) for {base['model_type']}"
+        )
     inter = config.intermediate_size
     if inter is None:
         inter = max(64, int(round(config.hidden * int(base["intermediate_size"]) / t_hidden / 64)) * 64)
-    out = {k: (v[: config.layers] if isinstance(v, list) and len(v) == num_layers else v) for k, v in base.items()}
+    out = {
+        k: (v[: config.layers] if isinstance(v, list) and len(v) == num_layers else v)
+        for k, v in base.items()
+    }
     out.update(hidden_size=config.hidden, num_hidden_layers=config.layers, num_attention_heads=heads,
                num_key_value_heads=kv_heads, intermediate_size=inter, tie_word_embeddings=True)
     if "head_dim" in base:
@@ -147,7 +152,9 @@ def target_embeddings(target: nn.Module) -> np.ndarray:
     """The target's input embedding matrix [V, D] in float32 (dequantized if needed)."""
     embed = model_body(target).embed_tokens
     vocab = int(target.args.vocab_size)
-    rows = [np.array(embed(mx.arange(i, min(i + 8192, vocab))).astype(mx.float32)) for i in range(0, vocab, 8192)]
+    rows = [
+        np.array(embed(mx.arange(i, min(i + 8192, vocab))).astype(mx.float32)) for i in range(0, vocab, 8192)
+    ]
     return np.concatenate(rows)
 
 
@@ -164,12 +171,16 @@ def init_draft(target: nn.Module, config: DraftTrainConfig) -> tuple[nn.Module, 
     mx.random.seed(config.seed)
     model = build_draft(model_config)
     model.set_dtype(mx.float32)
-    model_body(model).embed_tokens.weight = mx.array(project_embeddings(target_embeddings(target), config.hidden))
+    model_body(model).embed_tokens.weight = mx.array(
+        project_embeddings(target_embeddings(target), config.hidden)
+    )
     mx.eval(model.parameters())
     return model, model_config
 
 
-def save_draft(folder: str | Path, model: nn.Module, model_config: dict, tokenizer, dtype: str | None = None) -> Path:
+def save_draft(
+    folder: str | Path, model: nn.Module, model_config: dict, tokenizer, dtype: str | None = None
+) -> Path:
     """Write an mlx-lm model folder: ``model.safetensors``, ``config.json`` and the tokenizer files.
 
     The tokenizer is the target's (``save_pretrained`` of the Hugging Face tokenizer, also for one
@@ -237,8 +248,16 @@ def _position_logprobs(model: nn.Module, tokens: mx.array, rows: mx.array, topk_
     return mx.take_along_axis(logits, topk_ids, axis=-1) - lse, logits
 
 
-def distill_loss(model: nn.Module, tokens: mx.array, rows: mx.array, topk_ids: mx.array, target_probs: mx.array,
-                 weights: mx.array, candidates: mx.array | None = None, log_weights: mx.array | None = None) -> mx.array:
+def distill_loss(
+    model: nn.Module,
+    tokens: mx.array,
+    rows: mx.array,
+    topk_ids: mx.array,
+    target_probs: mx.array,
+    weights: mx.array,
+    candidates: mx.array | None = None,
+    log_weights: mx.array | None = None,
+) -> mx.array:
     """Mean KL(p̃ || q) over the loss positions, nats (Hinton et al. 2015; DistillSpec section 3).
 
     Args:
@@ -273,8 +292,15 @@ def score_batch(model: nn.Module, batch: dict) -> mx.array:
     return mx.stack([(kl * w).sum(), (overlap * w).sum(), (agree * w).sum(), w.sum()])
 
 
-def evaluate(model: nn.Module, cache: FeatureCache, *, examples: dict[int, list[tuple[int, int]]] | None = None,
-             batch_tokens: int = 2048, max_seq_length: int = 512, max_positions: int = 4096) -> EvalRecord:
+def evaluate(
+    model: nn.Module,
+    cache: FeatureCache,
+    *,
+    examples: dict[int, list[tuple[int, int]]] | None = None,
+    batch_tokens: int = 2048,
+    max_seq_length: int = 512,
+    max_positions: int = 4096,
+) -> EvalRecord:
     """Held-out KL, top-K α estimate and top-1 agreement on the first ``max_positions`` answer positions.
 
     Args:
@@ -326,7 +352,13 @@ class DraftTask:
 
     def __init__(self, target: nn.Module, tokenizer, train: FeatureCache, heldout: FeatureCache | None,
                  config: DraftTrainConfig):
-        self.target, self.tokenizer, self.train, self.heldout, self.config = target, tokenizer, train, heldout, config
+        self.target, self.tokenizer, self.train, self.heldout, self.config = (
+            target,
+            tokenizer,
+            train,
+            heldout,
+            config,
+        )
         self.data = str(train.directory.resolve())
         self.held = {} if heldout is not None or not config.heldout_examples else split_heldout(
             train, config.heldout_examples, config.max_seq_length)
@@ -382,8 +414,16 @@ class DraftTask:
         return evaluate(model, self.train, examples=self.held, **sizes) if self.held else None
 
 
-def train_draft(target: nn.Module, tokenizer, train: FeatureCache, heldout: FeatureCache | None, output: str | Path,
-                config: DraftTrainConfig, *, resume: bool = True) -> Iterator[StepRecord | EvalRecord]:
+def train_draft(
+    target: nn.Module,
+    tokenizer,
+    train: FeatureCache,
+    heldout: FeatureCache | None,
+    output: str | Path,
+    config: DraftTrainConfig,
+    *,
+    resume: bool = True,
+) -> Iterator[StepRecord | EvalRecord]:
     """Distil a draft model from the soft labels of ``train`` (``loop.fit`` on a ``DraftTask``).
 
     Args:

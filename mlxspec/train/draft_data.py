@@ -128,7 +128,8 @@ def pack_examples(ranges: list[tuple[int, int]], batch_tokens: int) -> list[list
 
 def plan_epoch(ranges: list[tuple[int, int]], batch_tokens: int, rng: np.random.Generator,
                window: int = 64) -> list[list[tuple[int, int]]]:
-    """Shuffle the examples, sort each window of ``window`` by length (less padding), pack, shuffle the batches."""
+    """Shuffle the examples, sort each window of ``window`` by length (less padding), pack, shuffle the
+    batches."""
     order = [ranges[i] for i in rng.permutation(len(ranges))]
     sorted_ = []
     for i in range(0, len(order), window):
@@ -137,7 +138,9 @@ def plan_epoch(ranges: list[tuple[int, int]], batch_tokens: int, rng: np.random.
     return [groups[i] for i in rng.permutation(len(groups))]
 
 
-def make_batch(arrays: dict, group: list[tuple[int, int]], remap: np.ndarray | None = None) -> dict[str, mx.array]:
+def make_batch(
+    arrays: dict, group: list[tuple[int, int]], remap: np.ndarray | None = None
+) -> dict[str, mx.array]:
     """Right-padded tokens [B, T], the loss rows [P] and their soft labels for one group of examples.
 
     A row t of an example is a loss position when token t + 1 is an answer token (its soft labels
@@ -186,7 +189,9 @@ def training_vocab(cache: FeatureCache, size: int, vocab_size: int) -> np.ndarra
     return np.sort(np.argsort(-counts, kind="stable")[: min(size, vocab_size)]).astype(np.int32)
 
 
-def split_heldout(cache: FeatureCache, heldout_examples: int, max_seq_length: int) -> dict[int, list[tuple[int, int]]]:
+def split_heldout(
+    cache: FeatureCache, heldout_examples: int, max_seq_length: int
+) -> dict[int, list[tuple[int, int]]]:
     """The last ``heldout_examples`` examples of the corpus (by chunk, ranges as ``example_ranges``)."""
     out: dict[int, list[tuple[int, int]]] = {}
     left = heldout_examples
@@ -205,7 +210,9 @@ def _train_ranges(arrays: dict, c: int, config: DraftTrainConfig, held: dict) ->
     return [r for r in example_ranges(arrays, config.max_seq_length) if r not in excluded]
 
 
-def steps_per_epoch(cache: FeatureCache, config: DraftTrainConfig, held: dict | None = None, epoch: int = 0) -> int:
+def steps_per_epoch(
+    cache: FeatureCache, config: DraftTrainConfig, held: dict | None = None, epoch: int = 0
+) -> int:
     """Batches in epoch ``epoch`` over ``cache`` (minus held-out examples); reads only the small arrays.
 
     The count can differ a little between epochs: each epoch packs a new shuffle of the examples.

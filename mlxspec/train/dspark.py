@@ -27,7 +27,8 @@ packed examples, seeded anchors, one forward per batch) with three changes:
   < j survived", the conditional survival whose running product ``Draft.survival`` hands to
   ``--num-draft-tokens scheduled``. Its gradient stops at h_j and W1[y_{j−1}]: the confidence head
   reads the drafter, it does not move it. At temperature > 0 the same c_j estimates the greedy
-  event (the scheduler recalibrates it online on observed acceptance, ``pacing.scheduled.SurvivalCalibration``).
+  event (the scheduler recalibrates it online on observed acceptance,
+  ``pacing.scheduled.SurvivalCalibration``).
 - **Held-out scores** each epoch: DFlash's per-position acceptance (A_j itself), chain acceptance and
   τ, plus the confidence head's calibration: the mean c_j per position, the Brier score of c_j
   against A_j and its expected calibration error (10 equal-width bins), and the Brier score of the
@@ -159,7 +160,8 @@ def dspark_loss(net: DSparkNet, batch: BlockBatch, embed, lm_weight: mx.array, s
 
 
 def scored_positions(batch: BlockBatch) -> tuple[mx.array, mx.array]:
-    """``(scored, greedy)`` of ``dspark_loss``: the block rows with a greedy label (flat, [m]) and the label [m]."""
+    """``(scored, greedy)`` of ``dspark_loss``: the block rows with a greedy label (flat, [m]) and the label
+    [m]."""
     grid = batch.greedy.reshape(-1)  # [Nb B]; -1 in rows that score no draft
     index = np.flatnonzero(grid >= 0)
     return mx.array(index.astype(np.int32)), mx.array(grid[index].astype(np.int32))
@@ -229,14 +231,20 @@ def _from_dflash(target: nn.Module, config: DSparkTrainConfig, aux_layers: list[
     dflash = load_dflash(config.init_dflash, target=target, dtype=mx.float32)
     c, fix = dflash.config, "pass the DFlash run's --num-layers and --block-size, or no --init-dflash"
     if (c.num_hidden_layers, c.block_size) != (config.num_layers, config.block_size):
-        raise ValueError(f"--init-dflash {config.init_dflash} has {c.num_hidden_layers} layers and block size "
-                         f"{c.block_size} but this run asks for {config.num_layers} and {config.block_size}; {fix}")
+        raise ValueError(
+            f"--init-dflash {config.init_dflash} has {c.num_hidden_layers} layers and block size "
+            f"{c.block_size} but this run asks for {config.num_layers} and {config.block_size}; {fix}"
+        )
     if c.context_window != config.context_window:
-        raise ValueError(f"--init-dflash {config.init_dflash} was trained with --context-window {c.context_window} "
-                         f"but this run asks for {config.context_window}; pass the same window")
+        raise ValueError(
+            f"--init-dflash {config.init_dflash} was trained with --context-window {c.context_window} "
+            f"but this run asks for {config.context_window}; pass the same window"
+        )
     if list(c.feature_layers) != [int(i) for i in aux_layers]:
-        raise ValueError(f"--init-dflash {config.init_dflash} reads target layers {list(c.target_layer_ids)} but the "
-                         f"corpus records the outputs of {[int(i) - 1 for i in aux_layers]}; train it on this corpus")
+        raise ValueError(
+            f"--init-dflash {config.init_dflash} reads target layers {list(c.target_layer_ids)} but the "
+            f"corpus records the outputs of {[int(i) - 1 for i in aux_layers]}; train it on this corpus"
+        )
     net = DSparkNet(DSparkConfig(c, config.markov_rank, sample_from_anchor=False))
     net.update(dflash.parameters())
     return net
@@ -260,14 +268,17 @@ class DSparkTask(DFlashTask):
         return {"confidence_head": self.config.confidence_lr_scale}
 
     def init(self) -> DSparkNet:
-        mx.random.seed(self.config.seed)  # the initial weights are a function of the settings, like the batches
+        # the initial weights are a function of the settings, like the batches
+        mx.random.seed(self.config.seed)
         net = init_net(self.target, self.config, self.train.manifest["aux_layers"])
         if self.config.init_dflash:  # a saved DFlash drafter reads raw features
             net = fold_feature_scale(net, self.scale, unfold=True)
         return self._ready(net)
 
     def load(self, folder: Path) -> DSparkNet:
-        net = fold_feature_scale(load_dspark(folder, target=self.target, dtype=mx.float32), self.scale, unfold=True)
+        net = fold_feature_scale(
+            load_dspark(folder, target=self.target, dtype=mx.float32), self.scale, unfold=True
+        )
         net.train()
         return self._ready(net)
 
@@ -279,11 +290,21 @@ class DSparkTask(DFlashTask):
         save_dspark(folded_copy(net, lambda: DSparkNet(net.dspark), self.scale, dtype), folder)
 
     def batches(self, net, epoch: int, start: int) -> Iterator[BlockBatch]:
-        return block_batches(self.train, self._plan(epoch), self.config, self.mask_token_id, epoch=epoch, start=start,
-                             first_row=self.first_row, scale=self.scale)
+        return block_batches(
+            self.train,
+            self._plan(epoch),
+            self.config,
+            self.mask_token_id,
+            epoch=epoch,
+            start=start,
+            first_row=self.first_row,
+            scale=self.scale,
+        )
 
     def loss(self, net: DSparkNet):
-        return lambda batch, scored, greedy: dspark_loss(net, batch, self.embed, self.lm_weight, scored, greedy)
+        return lambda batch, scored, greedy: dspark_loss(
+            net, batch, self.embed, self.lm_weight, scored, greedy
+        )
 
     def inputs(self, batch: BlockBatch, global_step: int) -> tuple:
         return (batch, *scored_positions(batch))
@@ -291,7 +312,9 @@ class DSparkTask(DFlashTask):
     def evaluate(self, net: DSparkNet) -> DSparkEvalRecord | None:
         if self.heldout is None:
             return None
-        return evaluate(net, self.embed, self.lm_head, self.heldout, self.config, self.mask_token_id, self.scale)
+        return evaluate(
+            net, self.embed, self.lm_head, self.heldout, self.config, self.mask_token_id, self.scale
+        )
 
 
 def train_dspark(target: nn.Module, train: FeatureCache, heldout: FeatureCache | None, output: str | Path,

@@ -108,7 +108,8 @@ def _unrolled_attention(q: mx.array, m: dict) -> mx.array:
 
 
 def _version(head) -> int:
-    """3 for an EAGLE-3 head; 1 for EAGLE-1 and for an MTP module (final-norm features, the target's LM head)."""
+    """3 for an EAGLE-3 head; 1 for EAGLE-1 and for an MTP module (final-norm features, the target's LM
+    head)."""
     return getattr(head.config, "version", 1)
 
 
@@ -358,9 +359,11 @@ class EagleTask(EpochPlans):
         d2t, vocab = None, int(logits_width(self.target))
         if self.config.version == 3 and 0 < self.config.draft_vocab_size < vocab:
             d2t, _ = draft_vocabulary(token_counts(self.train, vocab), self.config.draft_vocab_size)
-        mx.random.seed(self.config.seed)  # the initial weights are a function of the settings, like the batches
-        return self._ready(init_head(self.target, self.config, aux_layers=self.train.manifest.get("aux_layers"),
-                                     d2t=d2t))
+        # the initial weights are a function of the settings, like the batches
+        mx.random.seed(self.config.seed)
+        return self._ready(
+            init_head(self.target, self.config, aux_layers=self.train.manifest.get("aux_layers"), d2t=d2t)
+        )
 
     def load(self, folder: Path) -> EagleHead:
         head = load_eagle(folder, target=self.target, dtype=mx.float32)
@@ -376,8 +379,12 @@ class EagleTask(EpochPlans):
 
     def save(self, head: EagleHead, folder: Path, dtype: str | None) -> None:
         make = lambda: EagleHead(head.config)  # noqa: E731
-        save_eagle(cast_copy(head, make, dtype) if self.scale is None else folded_copy(head, make, self.scale, dtype),
-                   folder)
+        save_eagle(
+            cast_copy(head, make, dtype)
+            if self.scale is None
+            else folded_copy(head, make, self.scale, dtype),
+            folder,
+        )
 
     def batches(self, head, epoch: int, start: int) -> Iterator[SequenceBatch]:
         return sequence_batches(self.train, self._plan(epoch), self.config, self.to_draft, start=start)

@@ -278,7 +278,10 @@ def make_batch(arrays: dict, spans: list[tuple[int, int]], config: EagleTrainCon
         if next_features is not None:
             next_features[b, :n] = arrays["hidden"][s + 1 : s + length]
         tokens[b, :n] = arrays["tokens"][s + 1 : s + length]
-        ids[b, :n], logprobs[b, :n] = arrays["topk_ids"][s + 1 : s + length], arrays["topk_logprobs"][s + 1 : s + length]
+        ids[b, :n], logprobs[b, :n] = (
+            arrays["topk_ids"][s + 1 : s + length],
+            arrays["topk_logprobs"][s + 1 : s + length],
+        )
         valid[b, : n - 1] = arrays["mask"][s + 2 : s + length]
         greedy[b, :n] = arrays["greedy"][s + 1 : s + length]
     valid &= greedy >= 0
@@ -311,6 +314,6 @@ def make_batch(arrays: dict, spans: list[tuple[int, int]], config: EagleTrainCon
 def sequence_batches(cache: FeatureCache, plan, config: EagleTrainConfig, to_draft: np.ndarray | None, *,
                      start: int = 0) -> Iterator[SequenceBatch]:
     """Materialise ``plan[start:]``, loading each chunk once (one chunk in memory at a time)."""
-    return chunk_batches(cache, plan[start:], lambda arrays, c, spans: make_batch(arrays, spans, config, to_draft))
-
-
+    return chunk_batches(
+        cache, plan[start:], lambda arrays, c, spans: make_batch(arrays, spans, config, to_draft)
+    )

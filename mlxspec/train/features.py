@@ -115,7 +115,9 @@ def extract_features(model: nn.Module, examples: list[Example], directory: str |
             computed += len(ex.tokens)
             yield StoreProgress(c, len(chunks), done, total, computed, time.perf_counter() - start, False)
         mx.clear_cache()
-        _write_chunk(directory / info["file"], examples[lo:hi], np.concatenate(hidden), np.concatenate(greedy))
+        _write_chunk(
+            directory / info["file"], examples[lo:hi], np.concatenate(hidden), np.concatenate(greedy)
+        )
         info["complete"] = True
         write_json(directory / MANIFEST, manifest)
 
@@ -126,7 +128,11 @@ def _forward(model, tap: HiddenTap, lm_head, ex: Example) -> tuple[np.ndarray, n
     model.model(mx.array(ex.tokens)[None])  # the body only: the tap records the final hidden state
     h = tap.final[0]  # [T, H]
     rows = np.flatnonzero(ex.mask[1:])  # t whose token t + 1 is an assistant token
-    g = mx.argmax(lm_head(h[mx.array(rows)]), axis=-1).astype(mx.int32) if len(rows) else mx.zeros((0,), mx.int32)
+    g = (
+        mx.argmax(lm_head(h[mx.array(rows)]), axis=-1).astype(mx.int32)
+        if len(rows)
+        else mx.zeros((0,), mx.int32)
+    )
     h = h.astype(mx.float16)
     mx.eval(h, g)
     greedy = np.full(len(ex.tokens), -1, dtype=np.int32)
@@ -159,8 +165,16 @@ def _shape(model) -> tuple[int | None, int | None]:
 
 def _write_chunk(path: Path, examples: list[Example], hidden: np.ndarray, greedy: np.ndarray) -> None:
     offsets = np.cumsum([0] + [len(ex.tokens) for ex in examples]).astype(np.int64)
-    write_chunk(path, {"hidden": hidden, "tokens": np.concatenate([ex.tokens for ex in examples]),
-                       "mask": np.concatenate([ex.mask for ex in examples]), "greedy": greedy, "offsets": offsets})
+    write_chunk(
+        path,
+        {
+            "hidden": hidden,
+            "tokens": np.concatenate([ex.tokens for ex in examples]),
+            "mask": np.concatenate([ex.mask for ex in examples]),
+            "greedy": greedy,
+            "offsets": offsets,
+        },
+    )
 
 
 @dataclass(frozen=True)
@@ -213,7 +227,8 @@ class FeatureCache:
         return int(self.manifest["tokens"])
 
     def load_chunk(self, c: int) -> dict[str, np.ndarray]:
-        """Arrays of chunk ``c``: ``hidden`` [N, H] f16, ``tokens``, ``mask``, ``greedy`` [N], ``offsets`` [E + 1]."""
+        """Arrays of chunk ``c``: ``hidden`` [N, H] f16, ``tokens``, ``mask``, ``greedy`` [N], ``offsets``
+        [E + 1]."""
         with np.load(self.directory / self.manifest["chunks"][c]["file"]) as data:
             return {k: data[k] for k in data.files}
 
@@ -298,9 +313,12 @@ def _batch(arrays: dict, valid: np.ndarray, positions: np.ndarray, num_heads: in
     target = np.minimum(positions[None] + k + 2, n - 1)  # [K, b]
     hidden = np.pad(arrays["hidden"][positions].astype(np.float32), ((0, pad), (0, 0)))
     labels = np.pad(arrays["tokens"][target], ((0, 0), (0, pad)))
-    greedy = np.pad(np.maximum(arrays["greedy"][target - 1], 0), ((0, 0), (0, pad)))  # -1 only where not valid
+    # -1 only where not valid
+    greedy = np.pad(np.maximum(arrays["greedy"][target - 1], 0), ((0, 0), (0, pad)))
     ok = np.pad(valid[:, positions].astype(np.float32), ((0, 0), (0, pad)))
-    return Batch(mx.array(hidden), mx.array(labels.astype(np.int32)), mx.array(ok), mx.array(greedy.astype(np.int32)))
+    return Batch(
+        mx.array(hidden), mx.array(labels.astype(np.int32)), mx.array(ok), mx.array(greedy.astype(np.int32))
+    )
 
 
 # --- reading a self-distillation corpus (what the EAGLE, MTP, DFlash and DSpark trainers share) ---------
@@ -324,8 +342,10 @@ def check_corpus_arrays(cache: FeatureCache, target: nn.Module | None, need: set
     with np.load(cache.directory / cache.manifest["chunks"][0]["file"]) as data:
         missing = sorted(need - set(data.files))
     if missing:
-        raise ValueError(f"{cache.directory} lacks {', '.join(missing)}: {method} training needs a corpus from "
-                         "'mlxspec train corpus', not a Medusa feature cache")
+        raise ValueError(
+            f"{cache.directory} lacks {', '.join(missing)}: {method} training needs a corpus from "
+            "'mlxspec train corpus', not a Medusa feature cache"
+        )
 
 
 def chunk_batches(cache: FeatureCache, plan: list, make) -> Iterator:
@@ -368,8 +388,8 @@ def example_spans(arrays: dict, max_len: int) -> list[tuple[int, int]]:
 
 
 def feature_scale(cache: FeatureCache, max_positions: int = 4096) -> np.ndarray:
-    """Per-dimension RMS of the corpus's layer features (``aux`` [N, K, H]) over the first positions of chunk 0,
-    [K H] float32 (the order in which batches concatenate them), floored at 1e-2.
+    """Per-dimension RMS of the corpus's layer features (``aux`` [N, K, H]) over the first positions of chunk
+    0, [K H] float32 (the order in which batches concatenate them), floored at 1e-2.
 
     Qwen-style targets carry a few massive residual dimensions (Qwen2.5-Coder-0.5B: one has RMS 175
     against a median of 0.6; five hold 92-98% of the middle and top layers' energy), so a drafter's

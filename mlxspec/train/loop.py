@@ -88,7 +88,9 @@ class TrainConfig:
         if self.learning_rate <= 0:
             raise ValueError(f"learning-rate must be > 0, got {self.learning_rate}")
         if self.weight_decay < 0 or self.grad_clip < 0:
-            raise ValueError(f"weight-decay and grad-clip must be >= 0, got {self.weight_decay}, {self.grad_clip}")
+            raise ValueError(
+                f"weight-decay and grad-clip must be >= 0, got {self.weight_decay}, {self.grad_clip}"
+            )
         if self.time_budget_s is not None and self.time_budget_s <= 0:
             raise ValueError(f"time budget must be > 0 seconds, got {self.time_budget_s}")
         if self.save_dtype not in SAVE_DTYPES:
@@ -189,12 +191,15 @@ class Task(Protocol):
 
 
 def cast_copy(model: nn.Module, make: Callable[[], nn.Module], dtype: str | None) -> nn.Module:
-    """What a task's ``save`` writes: ``model`` itself for ``dtype`` ``None``, else ``make()`` (an empty module of
-    the same shape) holding ``model``'s parameters with the floating ones cast to ``dtype`` (``"float16"``, ...)."""
+    """What a task's ``save`` writes: ``model`` itself for ``dtype`` ``None``, else ``make()`` (an empty
+    module of the same shape) holding ``model``'s parameters with the floating ones cast to ``dtype``
+    (``"float16"``, ...)."""
     if dtype is None:
         return model
     cast, copy = getattr(mx, dtype), make()
-    copy.update(tree_map(lambda a: a.astype(cast) if mx.issubdtype(a.dtype, mx.floating) else a, model.parameters()))
+    copy.update(
+        tree_map(lambda a: a.astype(cast) if mx.issubdtype(a.dtype, mx.floating) else a, model.parameters())
+    )
     return copy
 
 
@@ -250,8 +255,11 @@ def make_optimizer(config: TrainConfig, total_steps: int, scales: dict[str, floa
     """AdamW on ``warmup_cosine`` over ``total_steps``; the parameters of each top-level submodule named in
     ``scales`` get their own AdamW whose schedule is multiplied by its scale (an ``optim.MultiOptimizer``)."""
     def adamw(scale: float):
-        return optim.AdamW(learning_rate=warmup_cosine(config.learning_rate * scale, config.warmup_steps, total_steps),
-                           betas=list(config.betas), weight_decay=config.weight_decay)
+        return optim.AdamW(
+            learning_rate=warmup_cosine(config.learning_rate * scale, config.warmup_steps, total_steps),
+            betas=list(config.betas),
+            weight_decay=config.weight_decay,
+        )
 
     if not scales:
         return adamw(1.0)
@@ -341,7 +349,9 @@ def _step_function(task, model: nn.Module, optimizer, grad_clip: float):
     return partial(mx.compile, inputs=state, outputs=state)(step)
 
 
-def _end_epoch(task, model, optimizer, output: Path, config: TrainConfig, state: _State, epoch: int) -> EvalRecord:
+def _end_epoch(
+    task, model, optimizer, output: Path, config: TrainConfig, state: _State, epoch: int
+) -> EvalRecord:
     """Save ``epoch-<n>/``, score the held-out data, checkpoint; the epoch's record."""
     train_loss = state.loss_sum / state.step if state.step else None
     state.epoch, state.step, state.loss_sum = epoch + 1, 0, 0.0
@@ -376,7 +386,9 @@ def _start(task, output: Path, config: TrainConfig, optimizer, resume: bool) -> 
     return state, model
 
 
-def _check_resume(output: Path, state: _State, fresh: _State, config: TrainConfig, keys: tuple[str, ...]) -> None:
+def _check_resume(
+    output: Path, state: _State, fresh: _State, config: TrainConfig, keys: tuple[str, ...]
+) -> None:
     """Refuse to continue a run under other settings or on other data (one line naming what differs)."""
     defaults = {f.name: f.default for f in dataclasses.fields(config)}  # keys added since the run began
     changed = [k for k in keys if state.config.get(k, defaults.get(k)) != fresh.config[k]]

@@ -165,24 +165,47 @@ def measure(model: nn.Module, tokenizer, contenders: list[Contender], prompts: l
         for temp in temps:
             sampling = SamplingParams(temp=temp)
             timed = any(c.engine for c in contenders) and (engine_prompts is None or i < engine_prompts)
-            plain = None if timed else (plain_runs or {}).get((prompt.id, temp))  # timings need a fresh plain run
+            # timings need a fresh plain run
+            plain = None if timed else (plain_runs or {}).get((prompt.id, temp))
             if plain is None:
-                run = generate(model, tokenizer, ids, drafter="none", max_tokens=max_tokens, sampling=sampling,
-                               seed=seed + i)
+                run = generate(
+                    model,
+                    tokenizer,
+                    ids,
+                    drafter="none",
+                    max_tokens=max_tokens,
+                    sampling=sampling,
+                    seed=seed + i,
+                )
                 plain = RunRecord(prompt.id, PLAIN, temp, ENGINE, run.stats, run.tokens)
             yield plain
             features = target_features(model, ids + plain.tokens, [c.drafter for c in contenders])
             for c in contenders:
                 try:
-                    stats = replay(c.drafter, ids, plain.tokens, features, num_draft_tokens=c.num_draft_tokens,
-                                   max_tokens=max_tokens, sampling=sampling)
+                    stats = replay(
+                        c.drafter,
+                        ids,
+                        plain.tokens,
+                        features,
+                        num_draft_tokens=c.num_draft_tokens,
+                        max_tokens=max_tokens,
+                        sampling=sampling,
+                    )
                     yield RunRecord(prompt.id, c.name, temp, REPLAY, stats)
                 except NotReplayable:
                     pass
                 if not c.engine or (engine_prompts is not None and i >= engine_prompts):
                     continue
-                result = generate(model, tokenizer, ids, drafter=c.drafter, num_draft_tokens=c.num_draft_tokens,
-                                  max_tokens=max_tokens, sampling=sampling, seed=seed + i)
+                result = generate(
+                    model,
+                    tokenizer,
+                    ids,
+                    drafter=c.drafter,
+                    num_draft_tokens=c.num_draft_tokens,
+                    max_tokens=max_tokens,
+                    sampling=sampling,
+                    seed=seed + i,
+                )
                 yield RunRecord(prompt.id, c.name, temp, ENGINE, result.stats)
 
 
@@ -232,7 +255,9 @@ def replay(drafter: Drafter, prompt: list[int], answer: list[int], features: dic
     tokens = prompt + list(answer)
     feats = features.get(tuple(drafter.feature_layers)) if drafter.needs_hidden else None
     drafter.prefill(prompt, feats[: len(prompt) - 1] if feats is not None else None)
-    stats = GenerationStats(drafter=drafter.name, num_draft_tokens=num_draft_tokens, prompt_tokens=len(prompt))
+    stats = GenerationStats(
+        drafter=drafter.name, num_draft_tokens=num_draft_tokens, prompt_tokens=len(prompt)
+    )
     root = len(prompt) - 1  # index of the last committed token
     while root < len(tokens) - 1:
         room = max_tokens - (root - len(prompt) + 1)
@@ -270,14 +295,14 @@ def replay(drafter: Drafter, prompt: list[int], answer: list[int], features: dic
     return stats
 
 
-#: Stats keys renamed since records were written, old → new: records measured before the rename (the shipped ones
-#: in models/bench/heldout/) say "cycles" for rounds.
+#: Stats keys renamed since records were written, old → new: records measured before the rename (the shipped
+#: ones in models/bench/heldout/) say "cycles" for rounds.
 RENAMED_STATS = {"cycles": "rounds"}
 
 
 def read_records(path) -> list[RunRecord]:
-    """Records written by ``mlxspec train measure-medusa --output FILE`` (one JSON object per line), old keys read
-    under their new names (``RENAMED_STATS``)."""
+    """Records written by ``mlxspec train measure-medusa --output FILE`` (one JSON object per line), old keys
+    read under their new names (``RENAMED_STATS``)."""
     names = {f.name for f in fields(GenerationStats)}
     records = []
     for line in open(path, encoding="utf-8"):
@@ -285,7 +310,9 @@ def read_records(path) -> list[RunRecord]:
             r = json.loads(line)
             stats = {RENAMED_STATS.get(k, k): v for k, v in r["stats"].items()}
             stats = GenerationStats(**{k: v for k, v in stats.items() if k in names})
-            records.append(RunRecord(r["prompt_id"], r["config"], r["temp"], r["mode"], stats, r.get("tokens")))
+            records.append(
+                RunRecord(r["prompt_id"], r["config"], r["temp"], r["mode"], stats, r.get("tokens"))
+            )
     return records
 
 
@@ -297,14 +324,21 @@ def read_plain_runs(path, *, max_tokens: int) -> dict[tuple[str, float], RunReco
             one longer than ``max_tokens`` (it was measured with other settings).
     """
     if not Path(path).is_file():
-        raise ValueError(f"--plain-runs {path}: no such file; pass the --output JSONL of an earlier 'mlxspec train measure'")
+        raise ValueError(
+            f"--plain-runs {path}: no such file; pass the --output JSONL of an earlier "
+            "'mlxspec train measure'"
+        )
     try:
         records = read_records(path)
     except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"--plain-runs {path} is not the --output JSONL of 'mlxspec train measure' ({e})") from None
+        raise ValueError(
+            f"--plain-runs {path} is not the --output JSONL of 'mlxspec train measure' ({e})"
+        ) from None
     runs = {(r.prompt_id, r.temp): r for r in records if r.config == PLAIN and r.tokens is not None}
     if not runs:
-        raise ValueError(f"{path} holds no plain runs with tokens; pass an --output file of 'mlxspec train measure'")
+        raise ValueError(
+            f"{path} holds no plain runs with tokens; pass an --output file of 'mlxspec train measure'"
+        )
     longest = max(len(r.tokens) for r in runs.values())
     if longest > max_tokens:
         raise ValueError(f"{path} holds plain runs of {longest} tokens, more than --max-tokens {max_tokens}; "
@@ -351,6 +385,8 @@ def markdown_table(records: list[RunRecord]) -> str:
 def _subset(records: list[RunRecord], config: str, temp: float, mode: str, prompt_ids: set[str]) -> Totals:
     totals = Totals()
     for r in records:
-        if (r.config, r.temp, r.mode) == (config, temp, mode) and (not prompt_ids or r.prompt_id in prompt_ids):
+        if (r.config, r.temp, r.mode) == (config, temp, mode) and (
+            not prompt_ids or r.prompt_id in prompt_ids
+        ):
             totals.add(r.stats)
     return totals

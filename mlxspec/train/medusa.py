@@ -212,7 +212,8 @@ class MedusaTask:
 
 def train_medusa(target: nn.Module, train: FeatureCache, heldout: FeatureCache | None, output: str | Path,
                  config: MedusaTrainConfig, *, resume: bool = True) -> Iterator[StepRecord | EvalRecord]:
-    """Train Medusa-1 heads on cached features, checkpointing into ``output`` (``loop.fit`` on a ``MedusaTask``).
+    """Train Medusa-1 heads on cached features, checkpointing into ``output`` (``loop.fit`` on a
+    ``MedusaTask``).
 
     Args:
         target, train, heldout, config: As ``MedusaTask``.
