@@ -24,7 +24,8 @@ GREEDY = SamplingParams(temp=0.0)
 
 
 def reference(name: str) -> dict[str, np.ndarray]:
-    """The reference's recorded outputs of fixture ``name`` (``FIXTURES/name/reference.npz`` or ``name.npz``)."""
+    """The reference's recorded outputs of fixture ``name`` (``FIXTURES/name/reference.npz`` or
+    ``name.npz``)."""
     path = FIXTURES / name / "reference.npz"
     with np.load(path if path.is_file() else FIXTURES / f"{name}.npz") as z:
         return {k: z[k] for k in z.files}
@@ -73,14 +74,16 @@ def match_rows(actual: np.ndarray, expected: np.ndarray, what: str) -> None:
     for r, row in enumerate(expected):
         errs = [float(np.max(np.abs(actual[i] - row))) for i in free]
         best = int(np.argmin(errs))
-        assert errs[best] <= RTOL * scale, f"{what}: reference row {r} has no mlxspec row within {RTOL} ({errs[best]:.3g})"
+        assert errs[best] <= RTOL * scale, (
+            f"{what}: reference row {r} has no mlxspec row within {RTOL} ({errs[best]:.3g})"
+        )
         free.pop(best)
 
 
 def greedy_round(model, cache, drafter, tap: HiddenTap, history: list[int], drafts: list[int]) -> list[int]:
     """One greedy round as the block drafters' reference loops run it: the target scores ``[last, *drafts]``,
-    the longest prefix equal to its argmax is kept plus the target's next token, the cache is trimmed to it and
-    the drafter told. Returns the new history."""
+    the longest prefix equal to its argmax is kept plus the target's next token, the cache is trimmed to it
+    and the drafter told. Returns the new history."""
     out = model(mx.array([[history[-1]] + drafts]), cache=cache)[0]
     posterior = np.argmax(np.array(out), axis=-1).tolist()
     accepted = next((i for i, (d, p) in enumerate(zip(drafts, posterior)) if d != p), len(drafts))

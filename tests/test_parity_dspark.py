@@ -41,4 +41,6 @@ def test_parity_dspark():
         expected = np.cumprod(1 / (1 + np.exp(-ref[f"confidence_logits_{r}"].astype(np.float64))))
         assert_close(np.array(draft.survival), expected, f"round {r}: confidence")
         history = greedy_round(model, cache, drafter, tap, history, drafts)
-    assert history[: len(ref["output_ids"])] == ref["output_ids"].tolist(), "greedy output differs from DeepSpec's"
+    assert history[: len(ref["output_ids"])] == ref["output_ids"].tolist(), (
+        "greedy output differs from DeepSpec's"
+    )

@@ -38,12 +38,16 @@ def _check(name: str, layers_of=None):
     head = load_eagle(FIXTURES / name, model)
     prompt = reference("llama")["ids"].tolist()
     root = int(ref["root"])
-    assert root == int(np.argmax(np.array(model(mx.array([prompt]))[0, -1]))), "the target's greedy root differs"
+    assert root == int(np.argmax(np.array(model(mx.array([prompt]))[0, -1]))), (
+        "the target's greedy root differs"
+    )
     layers = head.config.resolved_aux_layers(len(model.model.layers)) if head.config.version == 3 else ()
     hidden = features(model, prompt, layers)
     # the draft over the prompt: feature j with token j + 1 (docs/heads.md 4.1)
     out = head(hidden[None], mx.array([prompt[1:] + [root]]), model.model.embed_tokens)
-    assert_close(head.logits(out, output_head(model))[0], ref["seq_logits"], f"{name} draft logits over the prompt")
+    assert_close(
+        head.logits(out, output_head(model))[0], ref["seq_logits"], f"{name} draft logits over the prompt"
+    )
 
     drafter = EagleDrafter(head, model, depth=int(ref["depth"]) + 1, top_k=int(ref["top_k"]),
                            total_tokens=int(ref["total_tokens"]))
@@ -53,12 +57,16 @@ def _check(name: str, layers_of=None):
     draft = drafter.propose(history, int(ref["depth"]) + 1, GREEDY)
     tokens = [root] + np.array(draft.tokens).tolist()
     assert tokens == ref["tree_tokens"].tolist(), f"{name}: the tree's tokens differ from EAGLE's"
-    np.testing.assert_array_equal(ancestor_mask(draft.tree.parents), ref["tree_mask"], f"{name}: tree shape differs")
+    np.testing.assert_array_equal(
+        ancestor_mask(draft.tree.parents), ref["tree_mask"], f"{name}: tree shape differs"
+    )
     np.testing.assert_array_equal(draft.tree.depths, ref["tree_positions"])
     steps = sorted(k for k in ref if k.startswith("draft_logits_"))
     assert len(calls) == len(steps), f"{name}: {len(calls)} draft steps, EAGLE ran {len(steps)}"
     for d, key in enumerate(steps):
-        match_rows(np.array(calls[d]).reshape(ref[key].shape), ref[key], f"{name} draft logits at depth {d + 1}")
+        match_rows(
+            np.array(calls[d]).reshape(ref[key].shape), ref[key], f"{name} draft logits at depth {d + 1}"
+        )
     return head
 
 
@@ -70,7 +78,8 @@ def test_parity_eagle3_reduced_vocab():
 
 
 def test_parity_eagle3_full_vocab():
-    """EAGLE-3 whose draft vocabulary is the target's (no ``d2t``/``t2d`` in the file, as EaModel drops them)."""
+    """EAGLE-3 whose draft vocabulary is the target's (no ``d2t``/``t2d`` in the file, as EaModel drops
+    them)."""
     head = _check("eagle3_full_vocab")
     assert not head.config.reduced_vocab
 
@@ -84,9 +93,9 @@ def test_parity_eagle1():
 def test_parity_speculators_eagle3():
     """The speculators / vLLM EAGLE-3 layout, against vllm-project/speculators' own ``Eagle3DraftModel``
     (0.9.0, transformers 5): ``layers.0.*`` for the midlayer, the layer's config nested in
-    ``transformer_layer_config`` (RoPE base 70000 in ``rope_parameters``), ``eagle_aux_hidden_state_layer_ids``
-    counting layer outputs, saved with its ``save_pretrained``. The reference is its forward's draft
-    logits over the prompt (one training-time-test step)."""
+    ``transformer_layer_config`` (RoPE base 70000 in ``rope_parameters``),
+    ``eagle_aux_hidden_state_layer_ids`` counting layer outputs, saved with its ``save_pretrained``. The
+    reference is its forward's draft logits over the prompt (one training-time-test step)."""
     ref = reference("speculators_eagle3")
     model = target("llama")
     head = load_eagle(FIXTURES / "speculators_eagle3", model)

@@ -29,13 +29,17 @@ def test_parity_medusa(file):
     assert heads.config.medusa_num_heads == 5  # counted from the tensors, not the config's 2
     prompt = reference("llama")["ids"].tolist()
     hidden = features(model, prompt)  # [L, H], after the final norm
-    assert_close(np.array(heads(hidden, output_head(model))), ref["medusa_logits"], f"{file}: Medusa head logits")
+    assert_close(
+        np.array(heads(hidden, output_head(model))), ref["medusa_logits"], f"{file}: Medusa head logits"
+    )
 
     root = int(ref["tree_tokens"][0])
     drafter = MedusaDrafter(heads, output_head(model))  # mc_sim_7b_63, as the reference
     history = prompt + [root]
     drafter.prefill(history, hidden)
     draft = drafter.propose(history, 5, GREEDY)
-    assert [root] + np.array(draft.tokens).tolist() == ref["tree_tokens"].tolist(), f"{file}: tree tokens differ"
+    assert [root] + np.array(draft.tokens).tolist() == ref["tree_tokens"].tolist(), (
+        f"{file}: tree tokens differ"
+    )
     np.testing.assert_array_equal(ancestor_mask(draft.tree.parents), ref["tree_mask"])
     np.testing.assert_array_equal(draft.tree.depths, ref["tree_positions"])

@@ -31,7 +31,9 @@ def test_parity_mtp_deepseek():
     hidden = features(model, prompt)  # [L, H], the target's last hidden states after its final norm
     module = stack.first
     out = module(hidden[None], mx.array([prompt[1:] + [root]]), model.model.embed_tokens)
-    assert_close(np.array(module.logits(out, output_head(model))[0]), ref["depth1_logits"], "MTP logits (depth 1)")
+    assert_close(
+        np.array(module.logits(out, output_head(model))[0]), ref["depth1_logits"], "MTP logits (depth 1)"
+    )
 
     drafter = MTPDrafter(stack, model, depth=2)
     history = prompt + [root]
@@ -39,7 +41,9 @@ def test_parity_mtp_deepseek():
     calls, logits = [], module.logits
     module.logits = lambda out, lm_head: calls.append(logits(out, lm_head)) or calls[-1]
     draft = drafter.propose(history, 2, GREEDY)
-    assert np.array(draft.tokens).tolist() == ref["drafts"].tolist(), "the MTP chain differs from the reference"
+    assert np.array(draft.tokens).tolist() == ref["drafts"].tolist(), (
+        "the MTP chain differs from the reference"
+    )
     assert_close(np.array(calls[1])[0], ref["depth2_logits"], "MTP logits at chain depth 2")
 
 

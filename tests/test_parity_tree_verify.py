@@ -30,4 +30,6 @@ def test_parity_tree_verify(name):
         logits = model(mx.array([[prompt[-1]] + tokens]), cache=cache)[0]
     assert_close(np.array(logits), ref["path_logits"], f"{name}: tree-verify logits vs each path run alone")
     # and the plain forward over the prompt gives transformers' logits (the target loads as a user's folder)
-    assert_close(np.array(target(name)(mx.array([prompt]))[0]), reference(name)["logits"], f"{name}: target logits")
+    assert_close(
+        np.array(target(name)(mx.array([prompt]))[0]), reference(name)["logits"], f"{name}: target logits"
+    )

@@ -98,9 +98,14 @@ def test_tokenize_drops_leading_assistant_turns_truncates_and_refuses_unstable_t
 
 def test_jsonl_formats_and_errors(tmp_path):
     path = tmp_path / "data.jsonl"
-    path.write_text(json.dumps({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]})
-                    + "\n\n" + json.dumps({"id": "x", "conversations": [{"from": "human", "value": "c"},
-                                                                      {"from": "gpt", "value": "d"}]}) + "\n")
+    path.write_text(
+        json.dumps({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]})
+        + "\n\n"
+        + json.dumps(
+            {"id": "x", "conversations": [{"from": "human", "value": "c"}, {"from": "gpt", "value": "d"}]}
+        )
+        + "\n"
+    )
     conversations, _ = read_conversations(str(path))
     assert [[(t.role, t.text) for t in c.turns] for c in conversations] == [
         [("user", "a"), ("assistant", "b")], [("user", "c"), ("assistant", "d")]]
@@ -145,8 +150,12 @@ def test_feature_cache_resumes_and_replays_the_same_batches(tiny, tmp_path):
     assert a.num_chunks >= 3
 
     def flat(cache, epoch):
-        return [np.concatenate([np.array(x.hidden).ravel(), np.array(x.labels).ravel(), np.array(x.valid).ravel()])
-                for x in cache.batches(3, 32, epoch=epoch, seed=7)]
+        return [
+            np.concatenate(
+                [np.array(x.hidden).ravel(), np.array(x.labels).ravel(), np.array(x.valid).ravel()]
+            )
+            for x in cache.batches(3, 32, epoch=epoch, seed=7)
+        ]
 
     first = flat(a, 0)
     assert len(first) == a.steps_per_epoch(3, 32)
@@ -229,7 +238,9 @@ def test_resuming_mid_run_gives_the_same_heads(tiny, caches, tmp_path):
     for key in a:
         np.testing.assert_allclose(np.array(a[key]), np.array(b[key]), atol=1e-6)
     with pytest.raises(ValueError, match="different num_heads"):
-        next(train_medusa(model, caches[0], None, cut, MedusaTrainConfig(num_heads=3, epochs=2, batch_size=64)))
+        next(
+            train_medusa(model, caches[0], None, cut, MedusaTrainConfig(num_heads=3, epochs=2, batch_size=64))
+        )
 
 
 def test_own_lm_heads_start_as_the_target_head(tiny, caches, tmp_path):
@@ -283,10 +294,14 @@ def test_cli_trains_then_measures(tiny_model_dir, tmp_path, capsys):
     again = measure[:-1] + [str(tmp_path / "again.jsonl"), "--plain-runs", str(tmp_path / "m.jsonl"),
                             "--engine-prompts", "0"]
     assert train_main(again) == 0
-    replayed = next(line for line in capsys.readouterr().out.splitlines() if "medusa chain_4" in line).split("|")
+    replayed = next(line for line in capsys.readouterr().out.splitlines() if "medusa chain_4" in line).split(
+        "|"
+    )
     assert replayed[3] == row[3] and replayed[9].strip() == "0"
     first, second = read_records(tmp_path / "m.jsonl"), read_records(tmp_path / "again.jsonl")
-    plain = lambda records: [(r.prompt_id, r.tokens, r.stats.generation_s) for r in records if r.config == "plain"]  # noqa: E731
+    plain = lambda records: [  # noqa: E731
+        (r.prompt_id, r.tokens, r.stats.generation_s) for r in records if r.config == "plain"
+    ]
     assert plain(second) == plain(first)  # the stored runs, timings included: nothing was generated
     assert train_main(again[:-4] + ["--max-tokens", "4", "--plain-runs", str(tmp_path / "m.jsonl")]) == 2
     assert "more than --max-tokens 4" in capsys.readouterr().err
@@ -315,7 +330,9 @@ def test_replay_matches_the_engine_at_temperature_zero(kind):
         drafters = [NgramDrafter(1, 3)]
     else:
         draft = tiny_llama(seed=2, sharpen=4.0)  # the target with a noisy LM head: accepts some, not all
-        draft.lm_head.weight = draft.lm_head.weight + 0.1 * mx.random.normal(draft.lm_head.weight.shape, key=mx.random.key(1))
+        draft.lm_head.weight = draft.lm_head.weight + 0.1 * mx.random.normal(
+            draft.lm_head.weight.shape, key=mx.random.key(1)
+        )
         drafters = [DraftModelDrafter(draft, 264, 259)]
     accepted = 0
     for text in ["abc", "hello world", "xyzzy", "abcabcabc"]:
@@ -343,7 +360,15 @@ def test_a_sampled_draft_is_not_replayed():
     ids = tok.encode("abc")
     plain = generate(model, tok, ids, drafter="none", max_tokens=8)
     with pytest.raises(NotReplayable):
-        replay(drafter, ids, plain.tokens, {}, num_draft_tokens=3, max_tokens=8, sampling=SamplingParams(temp=0.7))
+        replay(
+            drafter,
+            ids,
+            plain.tokens,
+            {},
+            num_draft_tokens=3,
+            max_tokens=8,
+            sampling=SamplingParams(temp=0.7),
+        )
 
 
 def test_a_restricted_training_vocabulary_still_learns(tiny, caches, tmp_path):
@@ -363,15 +388,45 @@ def test_medusa_trains_on_a_corpus(tiny_model_dir, tmp_path, capsys):
     from mlxspec.train.corpus import build_corpus
 
     model, tok = load(str(tiny_model_dir))
-    prompts = [list(tok.apply_chat_template([{"role": "user", "content": f"walk {i}"}], add_generation_prompt=True))
-               for i in range(24)]
-    list(build_corpus(model, tok, prompts[:20], tmp_path / "corpus" / "train", max_new_tokens=24, batch_size=10))
-    list(build_corpus(model, tok, prompts[20:], tmp_path / "corpus" / "validation", max_new_tokens=24, batch_size=4))
-    argv = ["medusa", "--model", str(tiny_model_dir), "--corpus", str(tmp_path / "corpus"), "--output",
-            str(tmp_path / "heads"), "--num-heads", "2", "--epochs", "2", "--batch-size", "64", "--train-vocab", "64"]
+    prompts = [
+        list(tok.apply_chat_template([{"role": "user", "content": f"walk {i}"}], add_generation_prompt=True))
+        for i in range(24)
+    ]
+    list(
+        build_corpus(
+            model, tok, prompts[:20], tmp_path / "corpus" / "train", max_new_tokens=24, batch_size=10
+        )
+    )
+    list(
+        build_corpus(
+            model, tok, prompts[20:], tmp_path / "corpus" / "validation", max_new_tokens=24, batch_size=4
+        )
+    )
+    argv = [
+        "medusa",
+        "--model",
+        str(tiny_model_dir),
+        "--corpus",
+        str(tmp_path / "corpus"),
+        "--output",
+        str(tmp_path / "heads"),
+        "--num-heads",
+        "2",
+        "--epochs",
+        "2",
+        "--batch-size",
+        "64",
+        "--train-vocab",
+        "64",
+    ]
     assert train_main(argv) == 0
     out = capsys.readouterr().out
     assert "before training" in out and "epoch 2:" in out
-    assert load_medusa(tmp_path / "heads" / "epoch-2", hidden_size=64, vocab_size=264).config.medusa_num_heads == 2
-    assert train_main(["medusa", "--corpus", str(tmp_path / "nowhere"), "--output", str(tmp_path / "h2")]) == 2
+    assert (
+        load_medusa(tmp_path / "heads" / "epoch-2", hidden_size=64, vocab_size=264).config.medusa_num_heads
+        == 2
+    )
+    assert (
+        train_main(["medusa", "--corpus", str(tmp_path / "nowhere"), "--output", str(tmp_path / "h2")]) == 2
+    )
     assert "no corpus in" in capsys.readouterr().err

@@ -97,7 +97,9 @@ def test_the_checkpoint_loads_and_drafts_greedy_identical_text(tiny, trained):
     accepted = 0
     for prompt in _prompts(tok, 3, 5):
         plain = generate(model, tok, prompt, drafter="none", max_tokens=40)
-        run = generate(model, tok, prompt, drafter=DFlashDrafter(net, model), num_draft_tokens=3, max_tokens=40)
+        run = generate(
+            model, tok, prompt, drafter=DFlashDrafter(net, model), num_draft_tokens=3, max_tokens=40
+        )
         assert run.tokens == plain.tokens
         accepted += run.stats.accepted
     assert accepted > 20  # the trained drafter's blocks are kept, not just verified away
@@ -105,7 +107,9 @@ def test_the_checkpoint_loads_and_drafts_greedy_identical_text(tiny, trained):
 
 def test_resuming_mid_run_gives_the_same_drafter(tiny, corpus, tmp_path):
     model, _ = tiny
-    config = DFlashTrainConfig(num_layers=1, block_size=4, epochs=2, batch_tokens=512, warmup_steps=2, save_every=2)
+    config = DFlashTrainConfig(
+        num_layers=1, block_size=4, epochs=2, batch_tokens=512, warmup_steps=2, save_every=2
+    )
     whole, cut = tmp_path / "whole", tmp_path / "cut"
     list(train_dflash(model, corpus[0], None, whole, config))
     for record in train_dflash(model, corpus[0], None, cut, config):
@@ -114,7 +118,11 @@ def test_resuming_mid_run_gives_the_same_drafter(tiny, corpus, tmp_path):
     rest = [r for r in train_dflash(model, corpus[0], None, cut, config) if isinstance(r, StepRecord)]
     assert rest[0].epoch == 1 and rest[0].step == 3
     a, b = mx.load(str(whole / "model.safetensors")), mx.load(str(cut / "model.safetensors"))
-    assert set(a) == set(b) and {"fc.weight", "hidden_norm.weight", "layers.0.self_attn.k_norm.weight"} <= set(a)
+    assert set(a) == set(b) and {
+        "fc.weight",
+        "hidden_norm.weight",
+        "layers.0.self_attn.k_norm.weight",
+    } <= set(a)
     for key in a:
         np.testing.assert_allclose(np.array(a[key]), np.array(b[key]), atol=1e-5)
     with pytest.raises(ValueError, match="different block_size"):
@@ -128,7 +136,15 @@ def test_cli_trains_writes_the_record_and_refuses_bad_input(tiny_model_dir, tmp_
 
     model, tok = load(str(tiny_model_dir), dtype="float32")  # 2 layers: its corpus records the embedding
     _corpus(model, tok, tmp_path / "corpus", train_prompts=4, validation_prompts=2)
-    argv = ["dflash", "--model", str(tiny_model_dir), "--corpus", str(tmp_path / "corpus"), "-o", str(tmp_path / "d")]
+    argv = [
+        "dflash",
+        "--model",
+        str(tiny_model_dir),
+        "--corpus",
+        str(tmp_path / "corpus"),
+        "-o",
+        str(tmp_path / "d"),
+    ]
     assert train_main(argv) == 2
     assert "records the input of layer 0" in capsys.readouterr().err
     assert train_main(argv + ["--block-size", "1"]) == 2

@@ -58,17 +58,33 @@ def corpus(tiny, tmp_path_factory):
 
 
 def test_draft_config_keeps_the_family_and_sizes_it():
-    smollm2 = llama.ModelArgs(model_type="llama", hidden_size=576, num_hidden_layers=30, intermediate_size=1536,
-                              num_attention_heads=9, num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5,
-                              vocab_size=49152, rope_theta=100000.0, tie_word_embeddings=True,
-                              layer_types=["full_attention"] * 30)
+    smollm2 = llama.ModelArgs(
+        model_type="llama",
+        hidden_size=576,
+        num_hidden_layers=30,
+        intermediate_size=1536,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        rms_norm_eps=1e-5,
+        vocab_size=49152,
+        rope_theta=100000.0,
+        tie_word_embeddings=True,
+        layer_types=["full_attention"] * 30,
+    )
     config = draft_model_config(SimpleNamespace(args=smollm2), DraftTrainConfig(layers=4, hidden=256))
     assert (config["model_type"], config["vocab_size"], config["rope_theta"]) == ("llama", 49152, 100000.0)
     assert (config["num_hidden_layers"], config["hidden_size"], config["head_dim"]) == (4, 256, 64)
-    assert (config["num_attention_heads"], config["num_key_value_heads"], config["intermediate_size"]) == (4, 1, 704)
+    assert (config["num_attention_heads"], config["num_key_value_heads"], config["intermediate_size"]) == (
+        4,
+        1,
+        704,
+    )
     assert config["layer_types"] == ["full_attention"] * 4 and config["tie_word_embeddings"] is True
     with pytest.raises(ValueError, match="multiple of kv-heads"):
-        draft_model_config(SimpleNamespace(args=smollm2), DraftTrainConfig(layers=2, hidden=256, heads=4, kv_heads=3))
+        draft_model_config(
+            SimpleNamespace(args=smollm2), DraftTrainConfig(layers=2, hidden=256, heads=4, kv_heads=3)
+        )
 
 
 def test_embedding_projection_keeps_a_low_rank_embedding_exactly():
@@ -84,7 +100,9 @@ def test_embedding_projection_keeps_a_low_rank_embedding_exactly():
 def test_init_copies_or_projects_the_target_embeddings(tiny):
     target, _ = tiny
     same, _ = init_draft(target, DraftTrainConfig(layers=1, hidden=64))
-    np.testing.assert_array_equal(np.array(same.model.embed_tokens.weight), np.array(target.model.embed_tokens.weight))
+    np.testing.assert_array_equal(
+        np.array(same.model.embed_tokens.weight), np.array(target.model.embed_tokens.weight)
+    )
     small, config = init_draft(target, DraftTrainConfig(layers=1, hidden=16))
     assert small.model.embed_tokens.weight.shape == (264, 16) and config["hidden_size"] == 16
 
@@ -103,8 +121,16 @@ def _alpha(target, tokenizer, draft, temp: float) -> float:
 
 def test_distillation_lowers_heldout_kl_and_beats_an_untrained_draft(tiny, corpus, tmp_path):
     target, tokenizer = tiny
-    records = list(train_draft(target, tokenizer, FeatureCache(corpus / "train"), FeatureCache(corpus / "validation"),
-                               tmp_path / "run", SMALL))
+    records = list(
+        train_draft(
+            target,
+            tokenizer,
+            FeatureCache(corpus / "train"),
+            FeatureCache(corpus / "validation"),
+            tmp_path / "run",
+            SMALL,
+        )
+    )
     evals = [r for r in records if isinstance(r, EvalRecord)]
     steps = [r for r in records if isinstance(r, StepRecord)]
     assert [e.epoch for e in evals] == [0, 1, 2, 3, 4]
@@ -118,7 +144,8 @@ def test_distillation_lowers_heldout_kl_and_beats_an_untrained_draft(tiny, corpu
     # α realised by speculative decoding under the target: trained vs untrained draft of the same size
     untrained, _ = init_draft(target, SMALL)
     trained, _ = mlx_lm.load(str(tmp_path / "run" / "epoch-4"))
-    # (greedy contexts are the corpus's; sampled ones at temperature 1 drift away from it, so the gap is smaller)
+    # (greedy contexts are the corpus's; sampled ones at temperature 1 drift away from it, so the gap is
+    # smaller)
     assert _alpha(target, tokenizer, trained, 0.0) > _alpha(target, tokenizer, untrained, 0.0) + 0.1
     assert _alpha(target, tokenizer, trained, 1.0) > _alpha(target, tokenizer, untrained, 1.0) + 0.04
 
@@ -129,9 +156,13 @@ def test_a_training_vocabulary_still_distils(tiny, corpus, tmp_path):
     keep = training_vocab(train, 40, 264)
     assert keep.shape == (40,) and (np.diff(keep) > 0).all()
     config = DraftTrainConfig(**{**vars(SMALL), "train_vocab": 40, "negatives": 48, "epochs": 3})
-    evals = [r for r in train_draft(target, tokenizer, train, FeatureCache(corpus / "validation"), tmp_path, config)
-             if isinstance(r, EvalRecord)]
-    assert evals[-1].kl < 0.7 * evals[0].kl and evals[-1].alpha > evals[0].alpha + 0.2  # scored on the full vocabulary
+    evals = [
+        r
+        for r in train_draft(target, tokenizer, train, FeatureCache(corpus / "validation"), tmp_path, config)
+        if isinstance(r, EvalRecord)
+    ]
+    # scored on the full vocabulary
+    assert evals[-1].kl < 0.7 * evals[0].kl and evals[-1].alpha > evals[0].alpha + 0.2
 
 
 def test_resume_continues_and_refuses_other_settings(tiny, corpus, tmp_path):
@@ -140,23 +171,37 @@ def test_resume_continues_and_refuses_other_settings(tiny, corpus, tmp_path):
     config = DraftTrainConfig(layers=1, hidden=32, epochs=1, batch_tokens=512, max_eval_positions=128)
     first = list(train_draft(target, tokenizer, train, None, tmp_path, config))
     assert isinstance(first[0], EvalRecord) and first[0].epoch == 0  # held out from the end of the corpus
-    more = list(train_draft(target, tokenizer, train, None, tmp_path, DraftTrainConfig(**{**vars(config), "epochs": 2})))
+    more = list(
+        train_draft(
+            target, tokenizer, train, None, tmp_path, DraftTrainConfig(**{**vars(config), "epochs": 2})
+        )
+    )
     assert isinstance(more[0], StepRecord) and more[0].epoch == 1 and more[-1].epoch == 2
     state = json.loads((tmp_path / "trainer_state.json").read_text())
     assert [h["epoch"] for h in state["history"]] == [0, 1, 2]
     with pytest.raises(ValueError, match="different hidden"):
-        list(train_draft(target, tokenizer, train, None, tmp_path, DraftTrainConfig(**{**vars(config), "hidden": 48})))
+        list(
+            train_draft(
+                target, tokenizer, train, None, tmp_path, DraftTrainConfig(**{**vars(config), "hidden": 48})
+            )
+        )
     with pytest.raises(ValueError, match="already holds a training run"):
         list(train_draft(target, tokenizer, train, None, tmp_path, config, resume=False))
 
 
-def test_cli_output_is_an_mlx_lm_folder_for_both_generators(capsys, corpus, tmp_path, tiny_model_dir, monkeypatch):
+def test_cli_output_is_an_mlx_lm_folder_for_both_generators(
+    capsys, corpus, tmp_path, tiny_model_dir, monkeypatch
+):
     out = tmp_path / "draft"
     code = train_main(["draft", "--model", str(tiny_model_dir), "--corpus", str(corpus), "--output", str(out),
                        "--layers", "1", "--hidden", "32", "--epochs", "1", "--batch-tokens", "512"])
     captured = capsys.readouterr()
     assert code == 0, captured.err
-    assert "held-out KL" in captured.out and "expected α" in captured.out and "decode step, float32" in captured.err
+    assert (
+        "held-out KL" in captured.out
+        and "expected α" in captured.out
+        and "decode step, float32" in captured.err
+    )
     folder = out / "epoch-1"
     config = json.loads((folder / "config.json").read_text())
     assert config["model_type"] == "llama" and config["eos_token_id"] == 256 and config["tie_word_embeddings"]
@@ -166,14 +211,21 @@ def test_cli_output_is_an_mlx_lm_folder_for_both_generators(capsys, corpus, tmp_
     target, tokenizer = mlx_lm.load(str(tiny_model_dir))
     assert draft_tokenizer.get_vocab() == tokenizer.get_vocab() and draft_tokenizer.eos_token_ids == {256}
     assert draft.model.embed_tokens.weight.dtype == mx.float16
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "blue sky"}], add_generation_prompt=True)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "blue sky"}], add_generation_prompt=True
+    )
     plain = mlx_lm.generate(target, tokenizer, prompt, max_tokens=16)
-    assert mlx_lm.generate(target, tokenizer, prompt, max_tokens=16, draft_model=draft, num_draft_tokens=3) == plain
+    assert (
+        mlx_lm.generate(target, tokenizer, prompt, max_tokens=16, draft_model=draft, num_draft_tokens=3)
+        == plain
+    )
     # mlxspec generate --draft-model: lossless at temperature 0
     base = ["--model", str(tiny_model_dir), "--prompt", "blue sky", "--max-tokens", "16", "--json"]
     code, stdout, _ = run_generate(capsys, *base, "--draft-model", str(folder), "--num-draft-tokens", "3")
     assert code == 0 and json.loads(stdout)["drafter"] == "draft"
-    assert json.loads(stdout)["text"] == json.loads(run_generate(capsys, *base, "--drafter", "none")[1])["text"]
+    assert (
+        json.loads(stdout)["text"] == json.loads(run_generate(capsys, *base, "--drafter", "none")[1])["text"]
+    )
     # --drafter draft without --draft-model takes the draft shipped under models/draft/<target name>/
     code, _, err = run_generate(capsys, *base, "--drafter", "draft")
     assert code == 2 and "needs a draft model" in err and f"none ships for {tiny_model_dir.name}" in err
@@ -182,15 +234,21 @@ def test_cli_output_is_an_mlx_lm_folder_for_both_generators(capsys, corpus, tmp_
     folder.rename(tmp_path / "models" / "draft" / tiny_model_dir.name)
     code, stdout, err = run_generate(capsys, *base, "--drafter", "draft", "--num-draft-tokens", "3")
     assert code == 0, err
-    assert json.loads(stdout)["drafter"] == "draft" and json.loads(stdout)["draft_model"].startswith(tiny_model_dir.name)
+    assert json.loads(stdout)["drafter"] == "draft" and json.loads(stdout)["draft_model"].startswith(
+        tiny_model_dir.name
+    )
     # make_drafter("draft") in Python takes the shipped draft whose card matches the target, and only that one
     shipped = tmp_path / "models" / "draft" / tiny_model_dir.name
     with pytest.raises(ValueError, match="needs a draft model.*none ships for this model"):
         make_drafter("draft", target, tokenizer)  # no card: never matched by name alone
     write_card(shipped, target, tiny_model_dir.name)
     drafter = make_drafter("draft", target, tokenizer)
-    assert mx.array_equal(drafter.model.model.embed_tokens.weight, mlx_lm.load(str(shipped))[0].model.embed_tokens.weight)
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "blue sky"}], add_generation_prompt=True)
+    assert mx.array_equal(
+        drafter.model.model.embed_tokens.weight, mlx_lm.load(str(shipped))[0].model.embed_tokens.weight
+    )
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "blue sky"}], add_generation_prompt=True
+    )
     drafted = generate(target, tokenizer, prompt, drafter=drafter, num_draft_tokens=3, max_tokens=16)
     assert drafted.stats.drafted > 0
     assert drafted.tokens == generate(target, tokenizer, prompt, drafter="none", max_tokens=16).tokens
@@ -200,5 +258,8 @@ def test_cli_errors_are_one_line(capsys, tmp_path):
     assert train_main(["draft", "--corpus", str(tmp_path / "nothing"), "--output", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("mlxspec: error: no corpus in") and err.count("\n") == 1
-    assert train_main(["draft", "--corpus", str(tmp_path), "--output", str(tmp_path / "o"), "--hidden", "0"]) == 2
+    assert (
+        train_main(["draft", "--corpus", str(tmp_path), "--output", str(tmp_path / "o"), "--hidden", "0"])
+        == 2
+    )
     assert "hidden must be >= 1" in capsys.readouterr().err

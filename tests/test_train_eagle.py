@@ -42,8 +42,16 @@ def _prompts(tok, n: int, seed: int) -> list[list[int]]:
 def _corpus(model, tok, root, train_prompts=64, validation_prompts=8):
     list(build_corpus(model, tok, _prompts(tok, train_prompts, 1), root / "train", max_new_tokens=48,
                       batch_size=16))
-    list(build_corpus(model, tok, _prompts(tok, validation_prompts, 2), root / "validation", max_new_tokens=48,
-                      batch_size=8))
+    list(
+        build_corpus(
+            model,
+            tok,
+            _prompts(tok, validation_prompts, 2),
+            root / "validation",
+            max_new_tokens=48,
+            batch_size=8,
+        )
+    )
     return FeatureCache(root / "train"), FeatureCache(root / "validation")
 
 
@@ -74,7 +82,8 @@ def test_draft_vocabulary_is_the_most_frequent_ids_as_offsets():
     assert t2d[chosen].all() and t2d.sum() == 5
     assert not np.array_equal(d2t, chosen)  # reading d2t as absolute ids would be wrong
     assert target_to_draft(d2t, len(counts)).tolist() == [-1, 0, 1, 2, -1, 3, -1, -1, -1, 4]
-    d2t, t2d = draft_vocabulary(np.array([0, 4, 0, 0]), 3)  # fewer seen ids than asked: smallest unseen fill up
+    # fewer seen ids than asked: smallest unseen fill up
+    d2t, t2d = draft_vocabulary(np.array([0, 4, 0, 0]), 3)
     assert (np.arange(3) + d2t).tolist() == [0, 1, 2]
     with pytest.raises(ValueError, match="draft vocabulary size"):
         draft_vocabulary(counts, 11)
@@ -110,8 +119,10 @@ def test_batches_hold_whole_examples_with_labels_shifted_per_step(corpus):
     T = batch.features.shape[1]
     assert T == max(n for _, n in spans) - 1 and batch.tokens.shape[1] == T + 2
     # draft position j: layer inputs of token j (low, mid, high) with token j + 1
-    np.testing.assert_array_equal(np.array(batch.features[0, : length - 1]),
-                                  arrays["aux"][s : s + length - 1].reshape(length - 1, -1).astype(np.float32))
+    np.testing.assert_array_equal(
+        np.array(batch.features[0, : length - 1]),
+        arrays["aux"][s : s + length - 1].reshape(length - 1, -1).astype(np.float32),
+    )
     assert np.array(batch.tokens[0, : length - 1]).tolist() == arrays["tokens"][s + 1 : s + length].tolist()
     for k in range(3):  # step k at j is scored on token j + 2 + k, an answer token of the same example
         rows = batch.eval_rows[k][batch.eval_rows[k] < T]  # row 0 of the batch
@@ -130,10 +141,14 @@ def test_the_batch_plan_is_seeded_so_resuming_replays_it(corpus):
     assert plan == plan_epoch(train, CONFIG3, epoch=1) and plan != plan_epoch(train, CONFIG3, epoch=2)
     assert all(len(spans) * (max(n for _, n in spans) - 1) <= 512 or len(spans) == 1 for _, spans in plan)
     every = sorted(s for c, spans in plan for s, _ in spans if c == 0)
-    assert every == sorted(s for c, spans in plan_epoch(train, CONFIG3, shuffle=False) for s, _ in spans if c == 0)
+    assert every == sorted(
+        s for c, spans in plan_epoch(train, CONFIG3, shuffle=False) for s, _ in spans if c == 0
+    )
     a = list(sequence_batches(train, plan, CONFIG3, None, start=3))
     b = list(sequence_batches(train, plan, CONFIG3, None))[3:]
-    assert len(a) == len(b) and all(np.array_equal(np.array(x.tokens), np.array(y.tokens)) for x, y in zip(a, b))
+    assert len(a) == len(b) and all(
+        np.array_equal(np.array(x.tokens), np.array(y.tokens)) for x, y in zip(a, b)
+    )
 
 
 # --- the unrolled forward ---------------------------------------------------------------------
@@ -199,8 +214,15 @@ def test_resuming_mid_run_gives_the_same_head(tiny, corpus, tmp_path):
     for key in a:
         np.testing.assert_allclose(np.array(a[key]), np.array(b[key]), atol=1e-5)
     with pytest.raises(ValueError, match="different ttt_steps"):
-        next(train_eagle(model, corpus[0], None, cut, EagleTrainConfig(version=3, draft_vocab_size=64, ttt_steps=3,
-                                                                        epochs=2, batch_tokens=512)))
+        next(
+            train_eagle(
+                model,
+                corpus[0],
+                None,
+                cut,
+                EagleTrainConfig(version=3, draft_vocab_size=64, ttt_steps=3, epochs=2, batch_tokens=512),
+            )
+        )
 
 
 def test_the_checkpoint_loads_and_drafts_greedy_identical_text(tiny, trained):
@@ -215,8 +237,14 @@ def test_the_checkpoint_loads_and_drafts_greedy_identical_text(tiny, trained):
     accepted = 0
     for prompt in _prompts(tok, 3, 5):
         plain = generate(model, tok, prompt, drafter="none", max_tokens=40)
-        run = generate(model, tok, prompt, drafter=EagleDrafter(head, model, depth=4, top_k=1), num_draft_tokens=4,
-                       max_tokens=40)
+        run = generate(
+            model,
+            tok,
+            prompt,
+            drafter=EagleDrafter(head, model, depth=4, top_k=1),
+            num_draft_tokens=4,
+            max_tokens=40,
+        )
         assert run.tokens == plain.tokens
         accepted += run.stats.accepted
     assert accepted > 20  # the trained head's drafts are kept, not just verified away
@@ -232,15 +260,32 @@ def test_cli_trains_writes_the_record_and_refuses_bad_input(tiny_model_dir, tmp_
     model, tok = load(str(tiny_model_dir), dtype="float32")
     _corpus(model, tok, tmp_path / "corpus", train_prompts=16, validation_prompts=4)
     out = tmp_path / "head"
-    argv = ["eagle", "--model", str(tiny_model_dir), "--corpus", str(tmp_path / "corpus"), "--output", str(out),
-            "--draft-vocab-size", "32", "--ttt-steps", "2", "--epochs", "3", "--max-steps", "3",
-            "--batch-tokens", "512"]
+    argv = [
+        "eagle",
+        "--model",
+        str(tiny_model_dir),
+        "--corpus",
+        str(tmp_path / "corpus"),
+        "--output",
+        str(out),
+        "--draft-vocab-size",
+        "32",
+        "--ttt-steps",
+        "2",
+        "--epochs",
+        "3",
+        "--max-steps",
+        "3",
+        "--batch-tokens",
+        "512",
+    ]
     assert train_main(argv) == 0
     captured = capsys.readouterr()
     assert "before training: held-out agreement" in captured.out and "epoch 1:" in captured.out
     record = json.loads((out / "training.json").read_text())
     assert record["version"] == 3 and record["command"].startswith("mlxspec train eagle --model")
-    assert json.loads((out / "trainer_state.json").read_text())["global_step"] == 3  # --max-steps caps the run
+    # --max-steps caps the run
+    assert json.loads((out / "trainer_state.json").read_text())["global_step"] == 3
     assert record["heldout"][0]["epoch"] == 0 and record["train_s"] >= 0
     assert load_eagle(out / "epoch-1", target=model).config.draft_vocab_size == 32
     assert train_main(argv[:-2] + ["--batch-tokens", "0"]) == 2
@@ -249,7 +294,15 @@ def test_cli_trains_writes_the_record_and_refuses_bad_input(tiny_model_dir, tmp_
     assert "no corpus in" in capsys.readouterr().err
     other = tiny_llama(seed=7)  # a corpus of another model
     _corpus(other, tok, tmp_path / "other", train_prompts=4, validation_prompts=2)
-    argv = ["eagle", "--model", str(tiny_model_dir), "--corpus", str(tmp_path / "other"), "-o", str(tmp_path / "x")]
+    argv = [
+        "eagle",
+        "--model",
+        str(tiny_model_dir),
+        "--corpus",
+        str(tmp_path / "other"),
+        "-o",
+        str(tmp_path / "x"),
+    ]
     assert train_main(argv) == 2
     assert "made by another model" in capsys.readouterr().err
 
@@ -272,4 +325,6 @@ def test_eagle3_fc_reads_normalised_features_in_training_and_raw_ones_once_saved
                                rtol=1e-5, atol=1e-7)
     batch = next(iter(task.batches(head, 0, 0)))
     (fed,) = task.inputs(batch, 0)
-    np.testing.assert_allclose(np.array(fed.features) * task.scale, np.array(batch.features), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        np.array(fed.features) * task.scale, np.array(batch.features), rtol=1e-5, atol=1e-6
+    )

@@ -1,4 +1,5 @@
-"""The shared training loop: a run killed mid-epoch and resumed ends bit for bit where an unbroken run does."""
+"""The shared training loop: a run killed mid-epoch and resumed ends bit for bit where an unbroken run
+does."""
 
 from __future__ import annotations
 
@@ -66,8 +67,9 @@ def medusa(tmp_path_factory):
     return model, FeatureCache(root / "train"), FeatureCache(root / "heldout")
 
 
-MEDUSA = MedusaTrainConfig(num_heads=2, epochs=2, batch_size=32, learning_rate=3e-3, warmup_steps=3, save_every=3,
-                           grad_clip=1.0)
+MEDUSA = MedusaTrainConfig(
+    num_heads=2, epochs=2, batch_size=32, learning_rate=3e-3, warmup_steps=3, save_every=3, grad_clip=1.0
+)
 
 
 def test_medusa_killed_mid_epoch_resumes_to_the_same_weights(medusa, tmp_path):
@@ -121,7 +123,9 @@ def test_a_kill_while_saving_keeps_the_previous_checkpoint(medusa, tmp_path, mon
         list(fit(MedusaTask(model, train, None, config), again, config))
     assert (again / loop.READY).is_dir() and not (again / loop.STATE).exists()
     monkeypatch.setattr(loop, "_publish", publish)
-    steps = [r for r in fit(MedusaTask(model, train, None, config), again, config) if isinstance(r, StepRecord)]
+    steps = [
+        r for r in fit(MedusaTask(model, train, None, config), again, config) if isinstance(r, StepRecord)
+    ]
     assert steps[0].step == 4 and not (again / loop.READY).exists()
     assert_same_run(whole, again, "medusa_lm_head.safetensors")
 
@@ -131,7 +135,13 @@ def test_resume_refuses_other_settings_or_data(medusa, tmp_path):
     config = MedusaTrainConfig(**{**vars(MEDUSA), "epochs": 1})
     list(fit(MedusaTask(model, train, None, config), tmp_path, config))
     with pytest.raises(ValueError, match="different seed"):
-        next(fit(MedusaTask(model, train, None, config), tmp_path, MedusaTrainConfig(**{**vars(config), "seed": 1})))
+        next(
+            fit(
+                MedusaTask(model, train, None, config),
+                tmp_path,
+                MedusaTrainConfig(**{**vars(config), "seed": 1}),
+            )
+        )
     with pytest.raises(ValueError, match="different training data"):
         next(fit(MedusaTask(model, heldout, None, config), tmp_path, config))
     with pytest.raises(ValueError, match="already holds a training run"):
@@ -177,13 +187,16 @@ def test_draft_killed_mid_epoch_resumes_to_the_same_weights(corpus, tmp_path):
     with pytest.raises(Killed):
         list(fit(killed_at(DraftTask(model, tok, train, None, config), 3), cut, config))
     assert json.loads((cut / loop.STATE).read_text())["step"] == 2
-    rest = [r for r in fit(DraftTask(model, tok, train, None, config), cut, config) if isinstance(r, StepRecord)]
+    rest = [
+        r for r in fit(DraftTask(model, tok, train, None, config), cut, config) if isinstance(r, StepRecord)
+    ]
     assert (rest[0].epoch, rest[0].step) == (0, 3)
     assert_same_run(whole, cut, "model.safetensors")
 
 
 def test_a_run_checkpointed_before_the_shared_loop_resumes(medusa, tmp_path):
-    """trainer_state.json of the per-method trainers named the data ``features``/``corpus`` and had no loss sum."""
+    """trainer_state.json of the per-method trainers named the data ``features``/``corpus`` and had no loss
+    sum."""
     model, train, _ = medusa
     config = MedusaTrainConfig(**{**vars(MEDUSA), "epochs": 1})
     list(fit(MedusaTask(model, train, None, config), tmp_path, config))

@@ -21,7 +21,9 @@ from test_train_eagle import _corpus, _prompts
 
 pytestmark = pytest.mark.slow  # training
 
-CONFIG = MTPTrainConfig(ttt_steps=2, eval_steps=2, epochs=3, batch_tokens=512, learning_rate=3e-3, warmup_steps=5)
+CONFIG = MTPTrainConfig(
+    ttt_steps=2, eval_steps=2, epochs=3, batch_tokens=512, learning_rate=3e-3, warmup_steps=5
+)
 
 
 @pytest.fixture(scope="module")

@@ -76,9 +76,9 @@ def test_batched_and_engine_samples_pass_alike_with_filters(models):
 
 @pytest.mark.slow  # statistical
 def test_gamma_auto_is_checked_through_the_engine_with_rounds_the_drafts_confidence_ends(models):
-    """``num_draft_tokens`` a γ policy (what ``generate`` runs by default): the samples go through the engine's loop,
-    the policy learns across them, the draft model's rounds end on its own confidence and vary in length; the exact
-    rule PASSes, the broken one FAILs."""
+    """``num_draft_tokens`` a γ policy (what ``generate`` runs by default): the samples go through the
+    engine's loop, the policy learns across them, the draft model's rounds end on its own confidence and vary
+    in length; the exact rule PASSes, the broken one FAILs."""
     target, draft = models
     drafter = make_drafter("draft", target, list(range(V)), draft_model=draft)
     sizes = Counter()
@@ -96,8 +96,9 @@ def test_gamma_auto_is_checked_through_the_engine_with_rounds_the_drafts_confide
                      num_draft_tokens=Auto(costs, DraftProfile(confidence=True)))
     assert good.passed and good.checks[0].drafted > 150 and good.checks[0].prefixes_tested >= 3, good
     assert len([n for n in sizes if n > 0]) >= 2, sizes  # rounds of different lengths were checked
-    # the broken rule keeps few drafts, so under these costs γ auto soon falls back to plain decoding and the check
-    # loses its power (docs: use an integer γ for --self-test); a flat verify curve that never falls back keeps drafting
+    # the broken rule keeps few drafts, so under these costs γ auto soon falls back to plain decoding and the
+    # check loses its power (docs: use an integer γ for --self-test); a flat verify curve that never falls
+    # back keeps drafting
     flat = Auto(Costs([1.0] * 16, draft_s=0.0), DraftProfile(confidence=True))
     bad = run_check(target, PROMPTS[:1], drafter, sampling, num_tokens=3, num_samples=600, self_test=True,
                     num_draft_tokens=flat)
@@ -134,17 +135,22 @@ def test_the_command_prints_a_record_and_exits_by_verdict(tiny_model_dir, tmp_pa
     record = json.loads(capsys.readouterr().out)
     assert record["passed"] and record["drafter"] == "ngram" and len(record["prompts"]) == 1
     assert record["prompts"][0]["drafted"] > 0
-    # the random model gives the n-gram's drafts almost no mass at --temp 1, so the greedy self-test shows power
-    assert main([*base, "--temp", "0", "--max-tokens", "30", "--self-test"]) == 0  # the broken rule was caught
+    # the random model gives the n-gram's drafts almost no mass at --temp 1, so the greedy self-test shows
+    # power
+    # the broken rule was caught
+    assert main([*base, "--temp", "0", "--max-tokens", "30", "--self-test"]) == 0
     out = capsys.readouterr().out
     assert "FAIL  differs at token" in out and "detected (FAIL)" in out
     # --num-draft-tokens auto: the policy generate runs (costs from this machine's cache; here a fixed curve)
-    monkeypatch.setattr(gamma, "load_or_calibrate", lambda *a, **k: Costs([1.0 + 0.1 * (k - 1) for k in range(1, 17)]))
+    monkeypatch.setattr(
+        gamma, "load_or_calibrate", lambda *a, **k: Costs([1.0 + 0.1 * (k - 1) for k in range(1, 17)])
+    )
     assert main([*base, "--num-draft-tokens", "auto", "--samples", "300", "--json"]) == 0
     record = json.loads(capsys.readouterr().out)
     assert record["passed"] and record["num_draft_tokens"] == "auto" and record["prompts"][0]["drafted"] > 0
     for flags, message in [(["--samples", "0"], "--samples must be >= 1"),
-                           (["--temp", "0", "--tokens", "-2"], "--tokens must be >= 1"),  # unused at --temp 0: still said
+                           # unused at --temp 0: still said
+                           (["--temp", "0", "--tokens", "-2"], "--tokens must be >= 1"),
                            (["--num-draft-tokens", "most"], "--num-draft-tokens"),
                            (["--prompts", str(tmp_path / "none.txt")], "is not a file")]:
         try:

@@ -127,11 +127,15 @@ def target_outputs(model, ids: list[int]) -> dict[str, np.ndarray]:
 
 # --- EAGLE (SafeAILab/EAGLE) ------------------------------------------------------------------------------
 
-def eagle_tree(ref_model, hidden: torch.Tensor, ids: list[int], root: int, lm_head=None) -> dict[str, np.ndarray]:
+def eagle_tree(
+    ref_model, hidden: torch.Tensor, ids: list[int], root: int, lm_head=None
+) -> dict[str, np.ndarray]:
     """Run the reference ``topK_genrate`` once; record its tree and every draft-logit call."""
     calls = []
     head = ref_model.lm_head if lm_head is None else lm_head
-    hook = head.register_forward_hook(lambda m, a, out: calls.append(out.detach().reshape(-1, out.shape[-1]).clone()))
+    hook = head.register_forward_hook(
+        lambda m, a, out: calls.append(out.detach().reshape(-1, out.shape[-1]).clone())
+    )
     ref_model.init_tree()
     ref_model.reset_kv()
     with torch.no_grad():
@@ -157,11 +161,23 @@ def make_eagle3(ref: Path, target, t_out: dict, folder: Path, reduced: bool, n: 
         sys.path.pop(0)
     N, H = target.config.num_hidden_layers, target.config.hidden_size
     draft_vocab = 64 if reduced else VOCAB
-    config = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": H,
-              "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
-              "num_hidden_layers": 1, "rms_norm_eps": 1e-6, "vocab_size": VOCAB, "draft_vocab_size": draft_vocab,
-              "max_position_embeddings": 256, "pad_token_id": 0, "hidden_act": "silu", "bias": False,
-              "torch_dtype": "float32"}  # no rope_theta: the draft runs at EAGLE's default 10000
+    config = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "hidden_size": H,
+        "intermediate_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_hidden_layers": 1,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": VOCAB,
+        "draft_vocab_size": draft_vocab,
+        "max_position_embeddings": 256,
+        "pad_token_id": 0,
+        "hidden_act": "silu",
+        "bias": False,
+        "torch_dtype": "float32",
+    }  # no rope_theta: the draft runs at EAGLE's default 10000
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(config, indent=1) + "\n")
     econfig = EConfig.from_pretrained(str(folder))
@@ -198,10 +214,21 @@ def make_eagle1(ref: Path, target, t_out: dict, folder: Path, n: int) -> dict:
     finally:
         sys.path.pop(0)
     H = target.config.hidden_size
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": H,
-              "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
-              "num_hidden_layers": 1, "rms_norm_eps": 1e-6, "vocab_size": VOCAB, "max_position_embeddings": 256,
-              "pad_token_id": 0, "hidden_act": "silu", "torch_dtype": "float32"}  # no "bias": fc has one
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": H,
+        "intermediate_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_hidden_layers": 1,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": VOCAB,
+        "max_position_embeddings": 256,
+        "pad_token_id": 0,
+        "hidden_act": "silu",
+        "torch_dtype": "float32",
+    }  # no "bias": fc has one
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(config, indent=1) + "\n")
     econfig = EConfig.from_pretrained(str(folder))
@@ -239,16 +266,23 @@ def make_medusa(ref: Path, target, t_out: dict, folder: Path, n: int) -> dict:
 
     H, heads = target.config.hidden_size, 5
     seed(n)
-    medusa_head = nn.ModuleList([nn.Sequential(ResBlock(H), nn.Linear(H, VOCAB, bias=False)) for _ in range(heads)])
+    medusa_head = nn.ModuleList(
+        [nn.Sequential(ResBlock(H), nn.Linear(H, VOCAB, bias=False)) for _ in range(heads)]
+    )
     randomize(medusa_head, 0.2, n)
     medusa_head.eval()
     folder.mkdir(parents=True, exist_ok=True)
     state = medusa_head.state_dict()
     torch.save(state, folder / "medusa_lm_head.pt")  # what MedusaModel.from_pretrained reads
-    save_file({k: v.contiguous() for k, v in state.items()}, folder / "medusa_lm_head.safetensors")  # train_legacy.py
+    # train_legacy.py
+    save_file({k: v.contiguous() for k, v in state.items()}, folder / "medusa_lm_head.safetensors")
     # the published configs under-count the heads (medusa-vicuna-7b-v1.3 says 2; the file holds 5)
-    (folder / "config.json").write_text(json.dumps({"medusa_num_heads": 2, "medusa_num_layers": 1,
-                                                    "base_model_name_or_path": "tiny-llama"}, indent=1) + "\n")
+    (folder / "config.json").write_text(
+        json.dumps(
+            {"medusa_num_heads": 2, "medusa_num_layers": 1, "base_model_name_or_path": "tiny-llama"}, indent=1
+        )
+        + "\n"
+    )
     hidden = torch.from_numpy(t_out["final"])[None]
     logits = torch.from_numpy(t_out["logits"])[None]
     with torch.no_grad():
@@ -450,8 +484,13 @@ def make_mtp_deepseek(folder: Path, n: int) -> dict:
         d1 = int(torch.argmax(l1[-1]))
         x2 = mtp_forward(ids[1:] + [root, d1], torch.cat([hidden, x1[-1:]]))  # the chain: x fed back as h
         l2 = logits(x2[-1])
-    return {**{f"target_{k}": v for k, v in t_out.items()}, "root": np.array(root), "depth1_logits": l1.numpy(),
-            "depth2_logits": l2.numpy(), "drafts": np.array([d1, int(torch.argmax(l2))])}
+    return {
+        **{f"target_{k}": v for k, v in t_out.items()},
+        "root": np.array(root),
+        "depth1_logits": l1.numpy(),
+        "depth2_logits": l2.numpy(),
+        "drafts": np.array([d1, int(torch.argmax(l2))]),
+    }
 
 
 # --- speculators EAGLE-3 (vllm-project/speculators; needs transformers 5, so a run of its own) -------------
@@ -495,7 +534,8 @@ def make_speculators_eagle3(out: Path, n: int) -> dict:
     folder = out / "speculators_eagle3"
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)
-    (folder / "config.py").unlink(missing_ok=True)  # a copy of speculators' config class (remote code): not ours
+    # a copy of speculators' config class (remote code): not ours
+    (folder / "config.py").unlink(missing_ok=True)
     ids = t_out["ids"].tolist()
     root = int(np.argmax(t_out["logits"][-1]))
     hidden = torch.cat([torch.from_numpy(t_out["layer_inputs"][i + 1]) for i in aux], dim=-1)[None]
@@ -513,21 +553,44 @@ def make_speculators_eagle3(out: Path, n: int) -> dict:
 def make_mtp_qwen(folder: Path, n: int) -> dict:
     """A tiny Qwen3-Next target (transformers' ``Qwen3NextForCausalLM``: Gated DeltaNet and gated full
     attention layers, routed + shared experts, zero-centred RMSNorms) with its MTP module as Qwen publishes
-    it (``mtp.fc``, ``mtp.pre_fc_norm_embedding``, ``mtp.pre_fc_norm_hidden``, ``mtp.layers.0.*``, ``mtp.norm``).
-    Qwen ships no MTP forward; the numbers follow vLLM's ``Qwen3NextMultiTokenPredictor.forward`` with
-    transformers' own ``Qwen3NextDecoderLayer`` (full attention) and ``Qwen3NextRMSNorm``:
-    x = fc([pre_fc_norm_embedding(e); pre_fc_norm_hidden(h)]), the layer, norm, the target's LM head."""
+    it (``mtp.fc``, ``mtp.pre_fc_norm_embedding``, ``mtp.pre_fc_norm_hidden``, ``mtp.layers.0.*``,
+    ``mtp.norm``). Qwen ships no MTP forward; the numbers follow vLLM's
+    ``Qwen3NextMultiTokenPredictor.forward`` with transformers' own ``Qwen3NextDecoderLayer`` (full attention)
+    and ``Qwen3NextRMSNorm``: x = fc([pre_fc_norm_embedding(e); pre_fc_norm_hidden(h)]), the layer, norm, the
+    target's LM head."""
     import transformers as tf
     from safetensors.torch import save_file
     from transformers.models.qwen3_next import modeling_qwen3_next as qn
 
     cfg = tf.Qwen3NextConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=8,
-        linear_value_head_dim=8, linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
-        moe_intermediate_size=16, shared_expert_intermediate_size=16, decoder_sparse_step=1, rope_theta=10000.0,
-        max_position_embeddings=256, tie_word_embeddings=False, rms_norm_eps=1e-6, full_attention_interval=2,
-        mtp_num_hidden_layers=1, bos_token_id=2, eos_token_id=1, torch_dtype="float32", attn_implementation="eager")
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        linear_num_value_heads=2,
+        linear_num_key_heads=2,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        linear_conv_kernel_dim=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=16,
+        decoder_sparse_step=1,
+        rope_theta=10000.0,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-6,
+        full_attention_interval=2,
+        mtp_num_hidden_layers=1,
+        bos_token_id=2,
+        eos_token_id=1,
+        torch_dtype="float32",
+        attn_implementation="eager",
+    )
     seed(n)
     target = tf.Qwen3NextForCausalLM(cfg)
     randomize(target, 0.15, n)
@@ -537,7 +600,9 @@ def make_mtp_qwen(folder: Path, n: int) -> dict:
     mtp.fc = torch.nn.Linear(2 * H, H, bias=False)
     mtp.pre_fc_norm_embedding = qn.Qwen3NextRMSNorm(H, 1e-6)
     mtp.pre_fc_norm_hidden = qn.Qwen3NextRMSNorm(H, 1e-6)
-    mtp.layers = torch.nn.ModuleList([qn.Qwen3NextDecoderLayer(cfg, layer_idx=cfg.layer_types.index("full_attention"))])
+    mtp.layers = torch.nn.ModuleList(
+        [qn.Qwen3NextDecoderLayer(cfg, layer_idx=cfg.layer_types.index("full_attention"))]
+    )
     mtp.norm = qn.Qwen3NextRMSNorm(H, 1e-6)
     g = torch.Generator().manual_seed(n + 1)
     with torch.no_grad():  # zero-centred norms store w - 1: small offsets, as trained checkpoints hold
@@ -565,7 +630,11 @@ def make_mtp_qwen(folder: Path, n: int) -> dict:
                           position_embeddings=target.model.rotary_emb(x, positions))
         x = x[0] if isinstance(x, tuple) else x
         logits = target.lm_head(mtp.norm(x))[0]
-    return {**{f"target_{k}": v for k, v in t_out.items()}, "root": np.array(root), "depth1_logits": logits.numpy()}
+    return {
+        **{f"target_{k}": v for k, v in t_out.items()},
+        "root": np.array(root),
+        "depth1_logits": logits.numpy(),
+    }
 
 
 # --- tree verification (item 5): transformers on every root-to-node path ---------------------------------
@@ -608,7 +677,8 @@ def git_commit(ref: Path) -> str | None:
 def generate(out: Path, refs: dict[str, Path | None]) -> None:
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
-    if refs.get("speculators"):  # a separate environment (transformers 5): only this fixture, from the llama one
+    # a separate environment (transformers 5): only this fixture, from the llama one
+    if refs.get("speculators"):
         write_npz(out / "speculators_eagle3" / "reference.npz", make_speculators_eagle3(out, 60))
         old = out / "SOURCES.json"
         from importlib.metadata import version
@@ -626,7 +696,9 @@ def generate(out: Path, refs: dict[str, Path | None]) -> None:
     sources = {"transformers": __import__("transformers").__version__, "torch": torch.__version__}
     if refs.get("eagle"):
         ref = refs["eagle"]
-        write_npz(out / "eagle3" / "reference.npz", make_eagle3(ref, llama, t_llama, out / "eagle3", True, 10))
+        write_npz(
+            out / "eagle3" / "reference.npz", make_eagle3(ref, llama, t_llama, out / "eagle3", True, 10)
+        )
         write_npz(out / "eagle3_full_vocab" / "reference.npz",
                   make_eagle3(ref, llama, t_llama, out / "eagle3_full_vocab", False, 11))
         write_npz(out / "eagle1" / "reference.npz", make_eagle1(ref, llama, t_llama, out / "eagle1", 12))
@@ -650,7 +722,10 @@ def generate(out: Path, refs: dict[str, Path | None]) -> None:
     write_npz(out / "mtp_deepseek" / "reference.npz", make_mtp_deepseek(out / "mtp_deepseek", 50))
     write_npz(out / "mtp_qwen" / "reference.npz", make_mtp_qwen(out / "mtp_qwen", 55))
     old = out / "SOURCES.json"
-    merged = {**(json.loads(old.read_text()) if old.is_file() else {}), **{k: v for k, v in sources.items() if v}}
+    merged = {
+        **(json.loads(old.read_text()) if old.is_file() else {}),
+        **{k: v for k, v in sources.items() if v},
+    }
     old.write_text(json.dumps(merged, indent=1, sort_keys=True) + "\n")
 
 
@@ -690,7 +765,11 @@ def compare(old: Path, new: Path) -> int:
             if f.suffix == ".npz":
                 a, b = np.load(f), np.load(g)
                 for k in a.files:
-                    diff = np.max(np.abs(a[k].astype(np.float64) - b[k].astype(np.float64))) if a[k].shape == b[k].shape else "shape"
+                    diff = (
+                        np.max(np.abs(a[k].astype(np.float64) - b[k].astype(np.float64)))
+                        if a[k].shape == b[k].shape
+                        else "shape"
+                    )
                     print(f"{f.relative_to(new)}:{k} max diff {diff}")
             else:
                 print(f"{f.relative_to(new)} differs")
