@@ -8,10 +8,10 @@ import os
 import sys
 
 #: MLX's CPU matmuls call the BLAS that is in the process's global symbol scope when MLX loads
-#: (``mlxspec.runtime.machine.blas_in_use``). An installed OpenBLAS is put there first, as the CLI's ``--blas auto``
-#: does by re-running itself: the real-model and training tests then run several times faster. Without one the
-#: tests run on the reference BLAS bundled with MLX, only slower. Once MLX is loaded it is too late (a script that
-#: imported MLX before this module, as tests/shard_worker.py does, keeps its BLAS).
+#: (``mlxspec.runtime.machine.blas_in_use``). An installed OpenBLAS is put there first, as the CLI's ``--blas
+#: auto`` does by re-running itself: the real-model and training tests then run several times faster. Without
+#: one the tests run on the reference BLAS bundled with MLX, only slower. Once MLX is loaded it is too late (a
+#: script that imported MLX before this module, as tests/shard_worker.py does, keeps its BLAS).
 OPENBLAS = ctypes.util.find_library("openblas") if sys.platform.startswith("linux") else None
 if OPENBLAS and "mlx.core" not in sys.modules:
     ctypes.CDLL(OPENBLAS, mode=ctypes.RTLD_GLOBAL)
@@ -31,9 +31,10 @@ def session_cache(tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def hermetic(request, monkeypatch, session_cache):
-    """A test sees none of the caller's ``MLXSPEC_*`` or ``LD_PRELOAD`` (this process's BLAS is chosen above, at
-    import) and a cache folder of this session's, so no cost measured elsewhere (under load, say) steers it. Tests
-    of the caller's real models (``real_model``, ``large_model``) keep the caller's wheels and cache."""
+    """A test sees none of the caller's ``MLXSPEC_*`` or ``LD_PRELOAD`` (this process's BLAS is chosen above,
+    at import) and a cache folder of this session's, so no cost measured elsewhere (under load, say) steers
+    it. Tests of the caller's real models (``real_model``, ``large_model``) keep the caller's wheels and
+    cache."""
     if request.node.get_closest_marker("real_model") or request.node.get_closest_marker("large_model"):
         return
     for name in [name for name in os.environ if name.startswith("MLXSPEC_")] + ["LD_PRELOAD"]:
@@ -109,7 +110,9 @@ def byte_tokenizer() -> TokenizerWrapper:
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    tok = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>", chat_template=CHAT_TEMPLATE)
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend, eos_token="<|im_end|>", chat_template=CHAT_TEMPLATE
+    )
     tok.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS})
     return TokenizerWrapper(tok, BPEStreamingDetokenizer)
 
@@ -139,7 +142,9 @@ def save_tiny_model(path, model: nn.Module, tokenizer: TokenizerWrapper):
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """An mlx-lm folder holding ``tiny_llama(seed=0, sharpen=4)`` and the byte tokenizer."""
-    return save_tiny_model(tmp_path_factory.mktemp("tiny-target"), tiny_llama(seed=0, sharpen=4.0), byte_tokenizer())
+    return save_tiny_model(
+        tmp_path_factory.mktemp("tiny-target"), tiny_llama(seed=0, sharpen=4.0), byte_tokenizer()
+    )
 
 
 @pytest.fixture(scope="session")

@@ -35,9 +35,16 @@ def draft_ids(vocab=264, draft_vocab=DRAFT_VOCAB, seed=0) -> np.ndarray:
 
 def random_head(version=1, hidden=64, vocab=264, seed=1, reduced=True, scale=1.0) -> EagleHead:
     draft_vocab = DRAFT_VOCAB if version == 3 and reduced else None
-    config = EagleConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=vocab, version=version, draft_vocab_size=draft_vocab,
-                         aux_layers=AUX if version == 3 else None)
+    config = EagleConfig(
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=vocab,
+        version=version,
+        draft_vocab_size=draft_vocab,
+        aux_layers=AUX if version == 3 else None,
+    )
     mx.random.seed(seed)
     head = EagleHead(config)
     if scale != 1.0:
@@ -58,7 +65,9 @@ CASES = {"eagle2-tree": (1, 4, 4, 16), "eagle2-chain": (1, 1, 5, 60), "eagle3-tr
 FAST_CASE = "eagle2-tree"
 
 
-@pytest.mark.parametrize("case", [c if c == FAST_CASE else pytest.param(c, marks=pytest.mark.slow) for c in CASES])
+@pytest.mark.parametrize(
+    "case", [c if c == FAST_CASE else pytest.param(c, marks=pytest.mark.slow) for c in CASES]
+)
 def test_greedy_eagle_equals_plain_greedy_over_300_tokens(case):
     version, top_k, depth, total = CASES[case]
     target, tokenizer = tiny_llama(seed=0, sharpen=4.0), byte_tokenizer()
@@ -69,7 +78,9 @@ def test_greedy_eagle_equals_plain_greedy_over_300_tokens(case):
     shapes = []
     propose = drafter.propose
     drafter.propose = lambda *a: shapes.append((d := propose(*a)).tree) or d
-    spec = generate(target, tokenizer, PROMPT, drafter=drafter, num_draft_tokens=depth, max_tokens=300, stop_tokens=set())
+    spec = generate(
+        target, tokenizer, PROMPT, drafter=drafter, num_draft_tokens=depth, max_tokens=300, stop_tokens=set()
+    )
     assert spec.tokens == plain.tokens
     assert spec.stats.drafted > 0
     deepest = max(int(t.depths.max()) for t in shapes)
@@ -85,7 +96,8 @@ def _sequential_logprobs(head, target, features, tokens, path_tokens):
     """Draft log-probs after each prefix of ``path_tokens``, recomputed with no cache and a causal
     mask over the whole sequence (the tree's shared positions and masks must agree with this)."""
     embed, lm_head = target.model.embed_tokens, target.lm_head
-    feats = head.fc(features) if head.config.version == 3 else features  # EAGLE-3: the draft's own outputs skip fc
+    # EAGLE-3: the draft's own outputs skip fc
+    feats = head.fc(features) if head.config.version == 3 else features
     toks = list(tokens)
     out = head(feats[None], mx.array(toks)[None], embed)[0]
     rows = []
@@ -113,7 +125,9 @@ def test_dynamic_tree_equals_sequential_expansion(version):
     draft = drafter.propose(PROMPT, depth, SamplingParams())
     tree, tokens = draft.tree, draft.tokens.tolist()
     assert tree.size == k + (depth - 1) * k * k
-    to_draft = {int(t): j for j, t in enumerate(head.target_ids(mx.arange(head.config.draft_vocab_size)).tolist())}
+    to_draft = {
+        int(t): j for j, t in enumerate(head.target_ids(mx.arange(head.config.draft_vocab_size)).tolist())
+    }
     score = {0: 0.0}
     for node in range(tree.size + 1):
         kids = [c for c in tree.children[node] if c > 0]
@@ -151,7 +165,9 @@ def test_static_tree_equals_sequential_ranks(version):
     tree, _, ranks = tree_from_choices(EAGLE1_TREE, 5)
     assert draft.tree == tree and draft.size == 25 and draft.logprobs is None
     tokens = draft.tokens.tolist()
-    to_draft = {int(t): j for j, t in enumerate(head.target_ids(mx.arange(head.config.draft_vocab_size)).tolist())}
+    to_draft = {
+        int(t): j for j, t in enumerate(head.target_ids(mx.arange(head.config.draft_vocab_size)).tolist())
+    }
     for node in range(tree.size):
         parent_path = [tokens[i] for i in tree.path_to(node + 1)][:-1]
         logprobs = _sequential_logprobs(head, target, features, PROMPT[1:], parent_path)[-1]
@@ -192,7 +208,9 @@ def _sample_first_two(target, drafter, params, n=600) -> Counter:
 @pytest.fixture(scope="module")
 def small_vocab():
     target = tiny_llama(seed=0, vocab_size=V, sharpen=3.0)
-    drafter = EagleDrafter(random_head(1, vocab=V, seed=5, scale=3.0), target, depth=3, top_k=3, total_tokens=10)
+    drafter = EagleDrafter(
+        random_head(1, vocab=V, seed=5, scale=3.0), target, depth=3, top_k=3, total_tokens=10
+    )
     return target, drafter
 
 
@@ -260,7 +278,9 @@ def test_layer_taps_read_the_input_of_each_layer():
 
 
 def test_aux_layer_conventions():
-    base = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, vocab_size=264, draft_vocab_size=100)
+    base = dict(
+        hidden_size=64, intermediate_size=128, num_attention_heads=4, vocab_size=264, draft_vocab_size=100
+    )
     assert EagleConfig.from_dict(base).resolved_aux_layers(32) == (2, 16, 29)  # EAGLE: inputs of 2, N//2, N-3
     # speculators/SpecForge ids count layer OUTPUTS: the output of layer i is the input of i + 1
     speculators = {**base, "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 15, 28]}}
@@ -274,7 +294,9 @@ def test_engine_hands_eagle3_the_concatenated_layer_inputs():
     drafter = EagleDrafter(random_head(3), target, depth=2, top_k=2, total_tokens=5)
     seen = {}
     prefill = drafter.prefill
-    drafter.prefill = lambda prompt, hidden=None: seen.setdefault("hidden", hidden) is None or prefill(prompt, hidden)
+    drafter.prefill = lambda prompt, hidden=None: (
+        seen.setdefault("hidden", hidden) is None or prefill(prompt, hidden)
+    )
     generate(target, tokenizer, PROMPT, drafter=drafter, num_draft_tokens=2, max_tokens=4, stop_tokens=set())
     x, h, states = mx.array(PROMPT[:-1])[None], None, []
     h = target.model.embed_tokens(x)
@@ -323,12 +345,21 @@ def _same(a, b) -> bool:
                                                       atol=1e-3).item() for k in pa)
 
 
-LLAMA_FIELDS = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_hidden_layers": 1,
-                "rms_norm_eps": 1e-6, "vocab_size": 264, "max_position_embeddings": 2048, "architectures": ["LlamaForCausalLM"]}
+LLAMA_FIELDS = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_hidden_layers": 1,
+    "rms_norm_eps": 1e-6,
+    "vocab_size": 264,
+    "max_position_embeddings": 2048,
+    "architectures": ["LlamaForCausalLM"],
+}
 
 
 def test_eagle1_vicuna_layout_with_defaults_and_embeddings(tmp_path):
-    """Vicuna-style: no num_key_value_heads, rope_theta or bias in config.json; fc.bias, embed_tokens; float16."""
+    """Vicuna-style: no num_key_value_heads, rope_theta or bias in config.json; fc.bias, embed_tokens;
+    float16."""
     head = EagleHead(EagleConfig(64, 128, 4, 264, version=1))
     mx.eval(head.parameters())
     weights = {k: v.astype(mx.float16) for k, v in _params(head).items()}
@@ -361,8 +392,16 @@ def test_eagle3_official_layout(tmp_path):
             "fc.weight"} <= weights.keys()
     assert weights["midlayer.self_attn.q_proj.weight"].shape == (64, 128)  # 2H attention input
     mx.save_safetensors(str(tmp_path / "model.safetensors"), weights)
-    (tmp_path / "config.json").write_text(json.dumps({**LLAMA_FIELDS, "architectures": ["LlamaForCausalLMEagle3"],
-                                                      "num_key_value_heads": 2, "draft_vocab_size": DRAFT_VOCAB}))
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                **LLAMA_FIELDS,
+                "architectures": ["LlamaForCausalLMEagle3"],
+                "num_key_value_heads": 2,
+                "draft_vocab_size": DRAFT_VOCAB,
+            }
+        )
+    )
     loaded = load_eagle(tmp_path, tiny_llama())
     assert loaded.config.version == 3 and loaded.config.draft_vocab_size == DRAFT_VOCAB
     assert loaded.attention.rope.base == 10000 and loaded.d2t.dtype == mx.int32
@@ -373,7 +412,9 @@ def test_speculators_layout(tmp_path):
     """vLLM/speculators: layers.0.* for the midlayer, draft_id_to_target_id (an offset), no t2d,
     nested transformer_layer_config, aux layer ids counted as layer outputs."""
     head = random_head(3)
-    weights = {k.replace("midlayer.", "layers.0."): v for k, v in _params(head).items() if k not in ("d2t", "t2d")}
+    weights = {
+        k.replace("midlayer.", "layers.0."): v for k, v in _params(head).items() if k not in ("d2t", "t2d")
+    }
     weights["draft_id_to_target_id"] = head.d2t.astype(mx.int64)
     mx.save_safetensors(str(tmp_path / "model.safetensors"), weights)
     config = {"architectures": ["Eagle3Speculator"], "draft_vocab_size": DRAFT_VOCAB,
@@ -404,8 +445,19 @@ def _torch_bin(path, weights: dict):
         strides = [int(s // 4) for s in array.strides]
         pid = b"(" + text("storage") + glob("torch", "FloatStorage") + text(str(i)) + text("cpu") \
             + b"J" + struct.pack("<i", array.size) + b"t"
-        tensor = glob("torch._utils", "_rebuild_tensor_v2") + b"(" + pid + b"Q" + b"K\x00" + ints(array.shape) \
-            + ints(strides) + b"\x89" + glob("collections", "OrderedDict") + b")R" + b"tR"
+        tensor = (
+            glob("torch._utils", "_rebuild_tensor_v2")
+            + b"("
+            + pid
+            + b"Q"
+            + b"K\x00"
+            + ints(array.shape)
+            + ints(strides)
+            + b"\x89"
+            + glob("collections", "OrderedDict")
+            + b")R"
+            + b"tR"
+        )
         entries.append(text(name) + tensor)
         storages[str(i)] = array.tobytes()
     with zipfile.ZipFile(path, "w") as z:
@@ -443,11 +495,14 @@ def test_heads_that_do_not_fit_are_refused(tmp_path):
         load_eagle(tmp_path / "v1", tiny_llama(vocab_size=300))
     config = json.loads((tmp_path / "v1" / "config.json").read_text())
     (tmp_path / "v1" / "config.json").write_text(json.dumps({**config, "intermediate_size": 96}))
-    with pytest.raises(ValueError, match=r"layers.0.mlp.*shape \(128, 64\) but its config.json implies \(96, 64\)"):
+    with pytest.raises(
+        ValueError, match=r"layers.0.mlp.*shape \(128, 64\) but its config.json implies \(96, 64\)"
+    ):
         load_eagle(tmp_path / "v1", tiny_llama())
     save_eagle(random_head(3), tmp_path / "v3")
-    (tmp_path / "v3" / "config.json").write_text(json.dumps({**json.loads((tmp_path / "v3" / "config.json")
-                                                                          .read_text()), "aux_layers": [0, 1, 5]}))
+    (tmp_path / "v3" / "config.json").write_text(
+        json.dumps({**json.loads((tmp_path / "v3" / "config.json").read_text()), "aux_layers": [0, 1, 5]})
+    )
     with pytest.raises(ValueError, match="reads layers \\[0, 1, 5\\] but the target has 2 decoder layers"):
         EagleDrafter(load_eagle(tmp_path / "v3", tiny_llama()), tiny_llama())
     with pytest.raises(FileNotFoundError, match="no EAGLE weights"):
@@ -470,15 +525,29 @@ def test_eagle_from_the_command_line(capsys, tmp_path, tiny_model_dir, monkeypat
     from mlxspec.pacing import Costs
 
     # γ auto prices the tree (pacing.make_pacer): on costs where drafting pays it keeps the tree's depth
-    monkeypatch.setattr(gamma, "load_or_calibrate", lambda *a, **k: Costs([0.01 + 0.0001 * k for k in range(16)]))
+    monkeypatch.setattr(
+        gamma, "load_or_calibrate", lambda *a, **k: Costs([0.01 + 0.0001 * k for k in range(16)])
+    )
     save_eagle(random_head(1), tmp_path / "head")
-    base = ["generate", "--model", str(tiny_model_dir), "--prompt", "hello", "--max-tokens", "12", "--drafter", "eagle"]
+    base = [
+        "generate",
+        "--model",
+        str(tiny_model_dir),
+        "--prompt",
+        "hello",
+        "--max-tokens",
+        "12",
+        "--drafter",
+        "eagle",
+    ]
     code = main([*base, "--eagle-heads", str(tmp_path / "head"), "--eagle-top-k", "3", "--eagle-depth", "3",
                  "--eagle-total-tokens", "8", "--json"])
     out, err = capsys.readouterr()
     assert code == 0, err
     record = json.loads(out)
-    assert record["drafter"] == "eagle" and record["generation_tokens"] == 12 and record["num_draft_tokens"] == 3
+    assert (
+        record["drafter"] == "eagle" and record["generation_tokens"] == 12 and record["num_draft_tokens"] == 3
+    )
     code = main([*base, "--eagle-heads", str(tmp_path / "head"), "--eagle-top-k", "0"])
     assert code == 2 and "--eagle-top-k must be >= 1" in capsys.readouterr().err
     code = main([*base, "--eagle-heads", str(tmp_path / "head"), "--eagle-ngram", "-1"])
@@ -494,7 +563,16 @@ def test_eagle_from_the_command_line(capsys, tmp_path, tiny_model_dir, monkeypat
     code = main([*base, "--eagle-heads", str(tmp_path / "head"), "--eagle-tree", "nope"])
     assert code == 2 and "unknown EAGLE tree 'nope'" in capsys.readouterr().err
     (tmp_path / "tree.json").write_text("[[0], [1], [0, 0]]")
-    code = main([*base, "--eagle-heads", str(tmp_path / "head"), "--eagle-tree", str(tmp_path / "tree.json"), "--json"])
+    code = main(
+        [
+            *base,
+            "--eagle-heads",
+            str(tmp_path / "head"),
+            "--eagle-tree",
+            str(tmp_path / "tree.json"),
+            "--json",
+        ]
+    )
     out, err = capsys.readouterr()
     assert code == 0 and json.loads(out)["num_draft_tokens"] == 2, err
 
@@ -505,11 +583,29 @@ def test_chat_takes_the_eagle_flags(tmp_path, tiny_model_dir):
     from mlxspec.engine.session import LoadedModel, ModelSpec
 
     save_eagle(random_head(1), tmp_path / "head")
-    args = chat.setup_arg_parser().parse_args(["--model", str(tiny_model_dir), "--drafter", "eagle", "--eagle-heads",
-                                               str(tmp_path / "head"), "--eagle-top-k", "2", "--eagle-depth", "3"])
-    target = LoadedModel(tiny_llama(), byte_tokenizer(), ModelSpec("tiny"), "tiny", "tiny (MLX, float32)", False)
+    args = chat.setup_arg_parser().parse_args(
+        [
+            "--model",
+            str(tiny_model_dir),
+            "--drafter",
+            "eagle",
+            "--eagle-heads",
+            str(tmp_path / "head"),
+            "--eagle-top-k",
+            "2",
+            "--eagle-depth",
+            "3",
+        ]
+    )
+    target = LoadedModel(
+        tiny_llama(), byte_tokenizer(), ModelSpec("tiny"), "tiny", "tiny (MLX, float32)", False
+    )
     drafter = Engine(chat.engine_config(args))._make_drafter("eagle", _Loaded(target=target))
-    assert isinstance(drafter, EagleDrafter) and (drafter.top_k, drafter.depth, drafter.total_tokens) == (2, 3, 60)
+    assert isinstance(drafter, EagleDrafter) and (drafter.top_k, drafter.depth, drafter.total_tokens) == (
+        2,
+        3,
+        60,
+    )
 
 
 def test_attention_biases_and_unsupported_variants(tmp_path):
@@ -520,7 +616,9 @@ def test_attention_biases_and_unsupported_variants(tmp_path):
     params = _params(head)
     assert "layers.0.self_attn.q_proj.bias" in params and "layers.0.self_attn.o_proj.bias" not in params
     mx.save_safetensors(str(tmp_path / "model.safetensors"), params)
-    (tmp_path / "config.json").write_text(json.dumps({**LLAMA_FIELDS, "num_key_value_heads": 2, "qkv_bias": True}))
+    (tmp_path / "config.json").write_text(
+        json.dumps({**LLAMA_FIELDS, "num_key_value_heads": 2, "qkv_bias": True})
+    )
     loaded = load_eagle(tmp_path, tiny_llama())
     assert loaded.config.qkv_bias and not loaded.config.o_proj_bias and _same(head, loaded)
     mx.save_safetensors(str(tmp_path / "model.safetensors"), params | {"fc_norm.weight": mx.ones(64)})
@@ -534,7 +632,9 @@ def test_eagle3_with_the_full_vocabulary_ignores_identity_d2t(tmp_path):
     head = random_head(3, reduced=False)
     weights = _params(head) | {"d2t": mx.zeros(264, dtype=mx.int64), "t2d": mx.ones(264, dtype=mx.bool_)}
     mx.save_safetensors(str(tmp_path / "model.safetensors"), weights)
-    (tmp_path / "config.json").write_text(json.dumps({**LLAMA_FIELDS, "num_key_value_heads": 2, "draft_vocab_size": 264}))
+    (tmp_path / "config.json").write_text(
+        json.dumps({**LLAMA_FIELDS, "num_key_value_heads": 2, "draft_vocab_size": 264})
+    )
     loaded = load_eagle(tmp_path, tiny_llama())
     assert not loaded.config.reduced_vocab and _same(head, loaded)
 
@@ -562,7 +662,8 @@ def test_tree_budget_keeps_more_nodes_when_verifying_is_cheap():
     scores = _scores(0.9, 0.6, 0.3, 0.2, 0.1, 0.05, 0.02, 0.01)
     flat = TreeBudget(Costs([0.1] * 16), max_nodes=6, allow_plain=False)  # an Apple GPU: width costs nothing
     assert flat.choose(scores, draft_s=0.01) == 6
-    linear = TreeBudget(Costs([0.1 * k for k in range(1, 17)]), allow_plain=False)  # compute-bound: k tokens cost k steps
+    # compute-bound: k tokens cost k steps
+    linear = TreeBudget(Costs([0.1 * k for k in range(1, 17)]), allow_plain=False)
     assert linear.choose(scores, draft_s=0.01) == 1  # (1 + .9) / 2 beats (1 + .9 + .6) / 3
     mild = TreeBudget(Costs([0.1 + 0.01 * (k - 1) for k in range(1, 17)]))
     assert 2 < mild.choose(scores, draft_s=0.01) < 8
@@ -587,18 +688,21 @@ def test_tree_budget_learns_the_draft_calibration():
 
 
 def test_auto_tree_size_is_lossless_and_follows_the_costs():
-    """``total_tokens="auto"``: the plan's budget sizes each tree from the measured costs; where verifying is cheap
-    the head's best candidates are kept, where a node cannot pay for itself the round is a plain step."""
+    """``total_tokens="auto"``: the plan's budget sizes each tree from the measured costs; where verifying is
+    cheap the head's best candidates are kept, where a node cannot pay for itself the round is a plain
+    step."""
     from mlxspec.pacing import Costs, make_pacer
 
     target, tokenizer = tiny_llama(seed=0, sharpen=4.0), byte_tokenizer()
     plain = generate(target, tokenizer, PROMPT, drafter="none", max_tokens=100, stop_tokens=set())
-    for step_s, drafted in ((1.0, True), (0.01, False)):  # the draft's host time is nothing, or a tenth of a step
+    # the draft's host time is nothing, or a tenth of a step
+    for step_s, drafted in ((1.0, True), (0.01, False)):
         costs = Costs([step_s + 0.001 * (k - 1) for k in range(1, 17)])
         drafter = EagleDrafter(random_head(1, scale=4.0), target, depth=4, top_k=4, total_tokens="auto")
         sizes, propose = [], drafter.propose
         drafter.propose = lambda *a: sizes.append((d := propose(*a)).size) or d
-        pacer = make_pacer(4, target, drafter, costs=costs, learn=False)  # the curve as given, whatever the clock
+        # the curve as given, whatever the clock
+        pacer = make_pacer(4, target, drafter, costs=costs, learn=False)
         spec = generate(target, tokenizer, PROMPT, drafter=drafter, num_draft_tokens=pacer, max_tokens=100,
                         stop_tokens=set())
         assert spec.tokens == plain.tokens and (spec.stats.drafted > 50) == drafted, (step_s, sizes)
@@ -611,8 +715,23 @@ def test_auto_total_tokens_on_the_command_line(capsys, tmp_path, tiny_model_dir,
     monkeypatch.setenv("MLXSPEC_CACHE", str(tmp_path / "cache"))
     head_dir = tmp_path / "head"
     save_eagle(random_head(1, hidden=64, vocab=264), head_dir)
-    common = ["generate", "--model", str(tiny_model_dir), "--prompt", "hi", "--max-tokens", "12", "--temp", "0",
-              "--drafter", "eagle", "--eagle-heads", str(head_dir), "--num-draft-tokens", "3"]
+    common = [
+        "generate",
+        "--model",
+        str(tiny_model_dir),
+        "--prompt",
+        "hi",
+        "--max-tokens",
+        "12",
+        "--temp",
+        "0",
+        "--drafter",
+        "eagle",
+        "--eagle-heads",
+        str(head_dir),
+        "--num-draft-tokens",
+        "3",
+    ]
     assert main(common + ["--eagle-total-tokens", "auto"]) == 0
     assert "measuring the target's verify cost" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_:
@@ -642,7 +761,9 @@ def test_eagle_with_the_ngram_branch_is_lossless_and_accepts_more_on_repeated_te
     plain = generate(target, tokenizer, prompt, drafter="none", max_tokens=120, stop_tokens=set())
     runs = {}
     for ngram in (0, 4):
-        drafter = EagleDrafter(random_head(1, scale=4.0), target, depth=4, top_k=1, total_tokens=5, ngram=ngram)
+        drafter = EagleDrafter(
+            random_head(1, scale=4.0), target, depth=4, top_k=1, total_tokens=5, ngram=ngram
+        )
         trees = []
         propose = drafter.propose
         drafter.propose = lambda *a: trees.append((d := propose(*a)).tree) or d
@@ -661,7 +782,8 @@ def test_sampling_through_the_tree_with_the_ngram_branch_follows_the_target(smal
     target, eagle = small_vocab
     drafter = EagleDrafter(eagle.head, target, depth=2, top_k=2, total_tokens=4, ngram=3)
     drafter.prefill(SAMPLE_PROMPT, mx.zeros((len(SAMPLE_PROMPT) - 1, 64)))
-    assert drafter.propose(SAMPLE_PROMPT, 3, SamplingParams()).size > 3  # the lookup's [3, 1, 2] grew a branch beyond the 3 EAGLE nodes
+    # the lookup's [3, 1, 2] grew a branch beyond the 3 EAGLE nodes
+    assert drafter.propose(SAMPLE_PROMPT, 3, SamplingParams()).size > 3
     params = SamplingParams(temp=1.0)
     stat, critical = chi_square(_sample_first_two(target, drafter, params), exact_joint(target, params))
     assert stat < critical, f"chi-square {stat:.1f} >= {critical:.1f}"
@@ -672,15 +794,16 @@ def test_sampling_through_the_tree_with_the_ngram_branch_follows_the_target(smal
 
 def test_auto_runs_eagle_plainly_where_no_round_of_its_depth_could_win(capsys, monkeypatch):
     """Where a fully accepted round of the tree's depth cannot beat a plain step on the measured costs, γ auto
-    decodes plainly for 16 rounds (the panel says ``PRICED_PLAIN``, the stats ``drafted 0``) and then probes: the
-    costs may have been measured under load (issue 50: never dropped for the session); where a round can win, the
-    tree drafts."""
+    decodes plainly for 16 rounds (the panel says ``PRICED_PLAIN``, the stats ``drafted 0``) and then probes:
+    the costs may have been measured under load (issue 50: never dropped for the session); where a round can
+    win, the tree drafts."""
     from mlxspec.commands.generate import format_stats
     from mlxspec.pacing import PRICED_PLAIN, Auto, Costs, Fixed, make_pacer, tree_summary
 
     target, tokenizer = tiny_llama(seed=0, sharpen=4.0), byte_tokenizer()
     prompt = tokenizer.encode("the cat sat on the mat. the cat sat on the mat. the cat")
-    steep = Costs([0.01 * k for k in range(1, 17)], draft_s=0.001)  # k tokens cost k steps, and drafting costs
+    # k tokens cost k steps, and drafting costs
+    steep = Costs([0.01 * k for k in range(1, 17)], draft_s=0.001)
     flat = Costs([0.01 + 0.0001 * k for k in range(16)], draft_s=0.001)
     drafter = EagleDrafter(random_head(1, scale=4.0), target, depth=4, top_k=1, total_tokens=5, ngram=6)
     assert steep.best_gamma(1.0, 6) == 0 and flat.best_gamma(1.0, 6) > 0
@@ -689,7 +812,9 @@ def test_auto_runs_eagle_plainly_where_no_round_of_its_depth_could_win(capsys, m
     assert isinstance(policy, Auto) and policy.priced_out and tree_summary(drafter, policy) == PRICED_PLAIN
     calls = []
     propose = drafter.propose
-    drafter.propose = lambda history, gamma, sampling, plan=None: calls.append(gamma) or propose(history, gamma, sampling, plan)
+    drafter.propose = lambda history, gamma, sampling, plan=None: (
+        calls.append(gamma) or propose(history, gamma, sampling, plan)
+    )
     plain = generate(target, tokenizer, prompt, drafter="none", max_tokens=20, stop_tokens=set())
     result = generate(target, tokenizer, prompt, drafter=drafter, num_draft_tokens=policy, max_tokens=16,
                       stop_tokens=set())
@@ -700,7 +825,9 @@ def test_auto_runs_eagle_plainly_where_no_round_of_its_depth_could_win(capsys, m
     assert again.tokens == plain.tokens[:4] and calls[:1] == [2]
     # where a round can win, γ auto chooses each round's depth up to the tree's own, priced on its nodes
     policy = make_pacer("auto", target, drafter, costs=flat)
-    assert isinstance(policy, Auto) and policy.max_gamma == 6 and policy.profile.nodes == drafter.profile.nodes
+    assert (
+        isinstance(policy, Auto) and policy.max_gamma == 6 and policy.profile.nodes == drafter.profile.nodes
+    )
     assert make_pacer(4, target, drafter, costs=steep) == Fixed(4)  # a γ of one's own is kept
     drafted = generate(target, tokenizer, prompt, drafter=drafter, num_draft_tokens=make_pacer(
         "auto", target, drafter, costs=flat, learn=False), max_tokens=20, stop_tokens=set())
@@ -728,12 +855,14 @@ def test_auto_prices_a_tree_round_at_the_nodes_it_sends_and_falls_back_when_it_m
     assert isinstance(policy, Auto)
     depths = []
     propose = tree.propose
-    tree.propose = lambda history, gamma, sampling, plan=None: depths.append(gamma) or propose(history, gamma, sampling, plan)
+    tree.propose = lambda history, gamma, sampling, plan=None: (
+        depths.append(gamma) or propose(history, gamma, sampling, plan)
+    )
     prompt = tokenizer.encode("a quick brown fox jumps over")
     plain = generate(target, tokenizer, prompt, drafter="none", max_tokens=48, stop_tokens=set())
     result = generate(target, tokenizer, prompt, drafter=tree, num_draft_tokens=policy, max_tokens=48,
                       stop_tokens=set())
     assert result.tokens == plain.tokens
-    # a few misses sink the estimate below break-even, then plain steps and a 2-token probe after 16: most of the
-    # 48 rounds are plain
+    # a few misses sink the estimate below break-even, then plain steps and a 2-token probe after 16: most of
+    # the 48 rounds are plain
     assert result.stats.accepted == 0 and 2 <= len(depths) <= 9 and result.stats.gamma_rounds[0] >= 36

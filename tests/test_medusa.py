@@ -58,7 +58,9 @@ def test_greedy_medusa_equals_plain_greedy_over_300_tokens(tree):
     target, tokenizer = tiny_llama(seed=0, sharpen=4.0), byte_tokenizer()
     plain = generate(target, tokenizer, PROMPT, drafter="none", max_tokens=300, stop_tokens=set())
     drafter = MedusaDrafter(random_heads(shared=True), output_head(target), read_tree(tree))
-    spec = generate(target, tokenizer, PROMPT, drafter=drafter, num_draft_tokens=4, max_tokens=300, stop_tokens=set())
+    spec = generate(
+        target, tokenizer, PROMPT, drafter=drafter, num_draft_tokens=4, max_tokens=300, stop_tokens=set()
+    )
     assert spec.tokens == plain.tokens
     assert spec.stats.drafted > 0
 
@@ -145,7 +147,9 @@ def test_typical_acceptance_picks_the_deepest_typical_path():
     from mlxspec.core.verify import verify_typical
 
     tree = Tree((-1, -1, 0, 0, 1))  # root -> {1, 2}; 1 -> {3, 4}; 2 -> {5}
-    probs = [[.1, .6, .3, 1e-4], [.05, .05, .1, .8], [.4, .4, .1, .1], [.25] * 4, [.9, .05, .03, .02], [.25] * 4]
+    probs = [
+        [.1, .6, .3, 1e-4], [.05, .05, .1, .8], [.4, .4, .1, .1], [.25] * 4, [.9, .05, .03, .02], [.25] * 4
+    ]
     logits = mx.log(mx.array(probs))
     tokens = mx.array([9, 1, 2, 3, 0, 1], dtype=mx.int32)
     # node 4 (p = .05 < min(.09, .3 e^-H)) fails; paths 1-3 and 2-5 are both depth 2; 1-3 has more log p
@@ -180,7 +184,10 @@ def test_torch_pickle_heads_load_through_the_weights_only_reader():
 def test_the_default_tree_is_priced_by_the_machine():
     from mlxspec.drafters import DrafterSpec
 
-    assert DrafterSpec("medusa").options.tree == "auto" and str(DrafterSpec.parse("medusa:tree=auto")) == "medusa"
+    assert (
+        DrafterSpec("medusa").options.tree == "auto"
+        and str(DrafterSpec.parse("medusa:tree=auto")) == "medusa"
+    )
 
 
 def test_tree_budget_may_choose_plain_decoding():
@@ -189,7 +196,10 @@ def test_tree_budget_may_choose_plain_decoding():
     scores = np.log(np.array([0.9, 0.6, 0.3, 0.2]))
     steep = TreeBudget(Costs([0.1 * k for k in range(1, 17)]), allow_plain=True)  # k tokens cost k steps
     assert steep.choose(scores, draft_s=0.001) == 0 and steep.pending is None
-    assert TreeBudget(Costs([0.1 * k for k in range(1, 17)]), allow_plain=False).choose(scores, draft_s=0.001) == 1
+    assert (
+        TreeBudget(Costs([0.1 * k for k in range(1, 17)]), allow_plain=False).choose(scores, draft_s=0.001)
+        == 1
+    )
     flat = TreeBudget(Costs([0.1] * 16), allow_plain=True)  # width costs nothing
     assert flat.choose(scores, draft_s=0.001) == 4
     assert flat.choose(scores[:0], draft_s=0.001) == 0
@@ -208,7 +218,9 @@ def test_priced_tree_is_lossless_and_sized_by_the_verify_cost(machine):
     sizes, propose = [], drafter.propose
     drafter.propose = lambda *a: sizes.append((d := propose(*a)).size) or d
     pacer = make_pacer(4, target, drafter, costs=costs, learn=False)  # the costs as given: no wall-clock here
-    spec = generate(target, tokenizer, PROMPT, drafter=drafter, num_draft_tokens=pacer, max_tokens=80, stop_tokens=set())
+    spec = generate(
+        target, tokenizer, PROMPT, drafter=drafter, num_draft_tokens=pacer, max_tokens=80, stop_tokens=set()
+    )
     assert spec.tokens == plain.tokens
     if machine == "flat":
         assert max(sizes) > 15 and spec.stats.drafted > 0
@@ -251,7 +263,9 @@ def test_a_tree_priced_as_plain_runs_no_heads(machine):
     pacer = make_pacer(4, target, drafter, costs=costs, learn=False)
     assert pacer.priced_out == (machine == "steep")
     calls = count_head_runs(drafter)
-    spec = generate(target, tokenizer, PROMPT, drafter=drafter, num_draft_tokens=pacer, max_tokens=16, stop_tokens=set())
+    spec = generate(
+        target, tokenizer, PROMPT, drafter=drafter, num_draft_tokens=pacer, max_tokens=16, stop_tokens=set()
+    )
     assert (len(calls) == 0) == (machine == "steep") and (spec.stats.drafted == 0) == (machine == "steep")
 
 
@@ -261,13 +275,18 @@ def test_heads_rest_while_the_budget_keeps_pricing_rounds_as_plain():
     a probe verifies one node (the costs may be off, issue 50) and each probe that keeps nothing doubles the
     rest (a round with no tree then costs a plain step, not the heads too); a kept node resets it. The
     output stays plain greedy's."""
-    costs = Costs([0.1, 0.185] + [0.1 * k for k in range(3, 17)])  # 2 tokens in 1.85 steps: only a sure node pays
+    # 2 tokens in 1.85 steps: only a sure node pays
+    costs = Costs([0.1, 0.185] + [0.1 * k for k in range(3, 17)])
     target, tokenizer = tiny_llama(seed=0, sharpen=4.0), byte_tokenizer()
-    drafter = MedusaDrafter(random_heads(shared=True, scale=0.01), output_head(target), MC_SIM_7B_63, priced=True)
+    drafter = MedusaDrafter(
+        random_heads(shared=True, scale=0.01), output_head(target), MC_SIM_7B_63, priced=True
+    )
     pacer = make_pacer(4, target, drafter, costs=costs, learn=False)
     assert isinstance(pacer, Fixed) and not pacer.priced_out
     calls = count_head_runs(drafter)
     plain = generate(target, tokenizer, PROMPT, drafter="none", max_tokens=60, stop_tokens=set())
-    spec = generate(target, tokenizer, PROMPT, drafter=drafter, num_draft_tokens=pacer, max_tokens=60, stop_tokens=set())
+    spec = generate(
+        target, tokenizer, PROMPT, drafter=drafter, num_draft_tokens=pacer, max_tokens=60, stop_tokens=set()
+    )
     assert spec.tokens == plain.tokens and spec.stats.drafted == 2  # the two probes' one node each
     assert len(calls) == 4  # rounds 0, 1; the probe after a rest of 16 (round 18); after 32 more (round 51)

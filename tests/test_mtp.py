@@ -47,14 +47,18 @@ def published(weights: dict[str, mx.array], layout: str, N: int, embed: mx.array
                     "hnorm.weight": "pre_fc_norm_hidden.weight"}.get(name, name)
             out["mtp." + name.replace("blocks.", "layers.")] = value
         else:  # deepseek-v3 and glm: one extra decoder layer
-            name = {"norm.weight": "shared_head.norm.weight", "head.weight": "shared_head.head.weight"}.get(name, name)
+            name = {"norm.weight": "shared_head.norm.weight", "head.weight": "shared_head.head.weight"}.get(
+                name, name
+            )
             out[f"model.layers.{N}." + name.replace("blocks.0.", "")] = value
     if layout == "glm":  # GLM-4.7-Flash also repeats the embedding inside the MTP layer
         out[f"model.layers.{N}.embed_tokens.weight"] = embed
     return out
 
 
-def write_checkpoint(folder, target, layout: str, seed: int = 1, sharded: bool = False) -> dict[str, mx.array]:
+def write_checkpoint(
+    folder, target, layout: str, seed: int = 1, sharded: bool = False
+) -> dict[str, mx.array]:
     """A model folder: the target's weights plus MTP tensors in ``layout``; returns the module's weights."""
     folder.mkdir(parents=True, exist_ok=True)
     N = target.args.num_hidden_layers
@@ -62,7 +66,12 @@ def write_checkpoint(folder, target, layout: str, seed: int = 1, sharded: bool =
     module = random_mtp(target, seed, own_head)
     main_weights = dict(tree_flatten(target.parameters()))
     extra = published(module, layout, N, target.model.embed_tokens.weight)
-    config = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": N, "vocab_size": target.args.vocab_size}
+    config = {
+        "model_type": "llama",
+        "hidden_size": 64,
+        "num_hidden_layers": N,
+        "vocab_size": target.args.vocab_size,
+    }
     if layout == "qwen3.5":
         config["text_config"] = {"mtp_num_hidden_layers": 1}
     else:
@@ -126,7 +135,9 @@ def test_no_mtp_layers_is_one_clear_error(tmp_path, target, tiny_model_dir, monk
     with pytest.raises(ValueError, match=r"holds no MTP layers .*mlxspec train mtp"):
         load_mtp(tiny_model_dir, target)
     assert not has_mtp(tiny_model_dir)
-    with pytest.raises(ValueError, match=r"no MTP layers for tiny: .*--mtp-weights FOLDER.*mlxspec train mtp"):
+    with pytest.raises(
+        ValueError, match=r"no MTP layers for tiny: .*--mtp-weights FOLDER.*mlxspec train mtp"
+    ):
         make_drafter("mtp", target, byte_tokenizer(), target_name="tiny", target_path=str(tiny_model_dir))
     assert main(["generate", "--model", str(tiny_model_dir), "--drafter", "mtp", "--prompt", "hi"]) == 2
     err = capsys.readouterr().err
@@ -142,7 +153,9 @@ def test_a_missing_or_misfit_part_is_named(tmp_path, target):
     with pytest.raises(ValueError, match=r"lacks hnorm.weight"):
         load_mtp(tmp_path / "a", target)
     write_checkpoint(tmp_path / "b", target, "qwen3.5")
-    with pytest.raises(ValueError, match=r"MTP tensor mtp\.\S+ in .* has shape \(64.*\) but this target needs \(32.*\)"):
+    with pytest.raises(
+        ValueError, match=r"MTP tensor mtp\.\S+ in .* has shape \(64.*\) but this target needs \(32.*\)"
+    ):
         load_mtp(tmp_path / "b", tiny_llama(seed=0, hidden_size=32))
 
 
@@ -194,11 +207,29 @@ def test_a_deepseek_v3_target_reads_its_hf_mtp_layer_through_its_own_sanitize(tm
     from mlxspec.heads.mtp import new_block
 
     args = deepseek_v3.ModelArgs(
-        model_type="deepseek_v3", vocab_size=300, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=4,
-        num_experts_per_tok=2, first_k_dense_replace=1, moe_layer_freq=1, kv_lora_rank=16, q_lora_rank=24,
-        qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16, n_group=1, topk_group=1, max_position_embeddings=512,
-        rope_scaling=None)
+        model_type="deepseek_v3",
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_shared_experts=1,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        first_k_dense_replace=1,
+        moe_layer_freq=1,
+        kv_lora_rank=16,
+        q_lora_rank=24,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        qk_nope_head_dim=16,
+        n_group=1,
+        topk_group=1,
+        max_position_embeddings=512,
+        rope_scaling=None,
+    )
     mx.random.seed(0)
     model = deepseek_v3.Model(args)
     block = new_block(model)
@@ -206,17 +237,31 @@ def test_a_deepseek_v3_target_reads_its_hf_mtp_layer_through_its_own_sanitize(tm
     N, H, hf = 2, 64, {}
     for name, value in tree_flatten(block.parameters()):
         if ".switch_mlp." in name:  # HF keeps one tensor per expert
-            hf.update({f"model.layers.{N}." + name.replace("switch_mlp", f"experts.{e}"): value[e] for e in range(4)})
+            hf.update(
+                {
+                    f"model.layers.{N}." + name.replace("switch_mlp", f"experts.{e}"): value[e]
+                    for e in range(4)
+                }
+            )
         else:
             hf[f"model.layers.{N}." + name] = value
     embed_q = hf.pop(f"model.layers.{N}.self_attn.embed_q.weight")  # [heads, kv_lora, nope]
     unembed = hf.pop(f"model.layers.{N}.self_attn.unembed_out.weight")  # [heads, v, kv_lora]
     hf[f"model.layers.{N}.self_attn.kv_b_proj.weight"] = mx.concatenate(
         [embed_q.swapaxes(-1, -2), unembed], axis=1).reshape(-1, embed_q.shape[1])
-    hf.update({f"model.layers.{N}.{k}": v for k, v in {
-        "enorm.weight": mx.ones((H,)), "hnorm.weight": mx.ones((H,)), "eh_proj.weight": 0.1 * mx.random.normal((H, 2 * H)),
-        "shared_head.norm.weight": mx.ones((H,)), "shared_head.head.weight": model.lm_head.weight,
-        "embed_tokens.weight": model.model.embed_tokens.weight}.items()})
+    hf.update(
+        {
+            f"model.layers.{N}.{k}": v
+            for k, v in {
+                "enorm.weight": mx.ones((H,)),
+                "hnorm.weight": mx.ones((H,)),
+                "eh_proj.weight": 0.1 * mx.random.normal((H, 2 * H)),
+                "shared_head.norm.weight": mx.ones((H,)),
+                "shared_head.head.weight": model.lm_head.weight,
+                "embed_tokens.weight": model.model.embed_tokens.weight,
+            }.items()
+        }
+    )
     mx.save_safetensors(str(tmp_path / "model.safetensors"), {**dict(tree_flatten(model.parameters())), **hf})
     (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": N, "num_nextn_predict_layers": 1}))
     stack = load_mtp(tmp_path, model)
@@ -224,14 +269,22 @@ def test_a_deepseek_v3_target_reads_its_hf_mtp_layer_through_its_own_sanitize(tm
     for name, value in tree_flatten(block.parameters()):
         assert mx.allclose(loaded["blocks.0." + name], value).item(), name
     prompt = [5, 6, 7, 8, 5, 6, 7, 9]
-    result = generate(model, byte_tokenizer(), prompt, drafter=MTPDrafter(stack, model, depth=2), num_draft_tokens=2,
-                      max_tokens=60, stop_tokens=set())
+    result = generate(
+        model,
+        byte_tokenizer(),
+        prompt,
+        drafter=MTPDrafter(stack, model, depth=2),
+        num_draft_tokens=2,
+        max_tokens=60,
+        stop_tokens=set(),
+    )
     assert result.tokens == plain_greedy(model, prompt, 60) and result.stats.drafted > 0
 
 
 def test_auto_runs_mtp_plainly_where_no_chain_of_its_depth_could_win(tmp_path, target):
     """MTP sizes its own rounds too: γ auto prices them (``pacing.make_pacer``) and, where a fully accepted
-    chain loses to a plain step, decodes plainly for 16 rounds before a probe (the costs may be off) and says so."""
+    chain loses to a plain step, decodes plainly for 16 rounds before a probe (the costs may be off) and says
+    so."""
     from mlxspec.commands.generate import format_stats
     from mlxspec.pacing import PRICED_PLAIN, Auto, Costs, make_pacer, tree_summary
 
@@ -240,31 +293,52 @@ def test_auto_runs_mtp_plainly_where_no_chain_of_its_depth_could_win(tmp_path, t
     drafter = make_drafter(f"mtp:weights={tmp_path / 'mtp'}", target, byte_tokenizer())
     steep = Costs([0.01 * k for k in range(1, 17)], draft_s=0.002)
     flat = Costs([0.01 + 0.0001 * k for k in range(16)], draft_s=0.002)
-    chosen = make_pacer("auto", target, drafter, costs=flat)  # a chain: priced round by round, up to its depth
+    # a chain: priced round by round, up to its depth
+    chosen = make_pacer("auto", target, drafter, costs=flat)
     assert isinstance(chosen, Auto) and chosen.max_gamma == 3 and chosen.costs == flat
     policy = make_pacer("auto", target, drafter, costs=steep)
     assert isinstance(policy, Auto) and policy.priced_out and tree_summary(drafter, policy) == PRICED_PLAIN
-    result = generate(target, byte_tokenizer(), PROMPT, drafter=drafter, num_draft_tokens=policy, max_tokens=16,
-                      stop_tokens=set())
+    result = generate(
+        target,
+        byte_tokenizer(),
+        PROMPT,
+        drafter=drafter,
+        num_draft_tokens=policy,
+        max_tokens=16,
+        stop_tokens=set(),
+    )
     assert result.tokens == plain_greedy(target, PROMPT, 16) and result.stats.drafted == 0
-    assert result.stats.gamma_rounds == [16] and "Drafter: mtp, drafted 0; rounds: 16" in format_stats(result.stats, drafter)
+    assert result.stats.gamma_rounds == [16] and "Drafter: mtp, drafted 0; rounds: 16" in format_stats(
+        result.stats, drafter
+    )
 
 
 def test_auto_falls_back_to_plain_decoding_when_the_chain_keeps_missing(target):
     """A chain that follows γ is priced on its running acceptance: drafts that never survive send γ auto back
-    to plain decoding after a few rounds (the module trained for Qwen2.5-Coder-0.5B, τ 1.25, lost 20-30% to plain
-    decoding at its full depth)."""
+    to plain decoding after a few rounds (the module trained for Qwen2.5-Coder-0.5B, τ 1.25, lost 20-30% to
+    plain decoding at its full depth)."""
     from mlxspec.pacing import Auto, Costs
 
     plain = plain_greedy(target, PROMPT, 60)
     never = next(i for i in range(target.args.vocab_size) if i not in plain)
-    drafter = MTPDrafter(MTPStack(init_mtp(target).chain, init_mtp(target).config, np.array([never], np.int32)),
-                         target, depth=3)
+    drafter = MTPDrafter(
+        MTPStack(init_mtp(target).chain, init_mtp(target).config, np.array([never], np.int32)),
+        target,
+        depth=3,
+    )
     costs = Costs([0.01 * (1 + 0.1 * k) for k in range(16)], draft_s=0.0005)
-    policy = make_pacer("auto", target, drafter, costs=costs, learn=False)  # as given: no wall-clock in the test
+    # as given: no wall-clock in the test
+    policy = make_pacer("auto", target, drafter, costs=costs, learn=False)
     assert isinstance(policy, Auto) and policy.max_gamma == 3
-    result = generate(target, byte_tokenizer(), PROMPT, drafter=drafter, num_draft_tokens=policy, max_tokens=60,
-                      stop_tokens=set())
+    result = generate(
+        target,
+        byte_tokenizer(),
+        PROMPT,
+        drafter=drafter,
+        num_draft_tokens=policy,
+        max_tokens=60,
+        stop_tokens=set(),
+    )
     assert result.tokens == plain and result.stats.accepted == 0
     # a few missed rounds at γ <= 3 sink the estimate below break-even, then plain steps and a probe or two
     assert 0 < result.stats.drafted <= 8 * 3 + 2 * 2 and result.stats.gamma_rounds[0] >= 45
@@ -284,9 +358,9 @@ class Scripted(Fixed):
 
 
 def test_plain_rounds_between_chains_are_pipelined_and_still_feed_the_drafter(target, monkeypatch):
-    """γ auto's fall-back rounds for a feature-reading drafter are pipelined plain steps (as ``--drafter none``'s)
-    that keep each step's features: every chain drafted after a run of them is the chain a fresh drafter drafts
-    from the whole history's features, and the output stays the target's greedy one."""
+    """γ auto's fall-back rounds for a feature-reading drafter are pipelined plain steps (as ``--drafter
+    none``'s) that keep each step's features: every chain drafted after a run of them is the chain a fresh
+    drafter drafts from the whole history's features, and the output stays the target's greedy one."""
     from mlxspec.core.taps import HiddenTap
 
     stack = init_mtp(target)
@@ -295,10 +369,14 @@ def test_plain_rounds_between_chains_are_pipelined_and_still_feed_the_drafter(ta
     queued = []
     engine = sys.modules["mlxspec.engine.plain_steps"]
     original_queue = engine.PlainSteps.queue
-    monkeypatch.setattr(engine.PlainSteps, "queue", lambda self, *a: queued.append(1) or original_queue(self, *a))
+    monkeypatch.setattr(
+        engine.PlainSteps, "queue", lambda self, *a: queued.append(1) or original_queue(self, *a)
+    )
     drafter, seen = MTPDrafter(stack, target, depth=3), []
     propose = drafter.propose
-    drafter.propose = lambda history, gamma, sampling, plan=None: seen.append((len(history), d := propose(history, gamma, sampling, plan))) or d
+    drafter.propose = lambda history, gamma, sampling, plan=None: (
+        seen.append((len(history), d := propose(history, gamma, sampling, plan))) or d
+    )
     pattern = [3, 0, 0, 0, 2, 0, 3, 0, 0, 3, 0, 0, 0, 0, 3]
     result = generate(target, byte_tokenizer(), PROMPT, drafter=drafter, num_draft_tokens=Scripted(pattern),
                       max_tokens=40, stop_tokens=set())
@@ -312,10 +390,14 @@ def test_plain_rounds_between_chains_are_pipelined_and_still_feed_the_drafter(ta
     for n, draft in seen[1:]:
         fresh = MTPDrafter(stack, target, depth=3)
         fresh.prefill(history[:n], features[: n - 1])
-        assert fresh.propose(history[:n], draft.size, SamplingParams()).tokens.tolist() == draft.tokens.tolist(), n
+        assert (
+            fresh.propose(history[:n], draft.size, SamplingParams()).tokens.tolist() == draft.tokens.tolist()
+        ), n
         blind = MTPDrafter(stack, target, depth=3)
         blind.prefill(history[:n], mx.zeros_like(features[: n - 1]))
-        differs += blind.propose(history[:n], draft.size, SamplingParams()).tokens.tolist() != draft.tokens.tolist()
+        differs += (
+            blind.propose(history[:n], draft.size, SamplingParams()).tokens.tolist() != draft.tokens.tolist()
+        )
     assert differs >= 2  # the drafts depend on the features, so a mis-fed one would show
 
 
@@ -366,11 +448,17 @@ def test_a_draft_vocabulary_is_saved_loaded_and_drafts_greedy_identically(tmp_pa
     np.testing.assert_array_equal(again.draft_ids, ids)
     drafter = make_drafter(f"mtp:weights={tmp_path / 'mtp'},depth=3", target, byte_tokenizer())
     h = mx.random.normal((2, target.args.hidden_size))
-    np.testing.assert_allclose(np.array(drafter.sub_head(h)), np.array(target.lm_head(h))[:, ids], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(
+        np.array(drafter.sub_head(h)), np.array(target.lm_head(h))[:, ids], rtol=1e-4, atol=1e-4
+    )
     result = generate(target, byte_tokenizer(), PROMPT, drafter=drafter, num_draft_tokens=3, max_tokens=300,
                       stop_tokens=set())
     assert result.tokens == plain_greedy(target, PROMPT, 300)
     assert result.stats.drafted > 0
-    mx.save_safetensors(str(tmp_path / "mtp" / "draft_vocab.safetensors"), {"ids": mx.array(ids[::-1].copy())})
-    with pytest.raises(ValueError, match=r"draft_vocab.safetensors must hold 'ids', distinct sorted token ids"):
+    mx.save_safetensors(
+        str(tmp_path / "mtp" / "draft_vocab.safetensors"), {"ids": mx.array(ids[::-1].copy())}
+    )
+    with pytest.raises(
+        ValueError, match=r"draft_vocab.safetensors must hold 'ids', distinct sorted token ids"
+    ):
         load_mtp(tmp_path / "mtp", target)

@@ -49,7 +49,8 @@ def test_published_blocks_score_draft_1_at_the_anchor_row_with_the_previous_text
         e = np.searchsorted(starts, a, side="right") - 1
         s = spans[e][0] + a - starts[e]  # the anchor in the chunk
         end = spans[e][0] + spans[e][1]
-        for r in range(min(4, end - s - 1)):  # row r scores draft r + 1, the token at s + r + 1, after that at s + r
+        # row r scores draft r + 1, the token at s + r + 1, after that at s + r
+        for r in range(min(4, end - s - 1)):
             assert previous[n, r] == arrays["tokens"][s + r]
             if batch.greedy[n, r] >= 0:
                 assert batch.greedy[n, r] == arrays["greedy"][s + r] and arrays["mask"][s + r + 1]
@@ -72,10 +73,17 @@ def test_training_lowers_the_loss_and_raises_held_out_acceptance(trained):
     assert np.mean([s.loss for s in steps[-4:]]) < 0.7 * np.mean([s.loss for s in steps[:4]])
     first, last = evals[0], evals[-1]
     assert last.acceptance[0] > first.acceptance[0] + 0.3 and last.tau > first.tau + 0.5
-    assert last.chain_acceptance[3] <= last.chain_acceptance[2] <= last.chain_acceptance[1] <= last.chain_acceptance[0]
+    assert (
+        last.chain_acceptance[3]
+        <= last.chain_acceptance[2]
+        <= last.chain_acceptance[1]
+        <= last.chain_acceptance[0]
+    )
     assert last.positions >= 300
     config = json.loads((output / "config.json").read_text())["dflash_config"]
-    assert config["projector_type"] == "dspark" and config["sample_from_anchor"] and config["markov_rank"] == 8
+    assert (
+        config["projector_type"] == "dspark" and config["sample_from_anchor"] and config["markov_rank"] == 8
+    )
 
 
 def test_the_confidence_head_becomes_calibrated(tiny, corpus, trained):
@@ -90,7 +98,8 @@ def test_the_confidence_head_becomes_calibrated(tiny, corpus, trained):
     mx.random.seed(1)
     net.confidence_head = ConfidenceHead(64, 8, with_markov=True)
     fresh_head = evaluate(net, embed, lm_head, corpus[1], CONFIG, 263)
-    assert trained_head.acceptance == fresh_head.acceptance  # the head reads the drafter, it does not change it
+    # the head reads the drafter, it does not change it
+    assert trained_head.acceptance == fresh_head.acceptance
     assert trained_head.brier < fresh_head.brier - 0.02
     assert trained_head.calibration_error < fresh_head.calibration_error
 
@@ -105,7 +114,11 @@ def test_the_trained_drafter_loads_and_is_greedy_identical(tiny, trained):
         plain = generate(model, tok, prompt, drafter="none", max_tokens=40)
         for scheduled in (False, True):
             drafter = make_drafter(f"dspark:heads={output / 'epoch-3'}", model, tok)
-            gamma = make_pacer("scheduled", model, drafter, costs=linear_costs(1.0), learn=False) if scheduled else 4
+            gamma = (
+                make_pacer("scheduled", model, drafter, costs=linear_costs(1.0), learn=False)
+                if scheduled
+                else 4
+            )
             run = generate(model, tok, prompt, drafter=drafter, num_draft_tokens=gamma, max_tokens=40)
             assert run.tokens == plain.tokens
             accepted += run.stats.accepted
@@ -114,8 +127,9 @@ def test_the_trained_drafter_loads_and_is_greedy_identical(tiny, trained):
 
 def test_resuming_mid_run_gives_the_same_drafter(tiny, corpus, tmp_path):
     model, _ = tiny
-    config = DSparkTrainConfig(num_layers=1, block_size=4, markov_rank=8, epochs=2, batch_tokens=512, warmup_steps=2,
-                               save_every=2)
+    config = DSparkTrainConfig(
+        num_layers=1, block_size=4, markov_rank=8, epochs=2, batch_tokens=512, warmup_steps=2, save_every=2
+    )
     whole, cut = tmp_path / "whole", tmp_path / "cut"
     list(train_dspark(model, corpus[0], None, whole, config))
     for record in train_dspark(model, corpus[0], None, cut, config):
@@ -124,7 +138,11 @@ def test_resuming_mid_run_gives_the_same_drafter(tiny, corpus, tmp_path):
     rest = [r for r in train_dspark(model, corpus[0], None, cut, config) if isinstance(r, StepRecord)]
     assert rest[0].epoch == 1 and rest[0].step == 3
     a, b = mx.load(str(whole / "model.safetensors")), mx.load(str(cut / "model.safetensors"))
-    assert set(a) == set(b) and {"fc.weight", "markov_head.markov_w1.weight", "confidence_head.proj.weight"} <= set(a)
+    assert set(a) == set(b) and {
+        "fc.weight",
+        "markov_head.markov_w1.weight",
+        "confidence_head.proj.weight",
+    } <= set(a)
     for key in a:
         np.testing.assert_allclose(np.array(a[key]), np.array(b[key]), atol=1e-5)
     with pytest.raises(ValueError, match="different markov_rank"):
@@ -136,14 +154,19 @@ def test_a_drafter_initialised_from_dflash_starts_drafting_as_it(tiny, corpus, t
     model, _ = tiny
     dflash = DFlashTrainConfig(num_layers=1, block_size=4, epochs=1, batch_tokens=512, learning_rate=3e-3,
                                warmup_steps=5)
-    trained = [r for r in train_dflash(model, *corpus, tmp_path / "dflash", dflash) if not isinstance(r, StepRecord)]
+    trained = [
+        r for r in train_dflash(model, *corpus, tmp_path / "dflash", dflash) if not isinstance(r, StepRecord)
+    ]
     config = DSparkTrainConfig(num_layers=1, block_size=4, markov_rank=8, epochs=1, learning_rate=1e-3,
                                warmup_steps=5, init_dflash=str(tmp_path / "dflash"))
-    evals = [r for r in train_dspark(model, *corpus, tmp_path / "dspark", config) if not isinstance(r, StepRecord)]
+    evals = [
+        r for r in train_dspark(model, *corpus, tmp_path / "dspark", config) if not isinstance(r, StepRecord)
+    ]
     start, end = evals[0], evals[-1]
     assert start.epoch == 0 and start.acceptance == trained[-1].acceptance  # same rows, zero Markov bias
     assert len(start.acceptance) == 3  # DFlash's rows: B - 1 drafts
-    assert end.tau > start.tau - 0.1 and end.acceptance[0] > start.acceptance[0] - 0.05  # trains the same rows on
+    # trains the same rows on
+    assert end.tau > start.tau - 0.1 and end.acceptance[0] > start.acceptance[0] - 0.05
     assert not load_dspark(tmp_path / "dspark").dspark.sample_from_anchor
     wrong = DSparkTrainConfig(num_layers=1, block_size=5, init_dflash=str(tmp_path / "dflash"))
     with pytest.raises(ValueError, match="has 1 layers and block size 4 but this run asks for 1 and 5"):
@@ -156,8 +179,25 @@ def test_cli_trains_writes_the_record_and_refuses_bad_input(tmp_path, capsys):
     tiny = tiny_llama(seed=0, num_layers=4, sharpen=4.0), byte_tokenizer()
     model_dir = save_tiny_model(tmp_path / "target", *tiny)
     _corpus(*tiny, tmp_path / "corpus", train_prompts=8, validation_prompts=2)
-    argv = ["dspark", "--model", str(model_dir), "--corpus", str(tmp_path / "corpus"), "-o", str(tmp_path / "d"),
-            "--num-layers", "1", "--block-size", "4", "--markov-rank", "4", "--max-steps", "2", "--warmup-steps", "1"]
+    argv = [
+        "dspark",
+        "--model",
+        str(model_dir),
+        "--corpus",
+        str(tmp_path / "corpus"),
+        "-o",
+        str(tmp_path / "d"),
+        "--num-layers",
+        "1",
+        "--block-size",
+        "4",
+        "--markov-rank",
+        "4",
+        "--max-steps",
+        "2",
+        "--warmup-steps",
+        "1",
+    ]
     assert train_main(argv) == 0
     out = capsys.readouterr().out
     assert "before training: held-out agreement" in out and "Brier" in out and "calibration error" in out
