@@ -351,6 +351,7 @@ def test_openapi_lists_every_body_with_its_fields(server):
         ("/v1/chat/completions", "ChatRequest", "ChatCompletion"),
         ("/v1/completions", "CompletionRequest", "Completion"),
         ("/v1/messages", "MessagesRequest", "Message"),
+        ("/v1/responses", "ResponsesRequest", "Response"),
     ):
         post_ = spec["paths"][path]["post"]
         assert post_["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("/" + request)
