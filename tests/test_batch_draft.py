@@ -37,11 +37,11 @@ PROMPTS = ["abcabcabcabc the cat the cat the cat", "hello hello hello world", "x
 
 class KeepAbove(Fixed):
     """γ with a confidence stop (as γ auto plans it): draft token k + 1 only while the survival exceeds
-    ``bar``."""
+    ``bar`` × 0.6^(k - 1)."""
 
     def __init__(self, gamma: int, bar: float):
         super().__init__(gamma)
-        self._plan = Plan(gamma, keep_above=(bar,) * (gamma - 1))
+        self._plan = Plan(gamma, keep_above=tuple(bar * 0.6**i for i in range(gamma - 1)))
 
 
 class EveryOther(Fixed):
@@ -129,8 +129,9 @@ def test_each_row_drafts_what_its_drafter_alone_would(models, setting, vocab):
                 assert np.array_equal(np.isinf(got), np.isinf(ref))
                 np.testing.assert_allclose(got[np.isfinite(ref)], ref[np.isfinite(ref)], rtol=1e-4, atol=1e-4)
     assert drafted > 20 and batch.draft_rows.forwards > 10
-    if setting == "confidence stop":  # the stop cut some rows short of their γ
+    if setting == "confidence stop":  # the stop cut some rows short of their γ, and drafting once all stopped
         assert any(draft.size < plans[b].gamma for plans, together in seen for b, draft in together.items())
+        assert batch.draft_rows.forwards < 10 * 5  # a feed and 4 more forwards per round to reach γ 5
     _assert_caches_hold_their_tokens(batch, base)
 
 

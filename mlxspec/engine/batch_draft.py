@@ -15,11 +15,12 @@ leaves when it leaves the target batch (``leave``).
 Why each row stays exact: its logits are its logits alone (its own keys, its own RoPE offsets; padding is
 never attended by a real position, then dropped); its k-th token is drawn from its own q (its sampling, logits
 processors and draft vocabulary) with the key the single-row drafter's k-th draw would use under its own
-stream (``Row.reseed``), and q is returned as that drafter returns it. Rows are drafted to the deepest plan,
-then each is cut to its own γ and, with ``Plan.keep_above`` (γ auto), where its own confidence rule stops: the
-rule decides on token k + 1 from the confidences of tokens 1..k, never from the token it decides about, so
-drafting further and cutting gives the same draft as stopping. Rows of another drafter, or of a draft model
-whose caches are not all plain ``KVCache``s (sliding windows), draft one by one as before.
+stream (``Row.reseed``), and q is returned as that drafter returns it. Rows draft together until the last one
+stops: each at its own γ or, with ``Plan.keep_above`` (γ auto), where its own confidence rule stops (one host
+read per token for all, as one row alone reads its own); a row that stopped goes on drafting with the others
+and is cut there: the rule decides on token k + 1 from the confidences of tokens 1..k, never from the token it
+decides about, so drafting further and cutting gives the same draft as stopping. Rows of another drafter,
+or of a draft model whose caches are not all plain ``KVCache``s (sliding windows), draft one by one.
 """
 
 from __future__ import annotations
@@ -108,6 +109,8 @@ class DraftRows:
         contexts = {b: mx.array(rows[b].history, dtype=mx.int32) for b in chosen}
         processors = {b: rows[b].sampling.processors() for b in chosen}
         drawn = {b: ([], [], []) for b in chosen}  # tokens [1], log q [1, V] or None, log confidence [1]
+        sizes = {b: plans[b].gamma for b in chosen}  # each row's draft length: its γ, or its confidence stop
+        survival = {b: 0.0 for b in chosen if plans[b].keep_above is not None}  # log survival so far
         for k in range(depth):
             step = [mx.zeros((1,), dtype=mx.int32)] * len(self.members)  # padding for rows not drafting
             for b in chosen:
@@ -120,11 +123,13 @@ class DraftRows:
                 logprobs.append(token_logprobs)
                 confidence.append(log_confidence(logits if token_logprobs is None else token_logprobs))
                 step[i] = token
-            if k + 1 < depth:
-                out = self._forward(mx.concatenate(step)[:, None])[:, -1]
+            _stop(sizes, plans, drawn, survival, k)
+            if k + 1 >= max(sizes.values()):
+                break
+            out = self._forward(mx.concatenate(step)[:, None])[:, -1]
         for row in self.rows:
-            row.offset += depth - 1
-        return {b: self._draft(rows[b], plans[b], *drawn[b]) for b in chosen}
+            row.offset += k  # the forwards after the feed
+        return {b: self._draft(rows[b], sizes[b], *drawn[b]) for b in chosen}
 
     def leave(self, drafter) -> None:
         """Take ``drafter``'s row out (its row left the target batch); it gets a cache of its own back."""
@@ -195,23 +200,27 @@ class DraftRows:
                 layer.prepare(right_padding=rest)
                 layer.finalize()
 
-    def _draft(self, row, plan: Plan, tokens: list, logprobs: list, confidence: list) -> Draft:
-        """Row ``row``'s draft: cut to its γ and, with ``plan.keep_above``, where its single-row ``propose``
-        would have stopped (the same rule on the same confidences; one host read)."""
-        size = plan.gamma
-        if plan.keep_above is not None:
-            log_survival = 0.0
-            known = mx.concatenate(confidence[: size - 1]).tolist() if size > 1 else []
-            for k, c in enumerate(known, start=1):
-                log_survival += c
-                if math.exp(log_survival) <= plan.keep_above[k - 1]:
-                    size = k
-                    break
+    def _draft(self, row, size: int, tokens: list, logprobs: list, confidence: list) -> Draft:
+        """Row ``row``'s draft of its first ``size`` drawn tokens, as its own ``propose`` returns one."""
         drafted = mx.concatenate(tokens[:size])
         row.drafter.proposed(row.history, drafted)
         q = None if row.sampling.greedy else mx.concatenate(logprobs[:size], axis=0)
         survival = mx.exp(mx.cumsum(mx.concatenate(confidence[:size])))  # lazy: only scheduling reads it
         return Draft.chain(drafted, q, survival)
+
+
+def _stop(sizes: dict, plans: list[Plan], drawn: dict, survival: dict, k: int) -> None:
+    """After token k + 1: end the drafts of the rows whose confidence rule (``Plan.keep_above``, γ auto) stops
+    there, as their single-row ``propose`` would (the same rule on the same confidences, read once for all
+    rows as one row reads its own each token). The rule never reads the token it decides about, so a row
+    drafted further with the others and cut here has the same draft as one that stopped."""
+    going = [b for b in survival if k + 1 < sizes[b]]
+    if not going:
+        return
+    for b, c in zip(going, mx.concatenate([drawn[b][2][-1] for b in going]).tolist()):
+        survival[b] += c
+        if math.exp(survival[b]) <= plans[b].keep_above[k]:
+            sizes[b] = k + 1
 
 
 def _keys(row, n: int) -> list[mx.array]:
