@@ -1,10 +1,11 @@
-"""The chat's side of the runner (``mlxspec.engine.runner.Runner``): loads models, asks for answers, posts results.
+"""The chat's side of the runner (``mlxspec.engine.runner.Runner``): loads models, asks for answers, posts
+results.
 
 The runner owns the one MLX thread (loading happens there too, through ``Runner.call``, so no array or stream
-crosses threads) and runs the conversation's answers one at a time on the same code path as the server. Results go
-back with ``post`` (the app's thread-safe ``post_message``) as plain values, batched (``Relay``), and the runner
-never waits for the UI. An answer is cancelled by setting its ``threading.Event``; the runner checks it between
-rounds, and the caches end at the committed length.
+crosses threads) and runs the conversation's answers one at a time on the same code path as the server.
+Results go back with ``post`` (the app's thread-safe ``post_message``) as plain values, batched (``Relay``),
+and the runner never waits for the UI. An answer is cancelled by setting its ``threading.Event``; the runner
+checks it between rounds, and the caches end at the committed length.
 """
 
 from __future__ import annotations
@@ -67,7 +68,8 @@ class EngineConfig:
         seed: Seed for ``mx.random`` before each answer, or ``None``.
         typical: ``(threshold, alpha)`` for the LOSSY typical acceptance, or ``None``.
         draft_dtype: The dtype of a draft model loaded later from the chat (F2). Default: as stored.
-        stop: Stop strings that end an answer (``stops.StopStrings``; one ``str`` is one stop string). Default: none.
+        stop: Stop strings that end an answer (``stops.StopStrings``; one ``str`` is one stop string).
+            Default: none.
         recalibrate: With ``num_draft_tokens="auto"``, measure this machine's costs again the first time each
             target and drafter pair is used, instead of using the cached ones (``mlxspec generate
             --recalibrate``). Default: ``False``.
@@ -100,9 +102,9 @@ class EngineConfig:
 class Relay:
     """A request's sink: turns the runner's records into batched UI messages (called on the runner thread).
 
-    Token texts are buffered and posted at most every ``flush_s`` (always after the last round and on a cancel);
-    each flush also posts the running stats. Empty texts (a token that only starts a multi-byte character, or a
-    stop token) make no span: the completing token's span carries the text.
+    Token texts are buffered and posted at most every ``flush_s`` (always after the last round and on a
+    cancel); each flush also posts the running stats. Empty texts (a token that only starts a multi-byte
+    character, or a stop token) make no span: the completing token's span carries the text.
 
     Args:
         request_id: The answer these records belong to.
@@ -246,8 +248,8 @@ class _Configure:
 
 
 class Engine:
-    """The chat's models and answers on a ``Runner`` (one answer at a time). The UI calls ``start``, ``generate``,
-    ``cancel``, ``configure`` and ``close``; all of them return at once.
+    """The chat's models and answers on a ``Runner`` (one answer at a time). The UI calls ``start``,
+    ``generate``, ``cancel``, ``configure`` and ``close``; all of them return at once.
 
     Args:
         config: Models and generation settings.
@@ -283,15 +285,15 @@ class Engine:
                   model: str | None = None, draft_model: str | None = None, *, dtype: str | None = None,
                   draft_dtype: str | None = None) -> None:
         """Queue a switch of drafter (a name, or a ``DrafterSpec`` with its settings), γ (an integer,
-        ``"auto"`` or ``"scheduled"``), target or draft model, or their dtypes (``float32``, ``float16``, ``bfloat16`` or
-        ``"as stored"``; a change reloads that model). ``None`` keeps what is in use; a new model is
-        loaded in the dtype of the one it replaces unless a dtype is given."""
+        ``"auto"`` or ``"scheduled"``), target or draft model, or their dtypes (``float32``, ``float16``,
+        ``bfloat16`` or ``"as stored"``; a change reloads that model). ``None`` keeps what is in use; a new
+        model is loaded in the dtype of the one it replaces unless a dtype is given."""
         self._queue(_Configure(drafter, num_draft_tokens, model, draft_model, dtype, draft_dtype))
 
     def close(self, timeout_s: float = 30.0) -> bool:
-        """Cancel everything, stop the thread and wait up to ``timeout_s`` for it (an answer stops after its current
-        round) to release the models and the device. Returns whether it stopped; the process can then exit normally,
-        with status 0 (``mlxspec.runtime.threads``)."""
+        """Cancel everything, stop the thread and wait up to ``timeout_s`` for it (an answer stops after its
+        current round) to release the models and the device. Returns whether it stopped; the process can then
+        exit normally, with status 0 (``mlxspec.runtime.threads``)."""
         for event in list(self._cancels.values()):
             event.set()
         self._runner.call(self._release, wait=False)
@@ -422,7 +424,8 @@ class Engine:
         return DrafterSpec(name)
 
     def _model_spec(self, request: _Configure, draft: bool) -> ModelSpec | None:
-        """The model a request loads: a new spec, or the loaded one again in a new dtype (``None``: nothing)."""
+        """The model a request loads: a new spec, or the loaded one again in a new dtype (``None``:
+        nothing)."""
         spec, dtype = (request.draft_model, request.draft_dtype) if draft else (request.model, request.dtype)
         if isinstance(spec, ModelSpec):
             return spec
@@ -447,6 +450,6 @@ class Engine:
 
 
 def _shape(drafter, policy=None) -> str | None:
-    """What a tree drafter proposes each round, as ``mlxspec generate`` says it (``pacing.tree_summary``, which
-    also says when the costs ruled the drafter out); ``None`` for a chain that drafts."""
+    """What a tree drafter proposes each round, as ``mlxspec generate`` says it (``pacing.tree_summary``,
+    which also says when the costs ruled the drafter out); ``None`` for a chain that drafts."""
     return tree_summary(drafter, policy)

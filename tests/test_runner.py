@@ -1,11 +1,12 @@
 """The runner: rows verified together are each verified exactly as alone; continuous batching; prefill chunks.
 
-Exactness in a batch rests on two facts, each tested here on tiny float32 models: (1) a row's logits in the batched
-verify forward equal the logits it gets alone (masks, RoPE positions and padding), and its cache after the per-row
-commit holds what a single-row cache would; (2) each row's acceptance rule is the single-request rule on those
-logits, and no row is ever cut short by another. End to end: greedy answers from a batch equal ``generate``'s, and
-(slow) sampled answers at T 0.8 follow the target's exact distribution by a chi-square test that rejects the known
-batch bug (a row cut at the batch's shortest acceptance and given a fresh target sample there).
+Exactness in a batch rests on two facts, each tested here on tiny float32 models: (1) a row's logits in the
+batched verify forward equal the logits it gets alone (masks, RoPE positions and padding), and its cache after
+the per-row commit holds what a single-row cache would; (2) each row's acceptance rule is the single-request
+rule on those logits, and no row is ever cut short by another. End to end: greedy answers from a batch equal
+``generate``'s, and (slow) sampled answers at T 0.8 follow the target's exact distribution by a chi-square
+test that rejects the known batch bug (a row cut at the batch's shortest acceptance and given a fresh target
+sample there).
 """
 
 from __future__ import annotations
@@ -73,7 +74,8 @@ def test_a_rows_batched_verify_logits_are_its_logits_alone(pair):
 
 @pytest.mark.parametrize("spec", ["ngram:min=1", "suffix:min_prob=0"])
 def test_after_rounds_each_rows_cache_holds_what_its_own_would(pair, spec):
-    """Per-row commits (rolls, tree gathers, shifts) leave each row's keys as a fresh prefill of its tokens."""
+    """Per-row commits (rolls, tree gathers, shifts) leave each row's keys as a fresh prefill of its
+    tokens."""
     model, tokenizer = pair
     base = make_drafter(spec, model, tokenizer)
     batch = Batch(model)
@@ -104,7 +106,8 @@ def _near_tie(model, prompt, got, want):
 
 
 def _runner(model, tokenizer, make, *, max_batch=4, prefill_chunk=512, gamma=4):
-    """A started runner generating with the drafter ``make()`` builds (on the runner thread, as a server loads)."""
+    """A started runner generating with the drafter ``make()`` builds (on the runner thread, as a server
+    loads)."""
     runner = Runner(max_batch=max_batch, prefill_chunk=prefill_chunk)
     runner.start()
     runner.call(lambda: runner.use(Setup(model, tokenizer, make(), gamma)))
@@ -165,7 +168,8 @@ def test_a_batch_of_four_answers_as_generate_does(pair, spec):
 
 
 def test_generations_join_and_leave_between_rounds(pair):
-    """Continuous batching: later requests join a running batch; each answer is still its own greedy answer."""
+    """Continuous batching: later requests join a running batch; each answer is still its own greedy
+    answer."""
     model, tokenizer = pair
     ids = [tokenizer.encode(p) for p in PROMPTS]
     lengths = [30, 8, 50, 20]
@@ -226,7 +230,8 @@ def test_a_bad_request_is_refused_alone(pair):
     assert isinstance(good.end, Done) and len(good.tokens) == 5
 
 
-# --- exactness at temperature > 0 (statistical) ------------------------------------------------------------------
+# --- exactness at temperature > 0 (statistical)
+# ------------------------------------------------------------------
 
 V = 8
 T08 = SamplingParams(temp=0.8)
@@ -279,8 +284,9 @@ def _sample_rows(small, batch_type=Batch, n=SAMPLES):
 
 
 class CutAtTheShortest(Batch):
-    """The known batch bug, for the control: every row is cut to the batch's shortest acceptance, and a row cut
-    inside its accepted drafts takes a fresh sample from the target there (instead of its own accepted draft)."""
+    """The known batch bug, for the control: every row is cut to the batch's shortest acceptance, and a row
+    cut inside its accepted drafts takes a fresh sample from the target there (instead of its own accepted
+    draft)."""
 
     def outcomes(self, drafts, judged, logits):
         results = super().outcomes(drafts, judged, logits)

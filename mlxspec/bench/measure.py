@@ -15,8 +15,8 @@ Two scenarios, each against a server this script starts on 127.0.0.1 (and stops)
   server's ``speculative.decode_tokens_per_s``) side by side.
 - **concurrency** (``--scenario concurrency``): 8 prompts (4 code edits that copy from the prompt, 4 open
   questions) sent by 1, 2, 4 and 8 clients at once (``--clients``), each client taking the next prompt; the
-  aggregate tokens/s (all answers' tokens over the wall time) of ``mlxspec serve`` batching (``--max-batch 8``),
-  of the same server one request at a time (``--max-batch 1``) and, with ``--mlx-lm FOLDER``, of
+  aggregate tokens/s (all answers' tokens over the wall time) of ``mlxspec serve`` batching (``--max-batch
+  8``), of the same server one request at a time (``--max-batch 1``) and, with ``--mlx-lm FOLDER``, of
   ``mlx_lm.server`` on that mlx-lm folder, plain (it batches) and with ``--mlx-lm-draft FOLDER``. At
   temperature 0 every server's answers are compared.
 - **long prompt** (``--scenario long-prompt``): while 3 short answers stream, a prompt of ``--long-tokens``
@@ -47,7 +47,8 @@ def free_port() -> int:
 
 
 class Server:
-    """``mlxspec serve`` (or another server's ``module``, e.g. ``mlx_lm.server``) in a subprocess until ``stop``."""
+    """``mlxspec serve`` (or another server's ``module``, e.g. ``mlx_lm.server``) in a subprocess until
+    ``stop``."""
 
     def __init__(self, args: list[str], timeout_s: float = 900.0, module: str = "mlxspec serve"):
         self.port = free_port()
@@ -199,7 +200,8 @@ OPEN = ["Explain what a hash map is in three sentences.", "Write a haiku about c
 
 
 def stream_times(server: Server, messages: list[dict], max_tokens: int, times: list[float]) -> None:
-    """Stream one answer, appending each content chunk's arrival time (``time.perf_counter()``) to ``times``."""
+    """Stream one answer, appending each content chunk's arrival time (``time.perf_counter()``) to
+    ``times``."""
     body = json.dumps({"model": "default", "messages": messages, "max_tokens": max_tokens, "temperature": 0,
                        "stream": True})
     connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=3600)
@@ -212,7 +214,8 @@ def stream_times(server: Server, messages: list[dict], max_tokens: int, times: l
 
 
 def long_prompt(serve_args: list[str], long_tokens: int, max_tokens: int) -> dict:
-    """Short answers' largest gap between chunks while a long prompt is prefilled; how soon a dropped one frees."""
+    """Short answers' largest gap between chunks while a long prompt is prefilled; how soon a dropped one
+    frees."""
     import threading
 
     server = Server(serve_args)
@@ -252,8 +255,8 @@ def long_prompt(serve_args: list[str], long_tokens: int, max_tokens: int) -> dic
 
 
 def concurrency_prompts(n: int = 8) -> list[list[dict]]:
-    """``n`` (<= 8) single-turn chats: n/2 code edits whose answers copy the prompt's code (grounded), then n/2
-    open ones."""
+    """``n`` (<= 8) single-turn chats: n/2 code edits whose answers copy the prompt's code (grounded), then
+    n/2 open ones."""
     code = source_file().split("def median")[0]  # two functions, 20 lines
     chats = []
     for kind, old, new in GROUNDED:

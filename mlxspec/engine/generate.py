@@ -170,8 +170,8 @@ def judge(history: list[int], tokens: mx.array, draft: Draft, logits: mx.array, 
 
 
 def cut_round(tokens: list[int], stop_tokens: set[int], room: int, stop_strings: StopStrings | None):
-    """How many of a round's tokens to keep (a stop token, ``room`` tokens left, a stop string), and why generation
-    ends with it (``"stop"``, ``"length"`` or ``None``)."""
+    """How many of a round's tokens to keep (a stop token, ``room`` tokens left, a stop string), and why
+    generation ends with it (``"stop"``, ``"length"`` or ``None``)."""
     keep, reason = next(((i + 1, "stop") for i, t in enumerate(tokens[:room]) if t in stop_tokens), (None, None))
     if keep is None:
         keep, reason = (room, "length") if len(tokens) >= room else (len(tokens), None)
@@ -186,8 +186,9 @@ def speculative_rounds(
     prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE, prompt_cache: PromptCache | list | None = None,
     stop_strings: StopStrings | None = None, time_split: bool = False,
 ) -> Iterator[_Round]:
-    """Prefill, then rounds until a stop token or ``max_tokens``: plan → propose → verify → one sync → commit →
-    observe; yields each round's committed tokens (see the module docstring; ``_Rounds`` holds the steps)."""
+    """Prefill, then rounds until a stop token or ``max_tokens``: plan → propose → verify → one sync → commit
+    → observe; yields each round's committed tokens (see the module docstring; ``_Rounds`` holds the
+    steps)."""
     loop = _Rounds(model, prompt, drafter, num_draft_tokens, sampling,
                    rule or make_verifier(sampling), as_prompt_cache(model, prompt_cache), prefill_step_size, time_split)
     history, generated, upcoming = list(prompt), 0, None
@@ -225,9 +226,9 @@ def speculative_rounds(
 class _Rounds:
     """The steps of ``speculative_rounds``: prefill (made here), plan, verify and commit.
 
-    A drafter the costs ruled out (``pacer.priced_plain``) never runs, not even over the prompt, and nothing is
-    tapped. For a drafter that reads the target's features each plain step keeps the features of its input, as a
-    verify does, so fall-back rounds cost what ``--drafter none``'s steps cost.
+    A drafter the costs ruled out (``pacer.priced_plain``) never runs, not even over the prompt, and nothing
+    is tapped. For a drafter that reads the target's features each plain step keeps the features of its input,
+    as a verify does, so fall-back rounds cost what ``--drafter none``'s steps cost.
     """
 
     def __init__(self, model, prompt, drafter, pacer, sampling, rule, store, prefill_step_size, time_split):
@@ -336,9 +337,10 @@ def committed_rounds(
     stop: list[str] | tuple[str, ...] | None = None,
     time_split: bool = False,
 ) -> Iterator[Committed]:
-    """``stream_generate`` one round at a time: a ``Committed`` per round (its token events, its ``RoundStats`` and
-    the running totals), so a consumer that stops early still has the totals. The runner's one-at-a-time path and
-    ``stream_generate`` share it. Takes the same arguments and raises the same errors as ``stream_generate``."""
+    """``stream_generate`` one round at a time: a ``Committed`` per round (its token events, its
+    ``RoundStats`` and the running totals), so a consumer that stops early still has the totals. The runner's
+    one-at-a-time path and ``stream_generate`` share it. Takes the same arguments and raises the same errors
+    as ``stream_generate``."""
     check_types(prompt, drafter, num_draft_tokens, max_tokens, sampling, stop_tokens, prefill_step_size)
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
@@ -441,8 +443,8 @@ def stream_generate(
 
     Raises:
         TypeError: an argument of the wrong kind (a prompt that is neither text nor token ids, a float γ or
-            ``max_tokens``, ``sampling`` that is not a ``SamplingParams``, a drafter that is not one, a ``stop``
-            that is not text or a list of texts, a ``prompt_cache`` that is not a cache).
+            ``max_tokens``, ``sampling`` that is not a ``SamplingParams``, a drafter that is not one, a
+            ``stop`` that is not text or a list of texts, a ``prompt_cache`` that is not a cache).
         ValueError: on an empty or too-long prompt, a token id outside the vocabulary, a seed outside
             [0, 2**64), ``num_draft_tokens < 0``
             or a string other than ``"auto"``, ``max_tokens < 1``, a bad drafter spec, a target

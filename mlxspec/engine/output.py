@@ -1,9 +1,10 @@
 """One generation's output as records: each round's tokens → ``TokenEvent``s and running ``GenerationStats``.
 
 The one place where rounds become text and totals (τ, α, the γ each round ran with), for the one-request loop
-(``generate.stream_generate``) and for every row of the runner's batch (``runner.Runner``) alike. Text deltas never
-split a multi-byte character, hold back a tail that may start a stop string, and end on the last whole character:
-a generation cut inside a character (``max_tokens``) drops its incomplete bytes instead of ending with U+FFFD.
+(``generate.stream_generate``) and for every row of the runner's batch (``runner.Runner``) alike. Text deltas
+never split a multi-byte character, hold back a tail that may start a stop string, and end on the last whole
+character: a generation cut inside a character (``max_tokens``) drops its incomplete bytes instead of ending
+with U+FFFD.
 """
 
 from __future__ import annotations

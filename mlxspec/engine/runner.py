@@ -2,17 +2,18 @@
 
 Shaped like mlx-lm's ``BatchGenerator`` behind its server, with exact speculation inside the batch
 (``batch.Batch``). Consumers (the server's worker, the chat's engine) ``submit`` a ``Request`` and receive its
-records through the request's ``sink``, called on the runner thread: a ``Committed`` per round (tokens and running
-totals), then one ``Done`` or ``Failed``. Every MLX call happens on this thread (an MLX stream made on one thread
-cannot be used from another); ``call`` runs other work there (loading, switching models).
+records through the request's ``sink``, called on the runner thread: a ``Committed`` per round (tokens and
+running totals), then one ``Done`` or ``Failed``. Every MLX call happens on this thread (an MLX stream made on
+one thread cannot be used from another); ``call`` runs other work there (loading, switching models).
 
 Continuous batching: generations join and leave between rounds. A new prompt is prefilled ``prefill_chunk``
-tokens at a time, one chunk between two rounds of the rows already decoding, so a long prompt delays their next
-token by about one chunk; a request cancelled (or past its deadline) mid-prefill is dropped within one chunk. Up
-to ``max_batch`` generations decode together; the rest wait in a bounded queue (``QueueFull`` past it).
+tokens at a time, one chunk between two rounds of the rows already decoding, so a long prompt delays their
+next token by about one chunk; a request cancelled (or past its deadline) mid-prefill is dropped within one
+chunk. Up to ``max_batch`` generations decode together; the rest wait in a bounded queue (``QueueFull`` past
+it).
 
-Generations run one at a time, through ``generate.committed_rounds``, when the drafter cannot run beside itself
-(``Drafter.fork`` is ``None``: Medusa, DFlash, DSpark, MTP), when the target's caches are not all plain
+Generations run one at a time, through ``generate.committed_rounds``, when the drafter cannot run beside
+itself (``Drafter.fork`` is ``None``: Medusa, DFlash, DSpark, MTP), when the target's caches are not all plain
 ``KVCache``s (sliding windows, recurrent layers), for a sharded target, or with ``max_batch=1``.
 
 A sharded target (docs/distributed.md) runs on every rank in lockstep: rank 0 shares each request (prompt,
@@ -84,7 +85,8 @@ class Done:
 
 @dataclass(frozen=True)
 class Failed:
-    """A request the library refused (``status`` 400, e.g. a token id outside the vocabulary) or that failed (500)."""
+    """A request the library refused (``status`` 400, e.g. a token id outside the vocabulary) or that failed
+    (500)."""
 
     message: str
     status: int
@@ -104,8 +106,8 @@ class Request:
         deadline: ``time.monotonic()`` after which it stops after its current round. Default: none.
         cancelled: Set to stop it after its current round (or its current prefill chunk, or before it starts).
         reuse: Whether it may take a slot of the prefix cache (a conversation's cache). Default: ``True``.
-        cache: A ``PromptCache`` of its own to generate into and reuse (a chat's conversation), instead of a slot
-            of the prefix cache. Default: ``None``.
+        cache: A ``PromptCache`` of its own to generate into and reuse (a chat's conversation), instead of a
+            slot of the prefix cache. Default: ``None``.
         typical: ``(threshold, alpha)`` for Medusa's LOSSY typical acceptance (``generate.make_verifier``), or
             ``None`` (exact). Default: ``None``.
         last: The last token committed so far (set by the runner).
@@ -157,8 +159,9 @@ class Setup:
     Attributes:
         model, tokenizer: The target and its tokenizer.
         drafter: The drafter; each batched generation runs a ``fork`` of it.
-        pacer: The γ policy (``pacing.make_pacer``); a batched generation runs a copy of it, and the copy of the
-            generation that ended last becomes it (what γ auto learned carries over, as in one-at-a-time runs).
+        pacer: The γ policy (``pacing.make_pacer``); a batched generation runs a copy of it, and the copy of
+            the generation that ended last becomes it (what γ auto learned carries over, as in one-at-a-time
+            runs).
         prefix_cache: Slots of earlier prompts to reuse (``serve.prefix_cache.PrefixCache``-like: ``take``,
             ``release``), or ``None`` (a fresh cache per request).
     """
@@ -226,8 +229,8 @@ class Runner:
         self._thread.start()
 
     def call(self, fn: Callable, *args, wait: bool = True) -> object:
-        """Run ``fn(*args)`` on the runner thread between rounds; with ``wait``, wait for it and return what it
-        returns (else return at once: ``fn`` must report its own errors).
+        """Run ``fn(*args)`` on the runner thread between rounds; with ``wait``, wait for it and return what
+        it returns (else return at once: ``fn`` must report its own errors).
 
         Raises:
             Whatever ``fn`` raised (with ``wait``).
@@ -325,8 +328,8 @@ class Runner:
                 done.set()
 
     def use(self, setup: Setup) -> None:
-        """Generate with ``setup`` from now on (call it through ``call``; nothing may be running). Its ``pacer`` may
-        also be what ``pacing.make_pacer`` takes (an integer γ, ``"auto"``)."""
+        """Generate with ``setup`` from now on (call it through ``call``; nothing may be running). Its
+        ``pacer`` may also be what ``pacing.make_pacer`` takes (an integer γ, ``"auto"``)."""
         setup.pacer = make_pacer(setup.pacer, setup.model, setup.drafter)
         self.setup = setup
         model, drafter = setup.model, setup.drafter
@@ -336,8 +339,9 @@ class Runner:
         tap = HiddenTap(model, layers=drafter.feature_layers) if batched and drafter.needs_hidden else None
         self._batch = Batch(model, tap) if batched else None
         self._pending = []
-        # drafters free for the next row, most recently used last: a drafter keeps what it holds of the prompt it
-        # last ran (a draft model's cache), so the next prompt re-reads only what differs, as one-at-a-time runs do
+        # drafters free for the next row, most recently used last: a drafter keeps what it holds of the prompt
+        # it last ran (a draft model's cache), so the next prompt re-reads only what differs, as one-at-a-time
+        # runs do
         self._idle = [drafter] if batched else []
 
     @property
@@ -364,8 +368,8 @@ class Runner:
             share_json(self._group, None)  # the other ranks stop too
 
     def _tick(self, wait: bool) -> None:
-        """One step: a whole request one at a time; or admit, one prefill chunk and one round of the batch. With
-        ``wait``, an idle runner waits (up to ``IDLE_TICK_S``) for a request or a call."""
+        """One step: a whole request one at a time; or admit, one prefill chunk and one round of the batch.
+        With ``wait``, an idle runner waits (up to ``IDLE_TICK_S``) for a request or a call."""
         if self._batch is None:
             request = self._next_serial(wait)
             if request is not None:
@@ -388,8 +392,8 @@ class Runner:
     # One at a time.
 
     def _next_serial(self, wait: bool = True) -> Request | None:
-        """The next request, or ``None`` (after a short wait, with ``wait``); for a sharded target, rank 0's, on
-        every rank."""
+        """The next request, or ``None`` (after a short wait, with ``wait``); for a sharded target, rank 0's,
+        on every rank."""
         if self._group is None:
             try:
                 return self._queue.get_nowait()
@@ -487,9 +491,9 @@ class Runner:
         self._pending.append(_Pending(request, store, request.prompt[reused:-1]))
 
     def _prefill_chunk(self) -> None:
-        """Prefill one chunk of the pending prompt with the fewest tokens left (a short prompt arriving behind a
-        long one starts within a chunk); a prompt prefilled whole joins the batch. A prompt that fails is refused
-        alone (400 for a user error, 500 for a bug); the thread and the other rows go on."""
+        """Prefill one chunk of the pending prompt with the fewest tokens left (a short prompt arriving behind
+        a long one starts within a chunk); a prompt prefilled whole joins the batch. A prompt that fails is
+        refused alone (400 for a user error, 500 for a bug); the thread and the other rows go on."""
         pending = min(self._pending, key=lambda p: len(p.left))
         try:
             self._prefill_step(pending)
@@ -594,7 +598,8 @@ class Runner:
             self.setup.prefix_cache.release(slot)
 
     def _finish(self, request: Request, stats: GenerationStats, stopped: str | None) -> None:
-        """Post the request's ``Done`` (``stopped``: ``"cancelled"``, ``"timeout"`` or ``None``, it ran out)."""
+        """Post the request's ``Done`` (``stopped``: ``"cancelled"``, ``"timeout"`` or ``None``, it ran
+        out)."""
         if stopped is None:
             reason = stats.finish_reason or "length"
             eos = set(self.setup.tokenizer.eos_token_ids)
@@ -613,10 +618,10 @@ def batch_generate(model: nn.Module, tokenizer, prompts: list[str | list[int]], 
                    prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> list[GenerationResult]:
     """Generate for many prompts at once, offline: the runner's continuous batching in the calling thread.
 
-    Each prompt is a generation of its own, distributed exactly as ``generate`` would make it (greedy answers equal
-    ``generate``'s up to float32 rounding of batched matmuls); up to ``max_batch`` decode together, each with its own
-    fork of ``drafter`` and its own pacer (mlx-lm's ``batch_generate``, with speculation inside the batch). A drafter
-    that cannot fork (``Drafter.fork``) runs the prompts one at a time.
+    Each prompt is a generation of its own, distributed exactly as ``generate`` would make it (greedy answers
+    equal ``generate``'s up to float32 rounding of batched matmuls); up to ``max_batch`` decode together, each
+    with its own fork of ``drafter`` and its own pacer (mlx-lm's ``batch_generate``, with speculation inside
+    the batch). A drafter that cannot fork (``Drafter.fork``) runs the prompts one at a time.
 
     Args:
         model, tokenizer: The target and its ``TokenizerWrapper``.
@@ -634,8 +639,8 @@ def batch_generate(model: nn.Module, tokenizer, prompts: list[str | list[int]], 
         list[GenerationResult]: One per prompt, in order.
 
     Raises:
-        ValueError: a bad drafter spec or γ, ``max_batch < 1``, a prompt that does not fit the context or holds
-            a token id outside the vocabulary (naming the prompt's index).
+        ValueError: a bad drafter spec or γ, ``max_batch < 1``, a prompt that does not fit the context or
+            holds a token id outside the vocabulary (naming the prompt's index).
     """
     from ..drafters import make_drafter
 
