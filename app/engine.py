@@ -26,8 +26,15 @@ from mlxspec.engine.output import Committed
 from mlxspec.engine.runner import Done, Failed, Request, Runner, Setup
 from mlxspec.core.metrics import GenerationStats
 from mlxspec.core.sampling import SamplingParams
-from mlxspec.engine.session import (USER_ERRORS, LoadedModel, ModelSpec, build_drafter, check_fits, default_drafter,
-                                    load_model)
+from mlxspec.engine.session import (
+    USER_ERRORS,
+    LoadedModel,
+    ModelSpec,
+    build_drafter,
+    check_fits,
+    default_drafter,
+    load_model,
+)
 from mlxspec.loading.models import DEFAULT_MODEL
 from mlxspec.core.stops import check_stops
 
@@ -96,7 +103,9 @@ class EngineConfig:
             object.__setattr__(self, "drafter", DrafterSpec.parse(self.drafter))
         if self.drafter is None:
             object.__setattr__(self, "drafter", default_drafter(self.draft_model))
-        object.__setattr__(self, "stop", check_stops(self.stop))  # one str is one stop string, not its characters
+        object.__setattr__(
+            self, "stop", check_stops(self.stop)
+        )  # one str is one stop string, not its characters
 
 
 class Relay:
@@ -129,7 +138,9 @@ class Relay:
         self.last_flush, self.gamma_now = 0.0, 0
 
     def view(self) -> StatsSnapshot:
-        return snapshot(self.totals, self.taus, policy=self.policy, shape=self.shape, gamma_now=self.gamma_now)
+        return snapshot(
+            self.totals, self.taus, policy=self.policy, shape=self.shape, gamma_now=self.gamma_now
+        )
 
     def _spans(self) -> None:
         if self.spans:
@@ -152,8 +163,11 @@ class Relay:
         if isinstance(item, Done):
             if item.stats.rounds:
                 self.totals = item.stats
-            self.post(GenerationDone(self.request_id, item.finish_reason == "cancelled", self.totals.finish_reason,
-                                     self.view()))
+            self.post(
+                GenerationDone(
+                    self.request_id, item.finish_reason == "cancelled", self.totals.finish_reason, self.view()
+                )
+            )
         elif isinstance(item, Failed):
             self.post(GenerationFailed(self.request_id, chat_words(item.message)))
         if self.on_end is not None:
@@ -329,26 +343,52 @@ class Engine:
                 return post(GenerationDone(rid, True, None, StatsSnapshot(state.drafter.name, gamma)))
             tokenizer = state.target.tokenizer
             prompt = encode_prompt(tokenizer, chat_prompt(tokenizer, request.messages))
-            relay = Relay(rid, post, request.cancelled, drafter=state.drafter.name, num_draft_tokens=gamma,
-                          policy=state.num_draft_tokens if state.policy.adaptive else None,
-                          shape=_shape(state.drafter, state.policy), on_end=lambda end: self._ended(rid, end, state))
-            self._runner.submit(Request(prompt, config.max_tokens, config.sampling, config.seed, config.stop, relay,
-                                        cancelled=request.cancelled, cache=state.prompt_cache, typical=config.typical))
+            relay = Relay(
+                rid,
+                post,
+                request.cancelled,
+                drafter=state.drafter.name,
+                num_draft_tokens=gamma,
+                policy=state.num_draft_tokens if state.policy.adaptive else None,
+                shape=_shape(state.drafter, state.policy),
+                on_end=lambda end: self._ended(rid, end, state),
+            )
+            self._runner.submit(
+                Request(
+                    prompt,
+                    config.max_tokens,
+                    config.sampling,
+                    config.seed,
+                    config.stop,
+                    relay,
+                    cancelled=request.cancelled,
+                    cache=state.prompt_cache,
+                    typical=config.typical,
+                )
+            )
         except Exception as e:  # the thread must survive any failure; the UI shows it
             self._cancels.pop(rid, None)
             post(GenerationFailed(rid, one_line(e)))
 
     def _ended(self, rid: int, end, state: _Loaded) -> None:
         self._cancels.pop(rid, None)
-        if isinstance(end, Failed) and state.target is not None:  # a round may have stopped half-way: start afresh
+        if (
+            isinstance(end, Failed) and state.target is not None
+        ):  # a round may have stopped half-way: start afresh
             state.prompt_cache = PromptCache(state.target.model)
 
     def _configure(self, post: Post, request: _Configure) -> None:
         state = replace(self._state)
         if request.num_draft_tokens is not None:
             state.num_draft_tokens = request.num_draft_tokens
-        loads = [(role, spec) for role, spec in (("target model", self._model_spec(request, draft=False)),
-                                                 ("draft model", self._model_spec(request, draft=True))) if spec]
+        loads = [
+            (role, spec)
+            for role, spec in (
+                ("target model", self._model_spec(request, draft=False)),
+                ("draft model", self._model_spec(request, draft=True)),
+            )
+            if spec
+        ]
         total = len(loads) + 1
         for step, (role, spec) in enumerate(loads, 1):
             post(LoadProgress(f"Loading the {role} {spec.spec}", step, total))
@@ -380,7 +420,11 @@ class Engine:
             keep = state.drafter if state.drafter is not None and not request.model else None
             state.drafter = keep or self._fallback(state, note)  # an old drafter may not fit a new target
             state.spec = self._state.spec if keep is not None else DrafterSpec(state.drafter.name)
-            post(LoadFailed(f"Cannot use the {name} drafter: {one_line(e)}; keeping the {state.drafter.name} drafter"))
+            post(
+                LoadFailed(
+                    f"Cannot use the {name} drafter: {one_line(e)}; keeping the {state.drafter.name} drafter"
+                )
+            )
         try:
             costs = self._fresh_costs(state, note)
             state.policy = make_pacer(state.num_draft_tokens, state.target.model, state.drafter, costs=costs,
@@ -432,7 +476,11 @@ class Engine:
         loaded = self._state.draft if draft else self._state.target
         if spec is None and (dtype is None or loaded is None):
             return None
-        keep = loaded.spec.dtype if loaded is not None else (self.config.draft_dtype if draft else self.config.model.dtype)
+        keep = (
+            loaded.spec.dtype
+            if loaded is not None
+            else (self.config.draft_dtype if draft else self.config.model.dtype)
+        )
         dtype = keep if dtype is None else None if dtype == AS_STORED else dtype
         return ModelSpec(spec or loaded.spec.spec, dtype)
 
@@ -444,9 +492,18 @@ class Engine:
         s = self._state
         options = tuple((f.name, str(getattr(s.spec.options, f.name))) for f in fields(s.spec.options)
                         if getattr(s.spec.options, f.name) != f.default) if s.spec else ()
-        return EngineInfo(s.target.display, s.target.quantized, s.draft.display if s.draft else None, s.drafter.name,
-                          s.num_draft_tokens, DRAFTERS, options, s.target.spec.dtype,
-                          s.draft.spec.dtype if s.draft else None, _shape(s.drafter, s.policy))
+        return EngineInfo(
+            s.target.display,
+            s.target.quantized,
+            s.draft.display if s.draft else None,
+            s.drafter.name,
+            s.num_draft_tokens,
+            DRAFTERS,
+            options,
+            s.target.spec.dtype,
+            s.draft.spec.dtype if s.draft else None,
+            _shape(s.drafter, s.policy),
+        )
 
 
 def _shape(drafter, policy=None) -> str | None:

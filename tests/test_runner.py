@@ -45,7 +45,9 @@ def _row(model, tokenizer, ids, drafter, sampling=GREEDY, gamma=4, max_tokens=40
     store.add(ids[:-1], None)
     drafter.prefill(ids)
     pacer = make_pacer(gamma, model, drafter)
-    return Row(list(ids), drafter, pacer, sampling, make_verifier(sampling), set(), None, max_tokens, store, seed)
+    return Row(
+        list(ids), drafter, pacer, sampling, make_verifier(sampling), set(), None, max_tokens, store, seed
+    )
 
 
 def test_a_rows_batched_verify_logits_are_its_logits_alone(pair):
@@ -69,7 +71,9 @@ def test_a_rows_batched_verify_logits_are_its_logits_alone(pair):
 
         with tree_attention(model, alone.layers, draft.tree):
             single = model(tokens[b : b + 1, : draft.size + 1], cache=alone.layers)[0]
-        np.testing.assert_allclose(np.array(batched[b, : draft.size + 1]), np.array(single), atol=2e-4, rtol=1e-4)
+        np.testing.assert_allclose(
+            np.array(batched[b, : draft.size + 1]), np.array(single), atol=2e-4, rtol=1e-4
+        )
 
 
 @pytest.mark.parametrize("spec", ["ngram:min=1", "suffix:min_prob=0"])
@@ -134,7 +138,9 @@ class Collect:
 
 def _drafter(spec, model, tokenizer):
     if spec == "draft":
-        return make_drafter("draft", model, tokenizer, draft_model=tiny_llama(seed=3), draft_tokenizer=tokenizer)
+        return make_drafter(
+            "draft", model, tokenizer, draft_model=tiny_llama(seed=3), draft_tokenizer=tokenizer
+        )
     if spec == "eagle":
         from test_eagle import random_head
         from mlxspec.drafters.eagle import EagleDrafter
@@ -296,7 +302,11 @@ class CutAtTheShortest(Batch):
             if len(path) > shortest:
                 node = path[shortest - 1] if shortest else 0
                 fresh = int(mx.random.categorical(logits[b, node] / T08.temp).item())
-                path, tokens, kinds = path[:shortest], tokens[:shortest] + [fresh], kinds[:shortest] + ["target"]
+                path, tokens, kinds = (
+                    path[:shortest],
+                    tokens[:shortest] + [fresh],
+                    kinds[:shortest] + ["target"],
+                )
             cut.append((path, tokens, kinds))
         return cut
 
@@ -332,7 +342,9 @@ def test_an_answer_cut_inside_a_character_ends_on_the_last_whole_one():
 
     def text(finish_reason):
         output = Output(tokenizer, GenerationStats(), set(), (), None, False)
-        events = output.round([a, e_first], ["target", "target"], RoundStats(0, 0, 0, 2, 0.0, 0.0), finish_reason)
+        events = output.round(
+            [a, e_first], ["target", "target"], RoundStats(0, 0, 0, 2, 0.0, 0.0), finish_reason
+        )
         return "".join(event.text for event in events)
 
     assert text("length") == "a"
@@ -343,8 +355,9 @@ def test_batch_generate_answers_each_prompt_as_generate_does(pair):
     from mlxspec import batch_generate
 
     model, tokenizer = pair
-    results = batch_generate(model, tokenizer, PROMPTS, drafter="ngram:min=1", num_draft_tokens=3, max_tokens=24,
-                             max_batch=3)
+    results = batch_generate(
+        model, tokenizer, PROMPTS, drafter="ngram:min=1", num_draft_tokens=3, max_tokens=24, max_batch=3
+    )
     for prompt, result in zip(PROMPTS, results):
         alone = generate(model, tokenizer, prompt, drafter="ngram:min=1", num_draft_tokens=3, max_tokens=24)
         assert (result.tokens, result.text) == (alone.tokens, alone.text)
@@ -360,8 +373,21 @@ def test_the_batch_gate_decodes_plainly_where_drafts_cannot_pay_and_looks_again_
 
     def rows(verify_s, alpha, n=4):
         estimate = AcceptanceEstimate(kept=[100 * alpha] * 4, reached=[100.0] * 4)
-        return [Row([1, 2], None, Auto(Costs(verify_s), DraftProfile(), estimate=estimate), GREEDY, None, set(),
-                    None, 10, None, 0) for _ in range(n)]
+        return [
+            Row(
+                [1, 2],
+                None,
+                Auto(Costs(verify_s), DraftProfile(), estimate=estimate),
+                GREEDY,
+                None,
+                set(),
+                None,
+                10,
+                None,
+                0,
+            )
+            for _ in range(n)
+        ]
 
     plans = [Plan(4)] * 4
     memory_bound = [0.1 + 0.002 * k for k in range(16)]  # a wide forward costs about one step
@@ -372,4 +398,6 @@ def test_the_batch_gate_decodes_plainly_where_drafts_cannot_pay_and_looks_again_
     waited = [gate.admit(rows(compute_bound, 0.5), plans) for _ in range(FIRST_WAIT)]
     assert waited[:-1] == [[Plan(0)] * 4] * (FIRST_WAIT - 1) and waited[-1] == plans  # then one probe
     assert gate.admit(rows(compute_bound, 0.5), plans) == [Plan(0)] * 4 and gate.wait == 2 * FIRST_WAIT
-    assert BatchGate().admit(rows(compute_bound, 0.5, n=1), plans[:1]) == plans[:1]  # one row: its own pacer decides
+    assert (
+        BatchGate().admit(rows(compute_bound, 0.5, n=1), plans[:1]) == plans[:1]
+    )  # one row: its own pacer decides

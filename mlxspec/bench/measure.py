@@ -52,7 +52,9 @@ class Server:
 
     def __init__(self, args: list[str], timeout_s: float = 900.0, module: str = "mlxspec serve"):
         self.port = free_port()
-        self.model = "default_model" if module == "mlx_lm.server" else "default"  # each server's name for its model
+        self.model = (
+            "default_model" if module == "mlx_lm.server" else "default"
+        )  # each server's name for its model
         command = [sys.executable, "-m", *module.split(), "--port", str(self.port), *args]
         self.process = subprocess.Popen(command, stderr=sys.stderr)
         try:
@@ -115,7 +117,10 @@ class Server:
         reply = json.loads(response.read())
         if response.status != 200:
             raise SystemExit(f"the server answered {response.status}: {reply}")
-        return {"text": reply["choices"][0]["message"]["content"], "tokens": reply["usage"]["completion_tokens"]}
+        return {
+            "text": reply["choices"][0]["message"]["content"],
+            "tokens": reply["usage"]["completion_tokens"],
+        }
 
     def stop(self) -> None:
         self.process.terminate()
@@ -194,7 +199,12 @@ def agent(serve_args: list[str], requests: int, max_tokens: int) -> list[dict]:
     return rows
 
 
-GROUNDED = [("rename", "total", "acc"), ("rename", "count", "n"), ("comment", "mean", ""), ("rename", "value", "v")]
+GROUNDED = [
+    ("rename", "total", "acc"),
+    ("rename", "count", "n"),
+    ("comment", "mean", ""),
+    ("rename", "value", "v"),
+]
 OPEN = ["Explain what a hash map is in three sentences.", "Write a haiku about compilers.",
         "Why is the sky blue? Answer briefly.", "Give three tips for writing readable Python."]
 
@@ -208,8 +218,11 @@ def stream_times(server: Server, messages: list[dict], max_tokens: int, times: l
     connection.request("POST", "/v1/chat/completions", body, {"content-type": "application/json"})
     for line in connection.getresponse():
         line = line.decode().strip()
-        if line.startswith("data: {") and '"content"' in line and json.loads(line[6:])["choices"][0]["delta"].get(
-                "content"):
+        if (
+            line.startswith("data: {")
+            and '"content"' in line
+            and json.loads(line[6:])["choices"][0]["delta"].get("content")
+        ):
             times.append(time.perf_counter())
 
 
@@ -220,7 +233,9 @@ def long_prompt(serve_args: list[str], long_tokens: int, max_tokens: int) -> dic
 
     server = Server(serve_args)
     try:
-        long_chat = [{"role": "user", "content": source_file() * (long_tokens // 500) + "Summarize this file."}]
+        long_chat = [
+            {"role": "user", "content": source_file() * (long_tokens // 500) + "Summarize this file."}
+        ]
         shorts = [[{"role": "user", "content": text}] for text in OPEN[:3]]
         times = [[] for _ in shorts]
         threads = [threading.Thread(target=stream_times, args=(server, chat, max_tokens, t))
@@ -231,7 +246,9 @@ def long_prompt(serve_args: list[str], long_tokens: int, max_tokens: int) -> dic
             time.sleep(0.05)
         arrived = time.perf_counter()
         long_times: list[float] = []
-        long_thread = threading.Thread(target=stream_times, args=(server, long_chat, 4, long_times), daemon=True)
+        long_thread = threading.Thread(
+            target=stream_times, args=(server, long_chat, 4, long_times), daemon=True
+        )
         long_thread.start()
         for thread in threads:
             thread.join()
@@ -285,8 +302,13 @@ def concurrency(module: str, serve_args: list[str], clients: list[int], temps: l
                 rows.append({"temperature": temperature, "clients": n, "tokens": tokens, "seconds": seconds,
                              "tokens_per_s": tokens / seconds, "texts": [r["text"] for r in replies],
                              "load": os.getloadavg()[0]})
-                print(f"{module} {' '.join(serve_args)} T {temperature} clients {n}: {tokens / seconds:.2f} tok/s "
-                      f"({tokens} tokens, {seconds:.0f} s, load {rows[-1]['load']:.1f})", file=sys.stderr, flush=True)
+                print(
+                    f"{module} {' '.join(serve_args)} T {temperature} clients {n}: "
+                    f"{tokens / seconds:.2f} tok/s "
+                    f"({tokens} tokens, {seconds:.0f} s, load {rows[-1]['load']:.1f})",
+                    file=sys.stderr,
+                    flush=True,
+                )
     finally:
         server.stop()
     return rows
@@ -302,9 +324,13 @@ def concurrency_table(results: dict, clients: list[int], temps: list[float]) -> 
         for name, rows in results.items():
             speed = {r["clients"]: r["tokens_per_s"] for r in rows if r["temperature"] == temperature}
             if speed:
-                lines.append(f"| {name} | " + " | ".join(f"{speed.get(n, float('nan')):.2f}" for n in clients) + " |")
+                lines.append(
+                    f"| {name} | " + " | ".join(f"{speed.get(n, float('nan')):.2f}" for n in clients) + " |"
+                )
         if temperature == 0:
-            texts = {name: [r["texts"] for r in rows if r["temperature"] == 0] for name, rows in results.items()}
+            texts = {
+                name: [r["texts"] for r in rows if r["temperature"] == 0] for name, rows in results.items()
+            }
             reference = next(iter(texts.values()))[0]
             differ = {name: sum(a != b for run in runs for a, b in zip(run, reference))
                       for name, runs in texts.items()}
@@ -327,16 +353,26 @@ def main(argv: list[str] | None = None) -> int:
                         help="max_tokens of each agent request. Default: 400")
     parser.add_argument("--scenario", choices=("both", "conversation", "agent", "concurrency", "long-prompt"),
                         default="both")
-    parser.add_argument("--long-tokens", type=int, default=8000, help="long-prompt: its tokens. Default: 8000")
+    parser.add_argument(
+        "--long-tokens", type=int, default=8000, help="long-prompt: its tokens. Default: 8000"
+    )
     parser.add_argument("--draft-model", default=None, help="concurrency: the draft model mlxspec serve uses")
     parser.add_argument("--clients", default="1,2,4,8", help="concurrency: client counts. Default: 1,2,4,8")
     parser.add_argument("--temps", default="0,0.7", help="concurrency: temperatures. Default: 0,0.7")
-    parser.add_argument("--max-tokens", type=int, default=64, help="concurrency: tokens an answer. Default: 64")
-    parser.add_argument("--prompts", type=int, default=8, help="concurrency: prompts (half grounded), <= 8. Default: 8")
+    parser.add_argument(
+        "--max-tokens", type=int, default=64, help="concurrency: tokens an answer. Default: 64"
+    )
+    parser.add_argument(
+        "--prompts", type=int, default=8, help="concurrency: prompts (half grounded), <= 8. Default: 8"
+    )
     parser.add_argument("--servers", default="batched,serial,mlx-lm,mlx-lm-draft",
                         help="concurrency: which servers to run. Default: all four")
-    parser.add_argument("--mlx-lm", default=None, help="concurrency: the target as an mlx-lm folder for mlx_lm.server")
-    parser.add_argument("--mlx-lm-draft", default=None, help="concurrency: the draft model as an mlx-lm folder")
+    parser.add_argument(
+        "--mlx-lm", default=None, help="concurrency: the target as an mlx-lm folder for mlx_lm.server"
+    )
+    parser.add_argument(
+        "--mlx-lm-draft", default=None, help="concurrency: the draft model as an mlx-lm folder"
+    )
     parser.add_argument("--json", default=None, help="write every number to this file")
     args = parser.parse_args(argv)
     base = ["--model", args.model] + (["--dtype", args.dtype] if args.dtype else [])
@@ -355,9 +391,11 @@ def main(argv: list[str] | None = None) -> int:
         print(concurrency_table(out["concurrency"], clients, temps))
     if args.scenario == "long-prompt":
         out["long_prompt"] = r = long_prompt(base + ["--drafter", "ngram"], args.long_tokens, args.max_tokens)
-        print(f"\nLong prompt ({args.long_tokens} tokens) beside 3 streaming answers: largest gap between chunks "
-              f"{r['gap_during_s']:.2f} s (before it arrived {r['gap_before_s']:.2f} s); dropped mid-prefill, the "
-              f"runner was free {r['freed_after_drop_s']:.2f} s later (load {r['load']:.1f})")
+        print(
+            f"\nLong prompt ({args.long_tokens} tokens) beside 3 streaming answers: largest gap between "
+            f"chunks {r['gap_during_s']:.2f} s (before it arrived {r['gap_before_s']:.2f} s); dropped "
+            f"mid-prefill, the runner was free {r['freed_after_drop_s']:.2f} s later (load {r['load']:.1f})"
+        )
     if args.scenario in ("both", "conversation"):
         out["conversation"] = result = conversation(base, args.turns, args.turn_tokens, args.repeats)
         print(f"\nConversation, {args.model} ({args.dtype or 'as stored'}), {args.turn_tokens} tokens a "

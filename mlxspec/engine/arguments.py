@@ -1,4 +1,5 @@
-"""Checks of what a caller hands ``stream_generate``: arguments of the right kind, token ids in the vocabulary.
+"""Checks of what a caller hands ``stream_generate``: arguments of the right kind, token ids in the
+vocabulary.
 
 A bytes prompt would otherwise read as token ids, ``num_draft_tokens=3.5`` as γ 3.5, and an id past the
 embedding's end crashes the process (an out-of-bounds gather), so each is refused in one line naming it.
@@ -29,20 +30,31 @@ def check_types(prompt, drafter, num_draft_tokens, max_tokens, sampling, stop_to
         return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
     ids = isinstance(prompt, (list, tuple)) and all(is_int(i) for i in prompt)
-    array = (isinstance(prompt, np.ndarray) and prompt.ndim == 1 and np.issubdtype(prompt.dtype, np.integer)) or (
-        isinstance(prompt, mx.array) and prompt.ndim == 1 and mx.issubdtype(prompt.dtype, mx.integer))
+    array = (
+        isinstance(prompt, np.ndarray) and prompt.ndim == 1 and np.issubdtype(prompt.dtype, np.integer)
+    ) or (isinstance(prompt, mx.array) and prompt.ndim == 1 and mx.issubdtype(prompt.dtype, mx.integer))
     if not (isinstance(prompt, str) or ids or array):
-        raise TypeError(f"prompt must be text (str) or a list of token ids (int), got {type(prompt).__name__}")
+        raise TypeError(
+            f"prompt must be text (str) or a list of token ids (int), got {type(prompt).__name__}"
+        )
     if not isinstance(drafter, (str, DrafterSpec, Drafter)):
-        raise TypeError(f"drafter must be a Drafter, a DrafterSpec or a spec string such as 'ngram' or 'none', got "
-                        f"{type(drafter).__name__}")
-    if not (is_int(num_draft_tokens) or isinstance(num_draft_tokens, str) or hasattr(num_draft_tokens, "plan")):
-        raise TypeError(f"num_draft_tokens must be an integer, 'auto', 'scheduled' or a pacer (pacing.make_pacer), got "
-                        f"{num_draft_tokens!r}")
+        raise TypeError(
+            f"drafter must be a Drafter, a DrafterSpec or a spec string such as 'ngram' or 'none', got "
+            f"{type(drafter).__name__}"
+        )
+    if not (
+        is_int(num_draft_tokens) or isinstance(num_draft_tokens, str) or hasattr(num_draft_tokens, "plan")
+    ):
+        raise TypeError(
+            f"num_draft_tokens must be an integer, 'auto', 'scheduled' or a pacer (pacing.make_pacer), got "
+            f"{num_draft_tokens!r}"
+        )
     if not is_int(max_tokens):
         raise TypeError(f"max_tokens must be an integer, got {max_tokens!r}")
     if sampling is not None and not isinstance(sampling, SamplingParams):
-        raise TypeError(f"sampling must be a SamplingParams (e.g. SamplingParams(temp=0.7)), got {type(sampling).__name__}")
+        raise TypeError(
+            f"sampling must be a SamplingParams (e.g. SamplingParams(temp=0.7)), got {type(sampling).__name__}"
+        )
     if stop_tokens is not None and not (isinstance(stop_tokens, (set, frozenset, list, tuple))
                                         and all(is_int(t) for t in stop_tokens)):
         raise TypeError(f"stop_tokens must be a set of token ids (int), got {stop_tokens!r}")
@@ -61,7 +73,9 @@ def check_ids(model: nn.Module, ids: list[int]) -> None:
     vocab = getattr(getattr(model, "args", None), "vocab_size", None)
     if not vocab:  # no config: the embedding's rows (a quantized embedding packs columns, not rows)
         embed = getattr(getattr(model, "model", None), "embed_tokens", None)
-        vocab = getattr(embed, "num_embeddings", None) or (embed.weight.shape[0] if embed is not None else None)
+        vocab = getattr(embed, "num_embeddings", None) or (
+            embed.weight.shape[0] if embed is not None else None
+        )
     if not vocab:
         return  # a model that says nothing of its vocabulary (a test double): nothing to check against
     bad = next((i for i in ids if not 0 <= i < vocab), None)  # ids: Python ints (encode_prompt)
@@ -70,7 +84,8 @@ def check_ids(model: nn.Module, ids: list[int]) -> None:
 
 
 def check_typical(typical) -> tuple[float, float] | None:
-    """Medusa's typical acceptance ``(threshold, alpha)``, checked once for the API, ``generate`` and ``verify``.
+    """Medusa's typical acceptance ``(threshold, alpha)``, checked once for the API, ``generate`` and
+    ``verify``.
 
     Raises:
         TypeError: not a pair of numbers.
@@ -83,6 +98,8 @@ def check_typical(typical) -> tuple[float, float] | None:
         raise TypeError(f"typical must be a pair (threshold, alpha) of numbers, got {typical!r}")
     threshold, alpha = typical
     if not (0 < threshold <= 1 and 0 < alpha and math.isfinite(alpha)):
-        raise ValueError(f"typical acceptance needs 0 < --typical-threshold <= 1 and --typical-alpha > 0 (finite), "
-                         f"got threshold {threshold}, alpha {alpha}")
+        raise ValueError(
+            f"typical acceptance needs 0 < --typical-threshold <= 1 and --typical-alpha > 0 (finite), "
+            f"got threshold {threshold}, alpha {alpha}"
+        )
     return float(threshold), float(alpha)

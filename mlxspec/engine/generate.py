@@ -128,7 +128,9 @@ def make_verifier(sampling: SamplingParams, typical: tuple[float, float] | None 
     if sampling.greedy:
         return lambda tokens, tree, logits, draft: verify_greedy(tokens, tree, logits)
     if typical is not None:
-        return lambda tokens, tree, logits, draft: verify_typical(tokens, tree, logits, sampling.temp, *typical)
+        return lambda tokens, tree, logits, draft: verify_typical(
+            tokens, tree, logits, sampling.temp, *typical
+        )
 
     def exact(tokens, tree, logits, draft):
         target_logprobs = warp(logits, sampling)
@@ -172,10 +174,14 @@ def judge(history: list[int], tokens: mx.array, draft: Draft, logits: mx.array, 
 def cut_round(tokens: list[int], stop_tokens: set[int], room: int, stop_strings: StopStrings | None):
     """How many of a round's tokens to keep (a stop token, ``room`` tokens left, a stop string), and why
     generation ends with it (``"stop"``, ``"length"`` or ``None``)."""
-    keep, reason = next(((i + 1, "stop") for i, t in enumerate(tokens[:room]) if t in stop_tokens), (None, None))
+    keep, reason = next(
+        ((i + 1, "stop") for i, t in enumerate(tokens[:room]) if t in stop_tokens), (None, None)
+    )
     if keep is None:
         keep, reason = (room, "length") if len(tokens) >= room else (len(tokens), None)
-    if stop_strings is not None and (cut := stop_strings.cut([t for t in tokens[:keep] if t not in stop_tokens])):
+    if stop_strings is not None and (
+        cut := stop_strings.cut([t for t in tokens[:keep] if t not in stop_tokens])
+    ):
         return cut, "stop"
     return keep, reason
 
@@ -189,8 +195,17 @@ def speculative_rounds(
     """Prefill, then rounds until a stop token or ``max_tokens``: plan → propose → verify → one sync → commit
     → observe; yields each round's committed tokens (see the module docstring; ``_Rounds`` holds the
     steps)."""
-    loop = _Rounds(model, prompt, drafter, num_draft_tokens, sampling,
-                   rule or make_verifier(sampling), as_prompt_cache(model, prompt_cache), prefill_step_size, time_split)
+    loop = _Rounds(
+        model,
+        prompt,
+        drafter,
+        num_draft_tokens,
+        sampling,
+        rule or make_verifier(sampling),
+        as_prompt_cache(model, prompt_cache),
+        prefill_step_size,
+        time_split,
+    )
     history, generated, upcoming = list(prompt), 0, None
     try:
         for index in range(max_tokens):
@@ -199,7 +214,9 @@ def speculative_rounds(
             if plan.gamma == 0:  # a plain step: the next one is queued before this token is read if plain too
                 upcoming = loop.plan(room - 2) if room > 1 else None
                 draft, t1 = Draft.empty(), t0
-                path, tokens, kinds, hidden = loop.plain.round(history, queue=upcoming is not None and upcoming.gamma == 0)
+                path, tokens, kinds, hidden = loop.plain.round(
+                    history, queue=upcoming is not None and upcoming.gamma == 0
+                )
             else:
                 upcoming, draft = None, plan.select(drafter.propose(history, plan.gamma, sampling, plan))
                 t1 = loop.clock.drafted(index, draft)
@@ -208,15 +225,28 @@ def speculative_rounds(
             if finish_reason:
                 loop.plain.cancel()  # no next step: drop the one queued ahead
             loop.commit(history, path, tokens[:keep], hidden, draft.size)
-            stats = RoundStats(index, draft.size, min(len(path), keep), keep, *loop.clock.split(t0, t1, draft.size),
-                               int(draft.tree.depths.max()) if draft.size else 0, tuple(n - 1 for n in path),
-                               plan.gamma if plan.keep_above is None else draft.size)
+            stats = RoundStats(
+                index,
+                draft.size,
+                min(len(path), keep),
+                keep,
+                *loop.clock.split(t0, t1, draft.size),
+                int(draft.tree.depths.max()) if draft.size else 0,
+                tuple(n - 1 for n in path),
+                plan.gamma if plan.keep_above is None else draft.size,
+            )
             loop.pacer.observe(stats, draft)
             generated += keep
             if index % 64 == 63:
                 mx.clear_cache()
-            yield _Round(tokens[:keep], kinds[:keep], stats, finish_reason, loop.prefill_s if index == 0 else 0.0,
-                         loop.store.reused)
+            yield _Round(
+                tokens[:keep],
+                kinds[:keep],
+                stats,
+                finish_reason,
+                loop.prefill_s if index == 0 else 0.0,
+                loop.store.reused,
+            )
             if finish_reason:
                 return
     finally:
@@ -245,7 +275,10 @@ class _Rounds:
         if runs:
             drafter.prefill(prompt, features)
         self.prefill_s = time.perf_counter() - start
-        self.clock, self.plain = _DraftClock(drafter.lazy and time_split), PlainSteps(model, store.layers, sampling, self.tap)
+        self.clock, self.plain = (
+            _DraftClock(drafter.lazy and time_split),
+            PlainSteps(model, store.layers, sampling, self.tap),
+        )
 
     def plan(self, room: int) -> Plan:
         """The pacer's next plan, never drafting past ``room`` tokens."""
@@ -259,7 +292,9 @@ class _Rounds:
         mx.eval(choice, next_tokens, draft.tokens, hidden)
         return (*accepted_path(draft, choice.tolist(), next_tokens.tolist()), hidden)
 
-    def commit(self, history: list[int], path: list[int], kept_tokens: list[int], hidden, num_drafted: int) -> None:
+    def commit(
+        self, history: list[int], path: list[int], kept_tokens: list[int], hidden, num_drafted: int
+    ) -> None:
         """Rewind the target cache to the committed tokens, extend ``history``, and tell the drafter."""
         kept = ([0] + path)[: len(kept_tokens)]  # root-first nodes whose positions stay in the cache
         commit_path(self.store.layers, len(history) - 1, kept, written=num_drafted + 1)
@@ -280,7 +315,9 @@ def _prefill(model, store: PromptCache, prompt: list[int], feature_layers: tuple
     return store.features if tap is not None else None
 
 
-def accepted_path(draft: Draft, choice: list[int], next_tokens: list[int]) -> tuple[list[int], list[int], list[str]]:
+def accepted_path(
+    draft: Draft, choice: list[int], next_tokens: list[int]
+) -> tuple[list[int], list[int], list[str]]:
     """Walk the accepted children from the root: accepted nodes (root-first numbering), the
     round's tokens (accepted drafts + one target token) and their kinds."""
     tree = draft.tree
@@ -368,9 +405,18 @@ def committed_rounds(
     stopper = StopStrings(tokenizer, stops) if stops else None
     output = Output(tokenizer, stats, stop_tokens, stops, stopper, pacer.adaptive)
     rounds = speculative_rounds(
-        model, ids, drafter, num_draft_tokens=pacer, max_tokens=max_tokens, sampling=sampling, stop_tokens=stop_tokens,
-        rule=make_verifier(sampling, typical), prefill_step_size=prefill_step_size, prompt_cache=store,
-        stop_strings=stopper, time_split=time_split,
+        model,
+        ids,
+        drafter,
+        num_draft_tokens=pacer,
+        max_tokens=max_tokens,
+        sampling=sampling,
+        stop_tokens=stop_tokens,
+        rule=make_verifier(sampling, typical),
+        prefill_step_size=prefill_step_size,
+        prompt_cache=store,
+        stop_strings=stopper,
+        time_split=time_split,
     )
     for round_ in rounds:
         if round_.stats.round == 0:

@@ -37,7 +37,9 @@ class PlainSteps:
             logits = process_logits(logits, context(), self.processors)
         return sample(logits, self.sampling)[0], hidden  # [1] int32, lazy
 
-    def round(self, history: list[int], queue: bool) -> tuple[list[int], list[int], list[str], mx.array | None]:
+    def round(
+        self, history: list[int], queue: bool
+    ) -> tuple[list[int], list[int], list[str], mx.array | None]:
         """One plain round: the next token (the round's one sync), the next step queued first when ``queue``;
         returns ``(path, tokens, kinds, hidden)`` as a verify does."""
         token, hidden = self.take(history)
@@ -49,7 +51,9 @@ class PlainSteps:
     def take(self, history: list[int]) -> tuple[mx.array, mx.array | None]:
         step, self.queued = self.queued, None
         if step is None:
-            step = self._step(mx.array(history[-1:], dtype=mx.int32), lambda: mx.array(history, dtype=mx.int32))
+            step = self._step(
+                mx.array(history[-1:], dtype=mx.int32), lambda: mx.array(history, dtype=mx.int32)
+            )
         return step
 
     def queue(self, token: mx.array, history: list[int]) -> None:

@@ -46,8 +46,15 @@ from ..pacing import Pacer, make_pacer
 from ..runtime.distributed import any_rank, random_seed, share_json, sharding
 from ..runtime.threads import MLXThread
 from .batch import Batch, Row, batchable_layers
-from .generate import (GenerationResult, check_context, check_ids, committed_rounds, context_length, encode_prompt,
-                       make_verifier)
+from .generate import (
+    GenerationResult,
+    check_context,
+    check_ids,
+    committed_rounds,
+    context_length,
+    encode_prompt,
+    make_verifier,
+)
 from .output import Committed, Output
 from .session import USER_ERRORS
 
@@ -129,14 +136,25 @@ class Request:
     def shared(self) -> dict:
         """What another rank needs to run this request too (``following``), as JSON."""
         sampling = {k: getattr(self.sampling, k) for k in SHARED_SAMPLING}
-        return {"prompt": list(self.prompt), "max_tokens": self.max_tokens, "sampling": sampling, "seed": self.seed,
-                "stop": list(self.stop)}
+        return {
+            "prompt": list(self.prompt),
+            "max_tokens": self.max_tokens,
+            "sampling": sampling,
+            "seed": self.seed,
+            "stop": list(self.stop),
+        }
 
     @classmethod
     def following(cls, shared: dict) -> Request:
         """Another rank's copy of rank 0's request: no deadline, and nothing to post to."""
-        return cls(shared["prompt"], shared["max_tokens"], SamplingParams(**shared["sampling"]), shared["seed"],
-                   shared["stop"], None)
+        return cls(
+            shared["prompt"],
+            shared["max_tokens"],
+            SamplingParams(**shared["sampling"]),
+            shared["seed"],
+            shared["stop"],
+            None,
+        )
 
     def post(self, item) -> None:
         if self.sink is not None:
@@ -211,7 +229,9 @@ class Runner:
         self._thread = MLXThread(self._main, name=name)
         self.setup: Setup | None = None
         self.error: BaseException | None = None
-        self.on_failure: Callable[[BaseException], None] | None = None  # a sharded job lost a rank (called once)
+        self.on_failure: Callable[[BaseException], None] | None = (
+            None  # a sharded job lost a rank (called once)
+        )
         self._running: list[Request] = []  # prefilling or decoding
         self._group = None
         self._closing = False
@@ -431,9 +451,18 @@ class Runner:
             return self._finish(request, GenerationStats(prompt_tokens=len(request.prompt)), request.why)
         slot = self._take_slot(request)
         rounds = committed_rounds(
-            setup.model, setup.tokenizer, request.prompt, drafter=setup.drafter, num_draft_tokens=setup.pacer,
-            max_tokens=request.max_tokens, sampling=request.sampling, seed=request.seed, stop=request.stop or None,
-            prompt_cache=slot, typical=request.typical)
+            setup.model,
+            setup.tokenizer,
+            request.prompt,
+            drafter=setup.drafter,
+            num_draft_tokens=setup.pacer,
+            max_tokens=request.max_tokens,
+            sampling=request.sampling,
+            seed=request.seed,
+            stop=request.stop or None,
+            prompt_cache=slot,
+            typical=request.typical,
+        )
         totals, stopped = None, None
         try:
             for committed in rounds:
@@ -537,12 +566,25 @@ class Runner:
         stopper = StopStrings(setup.tokenizer, stops) if stops else None
         stop_tokens = set(setup.tokenizer.eos_token_ids)
         seed = request.seed if request.seed is not None else random_seed()
-        row = Row(list(request.prompt), drafter, pacer, request.sampling, make_verifier(request.sampling, request.typical),
-                  stop_tokens, stopper, request.max_tokens, pending.store, seed)
+        row = Row(
+            list(request.prompt),
+            drafter,
+            pacer,
+            request.sampling,
+            make_verifier(request.sampling, request.typical),
+            stop_tokens,
+            stopper,
+            request.max_tokens,
+            pending.store,
+            seed,
+        )
         stats = GenerationStats(drafter=drafter.name, num_draft_tokens=pacer.max_gamma,
                                 prompt_tokens=len(request.prompt), priced_plain=pacer.priced_plain,
                                 prompt_s=pending.prefill_s, cached_tokens=pending.store.reused)
-        row.request, row.output = request, Output(setup.tokenizer, stats, stop_tokens, stops, stopper, pacer.adaptive)
+        row.request, row.output = (
+            request,
+            Output(setup.tokenizer, stats, stop_tokens, stops, stopper, pacer.adaptive),
+        )
         self._batch.add(row)
 
     def _drop_ending(self) -> None:
@@ -569,12 +611,16 @@ class Runner:
             row = result.row
             events = row.output.round(result.tokens, result.kinds, result.stats, result.finish_reason, now)
             row.request.last = result.tokens[-1] if result.tokens else row.request.last
-            row.request.post(Committed(tuple(events), result.stats, row.output.snapshot(), result.finish_reason))
+            row.request.post(
+                Committed(tuple(events), result.stats, row.output.snapshot(), result.finish_reason)
+            )
             if result.finish_reason:
                 self._leave(row, row.output.snapshot(), None)
 
     def _leave(self, row: Row, stats: GenerationStats, stopped: str | None) -> None:
-        if row.pacer.adaptive:  # what it learned carries to the next generation, as one-at-a-time's shared pacer
+        if (
+            row.pacer.adaptive
+        ):  # what it learned carries to the next generation, as one-at-a-time's shared pacer
             self.setup.pacer = row.pacer
         self._idle = (self._idle + [row.drafter])[-self.max_batch :]
         self._batch.remove(row)
@@ -605,7 +651,9 @@ class Runner:
             eos = set(self.setup.tokenizer.eos_token_ids)
             done = Done(stats, reason, stop_string=reason == "stop" and request.last not in eos)
         else:
-            done = Done(stats, "cancelled" if stopped == "cancelled" else "length", timed_out=stopped == "timeout")
+            done = Done(
+                stats, "cancelled" if stopped == "cancelled" else "length", timed_out=stopped == "timeout"
+            )
         request.post(done)
         if self._on_done is not None:
             self._on_done(request, done)
@@ -651,13 +699,24 @@ def batch_generate(model: nn.Module, tokenizer, prompts: list[str | list[int]], 
     records: list[list] = [[] for _ in prompts]
     for i, prompt in enumerate(prompts):
         ids = encode_prompt(tokenizer, prompt)
-        runner.submit(Request(ids, max_tokens, sampling, None if seed is None else seed + i, tuple(stop or ()),
-                              records[i].append, reuse=False))
+        runner.submit(
+            Request(
+                ids,
+                max_tokens,
+                sampling,
+                None if seed is None else seed + i,
+                tuple(stop or ()),
+                records[i].append,
+                reuse=False,
+            )
+        )
     runner.drain()
     results = []
     for i, got in enumerate(records):
         if isinstance(got[-1], Failed):
             raise ValueError(f"prompt {i}: {got[-1].message}")
         events = [event for record in got if isinstance(record, Committed) for event in record.events]
-        results.append(GenerationResult("".join(e.text for e in events), [e.token for e in events], got[-1].stats))
+        results.append(
+            GenerationResult("".join(e.text for e in events), [e.token for e in events], got[-1].stats)
+        )
     return results

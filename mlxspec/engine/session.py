@@ -30,8 +30,8 @@ class ModelSpec:
         spec: What ``loading.models.load`` takes: an mlx-lm folder, a Hugging Face repo id, a ``.gguf``
             file or ``"default"``.
         dtype: ``None`` keeps the stored dtypes; ``"float32"``/``"float16"``/``"bfloat16"`` dequantizes.
-        shard: ``None`` loads the whole model; ``"tensor"`` or ``"pipeline"`` splits it over the ranks of a job
-            started by ``mlx.launch`` (``distributed.shard``, docs/distributed.md).
+        shard: ``None`` loads the whole model; ``"tensor"`` or ``"pipeline"`` splits it over the ranks of a
+            job started by ``mlx.launch`` (``distributed.shard``, docs/distributed.md).
 
     Raises:
         ValueError: an empty spec, an unknown dtype or an unknown shard kind.
@@ -88,7 +88,8 @@ def load_model(spec: ModelSpec | str, role: str | None = None) -> LoadedModel:
     are read whole first; docs/distributed.md gives the numbers).
 
     Raises:
-        ValueError, FileNotFoundError: as ``loading.models.load``; ``distributed.init_group`` and ``distributed.shard``.
+        ValueError, FileNotFoundError: as ``loading.models.load``; ``distributed.init_group`` and
+            ``distributed.shard``.
     """
     spec = ModelSpec(spec) if isinstance(spec, str) else spec
     try:
@@ -103,7 +104,8 @@ def load_model(spec: ModelSpec | str, role: str | None = None) -> LoadedModel:
 
 
 def default_drafter(draft_model) -> DrafterSpec:
-    """The drafter when none is named: the draft model's (``"draft"``) when one is given, else the n-gram lookup."""
+    """The drafter when none is named: the draft model's (``"draft"``) when one is given, else the n-gram
+    lookup."""
     return DrafterSpec("draft" if draft_model else "ngram")
 
 
@@ -121,8 +123,10 @@ def draft_model_spec(drafter: DrafterSpec, given: ModelSpec | None, target: Mode
         return None
     path = shipped("draft", target.name)
     if path is None:
-        raise ValueError(f"--drafter draft needs a draft model: pass --draft-model PATH_OR_REPO ({PUBLISHED['draft']}; "
-                         f"none ships for {target.name}), or distil one with 'mlxspec train draft'")
+        raise ValueError(
+            f"--drafter draft needs a draft model: pass --draft-model PATH_OR_REPO ({PUBLISHED['draft']}; "
+            f"none ships for {target.name}), or distil one with 'mlxspec train draft'"
+        )
     return ModelSpec(str(path), dtype)
 
 
@@ -134,9 +138,16 @@ def build_drafter(spec: DrafterSpec, target: LoadedModel, draft: LoadedModel | N
         ValueError, FileNotFoundError: as ``make_drafter``.
     """
     draft = draft if spec.name == "draft" else None  # the chat keeps a loaded draft model for F2
-    return make_drafter(spec, target.model, target.tokenizer, target_name=target.name,
-                        draft_model=draft.model if draft else None, draft_tokenizer=draft.tokenizer if draft else None,
-                        on_measure=on_measure, target_path=target.spec.spec)
+    return make_drafter(
+        spec,
+        target.model,
+        target.tokenizer,
+        target_name=target.name,
+        draft_model=draft.model if draft else None,
+        draft_tokenizer=draft.tokenizer if draft else None,
+        on_measure=on_measure,
+        target_path=target.spec.spec,
+    )
 
 
 def check_fits(target: LoadedModel, drafter: Drafter) -> None:
@@ -149,8 +160,12 @@ def check_fits(target: LoadedModel, drafter: Drafter) -> None:
         (check_compactable if drafter.makes_trees else check_rewindable)(speculative_cache(target.model))
 
 
-def runnable_drafters(specs: list[DrafterSpec], target: LoadedModel, draft: LoadedModel | None = None,
-                      on_measure: Callable[[str], None] | None = None) -> tuple[dict[str, Drafter], dict[str, str]]:
+def runnable_drafters(
+    specs: list[DrafterSpec],
+    target: LoadedModel,
+    draft: LoadedModel | None = None,
+    on_measure: Callable[[str], None] | None = None,
+) -> tuple[dict[str, Drafter], dict[str, str]]:
     """Build each drafter that can run on ``target`` as it is; say why each other one cannot.
 
     A drafter runs when its weights are given in its spec or ship for this target (heads matched by
@@ -172,7 +187,9 @@ def runnable_drafters(specs: list[DrafterSpec], target: LoadedModel, draft: Load
         try:
             if spec.name == "draft" and draft is None:
                 draft_model_spec(spec, None, target.spec)  # raises, saying what to pass, when none ships
-                raise ValueError(f"the draft model shipped for {target.name} was not loaded; load it and pass it")
+                raise ValueError(
+                    f"the draft model shipped for {target.name} was not loaded; load it and pass it"
+                )
             drafter = build_drafter(spec, target, draft, on_measure)
             check_fits(target, drafter)
         except USER_ERRORS as e:
