@@ -53,7 +53,8 @@ def check_types(prompt, drafter, num_draft_tokens, max_tokens, sampling, stop_to
         raise TypeError(f"max_tokens must be an integer, got {max_tokens!r}")
     if sampling is not None and not isinstance(sampling, SamplingParams):
         raise TypeError(
-            f"sampling must be a SamplingParams (e.g. SamplingParams(temp=0.7)), got {type(sampling).__name__}"
+            "sampling must be a SamplingParams (e.g. SamplingParams(temp=0.7)), got "
+            f"{type(sampling).__name__}"
         )
     if stop_tokens is not None and not (isinstance(stop_tokens, (set, frozenset, list, tuple))
                                         and all(is_int(t) for t in stop_tokens)):
