@@ -1,7 +1,8 @@
 """A bounded load test of ``mlxspec serve`` (marked slow): 8 concurrent clients × 10 requests mixing
 streaming, non-streaming, Anthropic, cancelled-midway and malformed requests against a small queue.
 Every well-formed request gets a whole answer or a clean 503; nothing hangs; the server answers
-/health afterwards; its resident memory after 200 requests is within 10% of after 20."""
+/health afterwards; its resident memory does not grow from the first concurrent wave to 200 requests (within 5%),
+and that plateau stays within 30% of the memory after 20 requests one at a time (113 → 123 → 119 MB measured)."""
 
 from __future__ import annotations
 
@@ -96,14 +97,17 @@ def test_load(server):
     assert sum(counts.values()) == len(outcomes) and counts["ok"] > 0 and counts["refused"] == 16
     p50, p99 = statistics.median(latencies), statistics.quantiles(latencies, n=100)[98]
     print(f"\nload: {counts}; latency of whole answers p50 {p50:.3f} s, p99 {p99:.3f} s")
+    rss_100 = server.rss_kb()
     wave(100 // CLIENTS + 1, 3)  # up to 200 requests in all, well-formed
     rss_200 = server.rss_kb()
     print(
-        f"resident memory after 20 requests {rss_20 / 1024:.0f} MB, "
-        f"after {20 + len(outcomes)}: {rss_200 / 1024:.0f} MB"
+        f"resident memory after 20 requests (one at a time) {rss_20 / 1024:.0f} MB, after the first concurrent "
+        f"wave {rss_100 / 1024:.0f} MB, after {20 + len(outcomes)}: {rss_200 / 1024:.0f} MB"
     )
     assert 20 + len(outcomes) >= 200
-    assert abs(rss_200 - rss_20) <= 0.10 * rss_20
+    # Eight requests decoding together raise the plateau once (their buffers at once); a leak grows with requests.
+    assert abs(rss_200 - rss_100) <= 0.05 * rss_100
+    assert rss_200 <= 1.3 * rss_20
     assert post(server, "/health", b"", method="GET") == (
         200,
         {
@@ -112,5 +116,6 @@ def test_load(server):
             "drafter": "ngram",
             "queued": 0,
             "busy": False,
+            "rows": 0,
         },
     )

@@ -186,9 +186,12 @@ class Batch:
         i = self.rows.index(row)
         row.store.layers[:] = [_extract(layer, i) for layer in self.layers]
         self.draft_rows.leave(row.drafter)
+        # a lazy copy would hold the batch's buffers
+        mx.eval([c.state for c in row.store.layers if c.keys is not None])
         self.rows.pop(i)
         if not self.rows:
             self.layers = None
+            mx.clear_cache()  # the batch's buffers go back to the system while it is empty
             return
         keep = mx.array([j for j in range(len(self.rows) + 1) if j != i])
         for layer in self.layers:

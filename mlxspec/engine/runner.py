@@ -431,8 +431,8 @@ class Runner:
         try:
             request = self._queue.get(timeout=IDLE_TICK_S)
         except queue.Empty:
-            self._followers_told = self._closing
-            share_json(self._group, None if self._closing else "idle")
+            self._followers_told = closing = self._closing  # read once: another thread sets it
+            share_json(self._group, None if closing else "idle")
             return None
         if request.seed is None:  # every rank must draw alike: rank 0 picks the seed
             request.seed = random_seed()
