@@ -442,7 +442,7 @@ class Engine:
         """With ``recalibrate`` and γ auto, the costs measured again (as ``mlxspec generate --recalibrate``),
         once per target and drafter pair; else ``None``: ``make_pacer`` uses the cached ones."""
         key = (state.target.spec, state.drafter.name, state.draft.spec if state.draft else None)
-        if not self.config.recalibrate or state.num_draft_tokens != AUTO or state.drafter.name == "none" \
+        if not self.config.recalibrate or state.num_draft_tokens != AUTO or state.drafter.profile.plain \
                 or key in self._recalibrated:
             return None
         self._recalibrated.add(key)

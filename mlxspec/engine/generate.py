@@ -393,7 +393,7 @@ def committed_rounds(
     limit = context_length(model)
     max_tokens = min(max_tokens, limit - len(ids)) if limit else max_tokens  # never past the context
     store = as_prompt_cache(model, prompt_cache)
-    if drafter.name != "none" and num_draft_tokens != 0:  # before any cost measurement for "auto"
+    if not drafter.profile.plain and num_draft_tokens != 0:  # before any cost measurement for "auto"
         (check_compactable if drafter.makes_trees else check_rewindable)(store.layers)
     pacer = make_pacer(num_draft_tokens, model, drafter)
     stop_tokens = set(tokenizer.eos_token_ids) if stop_tokens is None else set(stop_tokens)

@@ -20,7 +20,7 @@ class PlainSteps:
     the cache; ``cancel`` trims it when no step follows. The features are taken from the tap as each
     forward is built, since a queued forward records over the previous one's.
 
-    A target split into pipeline stages (``distributed.shard``) steps without queuing: its ranks hung when a
+    A target split into pipeline stages (``loading.sharded.shard``) steps without queuing: its ranks hung when a
     queued step's send/recv was evaluated asynchronously beside the current one (2 ranks, ring backend).
     """
 
@@ -28,7 +28,8 @@ class PlainSteps:
         self.model, self.cache, self.sampling, self.tap = model, cache, sampling, tap
         self.processors = sampling.processors()
         self.queued: tuple[mx.array, mx.array | None] | None = None
-        self.lookahead = getattr(sharding(model), "kind", None) != "pipeline"
+        split = sharding(model)
+        self.lookahead = split is None or split.kind != "pipeline"
 
     def _step(self, inputs: mx.array, context) -> tuple[mx.array, mx.array | None]:
         logits = self.model(inputs[None], cache=self.cache)[0, -1:]  # [1, V]

@@ -31,7 +31,7 @@ class ModelSpec:
             file or ``"default"``.
         dtype: ``None`` keeps the stored dtypes; ``"float32"``/``"float16"``/``"bfloat16"`` dequantizes.
         shard: ``None`` loads the whole model; ``"tensor"`` or ``"pipeline"`` splits it over the ranks of a
-            job started by ``mlx.launch`` (``distributed.shard``, docs/distributed.md).
+            job started by ``mlx.launch`` (``loading.sharded.shard``, docs/distributed.md).
 
     Raises:
         ValueError: an empty spec, an unknown dtype or an unknown shard kind.
@@ -83,13 +83,13 @@ def load_model(spec: ModelSpec | str, role: str | None = None) -> LoadedModel:
         role: Prefixes errors, e.g. ``"draft model"`` → ``"draft model: No such file ..."``.
 
     With ``spec.shard``, every rank of the ``mlx.launch`` job builds the whole model with unevaluated
-    weights, splits it (``distributed.shard``) and then evaluates only its share, as mlx-lm's
+    weights, splits it (``loading.sharded.shard``) and then evaluates only its share, as mlx-lm's
     ``sharded_load`` does: a rank's memory holds its share, not the whole model (a GGUF's stored bytes
     are read whole first; docs/distributed.md gives the numbers).
 
     Raises:
         ValueError, FileNotFoundError: as ``loading.models.load``; ``distributed.init_group`` and
-            ``distributed.shard``.
+            ``loading.sharded.shard``.
     """
     spec = ModelSpec(spec) if isinstance(spec, str) else spec
     try:
@@ -119,7 +119,7 @@ def draft_model_spec(drafter: DrafterSpec, given: ModelSpec | None, target: Mode
     """
     if given is not None:
         return given
-    if drafter.name != "draft":
+    if not drafter.kind.needs_draft_model:
         return None
     path = shipped("draft", target.name)
     if path is None:
@@ -137,7 +137,7 @@ def build_drafter(spec: DrafterSpec, target: LoadedModel, draft: LoadedModel | N
     Raises:
         ValueError, FileNotFoundError: as ``make_drafter``.
     """
-    draft = draft if spec.name == "draft" else None  # the chat keeps a loaded draft model for F2
+    draft = draft if spec.kind.needs_draft_model else None  # the chat keeps a loaded draft model for F2
     return make_drafter(
         spec,
         target.model,
@@ -156,7 +156,7 @@ def check_fits(target: LoadedModel, drafter: Drafter) -> None:
     Raises:
         ValueError: the target's cache cannot be rewound (or, for a tree drafter, compacted).
     """
-    if drafter.name != "none":
+    if not drafter.profile.plain:
         (check_compactable if drafter.makes_trees else check_rewindable)(speculative_cache(target.model))
 
 
@@ -185,7 +185,7 @@ def runnable_drafters(
     built, skipped = {}, {}
     for spec in specs:
         try:
-            if spec.name == "draft" and draft is None:
+            if spec.kind.needs_draft_model and draft is None:
                 draft_model_spec(spec, None, target.spec)  # raises, saying what to pass, when none ships
                 raise ValueError(
                     f"the draft model shipped for {target.name} was not loaded; load it and pass it"

@@ -58,7 +58,7 @@ def make_pacer(num_draft_tokens: int | str | Pacer, model, drafter: Drafter, *, 
     if isinstance(num_draft_tokens, int):
         check_num_draft_tokens(num_draft_tokens)
     profile = drafter.profile
-    if drafter.name == "none" or num_draft_tokens == 0:
+    if drafter.profile.plain or num_draft_tokens == 0:
         return Fixed(0)
     if num_draft_tokens == SCHEDULED and not profile.survival:
         raise ValueError(f"--num-draft-tokens scheduled needs a drafter that estimates each drafted token's survival "

@@ -198,7 +198,7 @@ def load_or_calibrate(model: nn.Module, drafter=None, *, cache_dir: Path | None 
 
     verify_s = _cached(cache_dir, target_key, refresh, on_measure, "the target's verify cost for 1..16 tokens",
                        lambda: calibrate_verify(model, context_tokens=context_tokens), valid)
-    if drafter is None or drafter.name == "none":
+    if drafter is None or drafter.profile.plain:
         return Costs(verify_s, 0.0, context_tokens)
     profile = drafter.profile
     gamma, per = profile.max_depth or DRAFT_GAMMA, "round" if profile.per_round else "token"
