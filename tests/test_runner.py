@@ -401,3 +401,21 @@ def test_the_batch_gate_decodes_plainly_where_drafts_cannot_pay_and_looks_again_
     assert (
         BatchGate().admit(rows(compute_bound, 0.5, n=1), plans[:1]) == plans[:1]
     )  # one row: its own pacer decides
+
+
+def test_a_round_verified_beside_other_rows_teaches_the_learned_costs_nothing():
+    """A batch's round times the whole batch's forward, not one row's: γ auto's costs learn only from rows alone."""
+    from mlxspec.core.metrics import RoundStats
+    from mlxspec.pacing import Costs, LearnedCosts
+
+    def learned(rows):
+        costs = LearnedCosts(Costs([0.1 * (1 + 0.05 * k) for k in range(16)], draft_s=0.02))
+        for index in range(1, 6):  # slow rounds: ten times what the cache predicts
+            costs.observe(RoundStats(index, 0, 0, 1, 0.0, 1.0, rows=rows))
+            costs.observe(RoundStats(index, 4, 2, 3, 0.5, 2.0, depth=4, gamma=4, rows=rows))
+        return costs.verify(5), costs.draft(4)
+
+    alone, beside = learned(1), learned(4)
+    untouched = LearnedCosts(Costs([0.1 * (1 + 0.05 * k) for k in range(16)], draft_s=0.02))
+    assert beside == (untouched.verify(5), untouched.draft(4))
+    assert alone[0] > 2 * beside[0]  # the same rounds alone do teach it

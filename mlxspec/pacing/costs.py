@@ -114,8 +114,8 @@ class LearnedCosts(Costs):
 
     def observe(self, stats) -> None:
         """Fold in one ``RoundStats``: ``verify_s`` of a round that drafted nothing, else ``draft_s + verify_s``."""
-        if stats.round == 0 or stats.verify_s <= 0:
-            return
+        if stats.round == 0 or stats.verify_s <= 0 or stats.rows > 1:
+            return  # a round verified beside other rows timed the batch's forward, not this row's
         one, self.fit = self.verify_s[0], [self.fit[0] * 7 / 8, self.fit[1] * 7 / 8]
         if not stats.num_drafted:
             self.plain_s = stats.verify_s if self.plain_s is None else (self.plain_s + stats.verify_s) / 2
