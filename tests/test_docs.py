@@ -19,8 +19,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-#: The manual: what each feature is, how to use it, what it costs (issue 51: readable in an evening).
-MANUAL = sorted((ROOT / "docs").glob("*.md"))
+#: The manual: what each feature is, how to use it, what it costs (issue 51: readable in an evening). Every
+#: page under docs/ except the archive of dated runs (docs/archive/), in whatever folder it sits.
+MANUAL = sorted(p for p in (ROOT / "docs").rglob("*.md")
+                if "archive" not in p.relative_to(ROOT / "docs").parts)
 #: Every page whose links must resolve: the README, the manual and its archive of dated runs (docs/archive/).
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 CODE = [p for d in ("mlxspec", "app", "tests") for p in sorted((ROOT / d).rglob("*.py"))
@@ -144,15 +146,14 @@ def test_readme_is_a_product_page():
     assert RUN_LETTER.findall(text) == []
 
 
-#: The manual's size today; issue 51 asks for 20,000 words, which needs the method references (design.md,
-#: acceptance.md, heads.md, mtp.md, dflash.md, dspark.md) out of the manual too. Lower it as pages slim; never
-#: raise it.
-MANUAL_MAX_WORDS = 31_000
+#: The manual's size today; issue 51 asks for 20,000 words. Lower it as pages slim; never raise it.
+MANUAL_MAX_WORDS = 26_000
 
 
 def test_the_manual_stays_readable_and_holds_no_run_logs():
-    """docs/*.md is the manual: bounded in words, and no section of it is a dated benchmark run (``### Run K:
-    ...``); those live in docs/archive/, linked from the pages they support."""
+    """Every page under docs/ but docs/archive/ is the manual: bounded in words, and no section of it is a
+    dated benchmark run (``### Run K: ...``); those live in docs/archive/, linked from the pages they
+    support."""
     words = sum(len(p.read_text(encoding="utf-8").split()) for p in MANUAL)
     assert words <= MANUAL_MAX_WORDS, f"the manual has {words} words; move dated runs to docs/archive/"
     runs = [f"{p.name}: {h}" for p in MANUAL for h in headings(p) if RUN_LETTER.match(h)]

@@ -39,7 +39,7 @@ def random_mtp(target, seed: int = 1, own_head: bool = False) -> dict[str, mx.ar
 
 
 def published(weights: dict[str, mx.array], layout: str, N: int, embed: mx.array) -> dict[str, mx.array]:
-    """The module's tensors as a published checkpoint names them (docs/mtp.md 1.2)."""
+    """The module's tensors as a published checkpoint names them (docs/heads.md 7.2)."""
     out = {}
     for name, value in weights.items():
         if layout == "qwen3.5":
@@ -401,7 +401,7 @@ def test_plain_rounds_between_chains_are_pipelined_and_still_feed_the_drafter(ta
     assert differs >= 2  # the drafts depend on the features, so a mis-fed one would show
 
 
-# --- a draft vocabulary (docs/mtp.md 2.2) ---------------------------------------------------------
+# --- a draft vocabulary (docs/heads.md 7.4) ---------------------------------------------------------
 
 HALF = np.array([0, 2, 3, 6], dtype=np.int32)  # half of the vocabulary-8 target's ids
 

@@ -8,7 +8,7 @@
 
 Every contender starts from an empty suffix store (each gets its own store key), decodes greedily
 (so every contender must produce the same tokens; a mismatch is reported), and is timed on
-generation only (prefill excluded), as ``docs/suffix.md`` reports. The rows are printed as a
+generation only (prefill excluded), as ``docs/drafters.md`` reports. The rows are printed as a
 Markdown table with the speed-up over the first contender.
 """
 

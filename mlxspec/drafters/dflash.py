@@ -1,6 +1,6 @@
 """DFlash drafting: one drafter forward proposes a whole block (DFlash, arXiv 2602.06036).
 
-The network and its checkpoint layout are ``mlxspec.heads.dflash``; docs/dflash.md describes both.
+The network and its checkpoint layout are ``mlxspec.heads.dflash``; docs/heads.md 8.1 and 8.3 describe both.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ class DFlashDrafter(Drafter):
     lowers acceptance. (The block is always run at its trained size B; ``num_draft_tokens`` only
     cuts how many of its positions are proposed, so q_j does not depend on γ either.)
 
-    The drafter's KV cache holds the fused context of committed positions only (docs/dflash.md):
+    The drafter's KV cache holds the fused context of committed positions only (docs/heads.md 8.2):
     each round appends the target features of the positions committed since the last round (the
     prompt at first, then the root and the accepted drafts of each verify forward); the block's
     own keys/values are never cached, so nothing has to be trimmed after a rejection.

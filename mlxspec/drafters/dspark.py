@@ -1,7 +1,7 @@
 """DSpark drafting: a DFlash block forward, then a serial Markov head inside the block, with confidence.
 
 DSpark (DeepSeek's DeepSpec, arXiv 2607.05147). The network and its checkpoint layout are
-``mlxspec.heads.dspark`` (the backbone is DFlash's, ``mlxspec.heads.dflash``); docs/dspark.md.
+``mlxspec.heads.dspark`` (the backbone is DFlash's, ``mlxspec.heads.dflash``); docs/heads.md 9.1.
 """
 
 from __future__ import annotations

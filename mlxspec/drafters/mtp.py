@@ -6,9 +6,9 @@ position t, taken from the verify forward that the round makes anyway (``taps.Hi
 embedding of token t + 1, and gives q over token t + 2; chained on its own output it drafts depth
 1-3. Drafts are sampled from q (argmax at temperature 0) and verified with the exact rule for
 sampled chains (docs/acceptance.md 2.1), so the output is distributed as the target's at any
-temperature (docs/mtp.md 2.1). A module with a draft vocabulary (``draft_vocab.safetensors``, written
+temperature (docs/heads.md 7.3). A module with a draft vocabulary (``draft_vocab.safetensors``, written
 by ``mlxspec train mtp``) samples from those ids' rows of the shared head only: on a small target
-with a large vocabulary the head is most of a draft step (docs/mtp.md 2.2).
+with a large vocabulary the head is most of a draft step (docs/heads.md 7.4).
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ class MTPDrafter(Drafter):
         body = model_body(target)
         self.stack, self.depth = stack, depth
         self.embed, self.lm_head = body.embed_tokens, output_head(target)
-        # A draft vocabulary: sample from these ids' rows of the head only (docs/mtp.md 2.2)
+        # A draft vocabulary: sample from these ids' rows of the head only (docs/heads.md 7.4)
         self.vocab_ids = self.sub_head = None
         if stack.draft_ids is not None and not stack.config.own_head:
             ids = mx.array(stack.draft_ids, dtype=mx.int32)

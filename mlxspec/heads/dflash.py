@@ -1,6 +1,6 @@
 """DFlash block drafters: a few decoder layers that fill a whole block of masked tokens at once.
 
-DFlash: Block Diffusion for Flash Speculative Decoding (z-lab, arXiv 2602.06036; docs/dflash.md).
+DFlash: Block Diffusion for Flash Speculative Decoding (z-lab, arXiv 2602.06036; docs/heads.md 8.1).
 The drafter has the target's width. The residual streams leaving K target layers are
 concatenated and fused, c = hidden_norm(fc(f)) (K H → H), and every drafter layer's attention
 takes c through its own k/v projections as extra keys and values in front of the block's own.

@@ -1,6 +1,6 @@
 """DSpark drafters: the DFlash block backbone plus a serial low-rank Markov head and a confidence head.
 
-DSpark (DeepSeek's DeepSpec, arXiv 2607.05147; docs/dspark.md). One backbone forward
+DSpark (DeepSeek's DeepSpec, arXiv 2607.05147; docs/heads.md 9.1). One backbone forward
 (``heads.dflash.DFlashNet.block``) gives every block position's hidden state h_j and base logits
 b_j. A light serial head then samples left to right inside the block: position j's logits are
 b_j + W2 W1[x_{j−1}] (``MarkovHead``; W1 [V, r] an embedding of the previous token, W2 [r → V]),

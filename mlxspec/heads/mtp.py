@@ -3,10 +3,10 @@
 DeepSeek-AI 2024, DeepSeek-V3 technical report (arXiv 2412.19437), section 2.2: MTP module k takes
 the representation h_t of position t and the embedding of token t + 1, each RMS-normed, projects
 their concatenation, x = M [RMSNorm(h_t); RMSNorm(Emb(t_{t+1}))] (embedding first), runs one
-transformer block and the shared output head: a distribution over token t + 2 (docs/mtp.md 1.1).
+transformer block and the shared output head: a distribution over token t + 2 (docs/heads.md 7.1).
 
 Published checkpoints carry these weights beside the main model, where mlx-lm's model classes drop
-them at load time; ``load_mtp`` reads them straight from the safetensors (docs/mtp.md 1.2):
+them at load time; ``load_mtp`` reads them straight from the safetensors (docs/heads.md 7.2):
 
 - DeepSeek-V3 / GLM-4.5 / GLM-4.7-Flash: ``num_nextn_predict_layers`` extra decoder layers
   ``model.layers.{N + i}.`` (N = ``num_hidden_layers``) holding ``enorm``, ``hnorm``, ``eh_proj``,
@@ -48,7 +48,7 @@ _COUNTS = ("num_hidden_layers", "num_nextn_predict_layers", "mtp_num_hidden_laye
 
 @dataclass(frozen=True)
 class MTPConfig:
-    """What an MTP checkpoint holds (docs/mtp.md 1.2).
+    """What an MTP checkpoint holds (docs/heads.md 7.2).
 
     Attributes:
         layout: ``"deepseek"`` (``model.layers.{N + i}.``) or ``"qwen"`` (``mtp.``).
@@ -130,7 +130,7 @@ class MTPModule(nn.Module):
 
 
 class MTPStack(nn.Module):
-    """The MTP modules of one target (``modules[0]`` drafts every depth, docs/mtp.md 2.1).
+    """The MTP modules of one target (``modules[0]`` drafts every depth, docs/heads.md 7.3).
 
     Exposes what the EAGLE training code reads (``__call__(features, tokens, embed)`` and
     ``attention_owner``), so training reuses its unrolled forward and held-out scores.
@@ -141,7 +141,7 @@ class MTPStack(nn.Module):
         self.chain = modules
         self.config = config
         #: The draft vocabulary (sorted target ids [N] int32, ``draft_vocab.safetensors``) the drafter samples
-        #: from, or ``None`` for the whole vocabulary (docs/mtp.md 2.2). A numpy array: not a parameter.
+        #: from, or ``None`` for the whole vocabulary (docs/heads.md 7.4). A numpy array: not a parameter.
         self.draft_ids = draft_ids
 
     @property
@@ -326,7 +326,7 @@ def _missing_error(source: str) -> ValueError:
 
 
 def load_mtp(path: str | Path, target: nn.Module, dtype=None) -> MTPStack:
-    """Read the MTP module(s) of a checkpoint folder for ``target`` (docs/mtp.md 1.2).
+    """Read the MTP module(s) of a checkpoint folder for ``target`` (docs/heads.md 7.2).
 
     Args:
         path: A folder with ``config.json`` and safetensors: a published model that ships MTP layers
@@ -429,7 +429,7 @@ def init_mtp(target: nn.Module) -> MTPStack:
     """A fresh module for a target that has none, its block initialised from the target's last layer.
 
     The norms start at one, the projection at [I | I] (embedding plus feature), the final norm as the
-    target's, and the output head is the target's (docs/mtp.md 3.1).
+    target's, and the output head is the target's (docs/heads.md 7.5).
 
     Args:
         target: The target (float32 for training).

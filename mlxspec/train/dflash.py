@@ -1,4 +1,4 @@
-"""DFlash drafter training on a self-distillation corpus of the frozen target (docs/dflash.md).
+"""DFlash drafter training on a self-distillation corpus of the frozen target (docs/heads.md 8.4).
 
 DFlash (z-lab, arXiv 2602.06036): sample anchor positions in the target's own answers, replace the
 B − 1 tokens after each anchor by the mask token, and train the drafter to predict all of them in

@@ -1,4 +1,4 @@
-"""DSpark drafter training on a self-distillation corpus of the frozen target (docs/dspark.md).
+"""DSpark drafter training on a self-distillation corpus of the frozen target (docs/heads.md 9.3).
 
 DSpark (DeepSeek's DeepSpec, arXiv 2607.05147) is DFlash's block backbone plus a serial low-rank
 Markov head and a confidence head (``heads.dspark``). It trains on DFlash's blocks (``train.dflash``:

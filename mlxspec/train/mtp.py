@@ -1,7 +1,7 @@
 """MTP module training for a target that ships none, on a self-distillation corpus of the frozen target.
 
 DeepSeek-V3 technical report (arXiv 2412.19437), section 2.2, trained after the fact on the target's
-own answers (docs/mtp.md 3.1). The corpus and its batches are EAGLE-1's (``eagle_data``: the target's
+own answers (docs/heads.md 7.5). The corpus and its batches are EAGLE-1's (``eagle_data``: the target's
 final-norm feature f_j, token j + 1, and the target's top-K distribution of token j + 2). The module
 starts from the target's last decoder layer (``heads.mtp.init_mtp``) and shares its LM head.
 
@@ -40,7 +40,7 @@ class MTPTrainConfig(EagleTrainConfig):
         version: Always 1 (the corpus layout EAGLE-1 reads: final-norm features, no layer inputs).
         noise: Not used by MTP (0).
         draft_vocab_size: The draft vocabulary written beside the module (``draft_vocab.safetensors``): the
-            most frequent answer tokens of the corpus, which drafting samples from (docs/mtp.md 2.2); 0:
+            most frequent answer tokens of the corpus, which drafting samples from (docs/heads.md 7.4); 0:
             the whole vocabulary. Training always scores the whole vocabulary's top-K labels.
     """
 
@@ -62,7 +62,7 @@ class MTPTrainConfig(EagleTrainConfig):
 
 def mtp_loss(stack: MTPStack, batch: SequenceBatch, embed, lm_weight: mx.array,
              config: MTPTrainConfig) -> tuple[mx.array, mx.array]:
-    """Σ_k decay^k · CE_k over ``config.ttt_steps`` unrolled steps (docs/mtp.md 3.1).
+    """Σ_k decay^k · CE_k over ``config.ttt_steps`` unrolled steps (docs/heads.md 7.5).
 
     Args:
         stack: The module being trained.

@@ -2,7 +2,7 @@
 
 ``mlxspec train dspark --model default --corpus CORPUS --output DIR`` loads the target in float32,
 trains the drafter (DFlash's block backbone, a low-rank Markov head and a confidence head;
-docs/dspark.md) on ``CORPUS/train`` (built by ``mlxspec train corpus``) with a progress bar, prints the
+docs/heads.md 9.3) on ``CORPUS/train`` (built by ``mlxspec train corpus``) with a progress bar, prints the
 held-out per-position acceptance and the confidence head's calibration on ``CORPUS/validation`` after
 every epoch and writes ``DIR/training.json``. Running the same command again resumes.
 """

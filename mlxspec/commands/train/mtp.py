@@ -1,7 +1,7 @@
 """``mlxspec train mtp``: a multi-token-prediction module for a target that ships none, from a corpus.
 
 ``mlxspec train mtp --model default --corpus CORPUS --output DIR`` loads the target in float32, trains
-one MTP module (docs/mtp.md 3.1) on ``CORPUS/train`` (built by ``mlxspec train corpus``) with a
+one MTP module (docs/heads.md 7.5) on ``CORPUS/train`` (built by ``mlxspec train corpus``) with a
 progress bar, prints the held-out agreement per depth on ``CORPUS/validation`` after every epoch and
 writes ``DIR/training.json``. Running the same command again resumes.
 """
