@@ -207,7 +207,8 @@ class SpecChatApp(App):
         return "your message was not added to the conversation; it is back in the input: Enter sends it again"
 
     def _finish_answer(self, failed: bool = False) -> None:
-        """Keep the answer (complete or partial) in the history; a failed (or stopped) empty one is dropped."""
+        """Keep the answer (complete or partial) in the history; a failed (or stopped)
+        empty one is dropped."""
         answer, self._answer = self._answer, None
         if answer is None:
             return
@@ -254,7 +255,8 @@ class SpecChatApp(App):
         if choice is None:
             return
         self.engine.configure(choice.drafter, choice.num_draft_tokens, model=choice.model,
-                              draft_model=choice.draft_model, dtype=choice.dtype, draft_dtype=choice.draft_dtype)
+                              draft_model=choice.draft_model, dtype=choice.dtype,
+                              draft_dtype=choice.draft_dtype)
         if self.generating:
             self.notify("The switch applies from the next answer.")
 

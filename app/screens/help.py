@@ -10,7 +10,8 @@ from textual.widgets import Label, Static
 
 KEYS = (
     ("Enter", "send the message"),
-    ("Esc", "stop the running answer (keeps what it wrote; before any, the message goes back into the input)"),
+    ("Esc", "stop the running answer (keeps what it wrote; before any, the message goes back into the "
+            "input)"),
     ("F2", "switch drafter and its settings, γ, dtype, draft or target model"),
     ("F3", "plain text on/off (click a message to toggle it alone)"),
     ("F4", "resampled tokens in red instead of underlined"),

@@ -449,7 +449,8 @@ def resummarize(args: argparse.Namespace) -> int:
         runs = [RunRecord(**{k: v for k, v in r.items() if k not in derived}) for r in result["runs"]]
         # a file from before ``priced_plain`` marks those systems only by their note
         systems = [
-            System(**{"priced_plain": s.get("note", "").startswith(("γ auto → plain", "tree auto → plain")), **s})
+            System(**{"priced_plain": s.get("note", "").startswith(("γ auto → plain", "tree auto → plain")),
+                      **s})
             for s in result["systems"]
         ]
         costs = {name: Costs(**c) for name, c in result["costs"].items()}

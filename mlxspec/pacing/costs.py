@@ -1,6 +1,7 @@
-"""This machine's costs (the target's verify curve, a drafter's cost), measured once, cached and corrected by the
-rounds they price, and the speed-up they predict: τ(γ) · T_verify(1) / (T_draft(γ) + T_verify(nodes(γ) + 1))
-(Leviathan et al. 2023, arXiv 2211.17192, section 3): 8 tokens verify for 1.8x one step here, 7x there."""
+"""This machine's costs (the target's verify curve, a drafter's cost), measured once, cached and corrected by
+the rounds they price, and the speed-up they predict:
+τ(γ) · T_verify(1) / (T_draft(γ) + T_verify(nodes(γ) + 1)) (Leviathan et al. 2023, arXiv 2211.17192,
+section 3): 8 tokens verify for 1.8x one step here, 7x there."""
 
 from __future__ import annotations
 
@@ -39,7 +40,8 @@ DRAFT_GAMMA = 4
 
 
 def expected_tau(alpha: float, gamma: int) -> float:
-    """τ = (1 − α^(γ+1)) / (1 − α): expected tokens per round at acceptance α (Leviathan et al. 2023, eq. 1)."""
+    """τ = (1 − α^(γ+1)) / (1 − α): expected tokens per round at acceptance α
+    (Leviathan et al. 2023, eq. 1)."""
     if gamma <= 0:
         return 1.0
     return gamma + 1.0 if alpha >= 1.0 else (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
@@ -68,9 +70,9 @@ class Costs:
         return (self.draft_round_s if gamma > 0 else 0.0) + gamma * self.draft_s
 
     def speedup(self, gamma: int, reach: float | list[float], nodes: tuple[int, ...] | None = None) -> float:
-        """Predicted speed-up over plain decoding of a round of depth γ (γ = 0: exactly 1). ``reach[i]`` = P(the draft
-        at depth i + 1 is kept), at least γ long, or one α (geometric); ``nodes[d - 1]`` = draft nodes a depth-d
-        round verifies (``DraftProfile.nodes``; None: d)."""
+        """Predicted speed-up over plain decoding of a round of depth γ (γ = 0: exactly 1).
+        ``reach[i]`` = P(the draft at depth i + 1 is kept), at least γ long, or one α (geometric);
+        ``nodes[d - 1]`` = draft nodes a depth-d round verifies (``DraftProfile.nodes``; None: d)."""
         reach = [reach ** (i + 1) for i in range(gamma)] if isinstance(reach, (int, float)) else reach
         width = (nodes[min(gamma, len(nodes)) - 1] if nodes and gamma else gamma) + 1
         return (1.0 + sum(reach[:gamma])) * self.verify(1) / (self.draft(gamma) + self.verify(width))
@@ -80,7 +82,8 @@ class Costs:
 
     def best_gamma(self, reach: float | list[float], max_gamma: int, margin: float = 0.0,
                    nodes: tuple[int, ...] | None = None) -> int:
-        """The γ in 1..max_gamma with the best predicted speed-up, or 0 when none beats plain by ``margin``."""
+        """The γ in 1..max_gamma with the best predicted speed-up, or 0 when none beats
+        plain by ``margin``."""
         best = max(range(1, max_gamma + 1), key=lambda g: self.speedup(g, reach, nodes), default=0)
         return best if best and self.speedup(best, reach, nodes) > 1.0 + margin else 0
 
@@ -88,11 +91,12 @@ class Costs:
 class LearnedCosts(Costs):
     """``Costs`` kept honest by the rounds they price (a curve measured under load corrects itself).
 
-    A round's seconds are P + ρ · E, E = T_draft(depth) + T(nodes + 1) − T(1) the extra the cache predicts over a
-    plain step: P (a plain step now) is the running mean of rounds that drafted nothing (weight 1/2; the cache's T(1)
-    before one), ρ the least-squares fit of seconds − P = ρ · E over drafting rounds, forgetting by 1/8 a round (1
-    before one). ``verify(k)`` = P + ρ (T(k) − T(1)), ``draft(γ)`` = ρ T_draft(γ): one drafting round timed after a
-    plain one fixes ρ whatever factor the cache was off. An answer's first round (warm-ups) teaches nothing."""
+    A round's seconds are P + ρ · E, E = T_draft(depth) + T(nodes + 1) − T(1) the extra the cache predicts
+    over a plain step: P (a plain step now) is the running mean of rounds that drafted nothing (weight 1/2;
+    the cache's T(1) before one), ρ the least-squares fit of seconds − P = ρ · E over drafting rounds,
+    forgetting by 1/8 a round (1 before one). ``verify(k)`` = P + ρ (T(k) − T(1)), ``draft(γ)`` = ρ
+    T_draft(γ): one drafting round timed after a plain one fixes ρ whatever factor the cache was off. An
+    answer's first round (warm-ups) teaches nothing."""
 
     def __init__(self, costs: Costs):
         super().__init__(list(costs.verify_s), costs.draft_s, costs.context_tokens, costs.draft_round_s)
@@ -107,13 +111,15 @@ class LearnedCosts(Costs):
         return max(self.fit[0] / self.fit[1], 0.0) if self.fit[1] > 0 else 1.0
 
     def verify(self, num_tokens: int) -> float:
-        return (self.plain_s or self.verify_s[0]) + self.extra * (super().verify(num_tokens) - self.verify_s[0])
+        plain_s = self.plain_s or self.verify_s[0]
+        return plain_s + self.extra * (super().verify(num_tokens) - self.verify_s[0])
 
     def draft(self, gamma: int) -> float:
         return self.extra * super().draft(gamma)
 
     def observe(self, stats) -> None:
-        """Fold in one ``RoundStats``: ``verify_s`` of a round that drafted nothing, else ``draft_s + verify_s``."""
+        """Fold in one ``RoundStats``: ``verify_s`` of a round that drafted nothing, else
+        ``draft_s + verify_s``."""
         if stats.round == 0 or stats.verify_s <= 0 or stats.rows > 1:
             return  # a round verified beside other rows timed the batch's forward, not this row's
         one, self.fit = self.verify_s[0], [self.fit[0] * 7 / 8, self.fit[1] * 7 / 8]
@@ -130,8 +136,9 @@ class LearnedCosts(Costs):
 
 def calibrate_verify(model: nn.Module, *, context_tokens: int = DEFAULT_CONTEXT_TOKENS, budget_s: float = 6.0,
                      seed: int = 0) -> list[float]:
-    """``[k - 1]`` = seconds of one target forward over k = 1..16 tokens after ``context_tokens``, ending with the
-    host read a round makes: ``VERIFY_GRID`` timed (up to 5 times within ``budget_s``; medians), interpolated."""
+    """``[k - 1]`` = seconds of one target forward over k = 1..16 tokens after ``context_tokens``,
+    ending with the host read a round makes: ``VERIFY_GRID`` timed (up to 5 times within ``budget_s``;
+    medians), interpolated."""
     rng = np.random.default_rng(seed)
     cache = speculative_cache(model)  # the cache the loop verifies on (sliding windows made rewindable)
     prefill(model, cache, rng.integers(0, _vocab_size(model), size=context_tokens).tolist())
@@ -147,14 +154,15 @@ def calibrate_verify(model: nn.Module, *, context_tokens: int = DEFAULT_CONTEXT_
                 bar.update()
             if (time.perf_counter() - start) * (rep + 2) / (rep + 1) > budget_s:
                 break
-    curve = np.interp(np.arange(1, MAX_VERIFY_TOKENS + 1), VERIFY_GRID, [statistics.median(samples[k]) for k in VERIFY_GRID])
+    curve = np.interp(np.arange(1, MAX_VERIFY_TOKENS + 1), VERIFY_GRID,
+                      [statistics.median(samples[k]) for k in VERIFY_GRID])
     return np.maximum.accumulate(curve).tolist()  # noise must not make k + 1 tokens cheaper than k
 
 
 def calibrate_draft(drafter, history: list[int], *, num_draft_tokens: int = DRAFT_GAMMA, reps: int = 3,
                     hidden_size: int | None = None) -> float:
-    """Seconds per drafted token: ``drafter.propose`` of γ tokens, timed to the sync (a feature reader gets zeros
-    ``hidden_size`` wide per feature layer); each timed round keeps nothing, so every round drafts."""
+    """Seconds per drafted token: ``drafter.propose`` of γ tokens, timed to the sync (a feature reader gets
+    zeros ``hidden_size`` wide per feature layer); each timed round keeps nothing, so every round drafts."""
     width = (hidden_size or 0) * max(1, len(drafter.feature_layers))  # EAGLE-3 reads 3 layers
     zeros = (lambda n: [mx.zeros((n, width))]) if drafter.needs_hidden else (lambda n: [])
     history = list(history)
@@ -177,14 +185,15 @@ def load_or_calibrate(model: nn.Module, drafter=None, *, cache_dir: Path | None 
     """``Costs`` for ``model`` and ``drafter`` on this machine, measured once and then cached.
 
     Keyed by the target and the machine (``machine_fingerprint``), the draft cost also by the drafter
-    (``drafter_fingerprint``; timed at its ``DraftProfile.max_depth``, per round when ``per_round``). Measured again
-    when damaged, never for the machine's load (``LearnedCosts`` correct that). A cache folder that cannot be written
-    is said once on stderr; the costs then live in the process.
+    (``drafter_fingerprint``; timed at its ``DraftProfile.max_depth``, per round when ``per_round``). Measured
+    again when damaged, never for the machine's load (``LearnedCosts`` correct that). A cache folder that
+    cannot be written is said once on stderr; the costs then live in the process.
 
-    Args: ``model``, ``drafter`` (or ``None``: draft cost 0), ``cache_dir`` (default ``$MLXSPEC_CACHE/costs``),
-    ``context_tokens`` (256, the measurements' prefix), ``refresh`` (measure again), ``on_measure`` (told before
-    each measurement that was not cached).
-    Raises ``ValueError`` for a sharded target (``distributed.check_measured``: each rank would measure its own).
+    Args: ``model``, ``drafter`` (or ``None``: draft cost 0), ``cache_dir`` (default
+    ``$MLXSPEC_CACHE/costs``), ``context_tokens`` (256, the measurements' prefix), ``refresh`` (measure
+    again), ``on_measure`` (told before each measurement that was not cached).
+    Raises ``ValueError`` for a sharded target (``distributed.check_measured``: each rank
+    would measure its own).
     """
     check_measured(model)
     cache_dir = Path(cache_dir) if cache_dir else default_cache_dir() / "costs"
@@ -196,7 +205,8 @@ def load_or_calibrate(model: nn.Module, drafter=None, *, cache_dir: Path | None 
         return (isinstance(curve, list) and len(curve) == MAX_VERIFY_TOKENS
                 and all(isinstance(v, (int, float)) for v in curve))
 
-    verify_s = _cached(cache_dir, target_key, refresh, on_measure, "the target's verify cost for 1..16 tokens",
+    verify_s = _cached(cache_dir, target_key, refresh, on_measure,
+                       "the target's verify cost for 1..16 tokens",
                        lambda: calibrate_verify(model, context_tokens=context_tokens), valid)
     if drafter is None or drafter.profile.plain:
         return Costs(verify_s, 0.0, context_tokens)
@@ -207,9 +217,12 @@ def load_or_calibrate(model: nn.Module, drafter=None, *, cache_dir: Path | None 
     history = np.random.default_rng(1).integers(0, _vocab_size(model), size=context_tokens).tolist()
     hidden_size = getattr(getattr(model, "args", None), "hidden_size", None)
     draft_s = _cached(cache_dir, key, refresh, on_measure, f"the {drafter.name} drafter's cost per {per}",
-                      lambda: calibrate_draft(drafter, history, num_draft_tokens=gamma, hidden_size=hidden_size)
+                      lambda: calibrate_draft(drafter, history, num_draft_tokens=gamma,
+                                              hidden_size=hidden_size)
                       * (gamma if profile.per_round else 1))
-    return Costs(verify_s, 0.0, context_tokens, draft_s) if profile.per_round else Costs(verify_s, draft_s, context_tokens)
+    if profile.per_round:
+        return Costs(verify_s, 0.0, context_tokens, draft_s)
+    return Costs(verify_s, draft_s, context_tokens)
 
 
 #: Cache folders said unwritable, and the values measured there (kept for this process).
@@ -228,7 +241,8 @@ def _vocab_size(model) -> int:
     return int(getattr(getattr(model, "args", None), "vocab_size", None) or 256)
 
 
-def _cached(cache_dir: Path, key: dict, refresh: bool, on_measure, what: str, measure, valid: Callable | None = None):
+def _cached(cache_dir: Path, key: dict, refresh: bool, on_measure, what: str, measure,
+            valid: Callable | None = None):
     """The cached value for ``key``, else ``measure()``, stored when the folder takes it."""
     blob = json.dumps(key, sort_keys=True, default=str)
     path = cache_dir / f"{key['what']}-{hashlib.sha256(blob.encode()).hexdigest()[:16]}.json"
@@ -255,8 +269,9 @@ def _cached(cache_dir: Path, key: dict, refresh: bool, on_measure, what: str, me
             partial.unlink(missing_ok=True)
         if str(cache_dir) not in _UNWRITABLE:
             _UNWRITABLE.add(str(cache_dir))
-            print(f"mlxspec: measured costs are not cached: cannot write {cache_dir} ({error.strerror or error}); "
-                  "set MLXSPEC_CACHE to a writable folder to keep them", file=sys.stderr)
+            print(f"mlxspec: measured costs are not cached: cannot write {cache_dir} "
+                  f"({error.strerror or error}); set MLXSPEC_CACHE to a writable folder to keep them",
+                  file=sys.stderr)
     return value
 
 
@@ -265,7 +280,8 @@ def _cached(cache_dir: Path, key: dict, refresh: bool, on_measure, what: str, me
 
 def machine_fingerprint() -> dict:
     """What costs depend on besides the model: CPU, cores, OS, BLAS, MLX version and device."""
-    return {"system": platform.system(), "arch": platform.machine(), "cpu": cpu_name(), "cores": os.cpu_count(),
+    return {"system": platform.system(), "arch": platform.machine(), "cpu": cpu_name(),
+            "cores": os.cpu_count(),
             "blas": blas_in_use()["name"], "mlx": mx.__version__, "device": str(mx.default_device())}
 
 
@@ -273,7 +289,8 @@ def model_fingerprint(model: nn.Module) -> dict:
     """What a model's speed depends on: class, config, parameters, dtypes, quantization."""
     args = getattr(model, "args", None)
     params = tree_flatten(model.parameters())
-    bits = sorted({m.bits for _, m in model.named_modules() if hasattr(m, "bits") and hasattr(m, "group_size")})
+    bits = sorted({m.bits for _, m in model.named_modules()
+                   if hasattr(m, "bits") and hasattr(m, "group_size")})
     return {"class": f"{type(model).__module__}.{type(model).__name__}",
             "config": dataclasses.asdict(args) if dataclasses.is_dataclass(args) else {},
             "parameters": int(sum(p.size for _, p in params)),
@@ -281,8 +298,8 @@ def model_fingerprint(model: nn.Module) -> dict:
 
 
 def drafter_fingerprint(drafter, target: nn.Module) -> dict:
-    """What a drafter's cost depends on besides the machine: its kind and settings (``describe()``, its profile),
-    the target, and each model it holds (``weights_fingerprint``)."""
+    """What a drafter's cost depends on besides the machine: its kind and settings (``describe()``, its
+    profile), the target, and each model it holds (``weights_fingerprint``)."""
     modules = {name: value for name, value in vars(drafter).items() if isinstance(value, nn.Module)}
     return {"drafter": drafter.name, "class": f"{type(drafter).__module__}.{type(drafter).__name__}",
             "settings": {"describe": drafter.describe(), "profile": repr(drafter.profile)},
@@ -291,7 +308,8 @@ def drafter_fingerprint(drafter, target: nn.Module) -> dict:
 
 
 def weights_fingerprint(module: nn.Module, sample: int = 64) -> dict:
-    """``model_fingerprint`` plus a digest of every parameter's name, shape, dtype and a few strided values."""
+    """``model_fingerprint`` plus a digest of every parameter's name, shape, dtype and a
+    few strided values."""
     digest = hashlib.sha256()
     for name, p in tree_flatten(module.parameters()):
         flat = p.reshape(-1)

@@ -1,5 +1,6 @@
-"""How far each round drafts: a fixed γ, or γ auto from measured costs and the running acceptance. A pacer hands
-the round a ``Plan`` and learns from its outcome; ``make_pacer`` makes it once, as ``make_sampler`` makes a sampler."""
+"""How far each round drafts: a fixed γ, or γ auto from measured costs and the running acceptance. A
+pacer hands the round a ``Plan`` and learns from its outcome; ``make_pacer`` makes it once, as
+``make_sampler`` makes a sampler."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from .costs import MAX_VERIFY_TOKENS, Costs
 PLAIN = Plan(0)
 #: Plain rounds before the first look again after a fall-back, and the longest wait (doubling in between).
 FIRST_WAIT, MAX_WAIT = 16, 256
-#: γ auto drafting this many rounds in a row takes one plain step, so the costs know what a plain step takes now.
+#: γ auto drafting this many rounds in a row takes one plain step, so the costs know what a
+#: plain step takes now.
 REFERENCE_EVERY = 64
 
 
@@ -22,12 +24,13 @@ REFERENCE_EVERY = 64
 class AcceptanceEstimate:
     """Running per-depth acceptance as a product of conditional survivals, with exponential forgetting.
 
-    A round that drafted K and kept n counts, at each depth i <= min(n + 1, K), one *reach* (the draft there was
-    judged, its parent being kept) and, for i <= n, one keep. ``reach(m)[i]`` = h_1 · … · h_{i+1}, h_i = keeps /
-    reaches at depth i shrunk toward α (depth 1) or the pooled h of all deeper depths (itself shrunk toward α): the
-    product-limit (Kaplan–Meier) estimate; drafts behind a rejection count nowhere (docs/design.md). Counts decay by
-    ``1 − 1/window`` (16) a drafting round; ``prior_alpha`` (0.5) is α before any, ``prior_weight`` (2) the
-    pseudo-rounds behind it and behind each shrinkage; ``kept``, ``reached`` the counts per depth.
+    A round that drafted K and kept n counts, at each depth i <= min(n + 1, K), one *reach* (the draft there
+    was judged, its parent being kept) and, for i <= n, one keep. ``reach(m)[i]`` = h_1 · … · h_{i+1},
+    h_i = keeps / reaches at depth i shrunk toward α (depth 1) or the pooled h of all deeper depths (itself
+    shrunk toward α): the product-limit (Kaplan–Meier) estimate; drafts behind a rejection count nowhere
+    (docs/design.md). Counts decay by ``1 − 1/window`` (16) a drafting round; ``prior_alpha`` (0.5) is α
+    before any, ``prior_weight`` (2) the pseudo-rounds behind it and behind each shrinkage; ``kept``,
+    ``reached`` the counts per depth.
     """
 
     prior_alpha: float = 0.5
@@ -65,9 +68,9 @@ class AcceptanceEstimate:
 
 
 class Fixed:
-    """The same depth ``gamma`` every round (0 = plain decoding). ``budget``: a priced tree's ``TreeBudget``, which
-    may price a round plain; after 2 such rounds (or from the start, if the costs rule out every tree) the drafter
-    rests 16, 32, … 256 rounds (reset by a kept node), then a probe keeps at least one node."""
+    """The same depth ``gamma`` every round (0 = plain decoding). ``budget``: a priced tree's ``TreeBudget``,
+    which may price a round plain; after 2 such rounds (or from the start, if the costs rule out every tree)
+    the drafter rests 16, 32, … 256 rounds (reset by a kept node), then a probe keeps at least one node."""
 
     adaptive = priced_plain = False
 
@@ -82,7 +85,8 @@ class Fixed:
     @property
     def priced_out(self) -> bool:
         """Whether the costs now rule out every tree, even one whose every node is kept."""
-        return self.budget is not None and not self.budget.can_win(self.gamma, self.budget.costs.draft(self.gamma))
+        return (self.budget is not None
+                and not self.budget.can_win(self.gamma, self.budget.costs.draft(self.gamma)))
 
     def plan(self) -> Plan:
         if self._wait > 0:
@@ -112,22 +116,25 @@ class Fixed:
                 self._plain_run, self._probe = 1, True
 
     def __eq__(self, other) -> bool:
-        return type(other) is Fixed and (other.gamma, other.budget is None) == (self.gamma, self.budget is None)
+        return (type(other) is Fixed
+                and (other.gamma, other.budget is None) == (self.gamma, self.budget is None))
 
 
 class Auto:
     """γ auto: before each round, the depth with the best predicted speed-up at the running acceptance.
 
-    γ maximises τ(γ) · T_verify(1) / (T_draft(γ) + T_verify(nodes(γ) + 1)) (``Costs.speedup``, told every round)
-    on the ``AcceptanceEstimate``; when no γ beats plain by ``margin`` the pacer decodes plainly for 16, then 32, …
-    256 rounds (reset by a kept token) before a ``probe_gamma`` probe; the first round probes too, unless the costs
-    rule out even a draft kept whole (then it waits first); every ``REFERENCE_EVERY``-th round in a row that drafts
-    is a plain step (the costs' reference). A drafter that stops on its confidence (``DraftProfile.confidence``) is
-    priced at one token and drafts on (``Plan.keep_above``) while the survival s of its first k tokens, times its
-    calibration c (kept per survival claimed, ≤ 1), pays: s · c · T(1) > T_draft(1) + T(k + 2) − T(k + 1).
+    γ maximises τ(γ) · T_verify(1) / (T_draft(γ) + T_verify(nodes(γ) + 1)) (``Costs.speedup``, told every
+    round) on the ``AcceptanceEstimate``; when no γ beats plain by ``margin`` the pacer decodes plainly for
+    16, then 32, … 256 rounds (reset by a kept token) before a ``probe_gamma`` probe; the first round probes
+    too, unless the costs rule out even a draft kept whole (then it waits first); every ``REFERENCE_EVERY``-th
+    round in a row that drafts is a plain step (the costs' reference). A drafter that stops on its confidence
+    (``DraftProfile.confidence``) is priced at one token and drafts on (``Plan.keep_above``) while the
+    survival s of its first k tokens, times its calibration c (kept per survival claimed, ≤ 1), pays:
+    s · c · T(1) > T_draft(1) + T(k + 2) − T(k + 1).
 
-    Args: ``costs`` (this machine's), ``profile`` (the drafter's; default: a chain), ``margin`` (0.03: the predicted
-    gain a γ > 0 needs), ``probe_gamma`` (2), ``estimate`` (an ``AcceptanceEstimate`` to continue; default: fresh).
+    Args: ``costs`` (this machine's), ``profile`` (the drafter's; default: a chain), ``margin`` (0.03: the
+    predicted gain a γ > 0 needs), ``probe_gamma`` (2), ``estimate`` (an ``AcceptanceEstimate`` to
+    continue; default: fresh).
     """
 
     adaptive, priced_plain = True, False
@@ -139,7 +146,8 @@ class Auto:
         self.probe_gamma = min(probe_gamma, self.max_gamma)
         self.estimate = estimate or AcceptanceEstimate()
         self._priced = 1 if profile.confidence else self.max_gamma  # the deepest round a choice is priced at
-        self._kept_claimed = [2.0, 2.0]  # decayed tokens kept and survival claimed (prior: 2 tokens, calibrated)
+        # decayed tokens kept and survival claimed (prior: 2 tokens, calibrated)
+        self._kept_claimed = [2.0, 2.0]
         self._wait, self._next_wait, self._probe, self.probing, self._drafting = 0, FIRST_WAIT, True, False, 0
         if self.priced_out:
             self._wait, self._next_wait = FIRST_WAIT, 2 * FIRST_WAIT
@@ -154,7 +162,8 @@ class Auto:
         if self._wait > 0 or self._drafting >= REFERENCE_EVERY:
             self._wait = max(self._wait - 1, 0)
             return PLAIN
-        gamma = self.costs.best_gamma(self.estimate.reach(self._priced), self._priced, self.margin, self.profile.nodes)
+        gamma = self.costs.best_gamma(self.estimate.reach(self._priced), self._priced, self.margin,
+                                      self.profile.nodes)
         if gamma == 0 and self._probe:
             gamma, self.probing = self.probe_gamma, True
         elif gamma == 0:
@@ -166,10 +175,12 @@ class Auto:
         calibration = min(1.0, self._kept_claimed[0] / self._kept_claimed[1])
         verify = self.costs.verify
         return Plan(self.max_gamma, keep_above=tuple(
-            (self.costs.draft(1) + verify(k + 2) - verify(k + 1)) / (calibration * verify(1)) for k in range(1, self.max_gamma)))
+            (self.costs.draft(1) + verify(k + 2) - verify(k + 1)) / (calibration * verify(1))
+            for k in range(1, self.max_gamma)))
 
     def observe(self, outcome: RoundStats, draft: Draft | None = None) -> None:
-        """Learn from one round: the costs from every round; acceptance not from a plain one or an empty lookup."""
+        """Learn from one round: the costs from every round; acceptance not from a plain one
+        or an empty lookup."""
         self.costs.observe(outcome)
         self._drafting = self._drafting + 1 if outcome.gamma else 0
         depth = outcome.depth or outcome.num_drafted
@@ -180,7 +191,8 @@ class Auto:
         if outcome.num_accepted > 0:
             self._next_wait = FIRST_WAIT
         if self.profile.confidence and draft is not None and draft.survival is not None:
-            claimed = np.array(draft.survival, dtype=np.float64)[: min(depth, self.max_gamma - 1)]  # those compared
+            # those compared
+            claimed = np.array(draft.survival, dtype=np.float64)[: min(depth, self.max_gamma - 1)]
             decay = 1.0 - 1.0 / self.estimate.window
             self._kept_claimed = [self._kept_claimed[0] * decay + min(outcome.num_accepted, len(claimed)),
                                   self._kept_claimed[1] * decay + float(claimed.sum())]

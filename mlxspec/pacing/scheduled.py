@@ -1,7 +1,8 @@
-"""Confidence-scheduled verification (DSpark, arXiv 2607.05147; docs/acceptance.md 3.1): a drafter with survival
-estimates (``Draft.survival``) drafts its full length and the target verifies the node set S maximising
-τ(S) / (T_draft + T_verify(|S| + 1)), τ(S) = 1 + Σ_{n ∈ S} ŝ(n), ŝ the survival recalibrated on this generation's
-acceptance (histogram binning, Zadrozny & Elkan 2001). Kept nodes meet the unchanged exact rule (acceptance.md 3.2)."""
+"""Confidence-scheduled verification (DSpark, arXiv 2607.05147; docs/acceptance.md 3.1): a drafter with
+survival estimates (``Draft.survival``) drafts its full length and the target verifies the node set S
+maximising τ(S) / (T_draft + T_verify(|S| + 1)), τ(S) = 1 + Σ_{n ∈ S} ŝ(n), ŝ the survival recalibrated on
+this generation's acceptance (histogram binning, Zadrozny & Elkan 2001). Kept nodes meet the unchanged exact
+rule (acceptance.md 3.2)."""
 
 from __future__ import annotations
 
@@ -22,10 +23,11 @@ NUM_BINS = 10
 
 @dataclass
 class SurvivalCalibration:
-    """Predicted vs observed survival: the scheduler's recalibration and the reliability diagram. ``calibrate`` maps
-    a node's predicted survival s to (kept + w·s) / (seen + w) of its bin (counts decaying by ``1 − 1/window`` a
-    round); a node without one (NaN: an EAGLE tree's n-gram branch) gets its depth's rate, prior 0.5 a level.
-    ``totals``: undecayed ``"bins"`` and ``"depths"`` tallies, each ``[nodes, sum of predicted survival, kept]``."""
+    """Predicted vs observed survival: the scheduler's recalibration and the reliability diagram.
+    ``calibrate`` maps a node's predicted survival s to (kept + w·s) / (seen + w) of its bin (counts decaying
+    by ``1 − 1/window`` a round); a node without one (NaN: an EAGLE tree's n-gram branch) gets its depth's
+    rate, prior 0.5 a level. ``totals``: undecayed ``"bins"`` and ``"depths"`` tallies, each
+    ``[nodes, sum of predicted survival, kept]``."""
 
     window: float = 64.0
     prior_weight: float = 2.0
@@ -33,10 +35,12 @@ class SurvivalCalibration:
     bin_kept: np.ndarray = field(default_factory=lambda: np.zeros(NUM_BINS))
     depth_seen: list[float] = field(default_factory=list)
     depth_kept: list[float] = field(default_factory=list)
-    totals: dict = field(default_factory=lambda: {"bins": [[0, 0.0, 0] for _ in range(NUM_BINS)], "depths": []})
+    totals: dict = field(default_factory=lambda: {"bins": [[0, 0.0, 0] for _ in range(NUM_BINS)],
+                                                  "depths": []})
 
     def calibrate(self, survival: np.ndarray, depths: np.ndarray) -> np.ndarray:
-        """Recalibrated survival of nodes with raw estimates ``survival`` [N] (NaN = none) at ``depths`` [N] (>= 1)."""
+        """Recalibrated survival of nodes with raw estimates ``survival`` [N] (NaN = none) at
+        ``depths`` [N] (>= 1)."""
         w = self.prior_weight
         bins = _bins(survival)
         out = (self.bin_kept[bins] + w * np.nan_to_num(survival)) / (self.bin_seen[bins] + w)
@@ -50,7 +54,8 @@ class SurvivalCalibration:
         """Fold in one round's verified nodes: raw survival [N], depths [N] and kept [N] bool."""
         decay, known = 1.0 - 1.0 / self.window, ~np.isnan(survival)
         self.bin_seen, self.bin_kept = self.bin_seen * decay, self.bin_kept * decay
-        self.depth_seen, self.depth_kept = [c * decay for c in self.depth_seen], [c * decay for c in self.depth_kept]
+        self.depth_seen = [c * decay for c in self.depth_seen]
+        self.depth_kept = [c * decay for c in self.depth_kept]
         np.add.at(self.bin_seen, _bins(survival[known]), 1.0)
         np.add.at(self.bin_kept, _bins(survival[known]), kept[known].astype(float))
         for s, d, k in zip(survival, depths.tolist(), kept.tolist()):
@@ -79,14 +84,16 @@ def closed_survival(calibrated: np.ndarray, tree) -> np.ndarray:
     out = calibrated.astype(np.float64).copy()
     previous: dict[int, int] = {}  # parent -> its latest child so far
     for n, parent in enumerate(tree.parents):
-        for above in (parent if parent >= 0 else None, previous.get(parent)):  # the parent, the previous sibling
+        # the parent, the previous sibling
+        for above in (parent if parent >= 0 else None, previous.get(parent)):
             out[n] = out[n] if above is None else min(out[n], out[above])
         previous[parent] = n
     return out
 
 
 def best_count(values: np.ndarray, costs: Costs, spent_s: float) -> int:
-    """m in 0..N maximising (1 + Σ_{i<m} values[i]) / (spent_s + T_verify(m + 1)); ``values`` [N] best first."""
+    """m in 0..N maximising (1 + Σ_{i<m} values[i]) / (spent_s + T_verify(m + 1));
+    ``values`` [N] best first."""
     gain = 1.0 + np.concatenate([[0.0], np.cumsum(values)])  # [N + 1]: τ(m)
     cost = np.array([spent_s + costs.verify(m + 1) for m in range(len(values) + 1)])
     return int(np.argmax(gain / cost))
@@ -94,8 +101,9 @@ def best_count(values: np.ndarray, costs: Costs, spent_s: float) -> int:
 
 def stopping_length(values: np.ndarray, costs: Costs, spent_s: float) -> int:
     """Positions of a chain to verify (0..K), decided position by position: i is verified when some m >= i
-    predicts more tokens/s than stopping before i, reading ``values[:i + 1]`` [K] only (continued geometrically),
-    so a sampled chain's decision never depends on the token it decides about (docs/acceptance.md 3.2)."""
+    predicts more tokens/s than stopping before i, reading ``values[:i + 1]`` [K] only (continued
+    geometrically), so a sampled chain's decision never depends on the token it decides about
+    (docs/acceptance.md 3.2)."""
     K, tau = len(values), 1.0
     for i in range(K):
         ratio = values[i] / values[i - 1] if i and values[i - 1] > 0 else values[i]
@@ -108,11 +116,13 @@ def stopping_length(values: np.ndarray, costs: Costs, spent_s: float) -> int:
 
 
 class Scheduled:
-    """``--num-draft-tokens scheduled``: draft the full length, verify the best predicted part (``Plan.select``).
+    """``--num-draft-tokens scheduled``: draft the full length, verify the best predicted
+    part (``Plan.select``).
 
-    When even the best m is predicted slower than plain decoding, the next ``probe_every`` (16) rounds are plain;
-    the first drafting round, and the first after a pause, verifies the whole draft, so the recalibration sees
-    every position. ``max_gamma``: the depth drafted (default 8). Raises ``ValueError`` for ``max_gamma < 1``.
+    When even the best m is predicted slower than plain decoding, the next ``probe_every`` (16) rounds are
+    plain; the first drafting round, and the first after a pause, verifies the whole draft, so the
+    recalibration sees every position. ``max_gamma``: the depth drafted (default 8). Raises ``ValueError``
+    for ``max_gamma < 1``.
     """
 
     adaptive, priced_plain = True, False
@@ -123,7 +133,8 @@ class Scheduled:
             raise ValueError(f"the scheduled draft length must be >= 1, got {max_gamma}")
         self.costs, self.max_gamma, self.probe_every = costs, max_gamma, probe_every
         self.calibration = calibration or SurvivalCalibration()
-        self.kept_nodes, self.predicted_speedup, self._plain_left, self._pending, self._probe = 0, 1.0, 0, None, True
+        self.kept_nodes, self.predicted_speedup = 0, 1.0
+        self._plain_left, self._pending, self._probe = 0, None, True
 
     def plan(self) -> Plan:
         """Draft ``max_gamma`` and verify what ``schedule`` keeps, or a plain step while pausing."""
@@ -136,7 +147,8 @@ class Scheduled:
 
     def schedule(self, draft: Draft) -> Draft:
         """The part of ``draft`` to verify: the best m nodes of a deterministic draft, a sampled chain cut by
-        ``stopping_length``, a sampled tree or a draft without survival whole. Reads ``draft.survival`` on the host."""
+        ``stopping_length``, a sampled tree or a draft without survival whole. Reads
+        ``draft.survival`` on the host."""
         sampled = draft.logprobs is not None
         if draft.size == 0 or draft.survival is None or (sampled and not draft.tree.is_chain):
             self.kept_nodes = draft.size

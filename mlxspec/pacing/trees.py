@@ -1,6 +1,7 @@
-"""Node budgets of priced trees. EAGLE-2 (arXiv 2406.16858, section 3): a node's path probability approximates the
-chance the target accepts it, so the m most probable candidates yield τ(m) ≈ 1 + c · Σ_{i<m} exp(s_i) tokens (s_i the
-sorted log path probabilities, c the running ratio of accepted nodes to predicted) in T_draft + T_verify(m + 1)."""
+"""Node budgets of priced trees. EAGLE-2 (arXiv 2406.16858, section 3): a node's path probability approximates
+the chance the target accepts it, so the m most probable candidates yield τ(m) ≈ 1 + c · Σ_{i<m} exp(s_i)
+tokens (s_i the sorted log path probabilities, c the running ratio of accepted nodes to predicted) in
+T_draft + T_verify(m + 1)."""
 
 from __future__ import annotations
 
@@ -10,15 +11,18 @@ from .costs import Costs
 
 
 class TreeBudget:
-    """The nodes to verify each round (``Plan.budget`` is ``choose``), 0 (a plain step) when no m beats plain. Args:
-    ``costs`` (the verify curve), ``max_nodes`` (63, root excluded), ``window`` (32 rounds the calibration c remembers),
-    ``prior_weight`` (2 pseudo-nodes behind c = 1), ``allow_plain`` (``True``: ``choose`` may return 0)."""
+    """The nodes to verify each round (``Plan.budget`` is ``choose``), 0 (a plain step) when no m beats plain.
+    Args: ``costs`` (the verify curve), ``max_nodes`` (63, root excluded), ``window`` (32 rounds the
+    calibration c remembers), ``prior_weight`` (2 pseudo-nodes behind c = 1), ``allow_plain`` (``True``:
+    ``choose`` may return 0)."""
 
     def __init__(self, costs: Costs, *, max_nodes: int = 63, window: float = 32.0, prior_weight: float = 2.0,
                  allow_plain: bool = True):
-        self.costs, self.max_nodes, self.decay, self.prior = costs, max_nodes, 1.0 - 1.0 / window, prior_weight
+        self.costs, self.max_nodes = costs, max_nodes
+        self.decay, self.prior = 1.0 - 1.0 / window, prior_weight
         self.allow_plain = allow_plain  # Fixed clears it for a probe round
-        self.draft_s, self.predicted, self.accepted, self.pending, self.said_plain = None, 0.0, 0.0, None, False
+        self.draft_s, self.predicted, self.accepted = None, 0.0, 0.0
+        self.pending, self.said_plain = None, False
 
     @property
     def calibration(self) -> float:
@@ -29,10 +33,12 @@ class TreeBudget:
         """Nodes to keep given the candidates' log path probabilities best first [C] and this round's drafting
         seconds: 1..C, or 0 with ``allow_plain`` when plain decoding is predicted faster."""
         self.draft_s = draft_s if self.draft_s is None else 0.8 * self.draft_s + 0.2 * draft_s
-        gain = 1.0 + self.calibration * np.cumsum(np.exp(np.asarray(sorted_scores[: self.max_nodes], np.float64)))
+        scores = np.asarray(sorted_scores[: self.max_nodes], np.float64)
+        gain = 1.0 + self.calibration * np.cumsum(np.exp(scores))
         cost = np.array([self.draft_s + self.costs.verify(m + 1) for m in range(1, len(gain) + 1)])
         m = int(np.argmax(gain / cost)) + 1 if len(gain) else 0
-        self.said_plain = self.allow_plain and (m == 0 or gain[m - 1] / cost[m - 1] <= 1.0 / self.costs.verify(1))
+        self.said_plain = self.allow_plain and (
+            m == 0 or gain[m - 1] / cost[m - 1] <= 1.0 / self.costs.verify(1))
         if self.said_plain:
             self.pending = None
             return 0
