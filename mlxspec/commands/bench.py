@@ -8,7 +8,7 @@ import os
 import shlex
 import sys
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 
 from tqdm import tqdm

@@ -24,7 +24,7 @@ def complete(path):
 
 
 tau, counts = [], {}
-for temp, (first, eagle) in FILES.items():
+for first, eagle in FILES.values():
     tau += [r for r in read_records(f"{S}/{first}.jsonl") if not r.config.startswith("EAGLE")]
     for name in eagle:
         rows = [r for r in complete(f"{S}/{name}.jsonl") if r.config != "EAGLE-3 chain γ6 + n-gram 6"]
