@@ -237,7 +237,8 @@ def write_gguf(
     return path
 
 
-def add_tokenizer(writer: GGUFWriter, tokenizer: Tokenizer, *, tokenizer_model: str = "gpt2", pre: str = "smollm") -> None:
+def add_tokenizer(writer: GGUFWriter, tokenizer: Tokenizer, *, tokenizer_model: str = "gpt2",
+                  pre: str = "smollm") -> None:
     """The tokenizer's metadata as llama.cpp writes it: vocabulary, types, merges, ids, template."""
     tokens, merges = vocab_and_merges(tokenizer)
     writer.add_vocab_size(len(tokens))
@@ -393,16 +394,20 @@ def typed_shapes(arch: str, dims: Dims, vocab: int, *, tied: bool) -> dict[str, 
         shapes["lm_head.weight"] = (vocab, dims.hidden)
     for i in range(dims.layers):
         p = f"model.layers.{i}."
-        shapes |= {p + "self_attn.q_proj.weight": (q, dims.hidden), p + "self_attn.k_proj.weight": (kv, dims.hidden),
-                   p + "self_attn.v_proj.weight": (kv, dims.hidden), p + "self_attn.o_proj.weight": (dims.hidden, q),
+        shapes |= {p + "self_attn.q_proj.weight": (q, dims.hidden),
+                   p + "self_attn.k_proj.weight": (kv, dims.hidden),
+                   p + "self_attn.v_proj.weight": (kv, dims.hidden),
+                   p + "self_attn.o_proj.weight": (dims.hidden, q),
                    p + "mlp.gate_proj.weight": (dims.intermediate, dims.hidden),
                    p + "mlp.up_proj.weight": (dims.intermediate, dims.hidden),
                    p + "mlp.down_proj.weight": (dims.hidden, dims.intermediate),
-                   p + "input_layernorm.weight": (dims.hidden,), p + "post_attention_layernorm.weight": (dims.hidden,)}
+                   p + "input_layernorm.weight": (dims.hidden,),
+                   p + "post_attention_layernorm.weight": (dims.hidden,)}
         if arch == "qwen2":
             shapes |= {p + f"self_attn.{x}_proj.bias": (n,) for x, n in (("q", q), ("k", kv), ("v", kv))}
         if arch == "qwen3":
-            shapes |= {p + "self_attn.q_norm.weight": (dims.head_dim,), p + "self_attn.k_norm.weight": (dims.head_dim,)}
+            shapes |= {p + "self_attn.q_norm.weight": (dims.head_dim,),
+                       p + "self_attn.k_norm.weight": (dims.head_dim,)}
     return shapes
 
 

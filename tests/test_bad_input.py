@@ -48,19 +48,21 @@ def test_an_empty_prompt_is_refused_with_or_without_the_chat_template(capsys, ti
 @pytest.mark.parametrize("command", ["generate", "chat"])
 def test_an_empty_stop_string_names_the_flag_and_the_fix(capsys, command):
     one_line_error(capsys, [command, "--stop", "###", "--stop", ""],
-                   "argument --stop: the stop text is empty; give the text that ends the answer (e.g. --stop '###') "
-                   "or leave --stop out")
+                   "argument --stop: the stop text is empty; give the text that ends the answer "
+                   "(e.g. --stop '###') or leave --stop out")
 
 
 @pytest.mark.parametrize("command", ["generate", "chat"])
 def test_another_drafters_flag_is_refused_not_ignored(capsys, tiny_model_dir, command):
-    """``--eagle-heads`` with the default n-gram drafter used to be dropped silently: a user testing a head got
-    n-gram numbers."""
+    """``--eagle-heads`` with the default n-gram drafter used to be dropped silently: a user testing a
+    head got n-gram numbers."""
     base = [command, "--model", str(tiny_model_dir), "--prompt", "hi"][: 5 if command == "generate" else 3]
     one_line_error(capsys, [*base, "--eagle-heads", "/tmp/nope"],
-                   "--eagle-heads is an option of the eagle drafter, but the drafter is ngram; add --drafter eagle")
+                   "--eagle-heads is an option of the eagle drafter, but the drafter is ngram; "
+                   "add --drafter eagle")
     one_line_error(capsys, [*base, "--drafter", "eagle", "--medusa-tree", "small_15"],
-                   "--medusa-tree is an option of the medusa drafter, but the drafter is eagle; add --drafter medusa")
+                   "--medusa-tree is an option of the medusa drafter, but the drafter is eagle; "
+                   "add --drafter medusa")
 
 
 def run_cli(args, **kwargs):
@@ -72,9 +74,10 @@ def test_standard_input_that_is_closed_or_not_utf8(tiny_model_dir):
     base = ["generate", "--model", str(tiny_model_dir), "--max-tokens", "4"]
     closed = run_cli(base, stdin=subprocess.DEVNULL, text=True)  # empty: refused as empty
     assert closed.returncode == 2 and "the prompt is empty" in closed.stderr
-    shut = subprocess.run(f"{sys.executable} -m mlxspec {' '.join(base)} <&-", shell=True, capture_output=True,
-                          text=True)
-    assert shut.returncode == 2 and "standard input is closed" in shut.stderr and "Traceback" not in shut.stderr
+    shut = subprocess.run(f"{sys.executable} -m mlxspec {' '.join(base)} <&-",
+                          shell=True, capture_output=True, text=True)
+    assert (shut.returncode == 2 and "standard input is closed" in shut.stderr
+            and "Traceback" not in shut.stderr)
     bad = run_cli(base, input=b"caf\xe9 \xff\xfe")
     assert bad.returncode == 2 and b"not UTF-8 text" in bad.stderr and b"Traceback" not in bad.stderr
     argv = run_cli([*base, "--prompt", b"caf\xe9".decode("utf-8", "surrogateescape")])
@@ -82,8 +85,8 @@ def test_standard_input_that_is_closed_or_not_utf8(tiny_model_dir):
 
 
 def test_output_piped_into_head_ends_quietly(tiny_model_dir):
-    command = (f"{sys.executable} -m mlxspec generate --model {tiny_model_dir} --prompt abcabc --max-tokens 200 "
-               "--drafter none --no-chat-template | head -c 1")
+    command = (f"{sys.executable} -m mlxspec generate --model {tiny_model_dir} --prompt abcabc "
+               "--max-tokens 200 --drafter none --no-chat-template | head -c 1")
     done = subprocess.run(["bash", "-o", "pipefail", "-c", command], capture_output=True, text=True)
     assert "Traceback" not in done.stderr and "BrokenPipeError" not in done.stderr
 
@@ -129,7 +132,8 @@ def test_a_corrupt_safetensors_file_is_one_line(capsys, tmp_path, tiny_model_dir
     weights = next(broken.glob("*.safetensors"))
     weights.write_bytes(weights.read_bytes()[:100])
     one_line_error(capsys, ["generate", "--model", str(broken), "--prompt", "hi"])
-    one_line_error(capsys, ["generate", "--model", str(tiny_model_dir), "--draft-model", str(broken), "--prompt", "hi"],
+    one_line_error(capsys, ["generate", "--model", str(tiny_model_dir), "--draft-model",
+                            str(broken), "--prompt", "hi"],
                    "draft model")
 
 
@@ -139,15 +143,17 @@ def test_a_head_file_that_is_damaged_or_no_head_says_what_to_pass(capsys, tmp_pa
     cut.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{\"a\":")  # a header cut off
     text = tmp_path / "notes.txt"
     text.write_text("not weights")
-    fix = {"medusa": "pass Medusa heads instead: a folder with medusa_lm_head.safetensors (as 'mlxspec train medusa' "
-                     "writes), that file, or a Hugging Face repo id",
-           "eagle": "pass an EAGLE head instead: a folder with config.json and model.safetensors (as 'mlxspec train "
-                    "eagle' writes), that file, or a Hugging Face repo id"}[kind]
+    fix = {"medusa": "pass Medusa heads instead: a folder with medusa_lm_head.safetensors "
+                     "(as 'mlxspec train medusa' writes), that file, or a Hugging Face repo id",
+           "eagle": "pass an EAGLE head instead: a folder with config.json and model.safetensors "
+                    "(as 'mlxspec train eagle' writes), that file, or a Hugging Face repo id"}[kind]
     problems = {cut: f"{cut} is not a readable safetensors file: it is cut off or another kind of file",
-                tmp_path: f"{cut} is not a readable safetensors file", text: f"cannot read {text}: not a torch checkpoint",
+                tmp_path: f"{cut} is not a readable safetensors file",
+                text: f"cannot read {text}: not a torch checkpoint",
                 tiny_model_dir: str(tiny_model_dir)}  # a model, not heads
     for given, problem in problems.items():
-        err = one_line_error(capsys, ["generate", "--model", str(tiny_model_dir), "--prompt", "hi", "--drafter", kind,
+        err = one_line_error(capsys, ["generate", "--model", str(tiny_model_dir),
+                                      "--prompt", "hi", "--drafter", kind,
                                       f"--{kind}-heads", str(given)], fix)
         assert problem in err, err
 
@@ -172,11 +178,15 @@ def _block_or_mtp_checkpoint(kind: str, folder):
 
 
 @pytest.mark.parametrize("kind,flag,fix", [
-    ("dflash", "--dflash-heads", "pass a DFlash drafter instead: a folder with config.json and model.safetensors"),
-    ("dspark", "--dspark-heads", "pass a DSpark drafter instead: a folder with config.json and model.safetensors"),
+    ("dflash", "--dflash-heads",
+     "pass a DFlash drafter instead: a folder with config.json and model.safetensors"),
+    ("dspark", "--dspark-heads",
+     "pass a DSpark drafter instead: a folder with config.json and model.safetensors"),
     ("mtp", "--mtp-weights", "pass --mtp-weights with the folder of a model that ships MTP layers"),
 ])
-def test_a_damaged_block_drafter_or_mtp_checkpoint_is_one_line(capsys, tmp_path, tiny_model_dir, kind, flag, fix):
+def test_a_damaged_block_drafter_or_mtp_checkpoint_is_one_line(
+    capsys, tmp_path, tiny_model_dir, kind, flag, fix
+):
     import shutil
 
     good = _block_or_mtp_checkpoint(kind, tmp_path / "good")
@@ -184,11 +194,13 @@ def test_a_damaged_block_drafter_or_mtp_checkpoint_is_one_line(capsys, tmp_path,
     damage = {  # what is done to a copy -> the file the error names, and what it says
         "cut": (lambda d: (d / weights).write_bytes((d / weights).read_bytes()[:100]), weights,
                 "is not a readable safetensors file: it is cut off or another kind of file"),
-        "text": (lambda d: (d / weights).write_text("not weights"), weights, "is not a readable safetensors file"),
+        "text": (lambda d: (d / weights).write_text("not weights"), weights,
+                 "is not a readable safetensors file"),
         "garbage": (lambda d: (d / config).write_text("garbage{"), config, "is not valid JSON"),
         "list": (lambda d: (d / config).write_text("[1, 2]"), config, "holds a JSON list, not a JSON object"),
     }
-    argv = ["generate", "--model", str(tiny_model_dir), "--prompt", "hi", "--max-tokens", "2", "--drafter", kind]
+    argv = ["generate", "--model", str(tiny_model_dir), "--prompt", "hi",
+            "--max-tokens", "2", "--drafter", kind]
     for name, (spoil, named, problem) in damage.items():
         broken = tmp_path / name
         shutil.copytree(good, broken)
@@ -268,13 +280,15 @@ def test_no_shipped_asset_points_at_the_command_that_makes_one():
 
 
 @pytest.mark.parametrize("kind", ["dflash", "dspark", "mtp", "draft"])
-def test_a_drafter_without_weights_says_how_to_train_one_or_where_published_ones_are(capsys, tiny_model_dir, tmp_path,
-                                                                                     monkeypatch, kind):
+def test_a_drafter_without_weights_says_how_to_train_one_or_where_published_ones_are(
+    capsys, tiny_model_dir, tmp_path, monkeypatch, kind
+):
     """Trained drafters ship only when they pay (docs/drafters.md): without one, one line says what to do."""
     from mlxspec.loading.assets import PUBLISHED
 
     monkeypatch.setenv("MLXSPEC_MODELS", str(tmp_path))  # nothing ships
-    err = one_line_error(capsys, ["generate", "--model", str(tiny_model_dir), "--drafter", kind, "--prompt", "hi"])
+    err = one_line_error(capsys, ["generate", "--model", str(tiny_model_dir),
+                                  "--drafter", kind, "--prompt", "hi"])
     assert f"mlxspec train {kind}" in err and PUBLISHED[kind] in err, err
 
 

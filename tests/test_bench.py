@@ -20,7 +20,8 @@ RUN_FIELDS = {"system", "prompt_id", "kind", "temp", "seed", "prompt_tokens", "p
               "calibration", "peak_memory_gb", "finish_reason", "output_sha"}
 ROW_FIELDS = {"system", "family", "gamma", "kind", "temp", "pairs", "speedup", "speedup_min", "speedup_max",
               "predicted_speedup", "generation_tps", "prompt_tps", "alpha", "alpha_mle", "tau",
-              "acceptance_per_position", "tau_histogram", "round_draft_ms", "round_verify_ms", "round_other_ms",
+              "acceptance_per_position", "tau_histogram", "round_draft_ms",
+              "round_verify_ms", "round_other_ms",
               "peak_memory_gb", "same_output", "mean_gamma", "plain_fallback", "best", "note"}
 
 
@@ -28,9 +29,11 @@ ROW_FIELDS = {"system", "family", "gamma", "kind", "temp", "pairs", "speedup", "
 def bench_result(tmp_path_factory, tiny_model_dir, tiny_draft_dir):
     folder = tmp_path_factory.mktemp("bench")
     prompts = folder / "prompts.jsonl"
-    prompts.write_text(json.dumps({"prompt": "Copy: red green blue red green blue red green", "kind": "grounded"})
+    prompts.write_text(json.dumps({"prompt": "Copy: red green blue red green blue red green",
+                                   "kind": "grounded"})
                        + "\n" + json.dumps({"prompt": "Tell me something.", "kind": "open"}) + "\n")
-    argv = ["bench", "--model", str(tiny_model_dir), "--draft-model", str(tiny_draft_dir), "--prompts", str(prompts),
+    argv = ["bench", "--model", str(tiny_model_dir), "--draft-model", str(tiny_draft_dir),
+            "--prompts", str(prompts),
             "--num-draft-tokens", "auto,2", "--temps", "0,0.7", "--max-tokens", "24",
             "--output", str(folder / "bench.json"), "--blas", "keep"]
     mp = pytest.MonkeyPatch()
@@ -119,7 +122,8 @@ def test_rounds_from_mlx_lm_flags():
 
 def test_speedup_is_the_median_of_paired_ratios():
     def run(system, prompt, tps, sha="x"):
-        return RunRecord(system, prompt, "open", 0.0, 0, 10, 1.0, int(tps), 1.0, rounds=[[2, 1]] if system != BASELINE
+        return RunRecord(system, prompt, "open", 0.0, 0, 10, 1.0, int(tps), 1.0,
+                         rounds=[[2, 1]] if system != BASELINE
                          else [], output_sha=sha)
 
     runs = [run(BASELINE, "p1", 10), run(BASELINE, "p2", 20), run(BASELINE, "p3", 40),
@@ -191,12 +195,16 @@ def test_the_rerun_line_is_a_shell_command(monkeypatch, capsys):
     line = capsys.readouterr().err.strip()
     assert line.startswith("mlxspec bench: re-running with a fast BLAS (--blas keep to skip): LD_PRELOAD=")
     words = shlex.split(line.split(" (--blas keep to skip): ", 1)[1])
-    assert words == ["LD_PRELOAD=/opt/open blas/libblas.so.3", sys.executable, "-m", "mlxspec", "bench", *flags]
+    assert words == ["LD_PRELOAD=/opt/open blas/libblas.so.3", sys.executable, "-m",
+                     "mlxspec", "bench", *flags]
 
 
-def test_a_prompt_over_the_context_is_refused_before_the_first_run(tmp_path, tiny_model_dir, capsys, monkeypatch):
-    """Every prompt's length is checked before the first run (issue 50: a prompt over the context ran the mlx-lm
-    baseline for minutes, then failed): one line naming the prompt and the context, exit 2, nothing run."""
+def test_a_prompt_over_the_context_is_refused_before_the_first_run(
+    tmp_path, tiny_model_dir, capsys, monkeypatch
+):
+    """Every prompt's length is checked before the first run (issue 50: a prompt over the context
+    ran the mlx-lm baseline for minutes, then failed): one line naming the prompt and the
+    context, exit 2, nothing run."""
     import mlxspec.commands.bench as command
 
     ran = []
@@ -207,8 +215,8 @@ def test_a_prompt_over_the_context_is_refused_before_the_first_run(tmp_path, tin
     assert main(["bench", "--model", str(tiny_model_dir), "--drafters", "ngram", "--prompts", str(prompts),
                  "--max-tokens", "4", "--blas", "keep", "--output", str(tmp_path / "out.json")]) == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("mlxspec: error")]
-    assert ran == [] and errors == ["mlxspec: error: prompt long: the prompt has 4219 tokens but the model's context "
-                                    "is 4096; shorten the prompt"]
+    assert ran == [] and errors == ["mlxspec: error: prompt long: the prompt has 4219 tokens but the model's "
+                                    "context is 4096; shorten the prompt"]
 
 
 def test_bad_flags_are_one_line_errors(capsys):
@@ -221,7 +229,8 @@ def test_bad_flags_are_one_line_errors(capsys):
 def test_tables_can_be_recomputed_from_the_json(bench_result, tmp_path, capsys):
     source = tmp_path / "raw.json"
     source.write_text(json.dumps(bench_result[1]))
-    assert main(["bench", "--from-json", str(source), "--output", str(tmp_path / "again.json"), "--blas", "keep"]) == 0
+    assert main(["bench", "--from-json", str(source), "--output", str(tmp_path / "again.json"), "--blas",
+                 "keep"]) == 0
     assert "| kind | temp | system |" in capsys.readouterr().out
     assert json.loads((tmp_path / "again.json").read_text())["summary"] == bench_result[1]["summary"]
 
@@ -243,10 +252,13 @@ def test_bench_times_head_drafters_from_specs(tmp_path, tiny_model_dir, capsys, 
     monkeypatch.setenv("MLXSPEC_MODELS", str(tmp_path / "models"))
     monkeypatch.setenv("MLXSPEC_CACHE", str(tmp_path / "cache"))
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text(json.dumps({"prompt": "Copy: red green blue red green blue", "kind": "grounded"}) + "\n")
-    code = main(["bench", "--model", str(tiny_model_dir), "--drafters", "eagle,medusa:tree=small_15,ngram,none",
+    prompts.write_text(json.dumps({"prompt": "Copy: red green blue red green blue",
+                                   "kind": "grounded"}) + "\n")
+    code = main(["bench", "--model", str(tiny_model_dir), "--drafters",
+                 "eagle,medusa:tree=small_15,ngram,none",
                  "--prompts", str(prompts), "--num-draft-tokens", "auto,scheduled,2", "--temps", "0",
-                 "--max-tokens", "8", "--no-control", "--output", str(tmp_path / "bench.json"), "--blas", "keep"])
+                 "--max-tokens", "8", "--no-control", "--output", str(tmp_path / "bench.json"), "--blas",
+                 "keep"])
     err = capsys.readouterr().err
     assert code == 0, err
     assert "skipping mlxspec ngram γ=scheduled: the drafter reports no survival estimates" in err
@@ -283,8 +295,9 @@ def _ship_heads(root, tiny_model_dir):
     return root / "models"
 
 
-def test_bench_prompt_times_every_drafter_that_can_run_and_ends_with_a_verdict(tmp_path, tiny_model_dir, capsys,
-                                                                             monkeypatch):
+def test_bench_prompt_times_every_drafter_that_can_run_and_ends_with_a_verdict(
+    tmp_path, tiny_model_dir, capsys, monkeypatch
+):
     monkeypatch.setenv("MLXSPEC_MODELS", str(_ship_heads(tmp_path, tiny_model_dir)))
     monkeypatch.setenv("MLXSPEC_CACHE", str(tmp_path / "cache"))
     output = tmp_path / "bench.json"
@@ -315,18 +328,21 @@ def test_bench_prompt_times_every_drafter_that_can_run_and_ends_with_a_verdict(t
     assert ("fastest is" in out) == verdict["wins"] and ("nothing beats plain" in out) != verdict["wins"]
 
 
-def test_bench_prompt_defaults_to_auto_and_says_how_many_runs_and_how_long_first(tmp_path, tiny_model_dir, capsys,
-                                                                                monkeypatch):
+def test_bench_prompt_defaults_to_auto_and_says_how_many_runs_and_how_long_first(
+    tmp_path, tiny_model_dir, capsys, monkeypatch
+):
     monkeypatch.setenv("MLXSPEC_CACHE", str(tmp_path / "cache"))
     output = tmp_path / "bench.json"
     assert main(["bench", "--model", str(tiny_model_dir), "--prompt", "Say hi.", "--drafters", "ngram,none",
                  "--max-tokens", "4", "--output", str(output), "--blas", "keep"]) == 0
     err = capsys.readouterr().err
     result = json.loads(output.read_text())
-    assert [s["name"] for s in result["systems"]] == [BASELINE, CONTROL, "mlxspec ngram γ=auto", "mlxspec none"]
+    assert [s["name"] for s in result["systems"]] == [BASELINE, CONTROL,
+                                                      "mlxspec ngram γ=auto", "mlxspec none"]
     assert len(result["runs"]) == 4 * 3  # systems × the default 3 repeats
     line = next(line for line in err.splitlines() if line.startswith("mlxspec bench: 12 runs"))
-    assert line.startswith("mlxspec bench: 12 runs (4 systems × 3 repeats of your prompt × 1 temperature), about ")
+    assert line.startswith("mlxspec bench: 12 runs (4 systems × 3 repeats of your prompt × 1 temperature), "
+                           "about ")
     assert " here if every answer runs to 4 tokens at plain decoding's " in line and result["estimated_s"] > 0
     assert err.index(line) < err.index("0/12")  # before the progress bar starts
 
@@ -335,8 +351,10 @@ def test_the_duration_estimate_counts_prefill_steps_and_warm_ups():
     from mlxspec.bench.runs import WARMUP_TOKENS, estimate_s
 
     costs = Costs([0.1] * 16)  # every forward of up to 16 tokens: 0.1 s
-    # 2 systems × 1 temperature × (a 20-token prompt in 2 forwards + 10 steps) + 2 warm-ups (1 forward + 4 steps)
-    assert estimate_s(costs, 2, [[1] * 20], 1, 10) == pytest.approx(2 * (0.2 + 1.0) + 2 * (0.1 + WARMUP_TOKENS * 0.1))
+    # 2 systems × 1 temperature × (a 20-token prompt in 2 forwards + 10 steps) + 2
+    # warm-ups (1 forward + 4 steps)
+    assert estimate_s(costs, 2, [[1] * 20], 1, 10) == pytest.approx(
+        2 * (0.2 + 1.0) + 2 * (0.1 + WARMUP_TOKENS * 0.1))
 
 
 def test_bench_prompt_from_stdin_and_its_errors(monkeypatch, capsys, tmp_path, tiny_model_dir):
@@ -394,15 +412,18 @@ def test_verdict_weighs_the_fastest_setting_against_the_noise_floor(ngram, wins)
 
 def test_the_verdict_never_picks_a_system_priced_as_plain():
     """A system priced as plain decoding takes plain steps (plain decoding in disguise): however fast its runs
-    looked, the verdict picks another drafting system, or plain decoding (``--drafter none``) when none is left."""
+    looked, the verdict picks another drafting system, or plain decoding
+    (``--drafter none``) when none is left."""
     from dataclasses import replace
 
     from mlxspec.bench.summary import verdicts
 
     systems = make_systems(["medusa", "ngram", "none"], ["auto", 2], has_draft_model=False)
     systems = [replace(s, priced_plain=True) if s.drafter == "medusa" else s for s in systems]
-    ratios = {CONTROL: [1.06, 0.96, 1.0], "mlxspec medusa γ=auto": [1.5, 1.5, 1.5], "mlxspec medusa γ=2": [1.4] * 3,
-              "mlxspec ngram γ=auto": [1.2, 1.2, 1.2], "mlxspec ngram γ=2": [1.01] * 3, "mlxspec none": [1.0] * 3}
+    ratios = {CONTROL: [1.06, 0.96, 1.0], "mlxspec medusa γ=auto": [1.5, 1.5, 1.5],
+              "mlxspec medusa γ=2": [1.4] * 3,
+              "mlxspec ngram γ=auto": [1.2, 1.2, 1.2], "mlxspec ngram γ=2": [1.01] * 3,
+              "mlxspec none": [1.0] * 3}
     [verdict] = verdicts(summarize(_runs(ratios), systems, {}), systems)
     assert verdict.system == "mlxspec ngram γ=auto" and verdict.wins
     systems = [s for s in systems if s.drafter != "ngram"]
@@ -414,19 +435,21 @@ def test_the_verdict_never_picks_a_system_priced_as_plain():
 
 
 def test_the_verdicts_generate_line_runs_as_printed():
-    """A one-line prompt of up to 300 characters is repeated, quoted; a longer or multi-line one is read from a
-    file the line says to write (a bare ``< prompt.txt`` failed for a user who gave the prompt inline)."""
+    """A one-line prompt of up to 300 characters is repeated, quoted; a longer or multi-line one is read from
+    a file the line says to write (a bare ``< prompt.txt`` failed for a user who gave the prompt inline)."""
     import shlex
 
     from mlxspec.bench.summary import Verdict
     from mlxspec.commands.bench import verdict_commands
 
     verdict = Verdict("your prompt", 0.0, "mlxspec ngram γ=auto", "ngram", "auto", 1.5, 0.05, True)
-    for text, inline in (("Why is the sky blue? " * 12, True), ("line one\nline two", False), ("x" * 301, False)):
+    for text, inline in (("Why is the sky blue? " * 12, True), ("line one\nline two", False),
+                         ("x" * 301, False)):
         result = {"prompt_source": {"source": "--prompt", "texts": {"yours": text}}, "flags": {}}
         generate, _ = verdict_commands(verdict, result)
         words = shlex.split(generate, comments=True)
-        assert (words[-1] == text) == inline and (words[-3:] == ["-", "<", "prompt.txt"]) == (not inline), generate
+        assert (words[-1] == text) == inline, generate
+        assert (words[-3:] == ["-", "<", "prompt.txt"]) == (not inline), generate
         assert inline or generate.endswith("# with your prompt saved in prompt.txt")
 
 

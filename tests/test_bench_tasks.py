@@ -5,7 +5,8 @@ from mlxspec.bench import tasks as bench_tasks
 
 def test_every_contender_runs_both_tasks_with_the_same_greedy_output(tiny_model_dir, capsys):
     assert bench_tasks.main(["--model", str(tiny_model_dir), "--max-tokens", "6"]) == 0
-    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    rows = [line for line in capsys.readouterr().out.splitlines()
+            if line.startswith("| ") and "---" not in line][1:]
     assert [row.split(" | ")[:2] for row in rows] == [
         ["| " + task, f"`{drafter}`"] for task in ("code editing", "repeated JSON")
         for drafter in ("none", "ngram", "suffix", "suffix:shared=False")]

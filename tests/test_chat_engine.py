@@ -29,7 +29,8 @@ def rounds(n):
         totals.add_round(stats)
         last = index == n - 1
         totals.finish_reason = "stop" if last else None
-        yield Committed((TokenEvent(1, "", "accepted", index), TokenEvent(2, f"t{index}", "resampled", index)),
+        yield Committed((TokenEvent(1, "", "accepted", index),
+                         TokenEvent(2, f"t{index}", "resampled", index)),
                         stats, GenerationStats(**{**totals.__dict__}), "stop" if last else None)
     yield Done(totals, "stop")
 
@@ -39,7 +40,8 @@ def collect(records, *, cancel_after=None, flush_s=0.0):
     relay = Relay(7, posted.append, cancelled, drafter="ngram", num_draft_tokens=2, flush_s=flush_s)
     for record in records:
         relay(record)
-        if cancel_after is not None and isinstance(record, Committed) and record.round.round + 1 == cancel_after:
+        if (cancel_after is not None and isinstance(record, Committed)
+                and record.round.round + 1 == cancel_after):
             cancelled.set()
     return posted
 
@@ -67,7 +69,8 @@ def test_relay_flushes_on_cancel_and_ends_as_the_runner_says():
 def test_relay_says_a_refusal_in_the_chats_words():
     posted = collect([Failed("no draft model; pass --draft-model PATH_OR_REPO", 400)])
     assert isinstance(posted[-1], GenerationFailed)
-    assert posted[-1].error == "no draft model; give a draft model in F2 (or start the chat with --draft-model)"
+    assert posted[-1].error == ("no draft model; give a draft model in F2 "
+                                "(or start the chat with --draft-model)")
 
 
 def test_real_engine_thread_answers_like_plain_greedy_decoding(tmp_path):
@@ -141,7 +144,8 @@ def test_chat_flags_become_the_engine_config():
     config = chat.engine_config(args)
     assert (config.model.spec, config.draft_model.spec, config.drafter.name, config.num_draft_tokens) == \
         ("m", "d", "draft", 6)
-    assert (config.sampling.temp, config.seed, config.model.dtype, config.max_tokens) == (0.7, 1, "float32", 99)
+    assert (config.sampling.temp, config.seed, config.model.dtype,
+            config.max_tokens) == (0.7, 1, "float32", 99)
     assert args.system == "hi"
 
 
@@ -167,7 +171,8 @@ def test_engine_switches_drafter_settings_and_reloads_the_target_in_another_dtyp
     save_model(tmp_path, model)
     save_config(dict(model.args.__dict__, eos_token_id=256), tmp_path / "config.json")
     tokenizer._tokenizer.save_pretrained(tmp_path)
-    engine, posted = Engine(EngineConfig(model=str(tmp_path), drafter="ngram:max=3", num_draft_tokens=2)), queue.Queue()
+    engine, posted = Engine(EngineConfig(model=str(tmp_path), drafter="ngram:max=3",
+                                         num_draft_tokens=2)), queue.Queue()
     engine.start(posted.put)
 
     def ready():
@@ -188,10 +193,12 @@ def test_engine_switches_drafter_settings_and_reloads_the_target_in_another_dtyp
         assert "float16" in info.model_name
         engine.configure("ngram")  # by name: the settings it had
         assert ready().options == (("min", "2"), ("max", "2"))
-        engine.configure(None, "scheduled")  # F2's γ field takes it; the n-gram drafter cannot: the CLI's error
+        # F2's γ field takes it; the n-gram drafter cannot: the CLI's error
+        engine.configure(None, "scheduled")
         while not isinstance(message := posted.get(timeout=60), LoadFailed):
             pass
-        assert "Cannot use γ scheduled: --num-draft-tokens scheduled needs a drafter that estimates" in message.error
+        assert ("Cannot use γ scheduled: --num-draft-tokens scheduled needs a drafter that estimates"
+                in message.error)
         assert "the ngram drafter does not: use 'auto' or an integer" in message.error
         assert ready().num_draft_tokens == 4  # the default γ instead
     finally:
@@ -200,7 +207,8 @@ def test_engine_switches_drafter_settings_and_reloads_the_target_in_another_dtyp
 
 def test_recalibrate_measures_the_costs_again_once_per_target_and_drafter(tmp_path, monkeypatch):
     """``mlxspec chat --recalibrate`` reaches the engine, which calls ``load_or_calibrate(refresh=True)`` as
-    ``mlxspec generate --recalibrate`` does: once per target and drafter pair; later switches use the cache."""
+    ``mlxspec generate --recalibrate`` does: once per target and drafter pair; later
+    switches use the cache."""
     import queue
 
     import mlxspec.pacing as gamma
@@ -209,8 +217,8 @@ def test_recalibrate_measures_the_costs_again_once_per_target_and_drafter(tmp_pa
     from test_registry import FAKE_COSTS
 
     args = chat.setup_arg_parser().parse_args(["--recalibrate"])
-    assert chat.engine_config(args).recalibrate and not chat.engine_config(chat.setup_arg_parser().parse_args([])) \
-        .recalibrate
+    assert chat.engine_config(args).recalibrate
+    assert not chat.engine_config(chat.setup_arg_parser().parse_args([])).recalibrate
     calls = []
 
     def measured(how):
@@ -225,7 +233,8 @@ def test_recalibrate_measures_the_costs_again_once_per_target_and_drafter(tmp_pa
     save_model(tmp_path, model)
     save_config(dict(model.args.__dict__, eos_token_id=256), tmp_path / "config.json")
     tokenizer._tokenizer.save_pretrained(tmp_path)
-    engine = Engine(EngineConfig(model=str(tmp_path), drafter="ngram", num_draft_tokens="auto", recalibrate=True))
+    engine = Engine(EngineConfig(model=str(tmp_path), drafter="ngram",
+                                 num_draft_tokens="auto", recalibrate=True))
     posted = queue.Queue()
     engine.start(posted.put)
 
@@ -260,9 +269,11 @@ def test_the_engine_says_what_its_drafter_drafts(tiny_model_dir, tmp_path, monke
     from test_eagle import random_head
 
     save_eagle(random_head(1), tmp_path / "eagle")
-    monkeypatch.setattr(gamma, "load_or_calibrate", lambda *a, **k: MEMORY_BOUND)  # drafting pays: auto drafts
+    # drafting pays: auto drafts
+    monkeypatch.setattr(gamma, "load_or_calibrate", lambda *a, **k: MEMORY_BOUND)
     spec = f"eagle:depth=3,top_k=1,ngram=4,heads={tmp_path / 'eagle'}"
-    engine = Engine(EngineConfig(model=str(tiny_model_dir), drafter=spec, num_draft_tokens="auto", max_tokens=12))
+    engine = Engine(EngineConfig(model=str(tiny_model_dir), drafter=spec,
+                                 num_draft_tokens="auto", max_tokens=12))
     posted = queue.Queue()
     engine.start(posted.put)
 
@@ -288,7 +299,8 @@ def test_the_engine_says_what_its_drafter_drafts(tiny_model_dir, tmp_path, monke
         assert stats.policy == "auto" and stats.shape is None and stats.drafted > 0
         assert 0 < stats.gamma_mean <= stats.num_draft_tokens == 15 and 0 <= stats.gamma_now <= 15
         # costs where no round can win: γ auto runs the EAGLE chain as plain decoding, and the panel says so
-        monkeypatch.setattr(gamma, "load_or_calibrate", lambda *a, **k: Costs([0.01 * k for k in range(1, 17)], 0.05))
+        monkeypatch.setattr(gamma, "load_or_calibrate",
+                            lambda *a, **k: Costs([0.01 * k for k in range(1, 17)], 0.05))
         engine.configure(parse_specs(spec)[0])
         ready = wait((EngineReady, LoadFailed))
         assert isinstance(ready, EngineReady), ready

@@ -1,9 +1,9 @@
 """Quitting after threaded generation exits 0 (issue 46, item 6).
 
-MLX aborts a process at exit now and then (``terminate called without an active exception``, status 134) when a
-thread that ran MLX is still tearing down while the interpreter finalizes (``mlxspec.runtime.threads``). The chat's
-engine thread and the server's worker use ``MLXThread``, which releases its MLX state and parks instead of
-ending. Each test runs the pattern in fresh processes, several times: before the fix about one run in ten
+MLX aborts a process at exit now and then (``terminate called without an active exception``, status 134) when
+a thread that ran MLX is still tearing down while the interpreter finalizes (``mlxspec.runtime.threads``). The
+chat's engine thread and the server's worker use ``MLXThread``, which releases its MLX state and parks instead
+of ending. Each test runs the pattern in fresh processes, several times: before the fix about one run in ten
 aborted (one in three with the main thread touching MLX first), so 12 clean runs in a row fail on a broken
 build with probability above 70%, and a test that passes does not depend on luck."""
 
@@ -63,7 +63,8 @@ ENGINE = textwrap.dedent("""
 def run_many(script: str, *args: str) -> list[tuple[int, str]]:
     results = []
     for _ in range(RUNS):
-        run = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=120)
+        run = subprocess.run([sys.executable, "-c", script, *args],
+                             capture_output=True, text=True, timeout=120)
         results.append((run.returncode, run.stdout.strip() + run.stderr[-300:]))
     return results
 

@@ -23,8 +23,8 @@ TYPES = {"model.embed_tokens": T.Q8_0, "model.layers.0.self_attn.q_proj": T.Q4_K
 
 @pytest.fixture(scope="module")
 def gguf_path(tmp_path_factory):
-    path, _ = gf.write_typed_gguf(tmp_path_factory.mktemp("convert") / "tiny-qwen2.gguf", gf.train_tokenizer(),
-                                  TYPES, arch="qwen2", tied=False, seed=5)
+    path, _ = gf.write_typed_gguf(tmp_path_factory.mktemp("convert") / "tiny-qwen2.gguf",
+                                  gf.train_tokenizer(), TYPES, arch="qwen2", tied=False, seed=5)
     return path
 
 
@@ -41,10 +41,12 @@ def test_kept_quantized_folder_loads_in_mlx_lm_with_identical_logits(gguf_path, 
     assert layers["model.layers.0.mlp.up_proj"].bits == 5  # Q5_0
     assert layers["model.layers.1.self_attn.v_proj"].bits == 5  # Q5_K
     assert isinstance(layers["model.layers.1.mlp.down_proj"], nn.Linear)  # Q6_K, dequantized
-    assert isinstance(layers["model.embed_tokens"], nn.QuantizedEmbedding) and layers["model.embed_tokens"].bits == 8
+    assert isinstance(layers["model.embed_tokens"], nn.QuantizedEmbedding)
+    assert layers["model.embed_tokens"].bits == 8
     np.testing.assert_array_equal(np.array(model(TOKENS)), np.array(ours(TOKENS)))
     config = json.loads((out / "config.json").read_text())
-    assert config["quantization"]["model.layers.0.mlp.up_proj"] == {"group_size": 32, "bits": 5, "mode": "affine"}
+    assert config["quantization"]["model.layers.0.mlp.up_proj"] == {"group_size": 32, "bits": 5,
+                                                                      "mode": "affine"}
     assert sorted(config["eos_token_id"]) == [0, gf.EOS_ID]
     text = "<|im_start|>user\nhéllo 2024<|im_end|>\n"
     assert mlx_tokenizer.encode(text) == tokenizer.encode(text)

@@ -1,6 +1,7 @@
 """``serve``, ``chat`` and ``bench`` under ``mlx.launch`` (issue 45): a sharded server answers exactly as one
-process does (rank 0 serves HTTP and shares each request with the other ranks), stops cleanly, and a killed rank
-stops it with one error line and a non-zero status; ``chat`` and ``bench`` refuse to start under the launcher.
+process does (rank 0 serves HTTP and shares each request with the other ranks), stops cleanly, and a
+killed rank stops it with one error line and a non-zero status; ``chat`` and ``bench`` refuse to
+start under the launcher.
 
 Every 2-rank launch is slow and has a hard timeout, so a hang fails the test instead of wedging the run.
 """
@@ -22,7 +23,8 @@ from serve_fixtures import ServerProcess
 from test_distributed import TIMEOUT_S, _rank_pid, launch_command, run_launch
 from mlxspec.bench.measure import free_port
 
-REQUESTS = [  # greedy; sampled with a seed; the greedy one again (the prefix cache holds it: every rank reuses it)
+# greedy; sampled with a seed; the greedy one again (the prefix cache holds it: every rank reuses it)
+REQUESTS = [
     {"prompt": "abcabcabcabc", "max_tokens": 24, "temperature": 0},
     {"prompt": "abcabcabcabc", "max_tokens": 24, "temperature": 0.8, "seed": 7},
     {"prompt": "abcabcabcabc", "max_tokens": 24, "temperature": 0},
@@ -31,7 +33,8 @@ ARGS = ["--drafter", "ngram", "--num-draft-tokens", "3", "--blas", "keep"]
 
 
 class LaunchedServer:
-    """``mlx.launch`` 2 ranks of ``mlxspec serve --shard KIND`` on 127.0.0.1, waited for until ``/health`` answers."""
+    """``mlx.launch`` 2 ranks of ``mlxspec serve --shard KIND`` on 127.0.0.1, waited for
+    until ``/health`` answers."""
 
     def __init__(self, model, kind: str):
         self.port = free_port()
@@ -78,7 +81,8 @@ def complete(url: str, request: dict) -> dict:
 @pytest.fixture(scope="module")
 def tiny_qwen2_dir(tmp_path_factory):
     """A tiny qwen2 (mlx-lm gives qwen2 pipeline stages; llama has none) with the byte tokenizer."""
-    return save_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), tiny_qwen2(seed=0, sharpen=4.0), byte_tokenizer())
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), tiny_qwen2(seed=0, sharpen=4.0),
+                           byte_tokenizer())
 
 
 @pytest.mark.slow  # two processes under mlx.launch, and a one-process server to compare with
@@ -121,11 +125,13 @@ def test_a_killed_rank_stops_the_sharded_server_with_one_error(tiny_model_dir):
 @pytest.mark.parametrize("command", ["chat", "bench"])
 def test_chat_and_bench_refuse_to_run_under_the_launcher(command):
     """One line naming what to use instead, before anything loads (a stand-in MLX_RANK: no launch needed)."""
-    done = subprocess.run([sys.executable, "-m", "mlxspec", command, "--blas", "keep"], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-m", "mlxspec", command, "--blas", "keep"],
+                          capture_output=True, text=True,
                           timeout=TIMEOUT_S, env={**os.environ, "MLX_RANK": "0"})
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"mlxspec: error: mlxspec {command} does not run under mlx.launch"), \
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith(f"mlxspec: error: mlxspec {command} does not run under mlx.launch"), \
         done.stderr
     assert "--shard" in lines[0]
 
@@ -151,7 +157,8 @@ def test_only_rank_0_says_it_reruns_with_a_fast_blas(monkeypatch, capsys, rank):
 
 @pytest.mark.slow  # two processes under mlx.launch
 def test_plain_decoding_in_pipeline_stages_ends_and_matches_one_process(tiny_qwen2_dir):
-    """--drafter none under --shard pipeline hung (a queued plain step evaluated asynchronously): now it ends."""
+    """--drafter none under --shard pipeline hung (a queued plain step evaluated
+    asynchronously): now it ends."""
     args = ["-m", "mlxspec", "generate", "--model", str(tiny_qwen2_dir), "--drafter", "none", "--temp", "0",
             "--max-tokens", "20", "--prompt", "abcabcabc", "--no-chat-template", "--json", "--blas", "keep"]
     whole = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=TIMEOUT_S)

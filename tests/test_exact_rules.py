@@ -60,7 +60,8 @@ def _run(rule, u: list[np.ndarray], monkeypatch) -> tuple[np.ndarray, np.ndarray
 
 
 def _threshold(rule, n_nodes: int, fixed: list[np.ndarray], slot: int, accepted, monkeypatch) -> np.ndarray:
-    """Per node, sup{u in slot ``slot``: accepted(choice)[n]} by bisection (slots before it held at ``fixed``)."""
+    """Per node, sup{u in slot ``slot``: accepted(choice)[n]} by bisection (slots before
+    it held at ``fixed``)."""
     lo, hi = np.zeros(n_nodes), np.ones(n_nodes)
     for _ in range(30):
         mid = (lo + hi) / 2
@@ -88,11 +89,12 @@ def emitted_after(rule, tokens: list[int], tree: Tree, monkeypatch) -> np.ndarra
     below = np.zeros(n_nodes)
     for j in range(children.shape[1]):
         if n_slots == 1:  # one u per node: child j owns [t_{j-1}, t_j)
-            cum = _threshold(rule, n_nodes, ones, 0, lambda c, j=j: np.isin(c, children[:, : j + 1]) & (c > 0),
-                             monkeypatch)
+            cum = _threshold(rule, n_nodes, ones, 0,
+                             lambda c, j=j: np.isin(c, children[:, : j + 1]) & (c > 0), monkeypatch)
             prob[:, j], below = np.maximum(cum - below, 0.0), np.maximum(cum, below)
         else:  # slot j: reached with probability reach, accepted below its threshold
-            t = _threshold(rule, n_nodes, ones, j, lambda c, j=j: (c == children[:, j]) & (c > 0), monkeypatch)
+            t = _threshold(rule, n_nodes, ones, j, lambda c, j=j: (c == children[:, j]) & (c > 0),
+                           monkeypatch)
             prob[:, j], reach = reach * t, reach * (1 - t)
     out = np.zeros((n_nodes, V))
     for n in range(n_nodes):
@@ -121,7 +123,8 @@ def _chain_sampled_marginals(make_rule, monkeypatch) -> np.ndarray:
     for node, d in itertools.product(range(2), range(V)):
         drafts = [1, 2]
         drafts[node] = d
-        out[node] += Q[node, d] * emitted_after(make_rule([0, *drafts]), [0, *drafts], chain(2), monkeypatch)[node]
+        out[node] += Q[node, d] * emitted_after(make_rule([0, *drafts]), [0, *drafts],
+                                                chain(2), monkeypatch)[node]
     return out
 
 
@@ -139,7 +142,8 @@ def test_any_fixed_chain_emits_p_after_every_node(drafts, monkeypatch):
 
 
 def test_top_k_children_emit_p_after_every_node(monkeypatch):
-    """EAGLE-2/Medusa-style deterministic trees: siblings tried in order, each removed from r once rejected."""
+    """EAGLE-2/Medusa-style deterministic trees: siblings tried in order, each
+    removed from r once rejected."""
     a, b = np.argsort(-P[0])[:2].tolist()
     a1, a2 = np.argsort(-P[1])[:2].tolist()
     tokens = [0, a, b, a1, a2]
@@ -159,7 +163,8 @@ def _without_replacement(q: np.ndarray, pair: tuple[int, int], raw: bool = False
 
 
 def _tree_sampled_marginals(monkeypatch, raw: bool = False) -> np.ndarray:
-    """Token emitted after the root and after a, each averaged over its two children drawn without replacement."""
+    """Token emitted after the root and after a, each averaged over its two children
+    drawn without replacement."""
     out = np.zeros((2, V))
     for node, pair in itertools.product(range(2), itertools.permutations(range(V), 2)):
         kids = {0: (0, 1), 1: (2, 3)}

@@ -44,14 +44,16 @@ def reference(target):
 
 
 def _draft(target, tokenizer, draft_model):
-    return make_drafter("draft", target=target, tokenizer=tokenizer, draft_model=draft_model, draft_tokenizer=tokenizer)
+    return make_drafter("draft", target=target, tokenizer=tokenizer, draft_model=draft_model,
+                        draft_tokenizer=tokenizer)
 
 
 @pytest.mark.parametrize("kind", ["poor-draft", "ngram", "none"])
 def test_greedy_equals_plain_greedy_over_300_tokens(target, tokenizer, reference, kind):
     drafter = {"poor-draft": lambda: _draft(target, tokenizer, tiny_llama(seed=3)),
                "ngram": lambda: make_drafter("ngram"), "none": lambda: make_drafter("none")}[kind]()
-    result = generate(target, tokenizer, PROMPT, drafter=drafter, num_draft_tokens=5, max_tokens=300, stop_tokens=set())
+    result = generate(target, tokenizer, PROMPT, drafter=drafter, num_draft_tokens=5,
+                      max_tokens=300, stop_tokens=set())
     assert result.tokens == reference
     if kind == "ngram":
         assert result.stats.accepted > 0 and result.stats.rounds < 300
@@ -83,7 +85,8 @@ def test_target_as_its_own_draft_accepts_everything(target, tokenizer, reference
 def test_the_draft_model_asks_before_each_further_token_and_stops_when_told(target, tokenizer):
     drafter = _draft(target, tokenizer, tiny_llama(seed=0, sharpen=1.5))
     drafter.prefill(PROMPT)
-    whole = drafter.propose(PROMPT, 8, SamplingParams())  # the survival it reports: its confidences multiplied
+    # the survival it reports: its confidences multiplied
+    whole = drafter.propose(PROMPT, 8, SamplingParams())
     survival = np.array(whole.survival)
     assert whole.size == 8 and 0 < survival[-1] < survival[0] < 1
     drafter.commit(len(PROMPT), [])
@@ -97,9 +100,12 @@ def test_the_draft_model_asks_before_each_further_token_and_stops_when_told(targ
 def test_auto_lets_the_draft_model_end_its_rounds_and_stays_greedy(target, tokenizer, reference, draft_kind):
     """γ auto with a draft model: each round drafts until the next token would not pay (``Plan.keep_above``);
     rounds of many lengths, kept whole or rejected early, leave the output plain greedy decoding's."""
-    draft_model = tiny_llama(seed=0, sharpen=8.0) if draft_kind == "same-argmax" else tiny_llama(seed=3, sharpen=10.0)
-    cheap = Costs([1.0 + 0.005 * k for k in range(16)], draft_s=0.01)  # another token pays while survival > 0.015
-    policy = make_pacer("auto", target, _draft(target, tokenizer, draft_model), costs=cheap, learn=False)  # as given
+    draft_model = (tiny_llama(seed=0, sharpen=8.0) if draft_kind == "same-argmax"
+                   else tiny_llama(seed=3, sharpen=10.0))
+    # another token pays while survival > 0.015
+    cheap = Costs([1.0 + 0.005 * k for k in range(16)], draft_s=0.01)
+    # as given
+    policy = make_pacer("auto", target, _draft(target, tokenizer, draft_model), costs=cheap, learn=False)
     assert isinstance(policy, Auto) and policy.plan().keep_above is not None
     result = generate(target, tokenizer, PROMPT, drafter=_draft(target, tokenizer, draft_model),
                       num_draft_tokens=policy, max_tokens=120, stop_tokens=set())
@@ -126,7 +132,8 @@ def test_stops_end_output_where_plain_decoding_would(target, tokenizer, referenc
     for stop, max_tokens, gamma in itertools.product(stops, (1, 5, 12, 30), (1, 4, 7)):
         first = reference.index(stop)
         expected = reference[: min(first + 1, max_tokens)]
-        result, cache_length = _run(target, tokenizer, _draft(target, tokenizer, draft_model), gamma, max_tokens, stop)
+        result, cache_length = _run(target, tokenizer, _draft(target, tokenizer, draft_model), gamma,
+                                    max_tokens, stop)
         case = f"stop={stop} at {first}, max_tokens={max_tokens}, γ={gamma}"
         assert result.tokens == expected, case
         assert result.stats.finish_reason == ("stop" if first < max_tokens else "length"), case
@@ -232,7 +239,8 @@ def test_bad_arguments_are_clear_errors(target, tokenizer, kwargs, message):
 
 
 @pytest.mark.parametrize("prompt,kwargs,error,message", [
-    ([10**7], {}, ValueError, r"token id 10000000 is outside the model's vocabulary \(ids 0 to 263\)"),  # was a crash
+    # was a crash
+    ([10**7], {}, ValueError, r"token id 10000000 is outside the model's vocabulary \(ids 0 to 263\)"),
     ([-1, 5], {}, ValueError, "token id -1 is outside"),  # was read as the last row of the embedding
     (b"hi", {}, TypeError, "prompt must be text .* got bytes"),  # was read as the ids 104, 105
     (None, {}, TypeError, "prompt must be text .* got NoneType"),
@@ -256,7 +264,8 @@ def test_token_ids_may_come_as_integer_arrays(target, tokenizer):
 
 
 def test_make_drafter_refuses_a_draft_model_it_would_ignore_and_a_spec_of_the_wrong_kind(target, tokenizer):
-    with pytest.raises(ValueError, match="draft_model is used by the draft drafter only, but the drafter is ngram"):
+    with pytest.raises(ValueError,
+                       match="draft_model is used by the draft drafter only, but the drafter is ngram"):
         make_drafter("ngram", target, tokenizer, draft_model=target)
     with pytest.raises(TypeError, match="spec must be a drafter spec string"):
         make_drafter(5, target, tokenizer)

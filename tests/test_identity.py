@@ -48,7 +48,8 @@ def test_heads_are_found_by_the_model_not_the_folder(shipped_eagle):
     with pytest.raises(ValueError) as e:
         require_shipped_for("eagle", tiny_llama(seed=0, hidden_size=32))
     message = str(e.value)
-    assert "\n" not in message and message.startswith("no EAGLE head ships for this model (llama, hidden 32, 2 layers")
+    assert "\n" not in message
+    assert message.startswith("no EAGLE head ships for this model (llama, hidden 32, 2 layers")
     assert "--eagle-heads" in message
 
 
@@ -56,6 +57,7 @@ def test_a_model_named_like_the_target_gets_no_head(shipped_eagle, tmp_path, cap
     """The issue's case: another architecture in a folder with the shipped head's name."""
     other = tiny_llama(seed=0, hidden_size=32)
     folder = save_tiny_model(tmp_path / "x" / shipped_eagle.name, other, byte_tokenizer())
-    assert main(["generate", "--model", str(folder), "--drafter", "eagle", "--prompt", "hi", "--max-tokens", "2"]) == 2
+    assert main(["generate", "--model", str(folder), "--drafter", "eagle", "--prompt", "hi",
+                 "--max-tokens", "2"]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1 and "no EAGLE head ships for this model" in err

@@ -41,7 +41,8 @@ def test_bench_output_into_a_missing_folder_or_onto_a_folder_is_refused_before_m
                                                                                       monkeypatch):
     no_measuring(monkeypatch)
     missing = tmp_path / "no" / "such" / "bench.json"
-    error_line(capsys, main(["bench", *BENCH, "-o", str(missing)]), f"the folder {missing.parent} does not exist")
+    error_line(capsys, main(["bench", *BENCH, "-o", str(missing)]),
+               f"the folder {missing.parent} does not exist")
     error_line(capsys, main(["bench", *BENCH, "-o", str(tmp_path)]), "is a folder")
     (tmp_path / "file").write_text("x")
     error_line(capsys, main(["bench", *BENCH, "-o", str(tmp_path / "file" / "b.json")]), "is not a folder")
@@ -58,8 +59,11 @@ def test_bench_output_into_a_read_only_folder_is_refused_before_measuring(tmp_pa
     error_line(capsys, main(["bench", *BENCH, "-o", str(tmp_path / "b.json")]), "cannot write in")
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a chmod 555 folder; the simulated test above covers it")
-def test_bench_output_into_a_chmod_read_only_folder_is_refused_before_measuring(tmp_path, capsys, monkeypatch):
+@pytest.mark.skipif(os.geteuid() == 0,
+                    reason="root writes into a chmod 555 folder; the simulated test above covers it")
+def test_bench_output_into_a_chmod_read_only_folder_is_refused_before_measuring(
+    tmp_path, capsys, monkeypatch
+):
     no_measuring(monkeypatch)
     locked = tmp_path / "locked"
     locked.mkdir()
@@ -72,8 +76,8 @@ def test_bench_output_into_a_chmod_read_only_folder_is_refused_before_measuring(
 
 def test_bench_keeps_finished_measurements_when_the_final_write_fails(tmp_path, tiny_model_dir, capsys,
                                                                       monkeypatch):
-    """The disk fills (or the folder turns read-only) during the runs: the JSON goes to a file in the temporary
-    folder, the line says where, and the verdict is still printed."""
+    """The disk fills (or the folder turns read-only) during the runs: the JSON goes to a file in the
+    temporary folder, the line says where, and the verdict is still printed."""
     import mlxspec.commands.files as files
 
     output = tmp_path / "bench.json"
@@ -139,8 +143,9 @@ def full_disk_after(monkeypatch, nbytes: int):
     monkeypatch.setattr(mx, "save_safetensors", save)
 
 
-def test_convert_onto_a_full_disk_leaves_nothing_truncated_and_says_so_in_one_line(gguf_path, tmp_path, capsys,
-                                                                                   monkeypatch):
+def test_convert_onto_a_full_disk_leaves_nothing_truncated_and_says_so_in_one_line(
+    gguf_path, tmp_path, capsys, monkeypatch
+):
     out = tmp_path / "out"
     full_disk_after(monkeypatch, 100)
     error_line(capsys, main(["convert", str(gguf_path), str(out)]), f"could not write {out}")
@@ -151,7 +156,8 @@ def test_convert_onto_a_full_disk_leaves_nothing_truncated_and_says_so_in_one_li
 
 
 def test_convert_os_errors_are_one_line(gguf_path, tmp_path, capsys, monkeypatch):
-    """A read-only folder (EACCES) or a full disk raised as an OSError by the writer: one line, no traceback."""
+    """A read-only folder (EACCES) or a full disk raised as an OSError by the writer:
+    one line, no traceback."""
     import mlx_lm.utils
 
     for code, text in ((errno.EACCES, "Permission denied"), (errno.ENOSPC, "No space left on device"),

@@ -20,7 +20,8 @@ from test_bad_input import one_line_error
                                               ("0.09", "inf")])
 def test_typical_acceptance_out_of_range_is_refused_by_generate_and_verify(capsys, tiny_model_dir, command,
                                                                            threshold, alpha):
-    """``verify --typical-threshold 2`` used to run (generate refused it): one check serves both, before loading."""
+    """``verify --typical-threshold 2`` used to run (generate refused it): one check
+    serves both, before loading."""
     prompt = ["--prompt", "hi"] if command == "generate" else []
     one_line_error(capsys, [command, "--model", str(tiny_model_dir), *prompt, "--temp", "0.7",
                             "--typical-threshold", threshold, "--typical-alpha", alpha],
@@ -59,7 +60,8 @@ def test_a_spec_key_and_its_flag_that_agree_or_set_different_keys_are_taken(tiny
 
 @pytest.mark.parametrize("value", ["inf", "-inf", "nan"])
 def test_an_infinite_repetition_penalty_is_refused(capsys, tiny_model_dir, value):
-    one_line_error(capsys, ["generate", "--model", str(tiny_model_dir), "--prompt", "hi", f"--repetition-penalty={value}"],
+    one_line_error(capsys, ["generate", "--model", str(tiny_model_dir), "--prompt", "hi",
+                            f"--repetition-penalty={value}"],
                    "repetition_penalty must be > 0 and finite")
     with pytest.raises(ValueError, match="repetition_penalty"):
         SamplingParams(repetition_penalty=float(value))
@@ -78,6 +80,7 @@ def test_bench_refuses_a_drafters_spec_and_a_flag_that_disagree(capsys, monkeypa
     import mlxspec.commands.bench as bench
 
     monkeypatch.setattr(bench, "load_model", lambda *a, **k: (_ for _ in ()).throw(AssertionError("loaded")))
-    one_line_error(capsys, ["bench", "--drafters", "eagle:depth=4,none", "--eagle-depth", "5", "--blas", "keep",
-                            "--prompt", "hi"],
-                   "--drafters eagle:depth=4 and --eagle-depth 5 both set the eagle drafter's depth; keep one")
+    one_line_error(capsys, ["bench", "--drafters", "eagle:depth=4,none",
+                            "--eagle-depth", "5", "--blas", "keep", "--prompt", "hi"],
+                   "--drafters eagle:depth=4 and --eagle-depth 5 both set the eagle drafter's depth; "
+                   "keep one")

@@ -79,8 +79,8 @@ def test_the_shipped_eagle_head_is_greedy_exact_and_accepts(float32):
     taus = []
     for ngram in (None, 0):  # the shipped tree (chain + n-gram branch), then the head alone
         drafter = EagleDrafter(head, model, ngram=ngram)
-        spec = generate(model, tokenizer, prompt, drafter=drafter, num_draft_tokens=drafter.depth, max_tokens=48,
-                        stop_tokens=set())
+        spec = generate(model, tokenizer, prompt, drafter=drafter,
+                        num_draft_tokens=drafter.depth, max_tokens=48, stop_tokens=set())
         assert spec.tokens == plain.tokens
         taus.append(spec.stats.tau)
     # a head that did not fit the target (wrong layers, d2t read as absolute ids) accepts ~nothing: τ ≈ 1

@@ -85,8 +85,10 @@ def test_caches_that_cannot_be_rewound_exactly_are_refused_or_fail_loudly():
 
 def tiny_mamba():
     mx.random.seed(0)
-    args = mamba.ModelArgs(model_type="mamba", vocab_size=264, hidden_size=64, intermediate_size=128, state_size=8,
-                           num_hidden_layers=2, conv_kernel=4, use_bias=False, use_conv_bias=True, time_step_rank=8)
+    args = mamba.ModelArgs(model_type="mamba", vocab_size=264, hidden_size=64,
+                           intermediate_size=128, state_size=8,
+                           num_hidden_layers=2, conv_kernel=4, use_bias=False,
+                           use_conv_bias=True, time_step_rank=8)
     model = mamba.Model(args)
     mx.eval(model.parameters())
     return model
@@ -108,7 +110,8 @@ def test_checks_come_before_any_cost_measurement(monkeypatch):
 
     monkeypatch.setattr(gamma, "load_or_calibrate", no_measuring)
     with pytest.raises(ValueError, match="cannot be rewound"):
-        generate(tiny_mamba(), byte_tokenizer(), PROMPT, drafter="ngram", num_draft_tokens="auto", max_tokens=4)
+        generate(tiny_mamba(), byte_tokenizer(), PROMPT, drafter="ngram",
+                 num_draft_tokens="auto", max_tokens=4)
     with pytest.raises(ValueError, match="context is 4096"):
         generate(tiny_llama(), byte_tokenizer(), list(range(4100)), drafter="ngram", num_draft_tokens="auto")
 
@@ -167,7 +170,8 @@ def test_each_chat_turn_prefills_only_its_new_tokens(name, monkeypatch):
         conversation = conversation + result.tokens + [61 + turn, 62, 63]  # the answer and a follow-up
     assert new_tokens[1] == new_tokens[2] == 3  # the last answer token and the follow-up, but the new root
     assert counts["target"] == new_tokens
-    if name == "draft":  # the draft model reads the prompt once, then each turn's new tokens (+ the last round's)
+    # the draft model reads the prompt once, then each turn's new tokens (+ the last round's)
+    if name == "draft":
         assert counts["draft model"][0] == len(PROMPT) - 1
         assert all(n <= new + 3 + 1 for n, new in zip(counts["draft model"][1:], new_tokens[1:]))
 
@@ -218,7 +222,8 @@ def test_stop_strings_end_the_output_exactly(gamma):
     tokenizer, prompt, model, draft = scripted("ENjoy 42. END and then more text")
     store = PromptCache(model)
     drafter = DraftModelDrafter(draft, 264, len(tokenizer))  # the script itself: every draft is accepted
-    events = list(stream_generate(model, tokenizer, prompt, drafter=drafter, num_draft_tokens=gamma, max_tokens=60,
+    events = list(stream_generate(model, tokenizer, prompt, drafter=drafter,
+                                  num_draft_tokens=gamma, max_tokens=60,
                                   stop=["zzz", "END"], prompt_cache=store))
     tokens = [e for e in events if isinstance(e, TokenEvent)]
     stats = events[-1]

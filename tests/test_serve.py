@@ -552,7 +552,8 @@ def test_stops_cleanly_on_a_signal(chat_model, sig):
     )
     next(iter(stream))
     process.process.send_signal(sig)
-    chunks = list(stream)  # read while it stops: an unread stream's full socket buffer would hold the server up
+    # read while it stops: an unread stream's full socket buffer would hold the server up
+    chunks = list(stream)
     out, _ = process.process.communicate(timeout=300)  # a generous ceiling: it exits once the stream ended
     status = process.process.returncode
     assert status == 0 and "Traceback" not in out, out

@@ -1,9 +1,9 @@
 """A bounded load test of ``mlxspec serve`` (marked slow): 8 concurrent clients × 10 requests mixing
 streaming, non-streaming, Anthropic, cancelled-midway and malformed requests against a small queue.
 Every well-formed request gets a whole answer or a clean 503; nothing hangs; the server answers
-/health afterwards; its resident memory does not grow from the first concurrent wave to 200 requests (by more than
-5%; it may shrink as freed buffers are returned), and that plateau stays within 30% of the memory after 20 requests
-one at a time (113 → 123 → 119 MB and 115 → 133 → 123 MB measured)."""
+/health afterwards; its resident memory does not grow from the first concurrent wave to 200 requests (by more
+than 5%; it may shrink as freed buffers are returned), and that plateau stays within 30% of the memory after
+20 requests one at a time (113 → 123 → 119 MB and 115 → 133 → 123 MB measured)."""
 
 from __future__ import annotations
 
@@ -102,11 +102,13 @@ def test_load(server):
     wave(100 // CLIENTS + 1, 3)  # up to 200 requests in all, well-formed
     rss_200 = server.rss_kb()
     print(
-        f"resident memory after 20 requests (one at a time) {rss_20 / 1024:.0f} MB, after the first concurrent "
-        f"wave {rss_100 / 1024:.0f} MB, after {20 + len(outcomes)}: {rss_200 / 1024:.0f} MB"
+        f"resident memory after 20 requests (one at a time) {rss_20 / 1024:.0f} MB, "
+        f"after the first concurrent wave {rss_100 / 1024:.0f} MB, "
+        f"after {20 + len(outcomes)}: {rss_200 / 1024:.0f} MB"
     )
     assert 20 + len(outcomes) >= 200
-    # Eight requests decoding together raise the plateau once (their buffers at once); a leak grows with requests.
+    # Eight requests decoding together raise the plateau once (their buffers at once); a
+    # leak grows with requests.
     assert rss_200 <= 1.05 * rss_100
     assert rss_200 <= 1.3 * rss_20
     assert post(server, "/health", b"", method="GET") == (

@@ -22,16 +22,19 @@ from test_distributed import worker
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    """The same tiny llama as a GGUF (F32, F16, Q8_0, Q4_0, Q4_1 tensors) and as float32 and quantized folders."""
+    """The same tiny llama as a GGUF (F32, F16, Q8_0, Q4_0, Q4_1 tensors) and as float32
+    and quantized folders."""
     root, tokenizer = tmp_path_factory.mktemp("lazy"), gf.train_tokenizer()
     weights = gf.random_weights(tokenizer.get_vocab_size(), tied=False)
     return {"gguf": gf.write_gguf(root / "tiny.gguf", weights, tokenizer),
             "folder": gf.write_mlx_folder(root / "f32", weights, tokenizer, tied=False, quantized=False),
-            "quantized folder": gf.write_mlx_folder(root / "q", weights, tokenizer, tied=False, quantized=True)}
+            "quantized folder": gf.write_mlx_folder(root / "q", weights, tokenizer,
+                                                    tied=False, quantized=True)}
 
 
 def _weights(model) -> dict[str, np.ndarray]:
-    return {k: np.array(v.astype(mx.float32) if v.dtype == mx.bfloat16 else v) for k, v in tree_flatten(model.parameters())}
+    return {k: np.array(v.astype(mx.float32) if v.dtype == mx.bfloat16 else v)
+            for k, v in tree_flatten(model.parameters())}
 
 
 @pytest.mark.parametrize("kind", ["gguf", "folder", "quantized folder"])
@@ -54,15 +57,18 @@ def _decoded_bytes(model) -> int:
 
 @pytest.mark.parametrize("kind", ["gguf", "folder"])
 def test_a_lazy_load_holds_at_most_the_stored_bytes(checkpoints, kind):
-    """Before evaluation a GGUF holds its stored (quantized) bytes and a folder nothing; evaluation decodes."""
+    """Before evaluation a GGUF holds its stored (quantized) bytes and a folder
+    nothing; evaluation decodes."""
     path = checkpoints[kind]
-    stored = path.stat().st_size if kind == "gguf" else sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    stored = (path.stat().st_size if kind == "gguf"
+              else sum(f.stat().st_size for f in path.glob("*.safetensors")))
     mx.synchronize()
     before = mx.get_active_memory()
     model, _ = load(str(path), dtype="float32", lazy=True)
     held = mx.get_active_memory() - before
     decoded = _decoded_bytes(model)
-    # SLACK: small arrays MLX may make on a first use (a scalar, a random key): 1,752 bytes in one full-suite run
+    # SLACK: small arrays MLX may make on a first use (a scalar, a random key): 1,752
+    # bytes in one full-suite run
     assert held <= (stored if kind == "gguf" else 0) + SLACK, f"a lazy load already holds {held} bytes"
     # so the check above could fail: an eager load holds the decoded weights, more than that bound
     assert (stored if kind == "gguf" else 0) + SLACK < 0.6 * decoded
@@ -82,5 +88,6 @@ def test_each_rank_materializes_its_share(tmp_path, kind):
     whole, share = result["whole_bytes"], result["share_bytes"]
     assert share < 0.6 * whole, "the model was not split"
     for rank, peak in enumerate(result["peaks"]):
-        assert peak < share + 0.25 * whole, f"rank {rank} peaked at {peak} bytes of a {whole}-byte model (share {share})"
+        assert peak < share + 0.25 * whole, (f"rank {rank} peaked at {peak} bytes of a {whole}-byte model "
+                                             f"(share {share})")
 

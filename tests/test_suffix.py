@@ -78,16 +78,17 @@ def test_a_repeated_request_drafts_most_of_its_answer_from_the_global_store():
     target, tokenizer = tiny_llama(seed=0, sharpen=4.0), byte_tokenizer()
     run = dict(num_draft_tokens=8, max_tokens=48, stop_tokens=set())
     spec = "suffix:min_prob=0.0"
-    first = generate(target, tokenizer, PROMPT, drafter=make_drafter(spec, target, tokenizer, target_name="share"),
-                     **run)
-    second = generate(target, tokenizer, PROMPT, drafter=make_drafter(spec, target, tokenizer, target_name="share"),
-                      **run)
+    first = generate(target, tokenizer, PROMPT,
+                     drafter=make_drafter(spec, target, tokenizer, target_name="share"), **run)
+    second = generate(target, tokenizer, PROMPT,
+                      drafter=make_drafter(spec, target, tokenizer, target_name="share"), **run)
     alone = generate(target, tokenizer, PROMPT, **run,
                      drafter=make_drafter(spec + ",shared=false", target, tokenizer, target_name="share"))
     assert first.tokens == second.tokens == alone.tokens == plain_greedy(target, PROMPT, 48)
     assert second.stats.accepted >= 0.8 * len(second.tokens), second.stats
     assert second.stats.accepted > first.stats.accepted + 10 and second.stats.rounds < first.stats.rounds
-    assert alone.stats.accepted == first.stats.accepted  # the opt-out sees this request only, like the first call
+    # the opt-out sees this request only, like the first call
+    assert alone.stats.accepted == first.stats.accepted
     stats = global_store_stats()[(264, "share")]
     assert stats.documents == 2 and stats.tokens >= 2 * 48  # the opted-out request left nothing behind
 
@@ -110,7 +111,8 @@ def test_a_corpus_is_drafted_from_and_read_once(tmp_path):
 
 
 def test_auto_nodes_follow_the_plans_budget():
-    """``nodes="auto"``: each round's tree is cut to the plan's node budget, priced on the measured verify cost."""
+    """``nodes="auto"``: each round's tree is cut to the plan's node budget, priced on
+    the measured verify cost."""
     flat = Costs([0.1] * 16)  # verifying more costs nothing: keep every candidate
     steep = Costs([0.1 * k for k in range(1, 17)])  # each token costs a step: no tree can beat a plain step
     history = [1, 2, 3, 4, 5, 6, 7, 1, 2, 3, 4, 5, 6, 8, 1, 2, 3, 4, 5, 6]
@@ -124,8 +126,8 @@ def test_auto_nodes_follow_the_plans_budget():
 
 def test_options_are_validated_and_named_by_key():
     assert str(DrafterSpec.parse("suffix:depth=4,shared=false")) == "suffix:depth=4,shared=False"
-    for text, message in [("suffix:depth=0", "'suffix:depth=0': depth must be >= 1"), ("suffix:nodes=0", ": nodes"),
-                          ("suffix:factor=0", ": factor must be > 0"),
+    for text, message in [("suffix:depth=0", "'suffix:depth=0': depth must be >= 1"),
+                          ("suffix:nodes=0", ": nodes"), ("suffix:factor=0", ": factor must be > 0"),
                           ("suffix:min_prob=1", r": min_prob must be in \[0, 1\)"),
                           ("suffix:shared=maybe", ": shared takes true or false"),
                           ("suffix:corpus=x,shared=no", ": corpus goes into the shared store"),
@@ -147,9 +149,9 @@ def reference_searchable(store: SuffixStore, exclude):
 
 @pytest.mark.parametrize("seed", range(6))
 def test_the_incremental_store_searches_exactly_what_joining_afresh_did(seed):
-    """Random documents written by several drafters in turns, corpus files, drafters dropped, a small bound (so
-    eviction runs): every search sees the same array as joining every closed document afresh, so every draft is
-    the same."""
+    """Random documents written by several drafters in turns, corpus files, drafters dropped, a small
+    bound (so eviction runs): every search sees the same array as joining every closed document afresh, so
+    every draft is the same."""
     rng = np.random.default_rng(seed)
     store = SuffixStore(max_tokens=int(rng.integers(60, 400)))
     real = store.searchable

@@ -30,13 +30,15 @@ def test_a_prompt_cache_made_for_another_model_is_refused(target, tokenizer):
 
 def test_a_cache_list_of_the_wrong_length_or_kind_is_refused(target, tokenizer):
     with pytest.raises(ValueError, match=r"prompt_cache has 4 layer caches but the target has 2 layers"):
-        generate(target, tokenizer, [5, 6, 7], max_tokens=4, prompt_cache=make_prompt_cache(tiny_llama(num_layers=4)))
+        generate(target, tokenizer, [5, 6, 7], max_tokens=4,
+                 prompt_cache=make_prompt_cache(tiny_llama(num_layers=4)))
     with pytest.raises(ValueError, match=r"prompt_cache has 1 layer caches but the target has 2 layers"):
         generate(target, tokenizer, [5, 6, 7], max_tokens=4, prompt_cache=make_prompt_cache(target)[:1])
     with pytest.raises(TypeError, match="prompt_cache"):
         generate(target, tokenizer, [5, 6, 7], max_tokens=4, prompt_cache=[None, None])
     ok = make_prompt_cache(target)  # its own empty list still works, and gives plain greedy's tokens
-    assert generate(target, tokenizer, [5, 6, 7], max_tokens=6, prompt_cache=ok).tokens == plain_greedy(target, [5, 6, 7], 6)
+    assert (generate(target, tokenizer, [5, 6, 7], max_tokens=6, prompt_cache=ok).tokens
+            == plain_greedy(target, [5, 6, 7], 6))
 
 
 def test_a_prompt_cache_whose_layers_were_swapped_is_refused(target, tokenizer):
@@ -47,7 +49,8 @@ def test_a_prompt_cache_whose_layers_were_swapped_is_refused(target, tokenizer):
 
 
 def test_a_stop_string_given_as_one_str_is_one_stop_string(target, tokenizer):
-    """``stop="colors"`` used to become six stop strings ('c', 'o', 'l', ...) and cut the answer at its first c."""
+    """``stop="colors"`` used to become six stop strings ('c', 'o', 'l', ...) and cut the
+    answer at its first c."""
     assert check_stops("colors") == ("colors",)
     assert check_stops(["a", "bc"]) == ("a", "bc")
     assert check_stops(None) == ()
@@ -61,7 +64,8 @@ def test_a_stop_string_given_as_one_str_is_one_stop_string(target, tokenizer):
     assert generate(target, tokenizer, "Hello", max_tokens=24, stop=absent).text == plain.text
 
 
-@pytest.mark.parametrize("stop, kind", [(5, TypeError), (b"ab", TypeError), ({"a": 1}, TypeError), ([b"a"], TypeError),
+@pytest.mark.parametrize("stop, kind", [(5, TypeError), (b"ab", TypeError),
+                                        ({"a": 1}, TypeError), ([b"a"], TypeError),
                                         ([""], ValueError), ([None], TypeError), ("", ValueError)])
 def test_odd_stop_values_are_refused_naming_stop(stop, kind):
     with pytest.raises(kind, match="stop"):
