@@ -308,7 +308,8 @@ def test_serve_flags(capsys):
 
 
 def test_the_server_benchmark_runs_from_bench():
-    """``python -m mlxspec.bench.measure`` (docs/serve.md's tables) is found there and names itself so."""
+    """``python -m mlxspec.bench.measure`` (docs/archive/serve.md's tables) is found there and names itself
+    so."""
     import subprocess
     import sys
 

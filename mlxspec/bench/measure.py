@@ -1,4 +1,4 @@
-"""Measure ``mlxspec serve`` as editors and agents use it (docs/serve.md's tables come from here).
+"""Measure ``mlxspec serve`` as editors and agents use it (docs/archive/serve.md's tables come from here).
 
     python -m mlxspec.bench.measure --model default
     python -m mlxspec.bench.measure --model qwen2.5-coder-1.5b --dtype float32
