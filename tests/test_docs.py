@@ -147,7 +147,7 @@ def test_readme_is_a_product_page():
 
 
 #: The manual's size today; issue 51 asks for 20,000 words. Lower it as pages slim; never raise it.
-MANUAL_MAX_WORDS = 26_000
+MANUAL_MAX_WORDS = 21_000
 
 
 def test_the_manual_stays_readable_and_holds_no_run_logs():
