@@ -1,8 +1,8 @@
 """The chat app under Textual's Pilot, against a fake engine that replays scripted events.
 
-The fake runs the real ``Relay`` (the runner's records → batched messages) in its own thread, fed as the runner
-feeds it (a record per round, stopping between rounds on cancel), so only the runner, model loading and MLX are
-faked.
+The fake runs the real ``Relay`` (the runner's records → batched messages) in its own thread, fed as the
+runner feeds it (a record per round, stopping between rounds on cancel), so only the runner, model
+loading and MLX are faked.
 """
 
 from __future__ import annotations
@@ -79,7 +79,8 @@ class FakeEngine:
 
     def configure(self, drafter=None, num_draft_tokens=None, model=None, draft_model=None, *, dtype=None,
                   draft_dtype=None):
-        self.configured.append((drafter if drafter is None else str(drafter), num_draft_tokens, model, draft_model))
+        self.configured.append((drafter if drafter is None else str(drafter),
+                                num_draft_tokens, model, draft_model))
         self.dtypes.append((dtype, draft_dtype))
         self.jobs.put(("configure", None))
 
@@ -94,7 +95,8 @@ class FakeEngine:
         while (job := self.jobs.get()) is not None:
             request_id, events = job
             if request_id == "configure":
-                self.post(LoadFailed(self.configure_error) if self.configure_error else EngineReady(self.info))
+                self.post(LoadFailed(self.configure_error) if self.configure_error
+                          else EngineReady(self.info))
                 continue
             cancelled = self.cancels[request_id]
             relay = Relay(request_id, self.post, cancelled, **self.drafting, flush_s=0)
@@ -103,12 +105,14 @@ class FakeEngine:
 
     @staticmethod
     def _records(events, cancelled):
-        """The scripted events as the runner posts them: a ``Committed`` per round with the running totals, then
-        ``Done`` (``"cancelled"`` when cancelled between rounds) or ``Failed`` for a scripted exception."""
+        """The scripted events as the runner posts them: a ``Committed`` per round with the
+        running totals, then ``Done`` (``"cancelled"`` when cancelled between rounds) or
+        ``Failed`` for a scripted exception."""
         totals, tokens = None, []
         for event in events:
             if event is WAIT:
-                cancelled.wait(120)  # until the test cancels (a generous ceiling: a loaded CI machine is slow)
+                # until the test cancels (a generous ceiling: a loaded CI machine is slow)
+                cancelled.wait(120)
             elif isinstance(event, Exception):
                 yield Failed(one_line(event), 500)
                 return
@@ -130,8 +134,8 @@ class FakeEngine:
 
 
 async def wait_for(pilot, condition, timeout_s=120.0):
-    """Let the app run until ``condition()`` holds (the fake engine answers from another thread); the ceiling is
-    generous (a machine at load 15 took over 5 s), a passing test never waits it out."""
+    """Let the app run until ``condition()`` holds (the fake engine answers from another thread); the ceiling
+    is generous (a machine at load 15 took over 5 s), a passing test never waits it out."""
     for _ in range(int(timeout_s / 0.02)):
         if condition():
             return
@@ -231,7 +235,8 @@ def found_nothing(gammas):
     return events + [totals]
 
 
-EAGLE_SHAPE = "depth-4 chain + a 6-token n-gram branch"  # pacing.tree_summary's words, as generate prints them
+# pacing.tree_summary's words, as generate prints them
+EAGLE_SHAPE = "depth-4 chain + a 6-token n-gram branch"
 
 
 @pytest.mark.parametrize("drafter,gamma,relayed,events,before,after,summary", [
@@ -239,7 +244,8 @@ EAGLE_SHAPE = "depth-4 chain + a 6-token n-gram branch"  # pacing.tree_summary's
     ("ngram", "auto", {"num_draft_tokens": 15, "policy": "auto"}, picked([15, 15, 3]),
      "ngram   γ auto", "ngram   γ auto (now 3, mean 11.0)", ("α 0.09 ·", "· ngram γ auto (mean 11.0)")),
     # a tree drafter: its tree, not the depth that γ auto keeps (6)
-    ("eagle", "auto", {"drafter": "eagle", "num_draft_tokens": 6, "shape": EAGLE_SHAPE}, picked([6, 6], "eagle"),
+    ("eagle", "auto", {"drafter": "eagle", "num_draft_tokens": 6, "shape": EAGLE_SHAPE},
+     picked([6, 6], "eagle"),
      f"eagle   {EAGLE_SHAPE}", f"eagle   {EAGLE_SHAPE}", ("α 0.17 ·", f"· eagle {EAGLE_SHAPE}")),
     # nothing drafted: α is "–" everywhere, never 0.00
     ("none", "auto", {"drafter": "none", "num_draft_tokens": 0}, picked([0, 0], "none"),
@@ -251,7 +257,8 @@ EAGLE_SHAPE = "depth-4 chain + a 6-token n-gram branch"  # pacing.tree_summary's
 def test_stats_say_what_is_drafted(drafter, gamma, relayed, events, before, after, summary):
     async def body():
         shape = relayed.get("shape")
-        info = EngineInfo("tiny (MLX, float32)", False, None, drafter, gamma, ("eagle", "ngram", "none"), shape=shape)
+        info = EngineInfo("tiny (MLX, float32)", False, None, drafter, gamma,
+                          ("eagle", "ngram", "none"), shape=shape)
         app = SpecChatApp(FakeEngine([events], info=info, drafting=relayed))
         async with app.run_test(size=(130, 36)) as pilot:
             await wait_for(pilot, lambda: app.info is not None)
@@ -281,7 +288,8 @@ def test_plain_text_toggle_keeps_colours_on_each_message():
             assert "green" in span_colours(answer) and "underline" in span_colours(answer)
             await pilot.press("f4")  # full colour: resampled tokens red
             await pilot.pause()
-            assert span_colours(answer) == [{**EXPECTED_COLOURS, "resampled": "red"}[kind] for _, kind in SPANS]
+            assert span_colours(answer) == [{**EXPECTED_COLOURS, "resampled": "red"}[kind]
+                                            for _, kind in SPANS]
             await pilot.press("f4")
             await pilot.pause()
             assert span_colours(answer) == [EXPECTED_COLOURS[kind] for _, kind in SPANS]
@@ -320,7 +328,8 @@ def test_cancel_keeps_partial_answer_and_accepts_a_new_message():
 def test_stop_before_the_first_token_leaves_no_empty_answer_and_gives_the_message_back():
     async def body():
         # stopped before its first round lands (as when still queued behind a model load): no token at all
-        engine = FakeEngine([script([[("Hi", "target")]]), script([WAIT], end=False), script([[("Sure", "target")]])])
+        engine = FakeEngine([script([[("Hi", "target")]]), script([WAIT], end=False),
+                             script([[("Sure", "target")]])])
         app = SpecChatApp(engine)
         async with app.run_test(size=(110, 36)) as pilot:
             await send(pilot, app, "hello")
@@ -330,10 +339,12 @@ def test_stop_before_the_first_token_leaves_no_empty_answer_and_gives_the_messag
             await pilot.press("escape")
             await wait_for(pilot, lambda: not app.generating)
             # No empty assistant turn: the conversation ends at the last real answer, as a failed send does.
-            assert app.history == [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "Hi"}]
+            assert app.history == [{"role": "user", "content": "hello"},
+                                   {"role": "assistant", "content": "Hi"}]
             assert [m.text for m in messages(app, "assistant")] == ["Hi"]
             unsent = messages(app, "user")[-1]
-            assert unsent.text == "never mind" and unsent.has_class("-failed") and unsent.border_subtitle == "not sent"
+            assert unsent.text == "never mind" and unsent.has_class("-failed")
+            assert unsent.border_subtitle == "not sent"
             assert app.query_one("#prompt").value == "never mind"
             await pilot.click("#prompt")
             await pilot.press("enter")  # sent again: it replaces the bubble marked not sent
@@ -369,21 +380,25 @@ def test_generation_and_load_errors_show_in_chat_and_keep_history():
             assert "not added" in messages(app, "error")[1].text
             assert app.query_one("#prompt").value == "three"  # the unanswered message is back in the input
             # The failed "three" is not in the history; the rest is intact. Its bubble says it was not sent.
-            assert [m["content"] for m in app.history] == ["one", "Hello world, café! Bye", "two", "Hello wor"]
+            assert [m["content"] for m in app.history] == ["one", "Hello world, café! Bye", "two",
+                                                           "Hello wor"]
             unsent = messages(app, "user")[-1]
-            assert unsent.text == "three" and unsent.has_class("-failed") and unsent.border_subtitle == "not sent"
+            assert unsent.text == "three" and unsent.has_class("-failed")
+            assert unsent.border_subtitle == "not sent"
             await pilot.click("#prompt")
             await pilot.press("enter")  # sent again: it replaces the bubble marked not sent
             await wait_for(pilot, lambda: not app.generating)
             assert [m.text for m in messages(app, "user")] == ["one", "two", "three"]
             assert not messages(app, "user")[-1].has_class("-failed")
-            assert app.history[-2:] == [{"role": "user", "content": "three"}, {"role": "assistant", "content": "Fine"}]
+            assert app.history[-2:] == [{"role": "user", "content": "three"},
+                                        {"role": "assistant", "content": "Fine"}]
             await pilot.press("f2")
             await pilot.pause()  # the dialog lays out its drafter's settings
             await pilot.click("#drafter-draft")
             await pilot.pause()  # the dialog now shows the draft drafter's settings: the layout moved
             app.screen.query_one("#draft-spec").value = "/nope"
-            app.screen.query_one("#apply").scroll_visible(animate=False)  # the draft's settings (vocab) fill 36 rows
+            # the draft's settings (vocab) fill 36 rows
+            app.screen.query_one("#apply").scroll_visible(animate=False)
             await pilot.pause()
             await pilot.click("#apply")
             assert engine.configured == [("draft", 4, None, "/nope")]
@@ -470,7 +485,8 @@ def test_drafter_dialog_enter_on_the_list_applies_and_gamma_has_the_cli_bound():
         from mlxspec.pacing import MAX_NUM_DRAFT_TOKENS
 
         long_name = "SmolLM2-135M-Instruct-Q4_K_M.gguf (GGUF, float16) from a folder with a long name"
-        engine = FakeEngine([], info=EngineInfo(INFO.model_name, False, long_name, "ngram", "auto", INFO.drafters))
+        engine = FakeEngine([], info=EngineInfo(INFO.model_name, False, long_name,
+                                                "ngram", "auto", INFO.drafters))
         app = SpecChatApp(engine)
         async with app.run_test(size=(110, 44)) as pilot:
             await wait_for(pilot, lambda: app.info is not None)
@@ -531,7 +547,8 @@ def test_clear_forgets_the_conversation():
             assert app.history == [] and [m.role for m in messages(app)] == ["system"]
             await send(pilot, app, "fresh")
             await wait_for(pilot, lambda: not app.generating)
-            assert engine.requests[-1] == [{"role": "system", "content": "sys"}, {"role": "user", "content": "fresh"}]
+            assert engine.requests[-1] == [{"role": "system", "content": "sys"},
+                                           {"role": "user", "content": "fresh"}]
 
     run(body())
 
@@ -560,8 +577,8 @@ def test_drafter_dialog_starts_on_the_current_drafter_and_offers_its_settings():
 
         from mlxspec.drafters import DRAFTERS
 
-        info = EngineInfo("tiny (MLX, float32)", False, None, "medusa", "auto", DRAFTERS, (("tree", "small_15"),),
-                          "float32")
+        info = EngineInfo("tiny (MLX, float32)", False, None, "medusa", "auto",
+                          DRAFTERS, (("tree", "small_15"),), "float32")
         engine = FakeEngine([], info=info)
         app = SpecChatApp(engine)
         async with app.run_test(size=(110, 60)) as pilot:

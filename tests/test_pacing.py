@@ -1,5 +1,6 @@
-"""The pacer (``mlxspec.pacing``): predicted speed-up, the acceptance estimate, γ auto's choices, replays against
-every fixed γ, costs that learn from the rounds they price, the cost cache, and auto through the loop and the CLI."""
+"""The pacer (``mlxspec.pacing``): predicted speed-up, the acceptance estimate, γ auto's choices,
+replays against every fixed γ, costs that learn from the rounds they price, the cost cache, and auto
+through the loop and the CLI."""
 
 from __future__ import annotations
 
@@ -39,15 +40,17 @@ def test_predicted_speedup_and_best_gamma():
     assert MEMORY_BOUND.best_gamma(0.05, 15) == 0 and COMPUTE_BOUND.best_gamma(1.0, 15) == 0  # plain wins
     assert MEMORY_BOUND.speedup(2, [1.0, 0.5]) == pytest.approx(2.5 / 1.2)
     assert MEMORY_BOUND.speedup(2, 1.0, nodes=(3, 6)) == pytest.approx(3 / 1.6)  # a tree verifies its nodes
-    # a block drafter pays its one forward per round: at α 0.7 the whole block wins, priced per token γ 1 would
+    # a block drafter pays its one forward per round: at α 0.7 the whole block wins,
+    # priced per token γ 1 would
     verify = [0.16, 0.19, 0.24, 0.28, 0.28, 0.28, 0.29, 0.29] + [0.29 + 0.01 * k for k in range(8)]
     assert Costs(verify, draft_round_s=0.075).best_gamma(0.7, 7) == 7
     assert Costs(verify, draft_s=0.075 / 4).best_gamma(0.7, 7) == 1
 
 
 def test_the_estimate_counts_no_depth_behind_a_rejection():
-    """Product-limit: a round of 15 that kept 3, then 8 rounds of 7 kept whole (a lookup inside a copy) leave depth
-    15 priced by the chains measured, so on run N's curve auto drafts 15 (the per-depth ratio it replaced: 7)."""
+    """Product-limit: a round of 15 that kept 3, then 8 rounds of 7 kept whole (a lookup inside a copy)
+    leave depth 15 priced by the chains measured, so on run N's curve auto drafts 15 (the per-depth
+    ratio it replaced: 7)."""
     assert AcceptanceEstimate(prior_alpha=0.6).reach(3) == pytest.approx([0.6, 0.36, 0.216])  # the prior
     estimate = AcceptanceEstimate()
     estimate.update(4, 1)
@@ -73,7 +76,8 @@ def rounds(pacer, n: int, kept=lambda gamma: 0) -> list[int]:
 
 def test_auto_probes_first_backs_off_doubling_and_a_kept_token_resets_the_wait():
     assert COSTLY.best_gamma(0.5, 15) == 0 < COSTLY.best_gamma(0.9, 15)
-    assert all(g > 0 for g in rounds(Auto(COSTLY), 12, kept=lambda g: g))  # the first round probes, then drafts
+    # the first round probes, then drafts
+    assert all(g > 0 for g in rounds(Auto(COSTLY), 12, kept=lambda g: g))
     bad = Auto(COSTLY)
     drafting = [i for i, g in enumerate(rounds(bad, 140)) if g]
     assert drafting == [0, 18, 52, 118]  # 2-token probes after 16, 32, 64 plain rounds
@@ -86,13 +90,15 @@ def test_auto_probes_first_backs_off_doubling_and_a_kept_token_resets_the_wait()
 
 def test_a_drafter_that_stops_on_its_confidence_is_told_where_the_next_token_pays():
     """Token k + 1 pays while survival · c · T(1) > T_draft + T(k + 2) − T(k + 1); an over-confident drafter's
-    calibration c (kept tokens per survival it claimed) raises the bar, an under-confident one is taken at its word."""
+    calibration c (kept tokens per survival it claimed) raises the bar, an under-confident
+    one is taken at its word."""
     costly = Costs(MEMORY_BOUND.verify_s, draft_s=0.3)
     plan = Auto(costly, DraftProfile(confidence=True)).plan()
     assert plan.gamma == 15 and plan.keep_above[0] == pytest.approx(0.4)
     steep = Auto(Costs([1.0, 1.1, 1.5] + [1.6] * 13, draft_s=0.3), DraftProfile(confidence=True)).plan()
     assert steep.keep_above[:2] == pytest.approx((0.7, 0.4))  # width 2 → 3 costs 0.4, 3 → 4 costs 0.1
-    boastful, modest = Auto(costly, DraftProfile(confidence=True)), Auto(costly, DraftProfile(confidence=True))
+    boastful = Auto(costly, DraftProfile(confidence=True))
+    modest = Auto(costly, DraftProfile(confidence=True))
     for _ in range(20):
         boastful.plan(), modest.plan()
         boastful.observe(RoundStats(0, 2, 0, 1, 0.0, 0.0, 2), SimpleNamespace(survival=np.array([0.9, 0.81])))
@@ -106,17 +112,20 @@ def test_make_pacer_chooses_once_per_generation():
     assert make_pacer(0, target, drafter) == make_pacer(3, target, make_drafter("none")) == Fixed(0)
     assert make_pacer(4, target, drafter) == Fixed(4)
     priced_out = make_pacer("auto", target, drafter, costs=COMPUTE_BOUND)  # the costs say no draft could win:
-    assert isinstance(priced_out, Auto) and priced_out.priced_out and tree_summary(drafter, priced_out) == PRICED_PLAIN
-    assert [i for i, g in enumerate(rounds(priced_out, 60)) if g] == [16, 50]  # not dropped: it waits, then probes
+    assert isinstance(priced_out, Auto) and priced_out.priced_out
+    assert tree_summary(drafter, priced_out) == PRICED_PLAIN
+    # not dropped: it waits, then probes
+    assert [i for i, g in enumerate(rounds(priced_out, 60)) if g] == [16, 50]
     pacer = make_pacer("auto", target, drafter, costs=RUN_N)
-    assert isinstance(pacer, Auto) and make_pacer(pacer, target, drafter) is pacer  # reused: it keeps what it learned
+    # reused: it keeps what it learned
+    assert isinstance(pacer, Auto) and make_pacer(pacer, target, drafter) is pacer
     with pytest.raises(ValueError, match="'auto'"):
         generate(target, byte_tokenizer(), [1, 2], drafter="ngram", num_draft_tokens="fast")
 
 
 def test_a_draft_model_slower_than_its_target_waits_then_probes_and_stays_lossless():
-    """Costs that price a drafter out never drop it for the session (issue 50): it is prefilled, waits 16 plain
-    rounds, then probes; the output is plain greedy's."""
+    """Costs that price a drafter out never drop it for the session (issue 50): it is prefilled, waits 16
+    plain rounds, then probes; the output is plain greedy's."""
     target, tokenizer = tiny_llama(seed=0), byte_tokenizer()
     drafter = make_drafter("draft", target=target, tokenizer=tokenizer, draft_model=tiny_llama(seed=3))
     pacer = make_pacer("auto", target, drafter, costs=Costs(MEMORY_BOUND.verify_s, draft_s=2.0))
@@ -125,12 +134,15 @@ def test_a_draft_model_slower_than_its_target_waits_then_probes_and_stays_lossle
     assert not result.stats.priced_plain and result.stats.gamma_rounds[0] >= 16 and result.stats.drafted > 0
 
 
-# --- replays: at temperature 0 a round's outcome is fixed by the answer, so the pacer's choices replay exactly
+# --- replays: at temperature 0 a round's outcome is fixed by the answer, so the
+# pacer's choices replay exactly
 
 
-def replay_lookup(prompt: list[int], answer: list[int], pacer, costs: Costs, planned: list | None = None) -> float:
-    """Speed-up over plain decoding of the n-gram drafter under ``pacer`` (or a fixed γ) on a greedy answer, each
-    round taking (and telling the pacer) what ``costs`` say; ``planned`` collects what each round drafted."""
+def replay_lookup(prompt: list[int], answer: list[int], pacer, costs: Costs,
+                  planned: list | None = None) -> float:
+    """Speed-up over plain decoding of the n-gram drafter under ``pacer`` (or a fixed γ) on a
+    greedy answer, each round taking (and telling the pacer) what ``costs`` say; ``planned``
+    collects what each round drafted."""
     drafter, pos, seconds, index = make_drafter("ngram"), 0, 0.0, 0
     while pos < len(answer):
         room = len(answer) - pos
@@ -139,17 +151,17 @@ def replay_lookup(prompt: list[int], answer: list[int], pacer, costs: Costs, pla
         kept = next((i for i, t in enumerate(draft) if t != answer[pos + i]), len(draft))
         seconds += costs.verify(len(draft) + 1)
         if not isinstance(pacer, int):
-            pacer.observe(RoundStats(index, len(draft), kept, min(kept + 1, room), 0.0, costs.verify(len(draft) + 1),
-                                     len(draft), (), gamma))
+            pacer.observe(RoundStats(index, len(draft), kept, min(kept + 1, room), 0.0,
+                                     costs.verify(len(draft) + 1), len(draft), (), gamma))
         planned is not None and planned.append(len(draft))
         pos, index = pos + min(kept + 1, room), index + 1
     return len(answer) * costs.verify(1) / seconds
 
 
 def test_auto_with_lookup_is_within_5_percent_of_the_best_fixed_gamma_on_the_15b_answers():
-    """The n-gram drafter on Qwen2.5-Coder-1.5B's greedy answers to the 8 bench prompts, run N's verify curve: within
-    6% of the best fixed γ on each answer (edit-rename-py 0.946: the pooled survival's shrinkage toward α, which
-    keeps one deep rejection from pinning γ at 1), 1% in the geometric mean."""
+    """The n-gram drafter on Qwen2.5-Coder-1.5B's greedy answers to the 8 bench prompts, run N's verify curve:
+    within 6% of the best fixed γ on each answer (edit-rename-py 0.946: the pooled survival's shrinkage toward
+    α, which keeps one deep rejection from pinning γ at 1), 1% in the geometric mean."""
     answers = json.loads((BENCH / "greedy-answers.json").read_text())["answers"]
     ratios = []
     for a in answers:
@@ -160,9 +172,11 @@ def test_auto_with_lookup_is_within_5_percent_of_the_best_fixed_gamma_on_the_15b
     assert np.exp(np.mean(np.log(ratios))) > 0.99
 
 
-def replay_draft(kept_at: np.ndarray, confidence: np.ndarray, pacer, costs: Costs, planned: list | None = None) -> float:
-    """Speed-up of a draft model at temperature 0 whose draft at position t is kept iff ``kept_at[t]``, with its
-    confidence there ``confidence[t]``, under ``pacer`` (or a fixed γ), each round taking what ``costs`` say."""
+def replay_draft(kept_at: np.ndarray, confidence: np.ndarray, pacer, costs: Costs,
+                 planned: list | None = None) -> float:
+    """Speed-up of a draft model at temperature 0 whose draft at position t is kept iff
+    ``kept_at[t]``, with its confidence there ``confidence[t]``, under ``pacer`` (or a fixed γ), each
+    round taking what ``costs`` say."""
     n, pos, seconds, index = len(kept_at), 0, 0.0, 0
     while pos < n:
         plan = Plan(pacer) if isinstance(pacer, int) else pacer.plan()
@@ -182,10 +196,10 @@ def replay_draft(kept_at: np.ndarray, confidence: np.ndarray, pacer, costs: Cost
 
 @pytest.mark.parametrize("alpha", [0.9, 0.5, 0.0, "bursts"])
 def test_auto_with_a_draft_model_is_within_5_percent_of_the_best_fixed_gamma(alpha):
-    """Synthetic traces of 400 tokens, a draft costing 0.47 of a target step (the 0.5B on run N's machine), its
-    confidence high where its token is kept: auto is within 5% of the best fixed γ (γ 0 included). Its
-    confidence stop beats every fixed γ by over 10% at α 0.9; waits that double up to 256 rounds keep a drafter
-    never kept within 1.5% of plain decoding (waits of 16 alone: 3.2% under)."""
+    """Synthetic traces of 400 tokens, a draft costing 0.47 of a target step (the 0.5B on run N's machine),
+    its confidence high where its token is kept: auto is within 5% of the best fixed γ (γ 0 included). Its
+    confidence stop beats every fixed γ by over 10% at α 0.9; waits that double up to 256 rounds keep a
+    drafter never kept within 1.5% of plain decoding (waits of 16 alone: 3.2% under)."""
     rng = np.random.default_rng(0)
     kept = (rng.random(400) < alpha) if alpha != "bursts" else np.concatenate(
         [rng.random(40) < (0.95 if i % 2 == 0 else 0.1) for i in range(10)])
@@ -210,7 +224,8 @@ DRAFT_MODEL = Costs(RUN_N.verify_s, draft_s=0.47 * RUN_N.verify_s[0])  # the 0.5
 
 
 def trace(alpha: float, n: int = 400, seed: int = 0):
-    """A draft model's synthetic trace: kept at each position with probability ``alpha``, confident where kept."""
+    """A draft model's synthetic trace: kept at each position with probability
+    ``alpha``, confident where kept."""
     rng = np.random.default_rng(seed)
     kept = rng.random(n) < alpha
     return kept, np.where(kept, rng.uniform(0.8, 1.0, n), rng.uniform(0.2, 0.7, n))
@@ -218,29 +233,33 @@ def trace(alpha: float, n: int = 400, seed: int = 0):
 
 @pytest.mark.parametrize("factor", [3, 10])
 def test_a_cost_cache_too_pessimistic_drafts_again_within_the_bound(factor):
-    """A cache 3× or 10× too dear about verifying several tokens (as measured beside busy processes): the first
-    drafting round timed after a plain one refits the cache's extra cost, so on the 1.5B's grounded answers
-    (n-gram) γ auto keeps 90% of what it gets on the true costs (for 3×, the first rounds draft 1 before that
-    round), and a draft model at α 0.9 drafts on from round 19 (3×: its round-0 probe teaches no costs, the round
-    after prices plain, a wait of 16, a probe at 18) or 17 (10× prices it out from the start: a wait of 16, a
-    probe at 16), within 15% of the true costs' speed-up over 400 tokens (one factor scales the draft and verify
-    extras together, and only the verify part was off). Before: the cache was trusted for the session."""
+    """A cache 3× or 10× too dear about verifying several tokens (as measured beside busy processes): the
+    first drafting round timed after a plain one refits the cache's extra cost, so on the 1.5B's grounded
+    answers (n-gram) γ auto keeps 90% of what it gets on the true costs (for 3×, the first rounds draft 1
+    before that round), and a draft model at α 0.9 drafts on from round 19 (3×: its round-0 probe teaches no
+    costs, the round after prices plain, a wait of 16, a probe at 18) or 17 (10× prices it out from the
+    start: a wait of 16, a probe at 16), within 15% of the true costs' speed-up over 400 tokens (one factor
+    scales the draft and verify extras together, and only the verify part was off). Before: the cache was
+    trusted for the session."""
     answers = json.loads((BENCH / "greedy-answers.json").read_text())["answers"]
     for a in (a for a in answers if a["kind"] == "grounded"):
         true = replay_lookup(a["prompt"], a["answer"], Auto(RUN_N), RUN_N)
-        assert replay_lookup(a["prompt"], a["answer"], Auto(LearnedCosts(off(RUN_N, factor))), RUN_N) >= 0.9 * true, a["id"]
+        learned = replay_lookup(a["prompt"], a["answer"], Auto(LearnedCosts(off(RUN_N, factor))), RUN_N)
+        assert learned >= 0.9 * true, a["id"]
     kept, confidence = trace(0.9)
     pacer, planned = Auto(LearnedCosts(off(DRAFT_MODEL, factor)), DraftProfile(confidence=True)), []
     speedup = replay_draft(kept, confidence, pacer, DRAFT_MODEL, planned)
-    assert speedup >= 0.85 * replay_draft(kept, confidence, Auto(DRAFT_MODEL, DraftProfile(confidence=True)), DRAFT_MODEL)
+    assert speedup >= 0.85 * replay_draft(kept, confidence, Auto(DRAFT_MODEL, DraftProfile(confidence=True)),
+                                          DRAFT_MODEL)
     start = 17 if factor == 10 else 19
     assert all(planned[start:start + 30]) and not any(planned[1:start - 1]) and speedup > 1.2
 
 
 def test_a_cost_cache_too_optimistic_stops_drafting_where_it_loses():
-    """Verifying k tokens truly costs k plain steps (the reference BLAS), the cache says a third of that extra: on
-    the grounded answers (every draft looks worth it) the first timed drafting round corrects the cache, and from
-    then on γ auto only probes 2 tokens (1 at the end) after each wait, within 5% of plain decoding."""
+    """Verifying k tokens truly costs k plain steps (the reference BLAS), the cache says a third of
+    that extra: on the grounded answers (every draft looks worth it) the first timed drafting round
+    corrects the cache, and from then on γ auto only probes 2 tokens (1 at the end) after each wait,
+    within 5% of plain decoding."""
     answers = json.loads((BENCH / "greedy-answers.json").read_text())["answers"]
     for a in (a for a in answers if a["kind"] == "grounded"):
         pacer, planned = Auto(LearnedCosts(off(COMPUTE_BOUND, 1 / 3))), []
@@ -252,16 +271,19 @@ def test_a_cost_cache_too_optimistic_stops_drafting_where_it_loses():
 
 
 def test_a_busy_minute_does_not_spoil_a_quiet_curve():
-    """Quiet costs, then 200 rounds in which verifying costs 5× its extra and everything 2× (busy siblings), then
-    quiet again: γ auto falls back while it loses, and drafts again within 40 rounds of the load ending."""
+    """Quiet costs, then 200 rounds in which verifying costs 5× its extra and everything 2× (busy
+    siblings), then quiet again: γ auto falls back while it loses, and drafts again within 40
+    rounds of the load ending."""
     busy = Costs([2 * v for v in off(DRAFT_MODEL, 5).verify_s], draft_s=2 * DRAFT_MODEL.draft_s)
-    pacer, kept, confidence = Auto(LearnedCosts(DRAFT_MODEL), DraftProfile(confidence=True)), *trace(0.9, n=2000)
+    pacer = Auto(LearnedCosts(DRAFT_MODEL), DraftProfile(confidence=True))
+    kept, confidence = trace(0.9, n=2000)
     planned, index = [], 0
     for index in range(600):
         costs = busy if 100 <= index < 300 else DRAFT_MODEL
         plan = pacer.plan()
         k = min(plan.gamma, 1 if plan.keep_above is None else next(
-            (k for k in range(1, plan.gamma) if np.prod(confidence[index : index + k]) <= plan.keep_above[k - 1]),
+            (k for k in range(1, plan.gamma)
+             if np.prod(confidence[index : index + k]) <= plan.keep_above[k - 1]),
             plan.gamma))
         n = int(np.argmin(np.append(kept[index : index + k], False)))
         pacer.observe(RoundStats(index, k, n, n + 1, costs.draft(k), costs.verify(k + 1), k, (), k),
@@ -273,15 +295,18 @@ def test_a_busy_minute_does_not_spoil_a_quiet_curve():
 
 
 def test_learned_costs_fit_plain_steps_and_the_extra_cost():
-    """P (a plain step now) from rounds that drafted nothing, ρ from drafting rounds; an answer's first round, and
-    a round that planned a draft and drafted nothing, teach ρ nothing."""
+    """P (a plain step now) from rounds that drafted nothing, ρ from drafting rounds; an answer's first round,
+    and a round that planned a draft and drafted nothing, teach ρ nothing."""
     costs = LearnedCosts(MEMORY_BOUND)  # T(k) = 1 + 0.1 (k − 1): a 4-token round's extra is 0.3
     costs.observe(RoundStats(0, 3, 0, 1, 0.0, 9.0, 3, (), 3))  # round 0: warm-ups
     assert costs.extra == 1.0 and costs.plain_s is None and costs.verify(4) == pytest.approx(1.3)
     costs.observe(RoundStats(1, 0, 0, 1, 0.0, 2.0, 0, (), 0))  # a plain step takes 2 s now
-    costs.observe(RoundStats(2, 0, 0, 1, 0.5, 2.0, 0, (), 3))  # a lookup that found nothing: its verify is a step
-    costs.observe(RoundStats(3, 3, 3, 4, 0.0, 2.9, 3, (), 3))  # 0.9 s over a plain step where the cache says 0.3
-    assert costs.plain_s == 2.0 and costs.extra == pytest.approx(3.0) and costs.verify(4) == pytest.approx(2.9)
+    # a lookup that found nothing: its verify is a step
+    costs.observe(RoundStats(2, 0, 0, 1, 0.5, 2.0, 0, (), 3))
+    # 0.9 s over a plain step where the cache says 0.3
+    costs.observe(RoundStats(3, 3, 3, 4, 0.0, 2.9, 3, (), 3))
+    assert costs.plain_s == 2.0 and costs.extra == pytest.approx(3.0)
+    assert costs.verify(4) == pytest.approx(2.9)
     assert costs.speedup(3, 1.0) == pytest.approx(4 * 2.0 / 2.9)
 
 
@@ -290,10 +315,13 @@ def test_learned_costs_fit_plain_steps_and_the_extra_cost():
 
 def test_costs_are_measured_once_per_model_and_machine(tmp_path):
     target, tokenizer = tiny_llama(seed=0), byte_tokenizer()
-    drafter = make_drafter("draft", target=target, tokenizer=tokenizer, draft_model=tiny_llama(seed=3, num_layers=1))
+    drafter = make_drafter("draft", target=target, tokenizer=tokenizer,
+                           draft_model=tiny_llama(seed=3, num_layers=1))
     measured = []
-    costs = load_or_calibrate(target, drafter, cache_dir=tmp_path, context_tokens=32, on_measure=measured.append)
-    assert len(measured) == 2 and costs.draft_s > 0 and costs.verify_s == sorted(costs.verify_s) and costs.verify_s[0] > 0
+    costs = load_or_calibrate(target, drafter, cache_dir=tmp_path, context_tokens=32,
+                              on_measure=measured.append)
+    assert len(measured) == 2 and costs.draft_s > 0
+    assert costs.verify_s == sorted(costs.verify_s) and costs.verify_s[0] > 0
     assert load_or_calibrate(target, drafter, cache_dir=tmp_path, context_tokens=32) == costs  # cached
     load_or_calibrate(tiny_llama(seed=0, hidden_size=32), None, cache_dir=tmp_path, context_tokens=32,
                       on_measure=measured.append)
@@ -301,18 +329,21 @@ def test_costs_are_measured_once_per_model_and_machine(tmp_path):
 
 
 def test_a_damaged_cached_curve_is_measured_again_and_a_stale_one_is_kept(tmp_path):
-    """A damaged file is measured again, never a crash; a curve written under another job's load (10 s a forward)
-    is kept: the pacer corrects it with the rounds it prices (``LearnedCosts``), so a busy minute at start-up can
-    no longer overwrite a quiet curve."""
+    """A damaged file is measured again, never a crash; a curve written under another job's load (10 s a
+    forward) is kept: the pacer corrects it with the rounds it prices (``LearnedCosts``), so a busy minute at
+    start-up can no longer overwrite a quiet curve."""
     target, tokenizer = tiny_llama(seed=0), byte_tokenizer()
-    drafter = make_drafter("draft", target=target, tokenizer=tokenizer, draft_model=tiny_llama(seed=3, num_layers=1))
+    drafter = make_drafter("draft", target=target, tokenizer=tokenizer,
+                           draft_model=tiny_llama(seed=3, num_layers=1))
     measured = []
-    first = load_or_calibrate(target, drafter, cache_dir=tmp_path, context_tokens=32, on_measure=measured.append)
+    first = load_or_calibrate(target, drafter, cache_dir=tmp_path, context_tokens=32,
+                              on_measure=measured.append)
     (verify_file,) = tmp_path.glob("verify-*.json")
     record = json.loads(verify_file.read_text())
     for value in ("x", [1.0] * 3):
         verify_file.write_text(json.dumps({**record, "value": value}))
-        again = load_or_calibrate(target, drafter, cache_dir=tmp_path, context_tokens=32, on_measure=measured.append)
+        again = load_or_calibrate(target, drafter, cache_dir=tmp_path, context_tokens=32,
+                                  on_measure=measured.append)
         assert again.verify_s[0] == pytest.approx(first.verify_s[0], abs=0.05)
     assert len(measured) == 4 and all("verify cost" in m for m in measured[2:])
     verify_file.write_text(json.dumps({**record, "value": [10.0] * 16}))
@@ -328,7 +359,8 @@ def test_a_drafters_cost_is_keyed_by_its_weights_and_settings_and_a_blocks_is_pe
     target, measured = tiny_llama(seed=0), []
 
     def measure(drafter):
-        return load_or_calibrate(target, drafter, cache_dir=tmp_path, context_tokens=16, on_measure=measured.append)
+        return load_or_calibrate(target, drafter, cache_dir=tmp_path, context_tokens=16,
+                                 on_measure=measured.append)
 
     sizes = []
     for seed, depth in ((1, 2), (1, 2), (2, 2), (1, 3)):
@@ -343,11 +375,14 @@ def test_a_drafters_cost_is_keyed_by_its_weights_and_settings_and_a_blocks_is_pe
     assert costs.draft_s == 0.0 and costs.draft_round_s > 0 and "cost per round" in measured[-1]
 
 
-def test_an_unwritable_cost_cache_is_said_once_and_generation_goes_on(tmp_path, capsys, monkeypatch, tiny_model_dir):
+def test_an_unwritable_cost_cache_is_said_once_and_generation_goes_on(
+    tmp_path, capsys, monkeypatch, tiny_model_dir
+):
     blocked = tmp_path / "file"
     blocked.write_text("not a folder")  # MLXSPEC_CACHE that cannot be written (as a read-only or full disk)
     monkeypatch.setenv("MLXSPEC_CACHE", str(blocked))
-    assert main(["generate", "--model", str(tiny_model_dir), "--prompt", "abcabcabc", "--max-tokens", "6"]) == 0
+    assert main(["generate", "--model", str(tiny_model_dir), "--prompt", "abcabcabc",
+                 "--max-tokens", "6"]) == 0
     out, err = capsys.readouterr()
     assert out and "Traceback" not in err and err.count("measured costs are not cached") == 1, err
 
@@ -362,17 +397,21 @@ def test_auto_in_the_loop_is_lossless_and_reports_fallback():
                                   num_draft_tokens=Auto(MEMORY_BOUND)))
     assert [e.token for e in events if isinstance(e, TokenEvent)] == plain
     stats, rounds_ = events[-1], [e for e in events if isinstance(e, RoundStats)]
-    assert stats.drafted > 0 and sum(stats.gamma_rounds) == stats.rounds == len(rounds_) and stats.num_draft_tokens == 15
+    assert stats.drafted > 0 and sum(stats.gamma_rounds) == stats.rounds == len(rounds_)
+    assert stats.num_draft_tokens == 15
     stats = GenerationStats(drafter="draft", num_draft_tokens=15, gamma_rounds=[3, 0, 2])
-    assert "γ = auto (mean 0.8, at most 15); fell back to plain decoding in 3 of 5 rounds;" in format_stats(stats)
+    assert ("γ = auto (mean 0.8, at most 15); fell back to plain decoding in 3 of 5 rounds;"
+            in format_stats(stats))
 
 
 def test_stats_say_drafted_0_and_no_gamma_when_nothing_was_drafted():
-    """γ auto planned depths 2, 2 and 0, but the lookup found nothing: the CLI and the server's ``speculative``
-    object say ``drafted 0`` and give no γ (issue 50: they said ``γ = auto (mean 1.3)`` and ``gamma: 15``)."""
+    """γ auto planned depths 2, 2 and 0, but the lookup found nothing: the CLI and the server's
+    ``speculative`` object say ``drafted 0`` and give no γ (issue 50: they said
+    ``γ = auto (mean 1.3)`` and ``gamma: 15``)."""
     from mlxspec.serve.jobs import speculative
 
-    stats = GenerationStats(drafter="ngram", num_draft_tokens=15, rounds=3, generation_tokens=3, gamma_rounds=[1, 0, 2])
+    stats = GenerationStats(drafter="ngram", num_draft_tokens=15, rounds=3,
+                            generation_tokens=3, gamma_rounds=[1, 0, 2])
     drafter_line = next(line for line in format_stats(stats).splitlines() if line.startswith("Drafter"))
     assert drafter_line == "Drafter: ngram, drafted 0; rounds: 3" and "α = –" in format_stats(stats)
     reply = speculative(stats).model_dump()

@@ -1,4 +1,5 @@
-"""Confidence-scheduled verification (``--num-draft-tokens scheduled``): the choice, and that it stays exact."""
+"""Confidence-scheduled verification (``--num-draft-tokens scheduled``): the choice,
+and that it stays exact."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from mlxspec.drafters.medusa import MedusaDrafter
 from mlxspec.pacing import make_pacer
 from mlxspec.engine.generate import speculative_rounds
 from mlxspec.core.sampling import SamplingParams
-from mlxspec.pacing.scheduled import Scheduled, SurvivalCalibration, best_count, closed_survival, stopping_length
+from mlxspec.pacing.scheduled import (Scheduled, SurvivalCalibration, best_count, closed_survival,
+                                      stopping_length)
 from mlxspec.core.taps import output_head
 from mlxspec.core.tree import Tree
 from stats import chi_square
@@ -77,7 +79,8 @@ def test_calibration_follows_observed_survival():
     assert abs(calibration.calibrate(np.array([0.9]), np.array([1]))[0] - 0.5) < 0.05
     assert calibration.calibrate(np.array([0.3]), np.array([1]))[0] == pytest.approx(0.3)  # no data: trusted
     assert calibration.totals["bins"][9] == [400, pytest.approx(360.0), 200]
-    assert calibration.calibrate(np.array([np.nan]), np.array([2]))[0] == pytest.approx(0.25)  # prior 0.5 a level
+    # prior 0.5 a level
+    assert calibration.calibrate(np.array([np.nan]), np.array([2]))[0] == pytest.approx(0.25)
 
 
 def test_scheduled_needs_a_drafter_that_reports_survival():
@@ -190,11 +193,13 @@ def test_reliability_data_pools_the_scheduled_runs():
 
     calibration = SurvivalCalibration()
     calibration.observe(np.array([0.95, 0.42, np.nan]), np.array([1, 2, 3]), np.array([True, False, False]))
-    runs = [RunRecord("s", "p", "k", 0.0, 0, 4, 0.1, 4, 0.2, calibration=calibration.totals) for _ in range(2)]
+    runs = [RunRecord("s", "p", "k", 0.0, 0, 4, 0.1, 4, 0.2, calibration=calibration.totals)
+            for _ in range(2)]
     runs.append(RunRecord("fixed", "p", "k", 0.0, 0, 4, 0.1, 4, 0.2))
     data = reliability_data(runs)
     assert list(data) == ["s"]  # the n-gram-style node without a prediction is not plotted
-    assert data["s"]["bins"][9] == [2, pytest.approx(1.9), 2] and data["s"]["bins"][4] == [2, pytest.approx(0.84), 0]
+    assert data["s"]["bins"][9] == [2, pytest.approx(1.9), 2]
+    assert data["s"]["bins"][4] == [2, pytest.approx(0.84), 0]
     assert data["s"]["depths"] == [[2, pytest.approx(1.9), 2], [2, pytest.approx(0.84), 0]]
 
 
