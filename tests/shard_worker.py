@@ -70,7 +70,8 @@ def greedy(args) -> dict:
         given = {"draft_model": draft.model, "draft_tokenizer": draft.tokenizer} if spec == "draft" else {}
         drafter = make_drafter(spec, target.model, target.tokenizer, **given)
         trees, propose = [], drafter.propose
-        drafter.propose = lambda *a, **k: trees.append(not (d := propose(*a, **k)).tree.is_chain) or d
+        # called within this iteration only (generate below)
+        drafter.propose = lambda *a, **k: trees.append(not (d := propose(*a, **k)).tree.is_chain) or d  # noqa: B023
         result = generate(
             target.model,
             target.tokenizer,

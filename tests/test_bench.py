@@ -78,7 +78,7 @@ def test_bench_summary_is_sane(bench_result):
             # so check the ratio is the paired one, the right way round, not that it is near 1
             def tps(system):
                 return next(r["generation_tps"] for r in bench_result[1]["runs"] if r["system"] == system
-                            and r["kind"] == row["kind"] and r["temp"] == row["temp"])
+                            and r["kind"] == row["kind"] and r["temp"] == row["temp"])  # noqa: B023
             assert row["speedup"] == pytest.approx(tps(CONTROL) / tps(BASELINE), rel=1e-6)
         if row["alpha"] is not None:
             assert 0 <= row["alpha"] <= 1 and row["tau"] >= 1 and row["predicted_speedup"] > 0
@@ -359,7 +359,7 @@ def test_the_duration_estimate_counts_prefill_steps_and_warm_ups():
 
 def test_bench_prompt_from_stdin_and_its_errors(monkeypatch, capsys, tmp_path, tiny_model_dir):
     monkeypatch.setenv("MLXSPEC_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO("Say hi.".encode())))
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"Say hi.")))
     output = tmp_path / "bench.json"
     assert main(["bench", "--model", str(tiny_model_dir), "--prompt", "-", "--drafters", "ngram,none",
                  "--num-draft-tokens", "2", "--repeats", "1", "--max-tokens", "4", "--no-control",

@@ -700,7 +700,7 @@ def test_auto_tree_size_is_lossless_and_follows_the_costs():
         costs = Costs([step_s + 0.001 * (k - 1) for k in range(1, 17)])
         drafter = EagleDrafter(random_head(1, scale=4.0), target, depth=4, top_k=4, total_tokens="auto")
         sizes, propose = [], drafter.propose
-        drafter.propose = lambda *a: sizes.append((d := propose(*a)).size) or d
+        drafter.propose = lambda *a: sizes.append((d := propose(*a)).size) or d  # noqa: B023 (this iteration's)
         # the curve as given, whatever the clock
         pacer = make_pacer(4, target, drafter, costs=costs, learn=False)
         spec = generate(target, tokenizer, PROMPT, drafter=drafter, num_draft_tokens=pacer, max_tokens=100,
@@ -766,7 +766,7 @@ def test_eagle_with_the_ngram_branch_is_lossless_and_accepts_more_on_repeated_te
         )
         trees = []
         propose = drafter.propose
-        drafter.propose = lambda *a: trees.append((d := propose(*a)).tree) or d
+        drafter.propose = lambda *a: trees.append((d := propose(*a)).tree) or d  # noqa: B023 (this iteration's)
         runs[ngram] = generate(target, tokenizer, prompt, drafter=drafter, num_draft_tokens=4, max_tokens=120,
                                stop_tokens=set())
         assert runs[ngram].tokens == plain.tokens
@@ -838,7 +838,7 @@ def test_auto_prices_a_tree_round_at_the_nodes_it_sends_and_falls_back_when_it_m
     """γ auto prices an EAGLE round at the nodes it verifies (``DraftProfile.nodes``: the chain and the n-gram
     branch), not at its depth, and drops a tree that keeps missing within a few rounds (issue 15: the
     shipped default head on a quantized target ran every round at depth 4 + a 6-token branch, 0.25× plain)."""
-    from mlxspec.pacing import Auto, Costs, Fixed, make_pacer
+    from mlxspec.pacing import Auto, Costs, make_pacer
 
     target, tokenizer = tiny_llama(seed=0, sharpen=4.0), byte_tokenizer()
     drafter = EagleDrafter(random_head(1), target, depth=4, top_k=1, total_tokens=5, ngram=6)

@@ -163,7 +163,7 @@ def test_convert_os_errors_are_one_line(gguf_path, tmp_path, capsys, monkeypatch
     for code, text in ((errno.EACCES, "Permission denied"), (errno.ENOSPC, "No space left on device"),
                        (errno.EROFS, "Read-only file system")):
         def save(path, *a, **k):
-            raise OSError(code, text, str(path))
+            raise OSError(code, text, str(path))  # noqa: B023 (used in this iteration)
 
         monkeypatch.setattr(mlx_lm.utils, "save_model", save)
         error_line(capsys, main(["convert", str(gguf_path), str(tmp_path / f"o{code}")]), text)

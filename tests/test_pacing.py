@@ -19,7 +19,6 @@ from mlxspec.drafters import DraftProfile, Plan
 from mlxspec.core.metrics import RoundStats, GenerationStats, TokenEvent
 from mlxspec.pacing import (PRICED_PLAIN, AcceptanceEstimate, Auto, Costs, Fixed, LearnedCosts, expected_tau,
                             load_or_calibrate, make_pacer, tree_summary)
-from mlxspec.pacing import costs as pacing_costs
 
 #: A memory-bound target: verifying k tokens costs 1 + 0.1 (k - 1) plain steps.
 MEMORY_BOUND = Costs([1.0 + 0.1 * (k - 1) for k in range(1, 17)])

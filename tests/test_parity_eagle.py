@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
-import pytest
 
 from mlxspec.drafters.eagle import EagleDrafter
 from mlxspec.heads.eagle import load_eagle

@@ -10,7 +10,6 @@ import pytest
 
 from mlxspec import SamplingParams, generate
 from mlxspec.engine.arguments import check_typical
-from mlxspec.commands.cli import main
 from mlxspec.bench.verify_check import MAX_TOKENS, run_check
 from test_bad_input import one_line_error
 

@@ -121,7 +121,10 @@ def test_ngram_needs_a_three_token_match_by_default_and_max_alone_lowers_it():
     default the user did not set."""
     two = [5, 6, 7, 8, 9, 1, 2, 7, 8]  # "7 8" occurred before, "2 7 8" did not
     three = [5, 6, 7, 8, 9, 1, 6, 7, 8]  # "6 7 8" occurred before
-    drafts = lambda spec, history: make_drafter(spec).propose(history, 4, None).tokens.tolist()
+
+    def drafts(spec, history):
+        return make_drafter(spec).propose(history, 4, None).tokens.tolist()
+
     assert drafts("ngram", two) == [] and drafts("ngram", three) == [9, 1, 6, 7]
     assert drafts("ngram:min=1", two) == [9, 1, 2, 7]
     assert (make_drafter("ngram:max=2").min_ngram, make_drafter("ngram:max=2").max_ngram) == (2, 2)
@@ -133,7 +136,10 @@ def test_ngram_drafts_from_the_longest_match_up_to_eight_tokens():
     """An edit repeats short runs all over the code: the most recent 4-token match may continue differently
     from the text being copied, the 8-token match does not (docs/archive/results-archive.md, run N)."""
     history = [1, 2, 3, 4, 5, 6, 7, 8, 20, 21, 9, 9, 9, 9, 5, 6, 7, 8, 30, 31, 1, 2, 3, 4, 5, 6, 7, 8]
-    drafts = lambda spec: make_drafter(spec).propose(history, 2, None).tokens.tolist()
+
+    def drafts(spec):
+        return make_drafter(spec).propose(history, 2, None).tokens.tolist()
+
     assert drafts("ngram") == [20, 21]  # "1 .. 8" occurred at the start
     assert drafts("ngram:max=4") == [30, 31]  # the most recent "5 6 7 8"
     assert make_drafter("ngram").max_ngram == 8

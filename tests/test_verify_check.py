@@ -175,7 +175,7 @@ def test_prompts_are_read_from_a_file_a_pipe_or_standard_input(tmp_path, monkeyp
     writer.start()
     assert _prompts(SimpleNamespace(prompts=str(fifo))) == ["first", "second"]
     writer.join()
-    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO("from stdin\n".encode())))
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"from stdin\n")))
     assert _prompts(SimpleNamespace(prompts="-")) == ["from stdin"]
     bom = tmp_path / "windows.txt"  # a byte-order mark and CRLF, as Windows editors write
     bom.write_bytes("\ufeffHello\r\nCount to five\r\n".encode())

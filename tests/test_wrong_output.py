@@ -3,7 +3,6 @@ given as one ``str`` (which used to become one stop string per character)."""
 
 from __future__ import annotations
 
-import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 

@@ -459,7 +459,7 @@ def make_mtp_deepseek(folder: Path, n: int) -> dict:
     save_tokenizer(folder)
 
     t_out = target_outputs(target, PROMPT)
-    ids, L = PROMPT, len(PROMPT)
+    ids = PROMPT
     root = int(np.argmax(t_out["logits"][-1]))
 
     def mtp_forward(tokens: list[int], hidden: torch.Tensor) -> torch.Tensor:
@@ -606,7 +606,7 @@ def make_mtp_qwen(folder: Path, n: int) -> dict:
     mtp.norm = qn.Qwen3NextRMSNorm(H, 1e-6)
     g = torch.Generator().manual_seed(n + 1)
     with torch.no_grad():  # zero-centred norms store w - 1: small offsets, as trained checkpoints hold
-        for name, p in sorted(mtp.named_parameters()):
+        for _, p in sorted(mtp.named_parameters()):
             p.copy_(torch.randn(p.shape, generator=g) * 0.15)
     mtp.eval()
     state = {k: v.contiguous() for k, v in target.state_dict().items()}
