@@ -204,17 +204,15 @@ def test_the_batch_gate_prices_rows_drafting_together_as_one_batched_draft():
     """Four rows of γ 4 whose drafting costs a step per token each: one by one that cannot pay at batch 4,
     drafted together (one forward per token for all, priced on the memory-bound curve) it does."""
     from mlxspec.drafters import DraftProfile
-    from mlxspec.engine.batch import BatchGate
-    from mlxspec.pacing import AcceptanceEstimate, Auto, Costs
+    from mlxspec.pacing import AcceptanceEstimate, Auto, BatchGate, Costs
 
     costs = Costs([0.1 + 0.002 * k for k in range(16)], draft_s=0.03)
     estimate = AcceptanceEstimate(kept=[80.0] * 4, reached=[100.0] * 4)
-    rows = [Row([1, 2], None, Auto(costs, DraftProfile(), estimate=estimate), GREEDY, None, set(), None, 10,
-                None, 0) for _ in range(4)]
+    pacers = [Auto(costs, DraftProfile(), estimate=estimate) for _ in range(4)]
     plans = [Plan(4)] * 4
-    assert BatchGate().admit(rows, plans) == [Plan(0)] * 4
-    assert BatchGate().admit(rows, plans, [True] * 4) == plans
-    assert BatchGate().admit(rows, plans, [True, True, False, False]) == [Plan(0)] * 4
+    assert BatchGate().admit(pacers, plans) == [Plan(0)] * 4
+    assert BatchGate().admit(pacers, plans, [True] * 4) == plans
+    assert BatchGate().admit(pacers, plans, [True, True, False, False]) == [Plan(0)] * 4
 
 
 # --- exactness at temperature > 0 (statistical) ----------------------------------------------------------

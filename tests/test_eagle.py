@@ -831,7 +831,7 @@ def test_auto_runs_eagle_plainly_where_no_round_of_its_depth_could_win(capsys, m
     assert make_pacer(4, target, drafter, costs=steep) == Fixed(4)  # a γ of one's own is kept
     drafted = generate(target, tokenizer, prompt, drafter=drafter, num_draft_tokens=make_pacer(
         "auto", target, drafter, costs=flat, learn=False), max_tokens=20, stop_tokens=set())
-    assert drafted.tokens == plain.tokens and drafted.stats.drafted > 0 and not drafted.stats.priced_plain
+    assert drafted.tokens == plain.tokens and drafted.stats.drafted > 0
 
 
 def test_auto_prices_a_tree_round_at_the_nodes_it_sends_and_falls_back_when_it_misses():

@@ -130,7 +130,7 @@ def test_a_draft_model_slower_than_its_target_waits_then_probes_and_stays_lossle
     pacer = make_pacer("auto", target, drafter, costs=Costs(MEMORY_BOUND.verify_s, draft_s=2.0))
     result = generate(target, tokenizer, REPETITIVE, drafter=drafter, num_draft_tokens=pacer, max_tokens=24)
     assert result.tokens == generate(target, tokenizer, REPETITIVE, drafter="none", max_tokens=24).tokens
-    assert not result.stats.priced_plain and result.stats.gamma_rounds[0] >= 16 and result.stats.drafted > 0
+    assert result.stats.gamma_rounds[0] >= 16 and result.stats.drafted > 0
 
 
 # --- replays: at temperature 0 a round's outcome is fixed by the answer, so the
@@ -325,6 +325,25 @@ def test_costs_are_measured_once_per_model_and_machine(tmp_path):
     load_or_calibrate(tiny_llama(seed=0, hidden_size=32), None, cache_dir=tmp_path, context_tokens=32,
                       on_measure=measured.append)
     assert len(measured) == 3  # another architecture is measured anew
+
+
+def test_the_batched_verify_cost_is_measured_once_as_a_batch_verifies(tmp_path):
+    """``rows=True`` adds ``rows_s``: R rows × k tokens in a ``BatchKVCache`` (rows filtered away between
+    sizes, each forward trimmed), non-decreasing in k, cached like the verify curve; ``verify_rows(1, k)`` is
+    the one-row curve."""
+    from mlxspec.pacing.costs import ROWS_GRID, ROWS_WIDTHS
+
+    target, measured = tiny_llama(seed=0), []
+    costs = load_or_calibrate(target, None, cache_dir=tmp_path, context_tokens=32, rows=True,
+                              on_measure=measured.append)
+    assert len(measured) == 2 and len(costs.rows_s) == len(ROWS_GRID)
+    for curve in costs.rows_s:
+        assert len(curve) == len(ROWS_WIDTHS) and curve == sorted(curve) and curve[0] > 0
+    assert costs.verify_rows(1, 5) == costs.verify(5)
+    assert costs.verify_rows(8, 16) == costs.rows_s[-1][-1]
+    cached = load_or_calibrate(target, None, cache_dir=tmp_path, context_tokens=32, rows=True)
+    assert cached == costs
+    assert load_or_calibrate(target, None, cache_dir=tmp_path, context_tokens=32).rows_s is None
 
 
 def test_a_damaged_cached_curve_is_measured_again_and_a_stale_one_is_kept(tmp_path):

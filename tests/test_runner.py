@@ -368,43 +368,59 @@ def test_batch_generate_answers_each_prompt_as_generate_does(pair):
 
 def test_the_batch_gate_decodes_plainly_where_drafts_cannot_pay_and_looks_again_later():
     from mlxspec.drafters import DraftProfile, Plan
-    from mlxspec.engine.batch import FIRST_WAIT, BatchGate
-    from mlxspec.pacing import AcceptanceEstimate, Auto, Costs
+    from mlxspec.pacing import AcceptanceEstimate, Auto, BatchGate, Costs
+    from mlxspec.pacing.policies import FIRST_WAIT
 
-    def rows(verify_s, alpha, n=4):
+    def pacers(verify_s, alpha, n=4):
         estimate = AcceptanceEstimate(kept=[100 * alpha] * 4, reached=[100.0] * 4)
-        return [
-            Row(
-                [1, 2],
-                None,
-                Auto(Costs(verify_s), DraftProfile(), estimate=estimate),
-                GREEDY,
-                None,
-                set(),
-                None,
-                10,
-                None,
-                0,
-            )
-            for _ in range(n)
-        ]
+        return [Auto(Costs(verify_s), DraftProfile(), estimate=estimate) for _ in range(n)]
 
     plans = [Plan(4)] * 4
     memory_bound = [0.1 + 0.002 * k for k in range(16)]  # a wide forward costs about one step
     compute_bound = [0.1 * (k + 1) for k in range(16)]  # every token costs a step (a busy GPU, a large batch)
     gate = BatchGate()
-    assert gate.admit(rows(memory_bound, 0.8), plans) == plans
-    assert gate.admit(rows(compute_bound, 0.5), plans) == [Plan(0)] * 4
-    waited = [gate.admit(rows(compute_bound, 0.5), plans) for _ in range(FIRST_WAIT)]
+    assert gate.admit(pacers(memory_bound, 0.8), plans) == plans
+    assert gate.admit(pacers(compute_bound, 0.5), plans) == [Plan(0)] * 4
+    waited = [gate.admit(pacers(compute_bound, 0.5), plans) for _ in range(FIRST_WAIT)]
     assert waited[:-1] == [[Plan(0)] * 4] * (FIRST_WAIT - 1) and waited[-1] == plans  # then one probe
-    assert gate.admit(rows(compute_bound, 0.5), plans) == [Plan(0)] * 4 and gate.wait == 2 * FIRST_WAIT
-    assert (
-        BatchGate().admit(rows(compute_bound, 0.5, n=1), plans[:1]) == plans[:1]
-    )  # one row: its own pacer decides
+    assert gate.admit(pacers(compute_bound, 0.5), plans) == [Plan(0)] * 4 and gate.wait == 2 * FIRST_WAIT
+    # one row: its own pacer decides
+    assert BatchGate().admit(pacers(compute_bound, 0.5, n=1), plans[:1]) == plans[:1]
+
+
+def test_the_batch_gate_prices_the_measured_cost_of_rows_times_tokens():
+    """One row's curve is memory-bound (16 tokens cost little more than 1), but 4 rows × 5 tokens cost 4.2
+    plain steps on the measured batch curve: the gate follows the batch curve, not one row's curve at Σ
+    tokens; and a batch whose widest row drafts 8 pays for 4 rows × 9 tokens even when the others draft 1."""
+    from mlxspec.drafters import DraftProfile, Plan
+    from mlxspec.pacing import AcceptanceEstimate, Auto, BatchGate, Costs
+    from mlxspec.pacing.costs import ROWS_GRID, ROWS_WIDTHS
+
+    one_row = [0.1 + 0.002 * k for k in range(16)]
+    # a batch as memory-bound as one row; and one where 4 rows × 5 tokens cost 4.2 steps
+    cheap = [[0.1 * (1 + 0.01 * r * k) for k in ROWS_WIDTHS] for r in ROWS_GRID]
+    steep = [[0.1 * (1 + 0.2 * r * (k - 1)) for k in ROWS_WIDTHS] for r in ROWS_GRID]
+    estimate = AcceptanceEstimate(kept=[70.0] * 8, reached=[100.0] * 8)
+
+    def pacers(rows_s):
+        return [Auto(Costs(one_row, rows_s=rows_s), DraftProfile(), estimate=estimate) for _ in range(4)]
+
+    assert Costs(one_row, rows_s=steep).verify_rows(4, 5) == pytest.approx(0.1 * (1 + 0.2 * 4 * 4))
+    assert Costs(one_row, rows_s=steep).verify_rows(3, 1) == pytest.approx(0.1)  # between grid rows
+    # unmeasured: one row over R·k tokens
+    assert Costs(one_row).verify_rows(4, 5) == Costs(one_row).verify(20)
+    plans = [Plan(4)] * 4
+    assert BatchGate().admit(pacers(cheap), plans) == plans
+    assert BatchGate().admit(pacers(steep), plans) == [Plan(0)] * 4
+    assert BatchGate().admit(pacers(None), plans) == plans  # one row's curve at 20 tokens: it would pay
+    ragged = [Plan(8), Plan(1), Plan(1), Plan(1)]
+    assert BatchGate().admit(pacers(cheap), ragged) == ragged
+    assert Costs(one_row, rows_s=cheap).verify_rows(4, 9) > Costs(one_row, rows_s=cheap).verify_rows(4, 3)
 
 
 def test_a_round_verified_beside_other_rows_teaches_the_learned_costs_nothing():
-    """A batch's round times the whole batch's forward, not one row's: γ auto's costs learn only from rows alone."""
+    """A batch's round times the whole batch's forward, not one row's: γ auto's costs learn only from rows
+    alone."""
     from mlxspec.core.metrics import RoundStats
     from mlxspec.pacing import Costs, LearnedCosts
 

@@ -8,7 +8,7 @@ import sys
 
 import mlx.core as mx
 
-from ..pacing import AUTO, PRICED_PLAIN, SCHEDULED, load_or_calibrate, make_pacer, tree_summary
+from ..pacing import AUTO, SCHEDULED, load_or_calibrate, make_pacer, tree_summary
 from ..drafters import drafter_types, make_drafter
 from ..runtime.distributed import job_sum, rank_output
 from ..sharding import refuse_unsharded, start
@@ -75,9 +75,7 @@ def format_stats(stats: GenerationStats, drafter=None, policy: str = AUTO) -> st
     tree = shape = tree_summary(drafter) if drafter is not None else None
     plain = drafter.profile.plain if drafter is not None else _declared_plain(stats.drafter)
     nothing = stats.rounds and not stats.drafted and not plain and stats.num_draft_tokens
-    if stats.priced_plain:
-        tree = PRICED_PLAIN  # the costs ruled the drafter out (pacing.make_pacer)
-    elif nothing:  # no γ: a lookup that found nothing, auto falling back, or a tree of which no node paid
+    if nothing:  # no γ: a lookup that found nothing, auto falling back, or a tree of which no node paid
         tree = f"{tree}; drafted 0" if tree else "drafted 0"
     elif tree and stats.gamma_rounds:  # γ auto chose each round's depth
         tree += f"; depth γ = {_gamma_summary(stats, policy)}"

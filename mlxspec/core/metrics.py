@@ -92,8 +92,6 @@ class GenerationStats:
             length γ (``[0]``: rounds that fell back to plain decoding because speculation
             was predicted to lose); empty with a fixed γ. ``num_draft_tokens`` is then
             the largest γ auto may pick.
-        priced_plain: Whether every round was a plain step because this machine's measured costs
-            ruled the drafter out even if every draft were accepted (``pacing.make_pacer``).
     """
 
     drafter: str = "none"
@@ -113,7 +111,6 @@ class GenerationStats:
     finish_reason: str | None = None
     peak_memory_gb: float = 0.0
     gamma_rounds: list[int] = field(default_factory=list)
-    priced_plain: bool = False
 
     def add_round(self, stats: RoundStats) -> None:
         """Fold one round into the totals."""

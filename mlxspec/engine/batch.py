@@ -1,16 +1,17 @@
 """Rows verified together: one target forward for every row's draft, each row kept by its own rule.
 
-A batch holds the rows that are decoding; each round every row plans with its own pacer and drafts with its own
-drafter (``Drafter.fork``), the target scores all rows' ``[root, *draft]`` in one forward over mlx-lm's
-``BatchKVCache`` (left padding, per-row offsets), and each row's acceptance rule reads that row's logits alone.
+A batch holds the rows that are decoding; each round every row plans with its own pacer and drafts with its
+own drafter (``Drafter.fork``), the target scores all rows' ``[root, *draft]`` in one forward over mlx-lm's
+``BatchKVCache`` (left padding, per-row offsets), and each row's acceptance rule reads that row's logits
+alone.
 
-Why this is exact (docs/design.md, "Many requests at once"): a row's logits in the batch are the logits it would
-get alone (its keys are masked to its own positions, its RoPE offsets are its own), its rule is the single-request
-rule with its own random draws, and no row is ever cut short because of another: each row commits its own accepted
-drafts plus its own resampled or bonus token, then the cache is compacted per row (``commit_rows``). Rows with
-shorter drafts are padded; the padding is written and then dropped, and no real node attends to it. So every row's
-output is distributed exactly as it would be alone, and at temperature 0 equals plain greedy decoding up to
-float32 rounding of batched matmuls.
+Why this is exact (docs/design.md, "Many requests at once"): a row's logits in the batch are the logits it
+would get alone (its keys are masked to its own positions, its RoPE offsets are its own), its rule is the
+single-request rule with its own random draws, and no row is ever cut short because of another: each row
+commits its own accepted drafts plus its own resampled or bonus token, then the cache is compacted per row
+(``commit_rows``). Rows with shorter drafts are padded; the padding is written and then dropped, and no real
+node attends to it. So every row's output is distributed exactly as it would be alone, and at temperature 0
+equals plain greedy decoding up to float32 rounding of batched matmuls.
 """
 
 from __future__ import annotations
@@ -30,69 +31,18 @@ from ..core.sampling import SamplingParams
 from ..core.stops import StopStrings
 from ..core.tree import Tree
 from ..drafters import Draft, Drafter, Plan
-from ..pacing import Auto, Pacer
+from ..pacing import BatchGate, Pacer
 from .batch_draft import DraftRows
 from .generate import accepted_path, cut_round, judge
 
 #: Rounds between two shifts of the batch's cache past the padding every row shares.
 SHIFT_EVERY = 32
-#: Plain batched rounds after speculation was predicted not to pay at this batch size: 16, doubling up to 256.
-FIRST_WAIT, MAX_WAIT = 16, 256
-#: The predicted gain a speculative batch round needs over a plain batched step (as ``pacing.Auto``'s margin).
-MARGIN = 0.03
-_PLAIN = Plan(0)
-
-
-class BatchGate:
-    """Whether this round's drafts pay at this batch size, decided before anything is drafted.
-
-    With every row on γ auto, a round verifies R rows × (γ_r + 1) tokens in one forward. It is priced as one row
-    verifying Σ (γ_r + 1) tokens on the target's measured curve (``Costs.verify``; linear beyond 16 tokens, as on
-    a compute-bound device): the expected tokens Σ_r τ_r (each row's own acceptance estimate) per second of
-    drafting plus that forward, against R tokens per V(R), a plain batched step. When the drafts do not pay by
-    ``MARGIN``, the batch decodes plainly for 16 rounds, then 32, … 256 (reset when one pays), then lets one round
-    draft as planned, so the estimates see new evidence. Rows drafting ``together``
-    (``batch_draft.DraftRows``: one draft forward per token for all) are priced as one row drafting their
-    deepest γ, times the target's cost of a forward over as many tokens as rows (the same memory-bound
-    curve). The decision reads only past rounds, never this round's draws, so every row stays exact. A fixed
-    γ (or a priced tree) is the user's choice and is never overridden.
-    """
-
-    def __init__(self):
-        self.wait, self.next_wait = 0, FIRST_WAIT
-
-    def admit(self, rows: list[Row], plans: list[Plan], together: list[bool] | None = None) -> list[Plan]:
-        """The plans to run: ``plans``, or every row plain this round. ``together[b]``: row b drafts with
-        the others that do (default: none does)."""
-        if len(rows) < 2 or not any(plan.gamma for plan in plans):
-            return plans
-        if not all(isinstance(row.pacer, Auto) for row in rows):
-            return plans
-        if self.wait > 0:
-            self.wait -= 1
-            return plans if self.wait == 0 else [_PLAIN] * len(plans)  # the last round of a wait probes
-        costs = rows[0].pacer.costs
-        tokens = sum(1.0 + sum(row.pacer.estimate.reach(plan.gamma)[: plan.gamma])
-                     for row, plan in zip(rows, plans))
-        width = sum(plan.gamma + 1 for plan in plans)
-        together = together or [False] * len(plans)
-        shared = [plan.gamma for plan, t in zip(plans, together) if t and plan.gamma]
-        alone = sum(costs.draft(plan.gamma) for plan, t in zip(plans, together) if not t)
-        seconds = alone + costs.verify(width)
-        if shared:
-            seconds += costs.draft(max(shared)) * costs.verify(len(shared)) / costs.verify(1)
-        if tokens / seconds > (1.0 + MARGIN) * len(rows) / costs.verify(len(rows)):
-            self.next_wait = FIRST_WAIT
-            return plans
-        self.wait, self.next_wait = self.next_wait, min(2 * self.next_wait, MAX_WAIT)
-        return [_PLAIN] * len(plans)
-
 
 
 def batchable_layers(layers: list) -> bool:
-    """Whether a target's layer caches (``make_prompt_cache``: as mlx-lm makes them, before sliding windows are made
-    rewindable) can live in a ``BatchKVCache``: plain attention caches only (a window mask is not applied to a
-    batch's tree mask)."""
+    """Whether a target's layer caches (``make_prompt_cache``: as mlx-lm makes them, before sliding windows
+    are made rewindable) can live in a ``BatchKVCache``: plain attention caches only (a window mask is not
+    applied to a batch's tree mask)."""
     return bool(layers) and all(type(c) is KVCache for c in layers)
 
 
@@ -106,8 +56,8 @@ class Row:
         sampling, rule: Its sampling settings and acceptance rule (``generate.make_verifier``).
         stop_tokens, stopper: Ids and the ``StopStrings`` that end it.
         max_tokens: Most tokens to generate.
-        store: Its ``PromptCache``: the tokens (and features) its cache holds; the layers themselves live in the
-            batch while it runs and go back to the store when it leaves.
+        store: Its ``PromptCache``: the tokens (and features) its cache holds; the layers themselves live in
+            the batch while it runs and go back to the store when it leaves.
         seed: Seeds this row's random stream (drafting and acceptance draws), independent of its neighbours.
     """
 
@@ -198,8 +148,8 @@ class Batch:
             layer.filter(keep)
 
     def round(self) -> list[RowRound]:
-        """One round for every row: plan → propose → one target forward → each row's rule → one sync → commit."""
-        plans = self.gate.admit(self.rows, [row.plan() for row in self.rows],
+        """One round for every row: plan → propose → one forward → each row's rule → one sync → commit."""
+        plans = self.gate.admit([row.pacer for row in self.rows], [row.plan() for row in self.rows],
                                 [self.draft_rows.takes(row.drafter) for row in self.rows])
         drafts, draft_s = self.propose(plans)
         t1 = time.perf_counter()
@@ -217,11 +167,12 @@ class Batch:
         verify_s = time.perf_counter() - t1
         out, kept, paths = [], [], []
         outcomes = self.outcomes(drafts, judged, logits)
-        for b, (row, draft, plan, (path, round_tokens, kinds)) in enumerate(zip(self.rows, drafts, plans, outcomes)):
+        rounds = zip(self.rows, drafts, draft_s, plans, outcomes)
+        for row, draft, seconds, plan, (path, round_tokens, kinds) in rounds:
             keep, finish_reason = cut_round(round_tokens, row.stop_tokens, row.room, row.stopper)
             kept.append(([0] + path)[:keep])  # root-first nodes whose positions stay in the cache
             paths.append(path[:keep])  # accepted nodes whose tokens were committed
-            stats = RoundStats(row.rounds, draft.size, min(len(path), keep), keep, draft_s[b], verify_s,
+            stats = RoundStats(row.rounds, draft.size, min(len(path), keep), keep, seconds, verify_s,
                                int(draft.tree.depths.max()) if draft.size else 0, tuple(n - 1 for n in path),
                                plan.gamma if plan.keep_above is None else draft.size, rows=len(self.rows))
             out.append(RowRound(row, round_tokens[:keep], kinds[:keep], stats, finish_reason))
@@ -229,9 +180,10 @@ class Batch:
         for b, (result, draft) in enumerate(zip(out, drafts)):
             row = result.row
             features = hidden[b, : draft.size + 1] if hidden is not None else None  # [N + 1, F]
-            row.store.add(row.history[-1:] + result.tokens[:-1],
-                          features[mx.array(kept[b])] if features is not None and row.store.feature_layers is not None
-                          else None)
+            kept_features = None
+            if features is not None and row.store.feature_layers is not None:
+                kept_features = features[mx.array(kept[b])]
+            row.store.add(row.history[-1:] + result.tokens[:-1], kept_features)
             row.history += result.tokens
             row.drafter.commit(len(row.history), [node - 1 for node in paths[b]], features)
             row.pacer.observe(result.stats, draft)
@@ -266,8 +218,8 @@ class Batch:
         return drafts, draft_s
 
     def outcomes(self, drafts: list[Draft], judged: list, logits: mx.array) -> list[tuple]:
-        """Each row's own outcome, ``generate.accepted_path`` of its own rule's choice: ``(path, tokens, kinds)``.
-        No row is cut short by another (the module docstring says why that keeps every row exact)."""
+        """Each row's own outcome, ``generate.accepted_path`` of its own rule's choice: ``(path, tokens,
+        kinds)``; no row is cut short by another (the module docstring says why every row stays exact)."""
         return [accepted_path(draft, choice.tolist(), next_tokens.tolist())
                 for draft, (choice, next_tokens) in zip(drafts, judged)]
 
@@ -294,12 +246,13 @@ def _padded(root: int, draft: Draft, width: int) -> mx.array:
 
 
 def commit_rows(layers: list[BatchKVCache], kept: list[list[int]], written: int) -> None:
-    """Keep, in each row, the verified positions ``kept[b]`` of the last ``written`` ones, contiguously at the end.
+    """Keep, in each row, the verified positions ``kept[b]`` of the last ``written`` ones, contiguously last.
 
     Row b's kept positions (offsets from the first written one, ascending, root first) move to the end of the
     committed region and everything before them shifts right by what the row dropped, which becomes left
-    padding: one gather per layer (``BatchKVCache.finalize`` does the same roll for right-padded prompts). What
-    every row dropped is trimmed first, so a round that keeps all of every row (a plain step) copies nothing.
+    padding: one gather per layer (``BatchKVCache.finalize`` does the same roll for right-padded prompts).
+    What every row dropped is trimmed first, so a round that keeps all of every row (a plain step) copies
+    nothing.
 
     Args:
         layers: The batch's caches after a forward wrote ``written`` positions per row.
@@ -351,12 +304,12 @@ class BatchTreeRoPE(nn.Module):
 
 @contextmanager
 def batch_tree_attention(model: nn.Module, layers: list[BatchKVCache], trees: list[Tree], width: int):
-    """Make the next forward attend and rotate each row as its own tree (``cache.tree_attention`` for a batch).
+    """Make the next forward attend and rotate each row as its own tree (a batch's ``cache.tree_attention``).
 
     Chains need nothing: the batch cache's causal mask with left padding is each chain's ancestor mask, and a
-    row's padding comes after its real nodes, which never see it. With a tree among the rows, every layer hands
-    mlx-lm the mask bool [B, 1, T, P + T] (a row's own prefix, then its ancestors; a padding node sees itself)
-    and every RoPE places node t of row b at ``offset[b] + depth``.
+    row's padding comes after its real nodes, which never see it. With a tree among the rows, every layer
+    hands mlx-lm the mask bool [B, 1, T, P + T] (a row's own prefix, then its ancestors; a padding node sees
+    itself) and every RoPE places node t of row b at ``offset[b] + depth``.
     """
     if all(tree.is_chain for tree in trees):
         yield
@@ -374,5 +327,6 @@ def batch_tree_attention(model: nn.Module, layers: list[BatchKVCache], trees: li
     prefix = mx.broadcast_to(prefix[:, None, :], (len(trees), width, P))
     mask = mx.concatenate([prefix, mx.array(ancestors)], axis=2)[:, None]  # [B, 1, T, P + T]
     positions = first.offset[:, None] + mx.array(depths)  # [B, T]
-    with patched_attention(model, layers, lambda *args, **kwargs: mask, lambda rope: BatchTreeRoPE(rope, positions)):
+    rotate = lambda rope: BatchTreeRoPE(rope, positions)  # noqa: E731
+    with patched_attention(model, layers, lambda *args, **kwargs: mask, rotate):
         yield

@@ -256,8 +256,7 @@ def speculative_rounds(
 class _Rounds:
     """The steps of ``speculative_rounds``: prefill (made here), plan, verify and commit.
 
-    A drafter the costs ruled out (``pacer.priced_plain``) never runs, not even over the prompt, and nothing
-    is tapped. For a drafter that reads the target's features each plain step keeps the features of its input,
+    For a drafter that reads the target's features each plain step keeps the features of its input,
     as a verify does, so fall-back rounds cost what ``--drafter none``'s steps cost.
     """
 
@@ -265,15 +264,13 @@ class _Rounds:
         pacer = Fixed(pacer) if isinstance(pacer, int) else pacer  # an integer is a fixed γ
         self.model, self.drafter, self.pacer, self.sampling, self.rule, self.store = (
             model, drafter, pacer, sampling, rule, store)
-        runs = not pacer.priced_plain
         if pacer.max_gamma > 0:
             (check_compactable if drafter.makes_trees else check_rewindable)(store.layers)
-        self.tap = HiddenTap(model, layers=drafter.feature_layers) if drafter.needs_hidden and runs else None
+        self.tap = HiddenTap(model, layers=drafter.feature_layers) if drafter.needs_hidden else None
         start = time.perf_counter()
         features = _prefill(model, store, prompt, drafter.feature_layers if self.tap else None, self.tap,
                             prefill_step_size)
-        if runs:
-            drafter.prefill(prompt, features)
+        drafter.prefill(prompt, features)
         self.prefill_s = time.perf_counter() - start
         self.clock, self.plain = (
             _DraftClock(drafter.lazy and time_split),
@@ -400,8 +397,7 @@ def committed_rounds(
     if seed is not None:
         mx.random.seed(seed)
     mx.reset_peak_memory()
-    stats = GenerationStats(drafter=drafter.name, num_draft_tokens=pacer.max_gamma, prompt_tokens=len(ids),
-                            priced_plain=pacer.priced_plain)
+    stats = GenerationStats(drafter=drafter.name, num_draft_tokens=pacer.max_gamma, prompt_tokens=len(ids))
     stopper = StopStrings(tokenizer, stops) if stops else None
     output = Output(tokenizer, stats, stop_tokens, stops, stopper, pacer.adaptive)
     rounds = speculative_rounds(

@@ -20,8 +20,8 @@ class PlainSteps:
     the cache; ``cancel`` trims it when no step follows. The features are taken from the tap as each
     forward is built, since a queued forward records over the previous one's.
 
-    A target split into pipeline stages (``loading.sharded.shard``) steps without queuing: its ranks hung when a
-    queued step's send/recv was evaluated asynchronously beside the current one (2 ranks, ring backend).
+    A target split into pipeline stages (``loading.sharded.shard``) steps without queuing: its ranks hung when
+    a queued step's send/recv was evaluated asynchronously beside the current one (2 ranks, ring backend).
     """
 
     def __init__(self, model, cache, sampling: SamplingParams, tap: HiddenTap | None = None):

@@ -42,7 +42,7 @@ from ..core.sampling import SamplingParams
 from ..core.stops import StopStrings, check_stops
 from ..core.taps import HiddenTap
 from ..drafters import Drafter
-from ..pacing import Pacer, make_pacer
+from ..pacing import Auto, Pacer, load_or_calibrate, make_pacer
 from ..runtime.distributed import any_rank, random_seed, share_json, sharding
 from ..runtime.threads import MLXThread
 from .batch import Batch, Row, batchable_layers
@@ -356,6 +356,9 @@ class Runner:
         self._group = sharding(model).group if sharding(model) else None
         batched = (self.max_batch > 1 and self._group is None and drafter.fork() is not None
                    and batchable_layers(make_prompt_cache(model)))
+        if batched and isinstance(setup.pacer, Auto) and setup.pacer.costs.rows_s is None:
+            # what verifying R rows × k tokens costs, for pacing.BatchGate (measured once per machine)
+            setup.pacer.costs.rows_s = load_or_calibrate(model, rows=True).rows_s
         tap = HiddenTap(model, layers=drafter.feature_layers) if batched and drafter.needs_hidden else None
         self._batch = Batch(model, tap) if batched else None
         self._pending = []
@@ -560,8 +563,7 @@ class Runner:
         pacer = copy.deepcopy(setup.pacer)
         if pacer.max_gamma > 0:
             (check_compactable if drafter.makes_trees else check_rewindable)(pending.store.layers)
-        if not pacer.priced_plain:
-            drafter.prefill(request.prompt, pending.store.features if self._batch.tap is not None else None)
+        drafter.prefill(request.prompt, pending.store.features if self._batch.tap is not None else None)
         stops = tuple(request.stop)
         stopper = StopStrings(setup.tokenizer, stops) if stops else None
         stop_tokens = set(setup.tokenizer.eos_token_ids)
@@ -579,7 +581,7 @@ class Runner:
             seed,
         )
         stats = GenerationStats(drafter=drafter.name, num_draft_tokens=pacer.max_gamma,
-                                prompt_tokens=len(request.prompt), priced_plain=pacer.priced_plain,
+                                prompt_tokens=len(request.prompt),
                                 prompt_s=pending.prefill_s, cached_tokens=pending.store.reused)
         row.request, row.output = (
             request,

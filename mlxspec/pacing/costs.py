@@ -22,6 +22,8 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
+from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
+
 from ..core.cache import prefill, speculative_cache, trim
 from ..runtime.distributed import check_measured
 from ..loading.models import default_cache_dir
@@ -37,6 +39,8 @@ DEFAULT_CONTEXT_TOKENS = 256
 VERIFY_GRID = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
 #: γ of the timed draft round of a drafter that does not size its own rounds.
 DRAFT_GAMMA = 4
+#: Batch sizes R and widths k at which a forward over R rows × k tokens is measured (R = 1 is ``verify_s``).
+ROWS_GRID, ROWS_WIDTHS = (2, 4, 8), (1, 2, 4, 8, 16)
 
 
 def expected_tau(alpha: float, gamma: int) -> float:
@@ -51,12 +55,15 @@ def expected_tau(alpha: float, gamma: int) -> float:
 class Costs:
     """Measured costs of one target (+ one drafter) on one machine: ``verify_s[k - 1]`` = seconds of a forward
     over k = 1..16 tokens and the host read that ends a round (``[0]``: a plain step); ``draft_s`` per drafted
-    token, ``draft_round_s`` per round that drafts (a block drafter's one forward); at ``context_tokens``."""
+    token, ``draft_round_s`` per round that drafts (a block drafter's one forward); at ``context_tokens``;
+    ``rows_s[i][j]`` = a forward over ``ROWS_GRID[i]`` rows × ``ROWS_WIDTHS[j]`` tokens (``None``: not
+    measured)."""
 
     verify_s: list[float]
     draft_s: float = 0.0
     context_tokens: int = DEFAULT_CONTEXT_TOKENS
     draft_round_s: float = 0.0
+    rows_s: list[list[float]] | None = None
 
     def verify(self, num_tokens: int) -> float:
         """T_verify(k) in seconds; beyond the measured range, extrapolated linearly."""
@@ -64,6 +71,17 @@ class Costs:
         if num_tokens <= n:
             return self.verify_s[max(num_tokens, 1) - 1]
         return self.verify_s[-1] + (self.verify_s[-1] - self.verify_s[0]) / max(n - 1, 1) * (num_tokens - n)
+
+    def verify_rows(self, rows: int, width: int) -> float:
+        """Seconds of one forward over ``rows`` rows × ``width`` tokens each: ``rows_s`` interpolated linearly
+        in width and in rows (extrapolated past 8 rows); unmeasured, one row over rows × width tokens."""
+        if rows <= 1 or self.rows_s is None:
+            return self.verify(rows * width)
+        at = [float(np.interp(width, ROWS_WIDTHS, curve)) for curve in self.rows_s]  # per grid R
+        grid, at = [1, *ROWS_GRID], [self.verify(width), *at]
+        if rows <= grid[-1]:
+            return float(np.interp(rows, grid, at))
+        return at[-1] + (at[-1] - at[-2]) / (grid[-1] - grid[-2]) * (rows - grid[-1])
 
     def draft(self, gamma: int) -> float:
         """Seconds of drafting a round of depth γ."""
@@ -99,7 +117,9 @@ class LearnedCosts(Costs):
     answer's first round (warm-ups) teaches nothing."""
 
     def __init__(self, costs: Costs):
-        super().__init__(list(costs.verify_s), costs.draft_s, costs.context_tokens, costs.draft_round_s)
+        super().__init__(
+            list(costs.verify_s), costs.draft_s, costs.context_tokens, costs.draft_round_s, costs.rows_s
+        )
         self.plain_s, self.fit = None, [0.0, 0.0]  # P, and the decayed Σ (seconds − P) · E and Σ E²
 
     def __eq__(self, other) -> bool:  # as the measured costs it corrects
@@ -159,6 +179,36 @@ def calibrate_verify(model: nn.Module, *, context_tokens: int = DEFAULT_CONTEXT_
     return np.maximum.accumulate(curve).tolist()  # noise must not make k + 1 tokens cheaper than k
 
 
+def calibrate_rows(model: nn.Module, *, context_tokens: int = DEFAULT_CONTEXT_TOKENS, budget_s: float = 12.0,
+                   seed: int = 0) -> list[list[float]]:
+    """``[i][j]`` = seconds of one target forward over ``ROWS_GRID[i]`` rows × ``ROWS_WIDTHS[j]`` tokens each,
+    every row after ``context_tokens`` of its own in mlx-lm's ``BatchKVCache`` (as a batch verifies), ending
+    with the host read: each timed up to 3 times within ``budget_s`` (medians)."""
+    rng = np.random.default_rng(seed)
+    rows, vocab = max(ROWS_GRID), _vocab_size(model)
+    cache = [BatchKVCache([0] * rows) for _ in make_prompt_cache(model)]
+    model(mx.array(rng.integers(0, vocab, size=(rows, context_tokens)), dtype=mx.int32), cache=cache)
+    block = mx.array(rng.integers(0, vocab, size=(rows, max(ROWS_WIDTHS))), dtype=mx.int32)
+    curves = []
+    with progress_bar(3 * len(ROWS_GRID) * len(ROWS_WIDTHS), "mlxspec: measuring the batched verify cost",
+                      "forward") as bar:
+        for r in sorted(ROWS_GRID, reverse=True):  # the batch shrinks by filtering its rows
+            for layer in cache:
+                layer.filter(mx.arange(r))
+            _time_forward(model, cache, block[:r, :1])  # warm-up
+            samples, start = {k: [] for k in ROWS_WIDTHS}, time.perf_counter()
+            for rep in range(3):
+                for k in ROWS_WIDTHS:
+                    samples[k].append(_time_forward(model, cache, block[:r, :k]))
+                    bar.update()
+                if (time.perf_counter() - start) * (rep + 2) / (rep + 1) > budget_s / len(ROWS_GRID):
+                    break
+            curves.append(
+                np.maximum.accumulate([statistics.median(samples[k]) for k in ROWS_WIDTHS]).tolist()
+            )
+    return curves[::-1]
+
+
 def calibrate_draft(drafter, history: list[int], *, num_draft_tokens: int = DRAFT_GAMMA, reps: int = 3,
                     hidden_size: int | None = None) -> float:
     """Seconds per drafted token: ``drafter.propose`` of γ tokens, timed to the sync (a feature reader gets
@@ -181,7 +231,7 @@ def calibrate_draft(drafter, history: list[int], *, num_draft_tokens: int = DRAF
 
 def load_or_calibrate(model: nn.Module, drafter=None, *, cache_dir: Path | None = None,
                       context_tokens: int = DEFAULT_CONTEXT_TOKENS, refresh: bool = False,
-                      on_measure: Callable[[str], None] | None = None) -> Costs:
+                      on_measure: Callable[[str], None] | None = None, rows: bool = False) -> Costs:
     """``Costs`` for ``model`` and ``drafter`` on this machine, measured once and then cached.
 
     Keyed by the target and the machine (``machine_fingerprint``), the draft cost also by the drafter
@@ -191,9 +241,10 @@ def load_or_calibrate(model: nn.Module, drafter=None, *, cache_dir: Path | None 
 
     Args: ``model``, ``drafter`` (or ``None``: draft cost 0), ``cache_dir`` (default
     ``$MLXSPEC_CACHE/costs``), ``context_tokens`` (256, the measurements' prefix), ``refresh`` (measure
-    again), ``on_measure`` (told before each measurement that was not cached).
-    Raises ``ValueError`` for a sharded target (``distributed.check_measured``: each rank
-    would measure its own).
+    again), ``on_measure`` (told before each measurement that was not cached), ``rows`` (also the batched
+    verify cost, ``Costs.rows_s``).
+    Raises ``ValueError`` for a sharded target (``distributed.check_measured``: each rank would measure
+    its own).
     """
     check_measured(model)
     cache_dir = Path(cache_dir) if cache_dir else default_cache_dir() / "costs"
@@ -208,8 +259,13 @@ def load_or_calibrate(model: nn.Module, drafter=None, *, cache_dir: Path | None 
     verify_s = _cached(cache_dir, target_key, refresh, on_measure,
                        "the target's verify cost for 1..16 tokens",
                        lambda: calibrate_verify(model, context_tokens=context_tokens), valid)
+    rows_key = {**target_key, "what": "rows", "grid": [ROWS_GRID, ROWS_WIDTHS]}
+    rows_s = None
+    if rows:
+        rows_s = _cached(cache_dir, rows_key, refresh, on_measure, "the target's cost of verifying 2-8 rows",
+                         lambda: calibrate_rows(model, context_tokens=context_tokens))
     if drafter is None or drafter.profile.plain:
-        return Costs(verify_s, 0.0, context_tokens)
+        return Costs(verify_s, 0.0, context_tokens, rows_s=rows_s)
     profile = drafter.profile
     gamma, per = profile.max_depth or DRAFT_GAMMA, "round" if profile.per_round else "token"
     key = {"what": "draft", "drafter": drafter_fingerprint(drafter, model), "machine": machine,
@@ -221,19 +277,21 @@ def load_or_calibrate(model: nn.Module, drafter=None, *, cache_dir: Path | None 
                                               hidden_size=hidden_size)
                       * (gamma if profile.per_round else 1))
     if profile.per_round:
-        return Costs(verify_s, 0.0, context_tokens, draft_s)
-    return Costs(verify_s, draft_s, context_tokens)
+        return Costs(verify_s, 0.0, context_tokens, draft_s, rows_s)
+    return Costs(verify_s, draft_s, context_tokens, rows_s=rows_s)
 
 
 #: Cache folders said unwritable, and the values measured there (kept for this process).
 _UNWRITABLE, _UNWRITTEN = set(), {}
 
 
-def _time_forward(model, cache, tokens: list[int]) -> float:
+def _time_forward(model, cache, tokens: list[int] | mx.array) -> float:
+    """Seconds of a forward over ``tokens`` (a row's ids, or int32 [R, k]) and the host read; then trimmed."""
+    batch = tokens if isinstance(tokens, mx.array) else mx.array(tokens, dtype=mx.int32)[None]
     t0 = time.perf_counter()
-    mx.eval(model(mx.array(tokens, dtype=mx.int32)[None], cache=cache)[0].argmax(axis=-1))
+    mx.eval(model(batch, cache=cache).argmax(axis=-1))
     elapsed = time.perf_counter() - t0
-    trim(cache, len(tokens))
+    trim(cache, batch.shape[1])
     return elapsed
 
 

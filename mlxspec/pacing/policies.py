@@ -72,7 +72,7 @@ class Fixed:
     which may price a round plain; after 2 such rounds (or from the start, if the costs rule out every tree)
     the drafter rests 16, 32, … 256 rounds (reset by a kept node), then a probe keeps at least one node."""
 
-    adaptive = priced_plain = False
+    adaptive = False
 
     def __init__(self, gamma: int, budget=None):
         self.gamma = self.max_gamma = gamma
@@ -137,7 +137,7 @@ class Auto:
     continue; default: fresh).
     """
 
-    adaptive, priced_plain = True, False
+    adaptive = True
 
     def __init__(self, costs: Costs, profile: DraftProfile = DraftProfile(), *, margin: float = 0.03,
                  probe_gamma: int = 2, estimate: AcceptanceEstimate | None = None):

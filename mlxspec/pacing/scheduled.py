@@ -125,7 +125,7 @@ class Scheduled:
     for ``max_gamma < 1``.
     """
 
-    adaptive, priced_plain = True, False
+    adaptive = True
 
     def __init__(self, costs: Costs, *, max_gamma: int = DEFAULT_SCHEDULED_MAX, probe_every: int = 16,
                  calibration: SurvivalCalibration | None = None):

@@ -1,10 +1,10 @@
-"""The server's side of the runner (``engine.runner.Runner``): jobs from the HTTP side in, records back to its loop.
+"""The server's side of the runner (``engine.runner.Runner``): jobs from HTTP in, records back to their loop.
 
-The runner owns the model's thread, admits requests, batches them (continuous batching with exact speculation per
-row, ``serve --max-batch``) and streams each one's rounds; this adapter turns a ``Job`` into a runner ``Request``
-and each round into a ``Delta`` posted to the job's event loop with ``call_soon_threadsafe``. The queue is
-bounded: a full queue refuses at once (the server answers 503 with ``Retry-After``). A request stops after its
-current round (or prefill chunk) when it is cancelled (its client went away) or its deadline passes.
+The runner owns the model's thread, admits requests, batches them (continuous batching with exact speculation
+per row, ``serve --max-batch``) and streams each one's rounds; this adapter turns a ``Job`` into a runner
+``Request`` and each round into a ``Delta`` posted to the job's event loop with ``call_soon_threadsafe``. The
+queue is bounded: a full queue refuses at once (the server answers 503 with ``Retry-After``). A request stops
+after its current round (or prefill chunk) when it is cancelled (its client went away) or its deadline passes.
 
 A sharded target (``serve --shard``, docs/distributed.md) runs its requests one at a time on every rank in
 lockstep (the runner shares rank 0's requests); a failed collective (a rank died) ends the runner: the server
@@ -98,8 +98,8 @@ class Worker:
     """Owns the runner that owns the model's thread.
 
     Args:
-        load: Called on the runner thread; returns ``(target_model, tokenizer, drafter, policy, served)``.
-            A user error (``ValueError``, ``FileNotFoundError``...) it raises is kept in ``error`` and raised by
+        load: Called on the runner thread; returns ``(target_model, tokenizer, drafter, policy, served)``. A
+            user error (``ValueError``, ``FileNotFoundError``...) it raises is kept in ``error`` and raised by
             ``start``.
         queue_size: Most requests waiting to start (the running ones not counted).
         prefix_cache: ``(slots, max_bytes)`` of the prefix cache.
@@ -141,11 +141,11 @@ class Worker:
         self.runner.start()
         try:
             self.runner.call(self._setup)
-        except KeyboardInterrupt:  # mid-load in MLX: the caller exits at once (closing would wait for the load)
+        except KeyboardInterrupt:  # mid-load in MLX: the caller exits at once (closing waits for the load)
             raise
         except BaseException as e:
             self._load_error = e
-            self.runner.close()  # its MLX state released on its thread first: exiting sooner raced MLX's abort
+            self.runner.close()  # MLX state released on its thread first (exiting sooner raced MLX's abort)
             raise
         return self.served
 
@@ -160,11 +160,13 @@ class Worker:
         Raises:
             QueueFull: the queue is full (answer 503).
         """
-        self.runner.submit(Request(job.prompt, job.max_tokens, job.sampling, job.seed, job.stop, self._sink(job),
-                                   job.deadline, job.cancelled))
+        request = Request(job.prompt, job.max_tokens, job.sampling, job.seed, job.stop, self._sink(job),
+                          job.deadline, job.cancelled)
+        self.runner.submit(request)
 
     def _sink(self, job: Job) -> Callable[[object], None]:
-        """What the runner calls with the job's records (on its thread): ``Delta`` per round, then ``Done``/``Failed``."""
+        """What the runner calls with the job's records (on its thread): ``Delta`` per round, then
+        ``Done``/``Failed``."""
 
         def sink(item) -> None:
             if isinstance(item, Committed):
