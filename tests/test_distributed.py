@@ -41,11 +41,10 @@ LAUNCH = Path(sys.executable).parent / "mlx.launch"
 TIMEOUT_S = 240  # one launch: two interpreters importing mlx-lm on a loaded 2-core machine, then the work
 PROMPT = [10, 20, 30, 40, 10, 20, 30, 41, 50, 60, 10, 20, 30]
 #: Sampled generations per 2-rank chi-square run: enough that a verifier without the residual fails it with
-#: probability
-#: over 0.999 on either target (test_the_sampled_runs_can_fail_a_verifier_without_residual); each costs a
-#: prefill and
-#: a verify across the ranks.
-SAMPLES = 500
+#: probability over 0.999 on either target (test_the_sampled_runs_can_fail_a_verifier_without_residual:
+#: 0.9999 for llama, 0.9997 for qwen2 at 400; 0.997 and 0.985 at 300); each costs a prefill and a verify
+#: across the ranks (about 50 ms a generation tensor-parallel, 20 ms in pipeline stages, on 2 loaded cores).
+SAMPLES = 400
 SAMPLED_PARAMS = SamplingParams(temp=0.8)
 
 
@@ -325,7 +324,10 @@ def test_sampled_sharded_follows_the_target(tmp_path, arch, kind):
 
 @pytest.mark.slow  # statistical
 def test_the_same_test_rejects_a_sharded_verifier_without_residual(tmp_path):
-    stat, critical = check_sampled(tmp_path, "llama", "tensor", broken=True)
+    """In pipeline stages, the cheaper of the two sharded runs (a tensor-parallel forward waits on 4
+    all-sums): the broken rule is the same on either, and its power on each target is computed exactly
+    below."""
+    stat, critical = check_sampled(tmp_path, "qwen2", "pipeline", broken=True)
     assert stat > critical
 
 
