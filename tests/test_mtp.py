@@ -404,6 +404,10 @@ def test_plain_rounds_between_chains_are_pipelined_and_still_feed_the_drafter(ta
 # --- a draft vocabulary (docs/heads.md 7.4) ---------------------------------------------------------
 
 HALF = np.array([0, 2, 3, 6], dtype=np.int32)  # half of the vocabulary-8 target's ids
+#: The draft-vocabulary pair's generations: at 1,200 the broken control (q over the whole vocabulary) scored
+#: 513 against a critical 51.3; its noncentrality scaled to 600 rejects with probability 1.0 (lower bound
+#: too).
+VOCAB_SAMPLES = 600
 
 
 @pytest.mark.slow  # statistical
@@ -418,8 +422,10 @@ def test_a_draft_vocabulary_drafts_only_its_ids_and_stays_lossless(small):
     np.testing.assert_allclose(q.sum(axis=-1), 1.0, rtol=1e-5)
     assert q[:, np.setdiff1d(np.arange(V), HALF)].max() == 0.0
     params = SamplingParams(temp=1.0)
-    stat, critical = chi_square(sample_joint(target, MTPDrafter(restricted, target, depth=3), params),
-                                exact_joint(target, params))
+    stat, critical = chi_square(
+        sample_joint(target, MTPDrafter(restricted, target, depth=3), params, n=VOCAB_SAMPLES),
+        exact_joint(target, params),
+    )
     assert stat < critical, f"chi-square {stat:.1f} >= {critical:.1f}"
 
 
@@ -436,7 +442,8 @@ def test_the_same_test_rejects_q_that_ignores_the_draft_vocabulary(small):
     target, stack = small
     params = SamplingParams(temp=1.0)
     drafter = UnrestrictedQ(MTPStack(stack.chain, stack.config, HALF), target, depth=3)
-    stat, critical = chi_square(sample_joint(target, drafter, params), exact_joint(target, params))
+    stat, critical = chi_square(sample_joint(target, drafter, params, n=VOCAB_SAMPLES),
+                                exact_joint(target, params))
     assert stat > critical
 
 
