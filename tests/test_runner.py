@@ -149,7 +149,7 @@ def _drafter(spec, model, tokenizer):
     return make_drafter(spec, model, tokenizer)
 
 
-@pytest.mark.parametrize("spec", ["ngram:min=1", "suffix", "draft", "eagle"])
+@pytest.mark.parametrize("spec", ["ngram:min=1", "suffix", "draft", "eagle", "none"])
 def test_a_batch_of_four_answers_as_generate_does(pair, spec):
     model, tokenizer = pair
     ids = [tokenizer.encode(p) for p in PROMPTS]
@@ -166,7 +166,8 @@ def test_a_batch_of_four_answers_as_generate_does(pair, spec):
     finally:
         assert runner.close()
     rounds = [r.round for s in sinks for r in s.records if isinstance(r, Committed)]
-    assert max(r.rows for r in rounds) == 4 and sum(r.num_drafted for r in rounds) > 0
+    assert max(r.rows for r in rounds) == 4
+    assert sum(r.num_drafted for r in rounds) > 0 or spec == "none"  # plain decoding batches too
     for prompt, sink, tokens in zip(ids, sinks, want):
         assert isinstance(sink.end, Done) and sink.end.finish_reason == "length"
         if sink.tokens != tokens:

@@ -14,6 +14,9 @@ class NoDrafter(Drafter):
     name = "none"
     profile = DraftProfile(plain=True)
 
+    def fork(self) -> NoDrafter:
+        return NoDrafter()  # plain rows batch like any other (it keeps no state)
+
     def propose(self, history, num_draft_tokens, sampling, plan=None):
         return Draft.empty()
 
