@@ -383,7 +383,8 @@ def test_the_batch_gate_decodes_plainly_where_drafts_cannot_pay_and_looks_again_
     assert gate.admit(pacers(memory_bound, 0.8), plans) == plans
     assert gate.admit(pacers(compute_bound, 0.5), plans) == [Plan(0)] * 4
     waited = [gate.admit(pacers(compute_bound, 0.5), plans) for _ in range(FIRST_WAIT)]
-    assert waited[:-1] == [[Plan(0)] * 4] * (FIRST_WAIT - 1) and waited[-1] == plans  # then one probe
+    assert waited[:-1] == [[Plan(0)] * 4] * (FIRST_WAIT - 1)
+    assert waited[-1] == [Plan(1)] * 4  # then one probe, at the cap that loses least
     assert gate.admit(pacers(compute_bound, 0.5), plans) == [Plan(0)] * 4 and gate.wait == 2 * FIRST_WAIT
     # one row: its own pacer decides
     assert BatchGate().admit(pacers(compute_bound, 0.5, n=1), plans[:1]) == plans[:1]
@@ -392,7 +393,7 @@ def test_the_batch_gate_decodes_plainly_where_drafts_cannot_pay_and_looks_again_
 def test_the_batch_gate_prices_the_measured_cost_of_rows_times_tokens():
     """One row's curve is memory-bound (16 tokens cost little more than 1), but 4 rows × 5 tokens cost 4.2
     plain steps on the measured batch curve: the gate follows the batch curve, not one row's curve at Σ
-    tokens; and a batch whose widest row drafts 8 pays for 4 rows × 9 tokens even when the others draft 1."""
+    tokens; and a batch whose widest row asks for 8 is capped where the rate is best (at α 0.7, 3)."""
     from mlxspec.drafters import DraftProfile, Plan
     from mlxspec.pacing import AcceptanceEstimate, Auto, BatchGate, Costs
     from mlxspec.pacing.costs import ROWS_GRID, ROWS_WIDTHS
@@ -415,8 +416,25 @@ def test_the_batch_gate_prices_the_measured_cost_of_rows_times_tokens():
     assert BatchGate().admit(pacers(steep), plans) == [Plan(0)] * 4
     assert BatchGate().admit(pacers(None), plans) == plans  # one row's curve at 20 tokens: it would pay
     ragged = [Plan(8), Plan(1), Plan(1), Plan(1)]
-    assert BatchGate().admit(pacers(cheap), ragged) == ragged
+    assert BatchGate().admit(pacers(cheap), ragged) == [Plan(3), Plan(1), Plan(1), Plan(1)]
     assert Costs(one_row, rows_s=cheap).verify_rows(4, 9) > Costs(one_row, rows_s=cheap).verify_rows(4, 3)
+
+
+def test_the_batch_gate_caps_gamma_where_the_whole_batch_is_fastest():
+    """Each row's own pacer asks for γ 15 (one row's curve is flat), but 4 rows × 16 tokens cost 5.8 plain
+    steps: uncapped that loses to plain batched decoding (19.4 tokens per 0.58 s against 4 per 0.1 s), capped
+    at 3 it wins (11.8 per 0.196 s), so the batch drafts 3 deep instead of decoding plainly."""
+    from mlxspec.drafters import DraftProfile, Plan
+    from mlxspec.pacing import AcceptanceEstimate, Auto, BatchGate, Costs
+    from mlxspec.pacing.costs import ROWS_GRID, ROWS_WIDTHS
+
+    curve = [[0.1 * (1 + 0.08 * r * (k - 1)) for k in ROWS_WIDTHS] for r in ROWS_GRID]
+    costs = Costs([0.1 + 0.001 * k for k in range(16)], rows_s=curve)
+    estimate = AcceptanceEstimate(kept=[80.0] * 16, reached=[100.0] * 16)
+    pacers = [Auto(costs, DraftProfile(), estimate=estimate) for _ in range(4)]
+    assert costs.verify_rows(4, 16) == pytest.approx(0.58) and costs.verify_rows(4, 4) == pytest.approx(0.196)
+    assert BatchGate().admit(pacers, [Plan(15)] * 4) == [Plan(3)] * 4
+    assert BatchGate().admit(pacers, [Plan(2)] * 4) == [Plan(2)] * 4  # a shallower plan is never deepened
 
 
 def test_a_round_verified_beside_other_rows_teaches_the_learned_costs_nothing():
