@@ -34,8 +34,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(
         prog="mlxspec serve",
         description="Serve a model over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models) "
-        "and the Anthropic Messages API (/v1/messages) with lossless speculative decoding. One request runs "
-        "at a time; the others wait in a bounded queue (docs/serve.md).",
+        "and the Anthropic Messages API (/v1/messages) with lossless speculative decoding. Up to --max-batch "
+        "requests decode together; the others wait in a bounded queue (docs/serve.md).",
     )
     add_model_args(parser, allow_auto=True)
     add_sampling_args(parser, max_tokens=DEFAULT_MAX_TOKENS,

@@ -26,6 +26,7 @@ from __future__ import annotations
 import copy
 import math
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -223,7 +224,9 @@ class Runner:
             if value < 1:
                 raise ValueError(f"{flag} must be >= 1, got {value}")
         self.max_batch, self.prefill_chunk, self._on_done = max_batch, prefill_chunk, on_done
-        self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
+        # bounded in ``submit``: ``queue_size`` waiting behind the generations that run or are about to
+        self._queue: queue.Queue = queue.Queue()
+        self.queue_size, self._submit_lock = queue_size, threading.Lock()
         self._calls: queue.Queue = queue.Queue()
         self._wake = threading.Event()
         self._thread = MLXThread(self._main, name=name)
@@ -268,15 +271,17 @@ class Runner:
         return box.get("value")
 
     def submit(self, request: Request) -> None:
-        """Queue ``request``.
+        """Queue ``request``: it starts at the runner's next step when fewer than ``max_batch`` generations
+        run (one, when they run one at a time), else waits.
 
         Raises:
-            QueueFull: the queue is full (the server answers 503).
+            QueueFull: ``queue_size`` requests already wait beyond the free places (the server answers 503).
         """
-        try:
+        with self._submit_lock:
+            free = max((self.max_batch if self.batched else 1) - len(self._running), 0)
+            if self._queue.qsize() >= self.queue_size + free:
+                raise QueueFull
             self._queue.put_nowait(request)
-        except queue.Full:
-            raise QueueFull from None
         self._wake.set()
 
     @property
@@ -358,7 +363,7 @@ class Runner:
                    and batchable_layers(make_prompt_cache(model)))
         if batched and isinstance(setup.pacer, Auto) and setup.pacer.costs.rows_s is None:
             # what verifying R rows × k tokens costs, for pacing.BatchGate (measured once per machine)
-            setup.pacer.costs.rows_s = load_or_calibrate(model, rows=True).rows_s
+            setup.pacer.costs.rows_s = load_or_calibrate(model, rows=True, on_measure=_say_measuring).rows_s
         tap = HiddenTap(model, layers=drafter.feature_layers) if batched and drafter.needs_hidden else None
         self._batch = Batch(model, tap) if batched else None
         self._pending = []
@@ -659,6 +664,10 @@ class Runner:
         request.post(done)
         if self._on_done is not None:
             self._on_done(request, done)
+
+
+def _say_measuring(what: str) -> None:
+    print(f"mlxspec: measuring {what} (once on this machine; cached)", file=sys.stderr, flush=True)
 
 
 def batch_generate(model: nn.Module, tokenizer, prompts: list[str | list[int]], *,
