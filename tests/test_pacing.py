@@ -17,8 +17,8 @@ from mlxspec.commands.cli import main
 from mlxspec.commands.generate import format_stats
 from mlxspec.drafters import DraftProfile, Plan
 from mlxspec.core.metrics import RoundStats, GenerationStats, TokenEvent
-from mlxspec.pacing import (PRICED_PLAIN, AcceptanceEstimate, Auto, Costs, Fixed, LearnedCosts, expected_tau,
-                            load_or_calibrate, make_pacer, tree_summary)
+from mlxspec.pacing import (PRICED_PLAIN, AcceptanceEstimate, Auto, Costs, Fixed, LearnedCosts, Scheduled,
+                            expected_tau, load_or_calibrate, make_pacer, tree_summary)
 
 #: A memory-bound target: verifying k tokens costs 1 + 0.1 (k - 1) plain steps.
 MEMORY_BOUND = Costs([1.0 + 0.1 * (k - 1) for k in range(1, 17)])
@@ -113,6 +113,8 @@ def test_make_pacer_chooses_once_per_generation():
     priced_out = make_pacer("auto", target, drafter, costs=COMPUTE_BOUND)  # the costs say no draft could win:
     assert isinstance(priced_out, Auto) and priced_out.priced_out
     assert tree_summary(drafter, priced_out) == PRICED_PLAIN
+    # every pacer says whether it is priced out (a chain's γ says what it drafts)
+    assert [tree_summary(drafter, p) for p in (Fixed(4), Scheduled(COMPUTE_BOUND), None)] == [None] * 3
     # not dropped: it waits, then probes
     assert [i for i, g in enumerate(rounds(priced_out, 60)) if g] == [16, 50]
     pacer = make_pacer("auto", target, drafter, costs=RUN_N)

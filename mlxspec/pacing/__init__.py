@@ -117,6 +117,6 @@ def make_pacer(num_draft_tokens: int | str | Pacer, model, drafter: Drafter, *, 
 def tree_summary(drafter: Drafter, pacer: Pacer | None = None) -> str | None:
     """A tree drafter's ``describe()``, ``PRICED_PLAIN`` while the costs rule it out (``pacer.priced_out``),
     or ``None`` (then γ says what a round drafts)."""
-    if getattr(pacer, "priced_out", False):
+    if pacer is not None and pacer.priced_out:
         return PRICED_PLAIN
     return drafter.describe() if drafter.makes_trees else None

@@ -126,6 +126,7 @@ class Scheduled:
     """
 
     adaptive = True
+    priced_out = False  # it prices each draft as it comes (``schedule``), never the drafter as a whole
 
     def __init__(self, costs: Costs, *, max_gamma: int = DEFAULT_SCHEDULED_MAX, probe_every: int = 16,
                  calibration: SurvivalCalibration | None = None):
