@@ -394,6 +394,8 @@ def test_batch_generate_answers_each_prompt_as_generate_does(pair):
         assert result.stats.generation_tokens == len(result.tokens)
     with pytest.raises(ValueError, match="prompt 1: .*999999"):
         batch_generate(model, tokenizer, ["ok", [1, 999_999]], max_tokens=2)
+    with pytest.raises(ValueError, match="^max_batch must be >= 1, got 0$"):  # the API's name, not the flag's
+        batch_generate(model, tokenizer, ["ok"], max_tokens=2, max_batch=0)
 
 
 def test_the_batch_gate_decodes_plainly_where_drafts_cannot_pay_and_looks_again_later():

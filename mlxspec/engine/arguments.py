@@ -15,6 +15,7 @@ import numpy as np
 
 from ..drafters import Drafter, DrafterSpec
 from ..core.sampling import SamplingParams
+from ..pacing import Pacer
 
 
 def check_types(prompt, drafter, num_draft_tokens, max_tokens, sampling, stop_tokens=None,
@@ -42,9 +43,7 @@ def check_types(prompt, drafter, num_draft_tokens, max_tokens, sampling, stop_to
             f"drafter must be a Drafter, a DrafterSpec or a spec string such as 'ngram' or 'none', got "
             f"{type(drafter).__name__}"
         )
-    if not (
-        is_int(num_draft_tokens) or isinstance(num_draft_tokens, str) or hasattr(num_draft_tokens, "plan")
-    ):
+    if not (is_int(num_draft_tokens) or isinstance(num_draft_tokens, (str, Pacer))):
         raise TypeError(
             f"num_draft_tokens must be an integer, 'auto', 'scheduled' or a pacer (pacing.make_pacer), got "
             f"{num_draft_tokens!r}"

@@ -219,7 +219,7 @@ class Runner:
     def __init__(self, *, max_batch: int = DEFAULT_MAX_BATCH, queue_size: int = 16,
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK, on_done: Callable | None = None,
                  name: str = "mlxspec-runner"):
-        for flag, value in (("--max-batch", max_batch), ("--queue-size", queue_size),
+        for flag, value in (("max_batch", max_batch), ("queue_size", queue_size),
                             ("prefill_chunk", prefill_chunk)):
             if value < 1:
                 raise ValueError(f"{flag} must be >= 1, got {value}")
