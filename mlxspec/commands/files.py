@@ -8,6 +8,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from ..runtime.files import written_whole
+
 
 def check_output_file(path: str | Path, flag: str) -> Path:
     """Refuse, before any work, a file that could not be written: a folder, a missing or unwritable folder.
@@ -47,15 +49,8 @@ def write_whole(path: str | Path, text: str) -> None:
     Raises:
         OSError: the write or the rename failed (``path`` is as it was).
     """
-    path = Path(path)
-    fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}-", suffix=path.suffix)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
+    with written_whole(path) as temporary:
+        temporary.write_text(text)
 
 
 def save_or_keep(path: str | Path, text: str) -> str | None:

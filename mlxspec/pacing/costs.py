@@ -5,7 +5,6 @@ section 3): 8 tokens verify for 1.8x one step here, 7x there."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import json
@@ -26,6 +25,7 @@ from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
 from ..core.cache import prefill, speculative_cache, trim
 from ..runtime.distributed import check_measured
+from ..runtime.files import written_whole
 from ..loading.models import default_cache_dir
 from ..runtime.progress import progress_bar
 from ..runtime.machine import blas_in_use, cpu_name
@@ -316,15 +316,14 @@ def _cached(cache_dir: Path, key: dict, refresh: bool, on_measure, what: str, me
     if on_measure is not None:
         on_measure(what)
     value = measure()
-    partial = path.with_suffix(".part")
     try:
         cache_dir.mkdir(parents=True, exist_ok=True)
-        partial.write_text(json.dumps({"key": json.loads(blob), "value": value, "measured_at": time.time()}))
-        partial.replace(path)
+        with written_whole(path) as partial:
+            partial.write_text(
+                json.dumps({"key": json.loads(blob), "value": value, "measured_at": time.time()})
+            )
     except OSError as error:
         _UNWRITTEN[str(path)] = value
-        with contextlib.suppress(OSError):
-            partial.unlink(missing_ok=True)
         if str(cache_dir) not in _UNWRITABLE:
             _UNWRITABLE.add(str(cache_dir))
             print(f"mlxspec: measured costs are not cached: cannot write {cache_dir} "

@@ -1,7 +1,7 @@
 """The on-disk store of target features that extraction (``features``) and corpora (``corpus``) both write.
 
 A store is one folder: ``manifest.json`` (the model's and the data's fingerprints, sizes, and one
-entry per chunk) and ``chunk-00000.npz``, ... Each chunk is written to a ``.partial`` name and renamed
+entry per chunk) and ``chunk-00000.npz``, ... Each chunk is written under a temporary name and renamed
 when complete, then listed as complete in the manifest (also written atomically), so an interrupted
 writer resumes at the first missing chunk and a reader never sees half a chunk. ``features.FeatureCache``
 reads either kind.
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +18,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
+
+from ..runtime.files import written_whole
 
 MANIFEST = "manifest.json"
 
@@ -85,14 +86,12 @@ def open_manifest(directory: Path, manifest: dict, what: str) -> dict:
 
 
 def write_chunk(path: Path, arrays: dict[str, np.ndarray]) -> None:
-    """Write one chunk's arrays as ``.npz`` atomically (a ``.partial.npz`` file, then a rename)."""
-    partial = path.with_name(path.stem + ".partial.npz")
-    np.savez(partial, **arrays)
-    os.replace(partial, path)
+    """Write one chunk's arrays as ``.npz`` whole (``runtime.files.written_whole``)."""
+    with written_whole(path, suffix=".part.npz") as partial:
+        np.savez(partial, **arrays)
 
 
 def write_json(path: Path, value: dict) -> None:
-    """Write ``value`` as JSON to ``path`` atomically (a ``.partial`` file, then a rename)."""
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(json.dumps(value, indent=1) + "\n")
-    os.replace(partial, path)
+    """Write ``value`` as JSON to ``path`` whole (``runtime.files.written_whole``)."""
+    with written_whole(path) as partial:
+        partial.write_text(json.dumps(value, indent=1) + "\n")
