@@ -1,9 +1,11 @@
 """A bounded load test of ``mlxspec serve`` (marked slow): 8 concurrent clients × 10 requests mixing
 streaming, non-streaming, Anthropic, cancelled-midway and malformed requests against a small queue.
 Every well-formed request gets a whole answer or a clean 503; nothing hangs; the server answers
-/health afterwards; its resident memory does not grow from the first concurrent wave to 200 requests (by more
-than 5%; it may shrink as freed buffers are returned), and that plateau stays within 30% of the memory after
-20 requests one at a time (113 → 123 → 119 MB and 115 → 133 → 123 MB measured)."""
+/health afterwards. Its resident memory: two identical waves of well-formed requests after the mixed one, and
+the second may not raise what the first left by more than 5% (a leak grows with requests; the plateau of
+eight decoding together is set by how many overlapped, which the machine's load decides: comparing the
+well-formed wave with the mixed one failed at +9.7% beside another busy test worker), and it stays within 30%
+of the memory after 20 requests one at a time."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from serve_fixtures import ServerProcess, save_chat_model
 from test_serve import GAMMA, anthropic_client, openai_client, post
 
 CLIENTS, REQUESTS = 8, 10
+WELL_FORMED = 7  # requests per client in each of the two well-formed waves: 20 + 80 + 2 × 56 = 212 in all
 
 
 @pytest.fixture(scope="module")
@@ -99,17 +102,17 @@ def test_load(server):
     p50, p99 = statistics.median(latencies), statistics.quantiles(latencies, n=100)[98]
     print(f"\nload: {counts}; latency of whole answers p50 {p50:.3f} s, p99 {p99:.3f} s")
     rss_100 = server.rss_kb()
-    wave(100 // CLIENTS + 1, 3)  # up to 200 requests in all, well-formed
+    wave(WELL_FORMED, 3)  # eight decoding together set the plateau (their buffers at once)
+    rss_plateau = server.rss_kb()
+    wave(WELL_FORMED, 3)  # the same wave again: a leak grows with requests, the plateau does not
     rss_200 = server.rss_kb()
     print(
         f"resident memory after 20 requests (one at a time) {rss_20 / 1024:.0f} MB, "
-        f"after the first concurrent wave {rss_100 / 1024:.0f} MB, "
-        f"after {20 + len(outcomes)}: {rss_200 / 1024:.0f} MB"
+        f"after the mixed wave {rss_100 / 1024:.0f} MB, after a well-formed one {rss_plateau / 1024:.0f} MB, "
+        f"after another ({20 + len(outcomes)} requests): {rss_200 / 1024:.0f} MB"
     )
     assert 20 + len(outcomes) >= 200
-    # Eight requests decoding together raise the plateau once (their buffers at once); a
-    # leak grows with requests.
-    assert rss_200 <= 1.05 * rss_100
+    assert rss_200 <= 1.05 * rss_plateau
     assert rss_200 <= 1.3 * rss_20
     assert post(server, "/health", b"", method="GET") == (
         200,
