@@ -398,6 +398,41 @@ def test_batch_generate_answers_each_prompt_as_generate_does(pair):
         batch_generate(model, tokenizer, ["ok"], max_tokens=2, max_batch=0)
 
 
+def test_batch_generate_checks_its_arguments_as_generate_does(pair):
+    """Each bad argument is refused in one line naming it (and the prompt's index) before anything runs; a
+    stop string is one string, as generate takes it (a tester's trial: ``stop="Paris"`` stopped at the
+    first 'a')."""
+    from mlxspec import batch_generate
+
+    model, tokenizer = pair
+    refused = [
+        (dict(prompts="hello"), TypeError, "^prompts must be a list of prompts .* got str$"),
+        (dict(prompts=["ok", b"hi"]), TypeError, r"^prompt 1 must be text \(str\) or a list of token ids"),
+        (dict(prompts=[[1.5, 2.0]]), TypeError, "^prompt 0 must be text"),
+        (dict(prompts=["ok", None]), TypeError, "^prompt 1 must be text .* got NoneType$"),
+        (dict(prompts=["ok", ""]), ValueError, "^prompt 1: the prompt is empty"),
+        (dict(max_tokens=0), ValueError, "^max_tokens must be >= 1, got 0$"),
+        (dict(max_batch=2.5), TypeError, "^max_batch must be an integer, got 2.5$"),
+        (dict(max_batch=True), TypeError, "^max_batch must be an integer, got True$"),
+        (dict(seed="a"), ValueError, "^seed must be an integer"),
+        (dict(sampling={"temp": 0}), TypeError, "^sampling must be a SamplingParams"),
+        (dict(stop=5), TypeError, "^stop must be text"),
+    ]
+    for bad, error, message in refused:
+        kwargs = {"prompts": ["ok", [1, 2, 3]], "max_tokens": 2, **bad}
+        with pytest.raises(error, match=message):
+            batch_generate(model, tokenizer, kwargs.pop("prompts"), **kwargs)
+    prompt = PROMPTS[0]
+    text = generate(model, tokenizer, prompt, max_tokens=40).text
+    # a two-character stop whose second character occurs alone earlier: the string stops later than its
+    # characters would
+    k = next(k for k in range(1, len(text) - 1) if text[k : k + 2].isascii() and text[k + 1] in text[:k]
+             and text[k : k + 2] not in text[: k + 1])
+    stop = text[k : k + 2]
+    got = batch_generate(model, tokenizer, [prompt], max_tokens=40, stop=stop)[0].text
+    assert got == generate(model, tokenizer, prompt, max_tokens=40, stop=stop).text == text[:k]
+
+
 def test_the_batch_gate_decodes_plainly_where_drafts_cannot_pay_and_looks_again_later():
     from mlxspec.drafters import DraftProfile, Plan
     from mlxspec.pacing import AcceptanceEstimate, Auto, BatchGate, Costs

@@ -18,26 +18,37 @@ from ..core.sampling import SamplingParams
 from ..pacing import Pacer
 
 
-def check_types(prompt, drafter, num_draft_tokens, max_tokens, sampling, stop_tokens=None,
-                prefill_step_size: int = 1) -> None:
-    """Refuse arguments of the wrong kind with a message naming the argument and what it takes (a bytes
-    prompt would otherwise read as token ids, ``num_draft_tokens=3.5`` as γ 3.5).
+def is_int(value) -> bool:
+    """An integer, not a bool (``True`` is an ``int`` to Python, never a count or an id to us)."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def check_prompt(prompt, name: str = "prompt") -> None:
+    """Refuse a prompt that is neither text nor token ids (a bytes prompt would otherwise read as ids);
+    ``name`` is what the message calls it.
 
     Raises:
-        TypeError: naming the argument.
-        ValueError: ``prefill_step_size < 1``.
+        TypeError: naming what a prompt takes.
     """
-    def is_int(value) -> bool:
-        return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-
     ids = isinstance(prompt, (list, tuple)) and all(is_int(i) for i in prompt)
     array = (
         isinstance(prompt, np.ndarray) and prompt.ndim == 1 and np.issubdtype(prompt.dtype, np.integer)
     ) or (isinstance(prompt, mx.array) and prompt.ndim == 1 and mx.issubdtype(prompt.dtype, mx.integer))
     if not (isinstance(prompt, str) or ids or array):
         raise TypeError(
-            f"prompt must be text (str) or a list of token ids (int), got {type(prompt).__name__}"
+            f"{name} must be text (str) or a list of token ids (int), got {type(prompt).__name__}"
         )
+
+
+def check_types(drafter, num_draft_tokens, max_tokens, sampling, stop_tokens=None, prefill_step_size: int = 1,
+                seed=None) -> None:
+    """Refuse arguments of the wrong kind or out of range, with a message naming the argument and what it
+    takes (``num_draft_tokens=3.5`` would otherwise read as γ 3.5).
+
+    Raises:
+        TypeError: naming the argument.
+        ValueError: ``max_tokens < 1``, ``prefill_step_size < 1``, a seed outside [0, 2**64).
+    """
     if not isinstance(drafter, (str, DrafterSpec, Drafter)):
         raise TypeError(
             f"drafter must be a Drafter, a DrafterSpec or a spec string such as 'ngram' or 'none', got "
@@ -50,6 +61,10 @@ def check_types(prompt, drafter, num_draft_tokens, max_tokens, sampling, stop_to
         )
     if not is_int(max_tokens):
         raise TypeError(f"max_tokens must be an integer, got {max_tokens!r}")
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    if seed is not None and not (is_int(seed) and 0 <= seed < 2**64):
+        raise ValueError(f"seed must be an integer in [0, 2**64), got {seed!r}")
     if sampling is not None and not isinstance(sampling, SamplingParams):
         raise TypeError(
             "sampling must be a SamplingParams (e.g. SamplingParams(temp=0.7)), got "

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 import mlx.core as mx
 import mlx.nn as nn
 
-from .arguments import check_ids, check_types, check_typical
+from .arguments import check_ids, check_prompt, check_types, check_typical
 from ..core.cache import (
     DEFAULT_PREFILL_STEP_SIZE,
     PromptCache,
@@ -375,11 +375,8 @@ def committed_rounds(
     ``RoundStats`` and the running totals), so a consumer that stops early still has the totals. The runner's
     one-at-a-time path and ``stream_generate`` share it. Takes the same arguments and raises the same errors
     as ``stream_generate``."""
-    check_types(prompt, drafter, num_draft_tokens, max_tokens, sampling, stop_tokens, prefill_step_size)
-    if max_tokens < 1:
-        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-    if seed is not None and not (isinstance(seed, int) and 0 <= seed < 2**64):
-        raise ValueError(f"seed must be an integer in [0, 2**64), got {seed!r}")
+    check_prompt(prompt)
+    check_types(drafter, num_draft_tokens, max_tokens, sampling, stop_tokens, prefill_step_size, seed)
     typical = check_typical(typical)
     sampling = sampling or SamplingParams()
     stops = check_stops(stop)

@@ -46,6 +46,7 @@ from ..drafters import Drafter
 from ..pacing import Auto, Pacer, load_or_calibrate, make_pacer
 from ..runtime.distributed import any_rank, random_seed, share_json, sharding
 from ..runtime.threads import MLXThread
+from .arguments import check_prompt, check_types, is_int
 from .batch import Batch, Row, batchable_layers
 from .generate import (
     GenerationResult,
@@ -698,25 +699,42 @@ def batch_generate(model: nn.Module, tokenizer, prompts: list[str | list[int]], 
         list[GenerationResult]: One per prompt, in order.
 
     Raises:
-        ValueError: a bad drafter spec or γ, ``max_batch < 1``, a prompt that does not fit the context or
-            holds a token id outside the vocabulary (naming the prompt's index).
+        TypeError: an argument of the wrong kind (``prompts`` not a list, a prompt neither text nor token ids:
+            naming its index).
+        ValueError: a bad drafter spec or γ, ``max_tokens``, ``max_batch`` or ``prefill_chunk`` below 1, a
+            prompt that is empty, does not fit the context or holds a token id outside the vocabulary (naming
+            the prompt's index).
     """
     from ..drafters import make_drafter
 
+    if not isinstance(prompts, (list, tuple)):
+        raise TypeError(f"prompts must be a list of prompts (texts or lists of token ids), got "
+                        f"{type(prompts).__name__}")
+    check_types(drafter, num_draft_tokens, max_tokens, sampling, seed=seed)
+    for name, value in (("max_batch", max_batch), ("prefill_chunk", prefill_chunk)):
+        if not is_int(value):
+            raise TypeError(f"{name} must be an integer, got {value!r}")
+    stops = check_stops(stop)
+    encoded = []
+    for i, prompt in enumerate(prompts):
+        check_prompt(prompt, f"prompt {i}")
+        try:
+            encoded.append(encode_prompt(tokenizer, prompt))
+        except ValueError as e:  # empty
+            raise ValueError(f"prompt {i}: {e}") from None
     drafter = make_drafter(drafter, model, tokenizer) if isinstance(drafter, str) else drafter
     runner = Runner(max_batch=max_batch, queue_size=max(len(prompts), 1), prefill_chunk=prefill_chunk)
     runner.use(Setup(model, tokenizer, drafter, num_draft_tokens))
     sampling = sampling or SamplingParams()
     records: list[list] = [[] for _ in prompts]
-    for i, prompt in enumerate(prompts):
-        ids = encode_prompt(tokenizer, prompt)
+    for i, ids in enumerate(encoded):
         runner.submit(
             Request(
                 ids,
                 max_tokens,
                 sampling,
                 None if seed is None else seed + i,
-                tuple(stop or ()),
+                stops,
                 records[i].append,
                 reuse=False,
             )
