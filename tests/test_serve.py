@@ -445,6 +445,25 @@ BAD_CHAT = [  # (what, body, status, param or None)
 ]
 
 
+def test_fields_sent_as_null_read_as_left_out(server):
+    """Clients that send every field, the unset ones as null (a tester's trial: n, stream, presence_penalty
+    and frequency_penalty as null got 400s); a required field stays required."""
+    name, user = model_id(server), [{"role": "user", "content": "hi"}]
+    plain = {"model": name, "messages": user, "max_tokens": 4, "temperature": 0}
+    nulls = dict.fromkeys(["n", "stream", "stream_options", "presence_penalty", "frequency_penalty", "stop",
+                           "seed", "top_p", "tools", "tool_choice", "logprobs", "max_completion_tokens"])
+    got, answer = post(server, "/v1/chat/completions", {**plain, **nulls})
+    assert got == 200, answer
+    text = answer["choices"][0]["message"]["content"]
+    assert text == post(server, "/v1/chat/completions", plain)[1]["choices"][0]["message"]["content"]
+    messages = {"model": name, "max_tokens": 4, "messages": user, "temperature": 0}
+    got, answer = post(server, "/v1/messages", {**messages, "stream": None, "system": None, "tools": None,
+                                                "stop_sequences": None})
+    assert got == 200 and answer["type"] == "message", answer
+    got, answer = post(server, "/v1/messages", {**messages, "max_tokens": None})
+    assert got == 400 and answer["error"]["type"] == "invalid_request_error", answer
+
+
 def test_bad_input_gets_the_api_error_shape_and_the_server_goes_on(server):
     name = model_id(server)
     user = [{"role": "user", "content": "hi"}]

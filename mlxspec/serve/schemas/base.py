@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
 from ...core.sampling import MIN_TEMP
@@ -38,9 +38,16 @@ def omitted():
 
 
 class ApiModel(BaseModel):
-    """A request body: validated strictly (no type coercion, no NaN or infinity), unknown fields ignored."""
+    """A request body: validated strictly (no type coercion, no NaN or infinity), unknown fields ignored, a
+    field sent as ``null`` read as left out (clients that send every field, the unset ones as null, as the
+    OpenAI and Anthropic APIs take them)."""
 
     model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_left_out(cls, data):
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
 
 class Reply(BaseModel):
