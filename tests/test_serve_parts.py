@@ -317,3 +317,31 @@ def test_the_server_benchmark_runs_from_bench():
         [sys.executable, "-m", "mlxspec.bench.measure", "--help"], capture_output=True, text=True, timeout=60
     )
     assert done.returncode == 0 and done.stdout.startswith("usage: python -m mlxspec.bench.measure"), done
+
+
+def test_earlier_tool_calls_a_template_would_drop_are_refused():
+    """A template without ``tool_calls`` renders an assistant turn's calls as nothing: the model would see an
+    empty turn and then the result (a tester's trial, SmolLM2's template). Refused in one line; a template
+    that shows them renders them."""
+    from mlxspec.serve.errors import ApiError
+    from mlxspec.serve.prompts import render
+    from serve_fixtures import tools_tokenizer
+
+    call = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    history = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "1", "content": "sunny"},
+    ]
+    shows = tools_tokenizer()
+    assert "get_weather" in shows.decode(render(shows, history))
+    drops = tools_tokenizer()
+    drops._tokenizer.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    with pytest.raises(ApiError, match="does not show earlier tool calls") as refused:
+        render(drops, history)
+    assert refused.value.status == 400 and refused.value.param == "messages"
+    assert render(drops, [history[0]])  # without calls it renders
+

@@ -166,6 +166,12 @@ def takes_tools(tokenizer) -> bool:
     return isinstance(template, str) and "tools" in template
 
 
+def shows_calls(tokenizer) -> bool:
+    """Whether the chat template renders an assistant message's ``tool_calls`` (else it drops them)."""
+    template = getattr(tokenizer, "chat_template", None)
+    return isinstance(template, str) and "tool_calls" in template
+
+
 def render(
     tokenizer, messages: list[dict], tools: list[dict] | None = None, prefill: bool = False
 ) -> list[int]:
@@ -175,8 +181,9 @@ def render(
     (``continue_final_message``).
 
     Raises:
-        ApiError: 400 when tools are given to a template that takes none, or the template refuses the
-            messages (e.g. roles that do not alternate).
+        ApiError: 400 when tools are given to a template that takes none, earlier tool calls to one that
+            would leave them out of the prompt, or the template refuses the messages (e.g. roles that do not
+            alternate).
     """
     if tools and not takes_tools(tokenizer):
         raise ApiError(
@@ -184,6 +191,13 @@ def render(
             "this model's chat template takes no tools; leave tools out or serve a model whose "
             "template renders them (Qwen2.5, Hermes-style)",
             param="tools",
+        )
+    if any(m.get("tool_calls") for m in messages) and not shows_calls(tokenizer):
+        raise ApiError(
+            400,
+            "this model's chat template does not show earlier tool calls, so the model would not see them; "
+            "send the calls as text, or serve a model whose template renders them (Qwen2.5, Hermes-style)",
+            param="messages",
         )
     if not getattr(tokenizer, "has_chat_template", False):
         text = "\n\n".join(m["content"] for m in messages)
