@@ -42,6 +42,14 @@ def hermetic(request, monkeypatch, session_cache):
     monkeypatch.setenv("MLXSPEC_CACHE", str(session_cache))
 
 
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto`` (pyproject's addopts) is one worker per core, but one process where workers get in the way:
+    with ``-s`` (a worker's output is not shown, ``breakpoint()`` cannot stop) or ``--pdb``."""
+    if config.getoption("capture") == "no" or config.getoption("usepdb"):
+        return 0
+    return None  # xdist's own count
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest's own -m deselection sees the markers
 def pytest_collection_modifyitems(items):
     """A test on the real default model is slow too: the fast tier runs on tiny random models only."""
